@@ -1,0 +1,107 @@
+//! The crate's error type.
+
+use std::fmt;
+
+/// A specialised `Result` for lockgate operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong in a lockgate operation.
+///
+/// Every variant says what was being attempted. Use [`Error::is_retryable`] to
+/// decide whether trying again later can help (a dropped connection, a
+/// timeout) or not (bad configuration, a malformed key).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A builder was given a value it cannot work with (a zero TTL, an empty
+    /// prefix, zero concurrency, ...). Reported when the value is set, never
+    /// at run time.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A lock key or message id that cannot be used (for example, empty).
+    #[error("invalid key: {0}")]
+    InvalidKey(String),
+
+    /// Redis failed, or could not be reached, while `attempted` was under way.
+    #[error("redis error while {attempted}: {source}")]
+    Redis {
+        /// What lockgate was doing, for example "acquiring lock `order-7`".
+        attempted: String,
+        /// The error redis-rs reported.
+        #[source]
+        source: redis::RedisError,
+    },
+
+    /// Redis answered, but not with the shape lockgate's script promises.
+    /// This points at a key that was modified by hand or a foreign script
+    /// sharing the key prefix.
+    #[error("unexpected reply while {attempted}: {detail}")]
+    UnexpectedReply {
+        /// What lockgate was doing.
+        attempted: String,
+        /// What was wrong with the reply.
+        detail: String,
+    },
+
+    /// A message could not be serialized into JSON.
+    #[error("could not encode message: {0}")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl Error {
+    /// Whether the same operation may succeed if tried again later: true for
+    /// connection loss, timeouts, cluster redirections and the transient
+    /// states of a failover (`LOADING`, `READONLY`, `MASTERDOWN`,
+    /// `CLUSTERDOWN`, `TRYAGAIN`); false for bad
+    /// input, bad configuration and unexpected replies.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Redis { source, .. } => {
+                source.is_io_error()
+                    || source.is_timeout()
+                    || source.is_connection_dropped()
+                    || source.is_connection_refusal()
+                    || source.is_cluster_error()
+                    || matches!(
+                        source.kind(),
+                        redis::ErrorKind::Server(
+                            redis::ServerErrorKind::BusyLoading
+                                | redis::ServerErrorKind::TryAgain
+                                | redis::ServerErrorKind::ClusterDown
+                                | redis::ServerErrorKind::MasterDown
+                                | redis::ServerErrorKind::ReadOnly
+                        )
+                    )
+            }
+            _ => false,
+        }
+    }
+
+    /// The underlying redis-rs error, if Redis was involved.
+    pub fn redis_error(&self) -> Option<&redis::RedisError> {
+        match self {
+            Error::Redis { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn config(msg: impl fmt::Display) -> Self {
+        Error::Config(msg.to_string())
+    }
+
+    /// Wraps a redis-rs error; `attempted` is only formatted on failure.
+    pub(crate) fn redis(attempted: impl fmt::Display) -> impl FnOnce(redis::RedisError) -> Self {
+        move |source| Error::Redis {
+            attempted: attempted.to_string(),
+            source,
+        }
+    }
+
+    pub(crate) fn reply(attempted: impl fmt::Display, detail: impl fmt::Display) -> Self {
+        Error::UnexpectedReply {
+            attempted: attempted.to_string(),
+            detail: detail.to_string(),
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! Redis key names, built in one place.
+//!
+//! Every key a user names (a lock key, a queue name) is placed inside a
+//! cluster hash tag, `{...}`, so that all keys derived from it live in one
+//! hash slot and one Lua script may touch them all. Redis takes the hash tag
+//! from the first `{` to the first `}` after it, so a `}` inside the user's
+//! key would end the tag early (and a leading `}` would leave it empty, making
+//! the lock and fence keys hash apart). To keep the tag exact and the mapping
+//! one-to-one, `\` is written as `\\` and `}` as `\)`. Keys without either
+//! character, the usual case, appear verbatim.
+
+use std::borrow::Cow;
+
+use crate::error::{Error, Result};
+
+/// Escapes a user key so it can sit inside `{...}`.
+pub(crate) fn tag(key: &str) -> Cow<'_, str> {
+    if !key.contains(['}', '\\']) {
+        return Cow::Borrowed(key);
+    }
+    let mut out = String::with_capacity(key.len() + 4);
+    for c in key.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '}' => out.push_str("\\)"),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Checks a key prefix: non-empty and free of braces (a brace in the prefix
+/// would become the hash tag of every key).
+pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
+    if prefix.is_empty() {
+        return Err(Error::config("key prefix must not be empty"));
+    }
+    if prefix.contains(['{', '}']) {
+        return Err(Error::config(format_args!(
+            "key prefix {prefix:?} must not contain `{{` or `}}`: lockgate places its own hash tags"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_keys_are_verbatim() {
+        assert_eq!(tag("order:7 ü"), "order:7 ü");
+        assert!(matches!(tag("a{b"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn escaping_is_one_to_one_and_brace_free() {
+        let keys = ["}", "\\)", "a}b", "a\\)b", "\\", "\\\\", "}}", "\\}"];
+        let tags: Vec<_> = keys.iter().map(|k| tag(k).into_owned()).collect();
+        for (i, a) in tags.iter().enumerate() {
+            assert!(!a.contains('}'), "{a:?} contains a closing brace");
+            for b in &tags[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn prefixes_are_checked() {
+        assert!(check_prefix("").is_err());
+        assert!(check_prefix("a{b").is_err());
+        assert!(check_prefix("app:locks").is_ok());
+    }
+}

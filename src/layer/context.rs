@@ -1,0 +1,97 @@
+//! The lock held by the current call, readable from inside the handler.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::Notify;
+
+tokio::task_local! {
+    static CURRENT: HeldLock;
+}
+
+/// The lock a [`LockLayer`](crate::LockLayer) holds for the handler that is
+/// running now: its key, its fencing token, and whether it was lost.
+///
+/// Read it from inside the handler with [`HeldLock::current`]:
+///
+/// ```no_run
+/// # async fn store(_: &str, _: u64) {}
+/// async fn handle(order: String) -> Result<(), lockgate::BoxError> {
+///     let lock = lockgate::HeldLock::current().expect("called through a LockLayer");
+///     // Hand the fence to the storage, which refuses fences older than the
+///     // newest it has seen: a holder that paused past its TTL cannot
+///     // overwrite the next holder's work.
+///     store(&order, lock.fence()).await;
+///     Ok(())
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct HeldLock(Arc<State>);
+
+#[derive(Debug)]
+struct State {
+    /// The user's key.
+    key: String,
+    /// The lease's fencing token.
+    fence: u64,
+    /// Set once a renewal finds the lock gone.
+    lost: AtomicBool,
+    /// Wakes [`HeldLock::lost`] waiters.
+    notify: Notify,
+}
+
+impl HeldLock {
+    pub(crate) fn new(key: String, fence: u64) -> Self {
+        Self(Arc::new(State {
+            key,
+            fence,
+            lost: AtomicBool::new(false),
+            notify: Notify::new(),
+        }))
+    }
+
+    /// The lock held for the current call, when called (directly or through
+    /// futures it awaits) from a handler running under a `LockLayer`.
+    /// `None` elsewhere, and for messages whose key function returned `None`.
+    pub fn current() -> Option<HeldLock> {
+        CURRENT.try_with(Clone::clone).ok()
+    }
+
+    /// The user's key.
+    pub fn key(&self) -> &str {
+        &self.0.key
+    }
+
+    /// The fencing token: strictly greater than any earlier holder's.
+    pub fn fence(&self) -> u64 {
+        self.0.fence
+    }
+
+    /// Whether the lock was found lost (expired, or taken by another holder).
+    pub fn is_lost(&self) -> bool {
+        self.0.lost.load(Ordering::Acquire)
+    }
+
+    /// Completes when the lock is found lost: select on it to stop work that
+    /// must not continue without the lock.
+    pub async fn lost(&self) {
+        loop {
+            let notified = self.0.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    pub(crate) fn mark_lost(&self) {
+        self.0.lost.store(true, Ordering::Release);
+        self.0.notify.notify_waiters();
+    }
+
+    pub(crate) async fn scope<F: Future>(self, f: F) -> F::Output {
+        CURRENT.scope(self, f).await
+    }
+}

@@ -1,0 +1,238 @@
+//! Middleware that runs a handler while holding a per-key distributed lock.
+//!
+//! [`LockLayer`] wraps any tower service. For each request it asks a key
+//! function for the request's key (`None`: no lock needed, call straight
+//! through), takes the lock on Redis, calls the inner service while holding
+//! it, and releases it when the call returns, fails, panics, or is dropped.
+//! While the call runs longer than a third of the lock's TTL, the lock is
+//! renewed; if a renewal finds it gone, the handler is told through
+//! [`HeldLock::lost`] and the call reports [`LockLost`].
+//!
+//! When the key is busy, the configured [`OnConflict`] strategy decides:
+//! fail at once with [`Contended`](crate::Contended) (which says when to
+//! retry), sleep and retry with jittered backoff, or defer the message into a
+//! [`Queue`](crate::Queue), answering [`Outcome::Deferred`](crate::Outcome)
+//! — or retry first and then fail or defer.
+//!
+//! # Example
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), lockgate::BoxError> {
+//! # let server = lockgate::testing::RedisServer::start()?;
+//! # let conn = server.connection_manager().await?;
+//! use std::time::Duration;
+//! use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict, Outcome};
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! #[derive(Debug)]
+//! struct Order { account: String, amount: u64 }
+//!
+//! async fn handle(order: Order) -> Result<u64, BoxError> {
+//!     // At most one handler per account runs at any time, cluster-wide.
+//!     Ok(order.amount)
+//! }
+//!
+//! let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+//! let backoff = Backoff::exponential(Duration::from_millis(10), Duration::from_millis(200))?;
+//! let service = ServiceBuilder::new()
+//!     .layer(
+//!         LockLayer::new(locker, |o: &Order| o.account.clone())
+//!             .on_conflict(OnConflict::retry(backoff.max_attempts(5)).then_fail()),
+//!     )
+//!     .service_fn(handle);
+//!
+//! let outcome = service.oneshot(Order { account: "acc-1".into(), amount: 7 }).await?;
+//! assert_eq!(outcome, Outcome::Done(7));
+//! # Ok(()) }
+//! ```
+//!
+//! # Differences from a plain retry
+//!
+//! `tower::retry` repeats a call that *failed*; here the handler has not run
+//! at all when the key is busy, so nothing needs undoing, and the wait is
+//! informed: [`Contended::retry_after`](crate::Contended::retry_after) says
+//! how long the holder's lock still lives. And where a retry loop can only
+//! hold its caller hostage, `defer` puts the message aside in Redis and frees
+//! the consumer at once; a [`Worker`](crate::Worker) on that queue brings it
+//! back through the same service when the key is likely free.
+//!
+//! # Reading the lock from the handler
+//!
+//! [`HeldLock::current`] returns the key and fencing token of the lock held
+//! for the running call (a task-local, set around the inner call). Pass the
+//! fence to the storage you write, and have it refuse fences older than the
+//! newest it has seen; `examples/fencing.rs` shows the pattern.
+
+mod context;
+pub mod error;
+mod future;
+mod service;
+mod strategy;
+
+use std::sync::Arc;
+
+pub use self::context::HeldLock;
+pub use self::error::{ClaimLost, LockLost, TooManyDeferrals};
+pub use self::future::ResponseFuture;
+pub use self::service::Lock;
+pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
+use crate::lock::Locker;
+
+/// What happens to a running handler whose lock was found lost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnLost {
+    /// Let the handler finish (it can watch [`HeldLock::lost`] and stop
+    /// early), then fail the call with [`LockLost`] `{ completed: true }`.
+    #[default]
+    Report,
+    /// Drop the handler's future at once and fail the call with
+    /// [`LockLost`] `{ completed: false }`.
+    Cancel,
+}
+
+/// A request's lock key: a string, or `None` for "this request needs no
+/// lock". Implemented for `String`, `&'static str`, integers, and `Option`s
+/// of those.
+pub trait LockKey {
+    /// The key, or `None` to call through without a lock.
+    fn into_lock_key(self) -> Option<String>;
+}
+
+impl LockKey for String {
+    fn into_lock_key(self) -> Option<String> {
+        Some(self)
+    }
+}
+
+impl LockKey for &'static str {
+    fn into_lock_key(self) -> Option<String> {
+        Some(self.to_owned())
+    }
+}
+
+impl<K: LockKey> LockKey for Option<K> {
+    fn into_lock_key(self) -> Option<String> {
+        self.and_then(LockKey::into_lock_key)
+    }
+}
+
+macro_rules! int_keys {
+    ($($t:ty),*) => {$(
+        impl LockKey for $t {
+            fn into_lock_key(self) -> Option<String> {
+                Some(self.to_string())
+            }
+        }
+    )*};
+}
+int_keys!(u16, u32, u64, u128, usize, i16, i32, i64, i128, isize);
+
+/// Wraps a service so that each call holds the lock of its request's key.
+///
+/// Cloning the layer is cheap: clones share the [`Locker`] (and its
+/// connection), the key function and the strategy. Locks are distributed:
+/// two layers on two connections, in two processes, exclude each other as
+/// long as they use the same Redis and key prefix.
+pub struct LockLayer<C, F, D = Fail> {
+    config: Config<C, F, D>,
+}
+
+/// Everything a [`Lock`] service needs, shared by its clones.
+pub(crate) struct Config<C, F, D> {
+    /// Takes and releases the locks.
+    pub(crate) locker: Locker<C>,
+    /// Maps a request to its key.
+    pub(crate) key_fn: Arc<F>,
+    /// What to do when the key is busy.
+    pub(crate) on_conflict: OnConflict<D>,
+    /// What to do when the lock is lost mid-call.
+    pub(crate) on_lost: OnLost,
+}
+
+impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
+    fn clone(&self) -> Self {
+        Self {
+            locker: self.locker.clone(),
+            key_fn: self.key_fn.clone(),
+            on_conflict: self.on_conflict.clone(),
+            on_lost: self.on_lost,
+        }
+    }
+}
+
+impl<C, F, D: std::fmt::Debug> std::fmt::Debug for Config<C, F, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("locker", &self.locker)
+            .field("on_conflict", &self.on_conflict)
+            .field("on_lost", &self.on_lost)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clone, F, D: Clone> Clone for LockLayer<C, F, D> {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<C, F, D: std::fmt::Debug> std::fmt::Debug for LockLayer<C, F, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockLayer")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<C, F> LockLayer<C, F, Fail> {
+    /// Locks each request on the key `key_fn` returns for it. Fails at once
+    /// on a busy key until [`on_conflict`](Self::on_conflict) says otherwise.
+    pub fn new(locker: Locker<C>, key_fn: F) -> Self {
+        Self {
+            config: Config {
+                locker,
+                key_fn: Arc::new(key_fn),
+                on_conflict: OnConflict::fail(),
+                on_lost: OnLost::default(),
+            },
+        }
+    }
+}
+
+impl<C, F, D> LockLayer<C, F, D> {
+    /// Sets what happens when a request's key is busy.
+    pub fn on_conflict<D2>(self, strategy: OnConflict<D2>) -> LockLayer<C, F, D2> {
+        let Config {
+            locker,
+            key_fn,
+            on_lost,
+            ..
+        } = self.config;
+        LockLayer {
+            config: Config {
+                locker,
+                key_fn,
+                on_conflict: strategy,
+                on_lost,
+            },
+        }
+    }
+
+    /// Sets what happens to a handler whose lock is lost while it runs.
+    pub fn on_lost(mut self, on_lost: OnLost) -> Self {
+        self.config.on_lost = on_lost;
+        self
+    }
+}
+
+impl<S, C: Clone, F, D: Clone> tower::Layer<S> for LockLayer<C, F, D> {
+    type Service = Lock<S, C, F, D>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Lock::new(inner, Arc::new(self.config.clone()))
+    }
+}

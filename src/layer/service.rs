@@ -1,0 +1,269 @@
+//! The [`Lock`] service and the life of one locked call.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use tokio::time::Instant;
+use tower::Service;
+
+use super::context::HeldLock;
+use super::error::LockLost;
+use super::future::ResponseFuture;
+use super::strategy::GiveUp;
+use super::{Config, LockKey, OnLost};
+use crate::BoxError;
+use crate::lock::{Acquisition, Lease, Locker};
+use crate::outcome::Outcome;
+
+/// Runs the inner service while holding a per-key lock. Made by
+/// [`LockLayer`](super::LockLayer).
+pub struct Lock<S, C, F, D> {
+    /// The wrapped service.
+    inner: S,
+    /// Locker, key function and strategy, shared by all clones.
+    config: Arc<Config<C, F, D>>,
+}
+
+impl<S: Clone, C, F, D> Clone for Lock<S, C, F, D> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, C, F, D: std::fmt::Debug> std::fmt::Debug for Lock<S, C, F, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lock")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, C, F, D> Lock<S, C, F, D> {
+    pub(crate) fn new(inner: S, config: Arc<Config<C, F, D>>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, C, F, D, Req, K> Service<Req> for Lock<S, C, F, D>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    S::Response: Send + 'static,
+    Req: Send + 'static,
+    F: Fn(&Req) -> K + Send + Sync + 'static,
+    K: LockKey,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+    D: GiveUp<Req>,
+{
+    type Response = Outcome<S::Response>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Response>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        // The ready service goes into the future; a clone stays for the next
+        // poll_ready (tower's filter idiom).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let key = (self.config.key_fn)(&req).into_lock_key();
+        let config = self.config.clone();
+        ResponseFuture::new(Box::pin(async move {
+            match key {
+                None => call_ready(inner, req).await,
+                Some(key) => locked_call(config, inner, key, req).await,
+            }
+        }))
+    }
+}
+
+/// Calls an already ready service for a message that needs no lock.
+async fn call_ready<S, Req>(mut inner: S, req: Req) -> Result<Outcome<S::Response>, BoxError>
+where
+    S: Service<Req>,
+    S::Error: Into<BoxError>,
+{
+    inner.call(req).await.map(Outcome::Done).map_err(Into::into)
+}
+
+/// Acquire (retrying as configured), call while holding, release.
+async fn locked_call<S, C, F, D, Req>(
+    config: Arc<Config<C, F, D>>,
+    inner: S,
+    key: String,
+    req: Req,
+) -> Result<Outcome<S::Response>, BoxError>
+where
+    S: Service<Req> + Send + 'static,
+    S::Error: Into<BoxError>,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+    D: GiveUp<Req>,
+{
+    let locker = &config.locker;
+    let mut tries = 0;
+    let mut waited = Duration::ZERO;
+    let lease = loop {
+        tries += 1;
+        match locker.acquire(&key).await? {
+            Acquisition::Acquired(lease) => break lease,
+            Acquisition::Contended(busy) => {
+                if let Some(delay) = config.on_conflict.retry.and_then(|b| b.next(tries, waited)) {
+                    tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
+                    tokio::time::sleep(delay).await;
+                    waited += delay;
+                    continue;
+                }
+                tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
+                let (id, due) = config.on_conflict.then.give_up(req, busy).await?;
+                return Ok(Outcome::Deferred { id, due });
+            }
+        }
+    };
+    tracing::debug!(%key, fence = lease.fence(), "lock acquired");
+    hold(locker, config.on_lost, inner, req, lease).await
+}
+
+/// Runs the call while renewing the lease every third of its TTL; releases
+/// it afterwards, or (through the guard) when the future is dropped or the
+/// handler panics.
+async fn hold<S, C, Req>(
+    locker: &Locker<C>,
+    on_lost: OnLost,
+    mut inner: S,
+    req: Req,
+    lease: Lease,
+) -> Result<Outcome<S::Response>, BoxError>
+where
+    S: Service<Req> + Send + 'static,
+    S::Error: Into<BoxError>,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let ttl = locker.lease_ttl();
+    let period = ttl / 3;
+    let held = HeldLock::new(lease.key().to_owned(), lease.fence());
+    let mut guard = ReleaseGuard {
+        locker: locker.clone(),
+        lease: Some(lease),
+    };
+    let call = held
+        .clone()
+        .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
+    tokio::pin!(call);
+    let mut renew_at = Instant::now() + period;
+    let result = loop {
+        tokio::select! {
+            biased;
+            result = &mut call => break Some(result),
+            () = tokio::time::sleep_until(renew_at), if !held.is_lost() => {
+                let Some(lease) = guard.lease.as_mut() else { break None };
+                match locker.extend(lease, ttl).await {
+                    Ok(true) => renew_at = Instant::now() + period,
+                    Ok(false) => {
+                        tracing::warn!(key = %lease.key(), fence = lease.fence(), "lock lost while the handler ran");
+                        held.mark_lost();
+                        if on_lost == OnLost::Cancel {
+                            break None;
+                        }
+                    }
+                    Err(error) if lease.is_expired() => {
+                        tracing::warn!(key = %lease.key(), fence = lease.fence(), %error, "lock expired: could not renew it in time");
+                        held.mark_lost();
+                        if on_lost == OnLost::Cancel {
+                            break None;
+                        }
+                    }
+                    Err(error) => {
+                        // Try again soon, well before the lease runs out.
+                        tracing::warn!(key = %lease.key(), %error, "could not renew lock; will retry");
+                        let left = lease.expires_at().saturating_duration_since(Instant::now());
+                        renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+    };
+    match result {
+        Some(result) if !held.is_lost() => {
+            guard.release().await;
+            result.map(Outcome::Done)
+        }
+        completed => {
+            // Not ours any more: a release would be refused anyway.
+            guard.lease = None;
+            Err(LockLost {
+                key: held.key().to_owned(),
+                fence: held.fence(),
+                completed: completed.is_some(),
+            }
+            .into())
+        }
+    }
+}
+
+/// Releases the lease when dropped without [`release`](Self::release): the
+/// response future was dropped (cancellation) or the handler panicked.
+struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
+    locker: Locker<C>,
+    lease: Option<Lease>,
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
+    async fn release(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        match self.locker.release(&lease).await {
+            Ok(true) => tracing::debug!(key = %lease.key(), fence = lease.fence(), "lock released"),
+            Ok(false) => {
+                tracing::warn!(key = %lease.key(), fence = lease.fence(), "lock had expired before it was released")
+            }
+            Err(error) => {
+                tracing::warn!(key = %lease.key(), %error, "could not release lock; it expires with its TTL")
+            }
+        }
+    }
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        // Dropping cannot await; hand the release to the runtime. Without
+        // one (the runtime is shutting down), the lock expires with its TTL.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let locker = self.locker.clone();
+            handle.spawn(async move {
+                let mut guard = ReleaseGuard {
+                    locker,
+                    lease: Some(lease),
+                };
+                guard.release().await;
+            });
+        }
+    }
+}

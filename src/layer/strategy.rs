@@ -1,0 +1,243 @@
+//! What a [`LockLayer`](super::LockLayer) does when a message's key is busy.
+
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::BoxFuture;
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::error::{ClaimLost, TooManyDeferrals};
+use crate::BoxError;
+use crate::backoff::Backoff;
+use crate::lock::Contended;
+use crate::queue::{Job, PushOptions, Queue};
+
+/// The conflict strategy: optionally retry with backoff, then fail or defer.
+///
+/// ```no_run
+/// # fn demo(queue: lockgate::Queue<String>) -> lockgate::Result<()> {
+/// use std::time::Duration;
+/// use lockgate::{Backoff, OnConflict};
+///
+/// let ms = Duration::from_millis;
+/// // Fail at once, with the holder's remaining TTL as `retry_after`.
+/// let fail = OnConflict::fail();
+/// // Sleep and retry up to 5 times, then fail.
+/// let retry = OnConflict::retry(Backoff::exponential(ms(10), ms(500))?.max_attempts(5)).then_fail();
+/// // Sleep and retry briefly, then put the message aside for 2 s.
+/// let defer = OnConflict::retry(Backoff::exponential(ms(10), ms(100))?.max_attempts(3))
+///     .then_defer(queue, Duration::from_secs(2));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct OnConflict<D = Fail> {
+    /// Retries before giving up; `None` gives up at once.
+    pub(crate) retry: Option<Backoff>,
+    /// What giving up means.
+    pub(crate) then: D,
+}
+
+impl OnConflict<Fail> {
+    /// Fail at once with [`Contended`], which carries the key and how long
+    /// the holder's lock still lives.
+    pub fn fail() -> Self {
+        Self {
+            retry: None,
+            then: Fail,
+        }
+    }
+
+    /// Sleep with jittered exponential backoff and try again, as long as
+    /// `backoff` allows; then fail with [`Contended`].
+    pub fn retry(backoff: Backoff) -> Self {
+        Self {
+            retry: Some(backoff),
+            then: Fail,
+        }
+    }
+
+    /// Fail with [`Contended`] once retries are used up (the default; spelled
+    /// out for readability).
+    pub fn then_fail(self) -> Self {
+        self
+    }
+
+    /// Put the message into `queue`, due after `delay`, once retries are used
+    /// up. See [`OnConflict::defer`].
+    pub fn then_defer<T, C>(
+        self,
+        queue: Queue<T, C>,
+        delay: impl Into<DeferDelay>,
+    ) -> OnConflict<Defer<T, C>> {
+        OnConflict {
+            retry: self.retry,
+            then: Defer {
+                queue,
+                delay: delay.into(),
+                max_deferrals: None,
+            },
+        }
+    }
+
+    /// Put the message into `queue`, due after `delay`, and answer
+    /// [`Outcome::Deferred`](crate::Outcome::Deferred). A [`Worker`](crate::Worker)
+    /// on that queue, running the same service, brings it back.
+    ///
+    /// When the request is a [`Job`] claimed from `queue` itself, it is
+    /// rescheduled in place (one script; it counts a deferral, not a failed
+    /// attempt). Any other request is pushed as a new message, which needs
+    /// `Req: Serialize`.
+    pub fn defer<T, C>(
+        queue: Queue<T, C>,
+        delay: impl Into<DeferDelay>,
+    ) -> OnConflict<Defer<T, C>> {
+        Self::fail().then_defer(queue, delay)
+    }
+}
+
+impl<T, C> OnConflict<Defer<T, C>> {
+    /// Gives up on a claimed job that was deferred `n` times already: the
+    /// call fails with [`TooManyDeferrals`], so the worker retries it as a
+    /// failure and eventually dead-letters it instead of deferring forever.
+    pub fn max_deferrals(mut self, n: u32) -> Self {
+        self.then.max_deferrals = Some(n);
+        self
+    }
+}
+
+/// Give up with a [`Contended`] error.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fail;
+
+/// Give up by scheduling the message into a delay queue.
+#[derive(Debug, Clone)]
+pub struct Defer<T, C> {
+    /// Where deferred messages go.
+    queue: Queue<T, C>,
+    /// How long they wait.
+    delay: DeferDelay,
+    /// Deferrals allowed per claimed job.
+    max_deferrals: Option<u32>,
+}
+
+/// How long a deferred message waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeferDelay {
+    /// A fixed delay.
+    Fixed(Duration),
+    /// Until the current holder's lock runs out, plus a random share of
+    /// `jitter` so that deferred messages of one key do not all return at
+    /// the same instant.
+    HolderTtl {
+        /// The most added on top of the holder's remaining TTL.
+        jitter: Duration,
+    },
+}
+
+impl DeferDelay {
+    /// Until the holder's lock runs out, plus up to `jitter`.
+    pub fn holder_ttl(jitter: Duration) -> Self {
+        DeferDelay::HolderTtl { jitter }
+    }
+
+    fn resolve(&self, busy: &Contended) -> Duration {
+        match *self {
+            DeferDelay::Fixed(d) => d,
+            DeferDelay::HolderTtl { jitter } => {
+                busy.retry_after() + jitter.mul_f64(rand::random::<f64>())
+            }
+        }
+    }
+}
+
+impl From<Duration> for DeferDelay {
+    fn from(d: Duration) -> Self {
+        DeferDelay::Fixed(d)
+    }
+}
+
+/// Where a deferred message went.
+pub(crate) type Deferral = (String, SystemTime);
+
+/// The last step of a conflict strategy, for requests of type `Req`:
+/// [`Fail`] for any request, [`Defer`] for a `T` or a claimed [`Job<T>`].
+pub trait GiveUp<Req>: Send + Sync + 'static {
+    /// Called with the request once retries are used up.
+    fn give_up(&self, req: Req, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>>;
+}
+
+impl<Req> GiveUp<Req> for Fail {
+    fn give_up(
+        &self,
+        _req: Req,
+        busy: Contended,
+    ) -> BoxFuture<'static, Result<Deferral, BoxError>> {
+        Box::pin(std::future::ready(Err(busy.into())))
+    }
+}
+
+impl<T, C> GiveUp<T> for Defer<T, C>
+where
+    T: Serialize + DeserializeOwned + Send + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn give_up(&self, req: T, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
+        let queue = self.queue.clone();
+        let delay = self.delay.resolve(&busy);
+        Box::pin(async move {
+            let pushed = queue
+                .push_with(req, PushOptions::new().after(delay))
+                .await?;
+            let due = pushed.due.unwrap_or_else(SystemTime::now);
+            tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
+            Ok((pushed.id, due))
+        })
+    }
+}
+
+impl<T, C> GiveUp<Job<T>> for Defer<T, C>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn give_up(
+        &self,
+        job: Job<T>,
+        busy: Contended,
+    ) -> BoxFuture<'static, Result<Deferral, BoxError>> {
+        let queue = self.queue.clone();
+        let delay = self.delay.resolve(&busy);
+        let max_deferrals = self.max_deferrals;
+        Box::pin(async move {
+            if max_deferrals.is_some_and(|max| job.deferrals() >= max) {
+                return Err(TooManyDeferrals {
+                    id: job.id().to_owned(),
+                    key: busy.key().to_owned(),
+                    deferrals: job.deferrals(),
+                }
+                .into());
+            }
+            if job.queue_keys() != queue.keys() {
+                // Claimed elsewhere: copy it into the deferral queue. The
+                // worker that claimed it acknowledges the original when it
+                // sees a deferral under another id.
+                let pushed = queue
+                    .push_with(job.into_payload(), PushOptions::new().after(delay))
+                    .await?;
+                return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
+            }
+            match queue.defer(&job, delay).await? {
+                Some(due) => {
+                    tracing::debug!(key = %busy.key(), id = %job.id(), deferrals = job.deferrals() + 1, ?delay, "deferred");
+                    Ok((job.id().to_owned(), due))
+                }
+                None => Err(ClaimLost {
+                    id: job.id().to_owned(),
+                }
+                .into()),
+            }
+        })
+    }
+}

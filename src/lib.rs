@@ -1,0 +1,45 @@
+//! Per-key distributed locks on Redis, packaged as a tower middleware, with a
+//! reliable Redis delay queue behind them.
+//!
+//! # Layout
+//!
+//! * [`lock`]: the [`Locker`], `SET NX PX` locks with token-checked release
+//!   and renewal, and fencing tokens.
+//! * [`queue`]: the [`Queue`], a Redis delay queue with leases, retries and
+//!   dead letters, and its [`Waiter`](queue::Waiter) for blocking wake-ups.
+//! * [`layer`]: the [`LockLayer`] tower middleware and its [`OnConflict`]
+//!   strategies (fail, retry with [`Backoff`], defer), returning an
+//!   [`Outcome`].
+//! * [`error`]: the crate's [`Error`] type.
+//! * `testing` (feature `test-util`): throwaway `redis-server` processes for
+//!   tests, benches and examples.
+//!
+//! Every Redis operation that changes more than one key is a Lua script kept
+//! next to the module that uses it (`*.lua`, loaded with `include_str!`).
+#![warn(
+    missing_debug_implementations,
+    missing_docs,
+    rust_2018_idioms,
+    unreachable_pub
+)]
+#![forbid(unsafe_code)]
+
+mod backoff;
+pub mod error;
+mod keys;
+pub mod layer;
+pub mod lock;
+mod outcome;
+pub mod queue;
+#[cfg(feature = "test-util")]
+pub mod testing;
+
+pub use backoff::Backoff;
+pub use error::{Error, Result};
+pub use layer::{HeldLock, LockLayer, OnConflict, OnLost};
+pub use lock::{Acquisition, Contended, Lease, Locker};
+pub use outcome::Outcome;
+pub use queue::{Job, PushOptions, Queue};
+
+/// The boxed error type of lockgate's middleware, as in tower.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,0 +1,345 @@
+//! Distributed per-key locks with fencing tokens.
+//!
+//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with
+//! `SET NX PX <ttl>` to a random token that identifies its holder. Release
+//! and renewal compare that token inside a Lua script, so a holder whose lock
+//! expired and was taken by someone else can never delete or extend the new
+//! holder's lock.
+//!
+//! Each successful acquisition also returns a **fencing token**: a number that
+//! strictly increases for the key across holders, lockers and processes
+//! (it is kept in `<prefix>:fence:{<key>}`, in the same hash slot). A lock
+//! with a TTL cannot by itself stop a holder that paused past its TTL from
+//! writing late; passing the fence to the storage you write to, and having it
+//! refuse fences lower than the highest it has seen, can.
+//!
+//! ```no_run
+//! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
+//! use std::time::Duration;
+//! use lockgate::{Acquisition, Locker};
+//!
+//! let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+//! match locker.acquire("account-42").await? {
+//!     Acquisition::Acquired(lease) => {
+//!         // ... write, passing lease.fence() along ...
+//!         locker.release(&lease).await?;
+//!     }
+//!     Acquisition::Contended(busy) => {
+//!         println!("busy, try again in {:?}", busy.retry_after());
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionLike;
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::keys;
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
+
+/// The key prefix used when none is configured.
+pub const DEFAULT_PREFIX: &str = "lockgate";
+/// The lock TTL used when none is configured.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// The fence counter is kept at least this long after its last use.
+const FENCE_KEEP: Duration = Duration::from_secs(3600);
+
+/// Acquires, renews and releases per-key locks on Redis.
+///
+/// Generic over any redis-rs async connection: a
+/// [`ConnectionManager`](redis::aio::ConnectionManager), a
+/// [`MultiplexedConnection`](redis::aio::MultiplexedConnection) or a cluster
+/// connection. Cloning a `Locker` is cheap and shares the connection.
+#[derive(Clone)]
+pub struct Locker<C> {
+    /// The connection every command goes through (cloned per call, as
+    /// redis-rs' multiplexed connections are meant to be).
+    conn: C,
+    /// Prefix and TTL, shared by all clones.
+    config: Arc<LockerConfig>,
+}
+
+#[derive(Debug)]
+struct LockerConfig {
+    /// First segment of every key this locker touches.
+    prefix: String,
+    /// TTL of a freshly acquired lock.
+    ttl: Duration,
+}
+
+impl<C> std::fmt::Debug for Locker<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Locker")
+            .field("prefix", &self.config.prefix)
+            .field("ttl", &self.config.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The result of [`Locker::acquire`]: the lock, or who holds it for how long.
+#[derive(Debug)]
+#[must_use = "an acquired lease must be released (or it is held until its TTL)"]
+pub enum Acquisition {
+    /// The lock is ours until it is released or its TTL runs out.
+    Acquired(Lease),
+    /// Someone else holds the lock.
+    Contended(Contended),
+}
+
+impl Acquisition {
+    /// The lease, if the lock was acquired.
+    pub fn lease(self) -> Option<Lease> {
+        match self {
+            Acquisition::Acquired(lease) => Some(lease),
+            Acquisition::Contended(_) => None,
+        }
+    }
+}
+
+/// A lock is held by someone else.
+///
+/// Also the error returned by [`LockLayer`](crate::LockLayer) under
+/// `OnConflict::fail()`; downcast a `BoxError` to it to read when to retry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("lock `{key}` is held by another holder; retry after {retry_after:?}")]
+pub struct Contended {
+    /// The user's key.
+    key: String,
+    /// How long the current holder's lock still lives (zero if unknown).
+    retry_after: Duration,
+}
+
+impl Contended {
+    pub(crate) fn new(key: String, retry_after: Duration) -> Self {
+        Self { key, retry_after }
+    }
+
+    /// The contended key, as the caller named it.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// How long the current holder's lock still lives: the earliest moment a
+    /// retry can succeed without the holder releasing early.
+    pub fn retry_after(&self) -> Duration {
+        self.retry_after
+    }
+}
+
+/// A held lock.
+///
+/// Dropping a `Lease` does not release it (that needs a round trip): call
+/// [`Locker::release`], or let the TTL run out. The
+/// [`LockLayer`](crate::LockLayer) releases for you.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The user's key.
+    key: String,
+    /// The Redis key holding the lock.
+    lock_key: String,
+    /// Random token proving ownership.
+    token: String,
+    /// Fencing token: strictly increasing per key across holders.
+    fence: u64,
+    /// When the lock runs out by the caller's clock (conservative: measured
+    /// from before the acquire command was sent).
+    expires_at: Instant,
+}
+
+impl Lease {
+    /// The user's key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The random token stored in the lock; only its holder knows it.
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The fencing token: strictly greater than the fence of every earlier
+    /// holder of this key. Hand it to the storage you write to, and have it
+    /// refuse writes carrying a lower fence than it has seen.
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// When the lock expires by this process's clock, measured conservatively
+    /// from the moment before the acquire (or last extend) was sent.
+    pub fn expires_at(&self) -> Instant {
+        self.expires_at
+    }
+
+    /// Whether the lock's TTL has run out by this process's clock.
+    pub fn is_expired(&self) -> bool {
+        Instant::now() >= self.expires_at
+    }
+}
+
+impl<C> Locker<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A locker with the default prefix (`lockgate`) and TTL (30 s).
+    pub fn new(conn: C) -> Self {
+        Self {
+            conn,
+            config: Arc::new(LockerConfig {
+                prefix: DEFAULT_PREFIX.to_owned(),
+                ttl: DEFAULT_TTL,
+            }),
+        }
+    }
+
+    /// Sets the TTL of acquired locks. Errors on a TTL under one millisecond.
+    pub fn ttl(self, ttl: Duration) -> Result<Self> {
+        check_ttl(ttl)?;
+        Ok(self.with_config(|c| c.ttl = ttl))
+    }
+
+    /// Sets the key prefix. Errors on an empty prefix or one with braces.
+    pub fn prefix(self, prefix: impl Into<String>) -> Result<Self> {
+        let prefix = prefix.into();
+        keys::check_prefix(&prefix)?;
+        Ok(self.with_config(|c| c.prefix = prefix))
+    }
+
+    fn with_config(self, edit: impl FnOnce(&mut LockerConfig)) -> Self {
+        let mut config = LockerConfig {
+            prefix: self.config.prefix.clone(),
+            ttl: self.config.ttl,
+        };
+        edit(&mut config);
+        Self {
+            conn: self.conn,
+            config: Arc::new(config),
+        }
+    }
+
+    /// The TTL given to acquired locks.
+    pub fn lease_ttl(&self) -> Duration {
+        self.config.ttl
+    }
+
+    /// The connection this locker uses.
+    pub fn connection(&self) -> &C {
+        &self.conn
+    }
+
+    /// The Redis key of the lock on `key`.
+    pub fn lock_key(&self, key: &str) -> String {
+        format!("{}:lock:{{{}}}", self.config.prefix, keys::tag(key))
+    }
+
+    /// The Redis key of the fence counter of `key`.
+    pub fn fence_key(&self, key: &str) -> String {
+        format!("{}:fence:{{{}}}", self.config.prefix, keys::tag(key))
+    }
+
+    /// Tries once to take the lock on `key`, in one round trip.
+    ///
+    /// Errors on an empty key or a Redis failure; a lock held by someone else
+    /// is not an error but [`Acquisition::Contended`].
+    pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
+        if key.is_empty() {
+            return Err(Error::InvalidKey("lock key must not be empty".into()));
+        }
+        let ttl = self.config.ttl;
+        let token = format!("{:032x}", rand::random::<u128>());
+        let lock_key = self.lock_key(key);
+        let started = Instant::now();
+        let (acquired, value): (i64, i64) = ACQUIRE
+            .key(&lock_key)
+            .key(self.fence_key(key))
+            .arg(&token)
+            .arg(millis(ttl))
+            .arg(millis(FENCE_KEEP.max(ttl.saturating_mul(2))))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("acquiring lock `{key}`")))?;
+        if acquired == 1 {
+            let fence = u64::try_from(value).map_err(|_| {
+                Error::reply(
+                    format_args!("acquiring lock `{key}`"),
+                    format_args!("negative fence {value}"),
+                )
+            })?;
+            Ok(Acquisition::Acquired(Lease {
+                key: key.to_owned(),
+                lock_key,
+                token,
+                fence,
+                expires_at: started + ttl,
+            }))
+        } else {
+            // PTTL is -1 for a lock someone set without expiry, -2 if it
+            // vanished; neither tells us when to retry, so say "now".
+            let retry_after = Duration::from_millis(u64::try_from(value).unwrap_or(0));
+            Ok(Acquisition::Contended(Contended::new(
+                key.to_owned(),
+                retry_after,
+            )))
+        }
+    }
+
+    /// Releases a lock. Returns `true` if it was still held by `lease`, and
+    /// `false` (changing nothing) if it had expired or belongs to another
+    /// holder now.
+    pub async fn release(&self, lease: &Lease) -> Result<bool> {
+        let released: i64 = RELEASE
+            .key(&lease.lock_key)
+            .arg(&lease.token)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("releasing lock `{}`", lease.key)))?;
+        Ok(released == 1)
+    }
+
+    /// Renews a lock to live `ttl` from now. Returns `true` if it was still
+    /// held by `lease` (and updates [`Lease::expires_at`]), `false` if it had
+    /// expired or belongs to another holder, in which case nothing changes.
+    pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<bool> {
+        check_ttl(ttl)?;
+        let started = Instant::now();
+        let extended: i64 = EXTEND
+            .key(&lease.lock_key)
+            .arg(&lease.token)
+            .arg(millis(ttl))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("extending lock `{}`", lease.key)))?;
+        if extended == 1 {
+            lease.expires_at = started + ttl;
+        }
+        Ok(extended == 1)
+    }
+}
+
+/// The longest TTL accepted: ten years. Longer is almost surely a unit
+/// mistake, and it keeps every deadline computation far from overflow.
+pub const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+fn check_ttl(ttl: Duration) -> Result<()> {
+    if ttl < Duration::from_millis(1) || ttl > MAX_TTL {
+        return Err(Error::config(format_args!(
+            "lock TTL must be between 1 ms and {MAX_TTL:?}, got {ttl:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Milliseconds, rounded up: the server's expiry is then never earlier than
+/// the `expires_at` the client computes from the unrounded duration. Capped
+/// at 2^53 so that Redis' `now + ms` cannot overflow.
+pub(crate) fn millis(d: Duration) -> u64 {
+    const CAP: u128 = 1 << 53;
+    d.as_nanos().div_ceil(1_000_000).min(CAP) as u64
+}

@@ -1,0 +1,274 @@
+//! Claimed messages and dead letters.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use serde::de::DeserializeOwned;
+
+use super::{Claim, ClaimRef, QueueKeys, from_unix_ms};
+
+/// A message claimed from a [`Queue`](super::Queue), with what is known about
+/// its delivery. Dereferences to the payload.
+#[derive(Clone)]
+pub struct Job<T> {
+    /// The message id.
+    id: String,
+    /// The decoded payload.
+    payload: T,
+    /// Which claim this is; proves ownership to ack, retry, defer, bury.
+    claim: u64,
+    /// Failed attempts before this one.
+    failures: u32,
+    /// Times it was deferred because its lock was busy.
+    deferrals: u32,
+    /// When it was first pushed (server clock).
+    enqueued_at: SystemTime,
+    /// When it was due (server clock).
+    due_at: SystemTime,
+    /// The queue it was claimed from.
+    queue: Arc<QueueKeys>,
+}
+
+/// A record's header fields and payload: `<enqueued_ms>:<failures>:<deferrals>:<payload>`.
+pub(crate) fn split_record(record: &[u8]) -> Option<(i64, u32, u32, &[u8])> {
+    let mut parts = record.splitn(4, |b| *b == b':');
+    let mut num = || std::str::from_utf8(parts.next()?).ok()?.parse::<i64>().ok();
+    let enqueued = num()?;
+    let failures = u32::try_from(num()?).ok()?;
+    let deferrals = u32::try_from(num()?).ok()?;
+    Some((enqueued, failures, deferrals, parts.next()?))
+}
+
+impl<T: DeserializeOwned> Job<T> {
+    /// Builds a job from a claimed record; on failure returns a job-shaped
+    /// handle (without payload) to bury, and the reason.
+    pub(crate) fn decode(
+        id: String,
+        claim: u64,
+        due_ms: i64,
+        record: &[u8],
+        queue: &Arc<QueueKeys>,
+    ) -> Result<Self, (Job<()>, String)> {
+        let parsed = split_record(record);
+        let (enqueued, failures, deferrals, payload) = parsed.unwrap_or((0, 0, 0, record));
+        let job = Job {
+            id,
+            payload: (),
+            claim,
+            failures,
+            deferrals,
+            enqueued_at: from_unix_ms(enqueued),
+            due_at: from_unix_ms(due_ms),
+            queue: queue.clone(),
+        };
+        if parsed.is_none() {
+            return Err((
+                job,
+                "malformed record: no `<enqueued>:<failures>:<deferrals>:` header".into(),
+            ));
+        }
+        match serde_json::from_slice(payload) {
+            Ok(payload) => Ok(job.map(|()| payload)),
+            Err(e) => Err((job, format!("could not decode payload: {e}"))),
+        }
+    }
+}
+
+impl<T> Job<T> {
+    /// The message id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The payload.
+    pub fn payload(&self) -> &T {
+        &self.payload
+    }
+
+    /// The payload, mutably.
+    pub fn payload_mut(&mut self) -> &mut T {
+        &mut self.payload
+    }
+
+    /// The payload, by value.
+    pub fn into_payload(self) -> T {
+        self.payload
+    }
+
+    /// Which attempt this delivery is: 1 for the first, 2 after one failure
+    /// (a handler error, or a lease that ran out), and so on. Deferrals for
+    /// lock contention do not count.
+    pub fn attempt(&self) -> u32 {
+        self.failures.saturating_add(1)
+    }
+
+    /// How many times the message was deferred because its lock was busy.
+    pub fn deferrals(&self) -> u32 {
+        self.deferrals
+    }
+
+    /// When the message was first pushed (server clock).
+    pub fn enqueued_at(&self) -> SystemTime {
+        self.enqueued_at
+    }
+
+    /// When this delivery was due (server clock).
+    pub fn due_at(&self) -> SystemTime {
+        self.due_at
+    }
+
+    /// The name of the queue it was claimed from.
+    pub fn queue_name(&self) -> &str {
+        &self.queue.name
+    }
+
+    /// The claim number of this delivery.
+    pub fn claim(&self) -> u64 {
+        self.claim
+    }
+
+    pub(crate) fn queue_keys(&self) -> &Arc<QueueKeys> {
+        &self.queue
+    }
+
+    /// Replaces the payload, keeping the claim (for adapters that map a
+    /// job's payload type).
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Job<U> {
+        Job {
+            id: self.id,
+            payload: f(self.payload),
+            claim: self.claim,
+            failures: self.failures,
+            deferrals: self.deferrals,
+            enqueued_at: self.enqueued_at,
+            due_at: self.due_at,
+            queue: self.queue,
+        }
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Job<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("queue", &self.queue.name)
+            .field("id", &self.id)
+            .field("attempt", &self.attempt())
+            .field("deferrals", &self.deferrals)
+            .field("payload", &self.payload)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Claim for Job<T> {
+    fn claim_ref(&self) -> ClaimRef<'_> {
+        ClaimRef {
+            id: &self.id,
+            claim: self.claim,
+            failures: self.failures,
+        }
+    }
+}
+
+impl<J: Claim> Claim for &J {
+    fn claim_ref(&self) -> ClaimRef<'_> {
+        (**self).claim_ref()
+    }
+}
+
+impl<T> Deref for Job<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.payload
+    }
+}
+
+impl<T> DerefMut for Job<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.payload
+    }
+}
+
+/// A message in the dead letters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The message id.
+    pub id: String,
+    /// When it was buried (server clock).
+    pub buried_at: SystemTime,
+    /// The last error recorded for it.
+    pub error: Option<String>,
+    /// Failed attempts.
+    pub failures: u32,
+    /// Deferrals for lock contention.
+    pub deferrals: u32,
+    /// The raw payload bytes (JSON, unless it was malformed).
+    pub payload: Vec<u8>,
+}
+
+impl DeadLetter {
+    pub(crate) fn new(
+        id: String,
+        buried_at: SystemTime,
+        record: Option<Vec<u8>>,
+        error: Option<String>,
+    ) -> Self {
+        let record = record.unwrap_or_default();
+        let (failures, deferrals, payload) = match split_record(&record) {
+            Some((_, f, d, p)) => (f, d, p.to_vec()),
+            None => (0, 0, record),
+        };
+        Self {
+            id,
+            buried_at,
+            error,
+            failures,
+            deferrals,
+            payload,
+        }
+    }
+
+    /// Decodes the payload as `T`.
+    pub fn decode<T: DeserializeOwned>(&self) -> serde_json::Result<T> {
+        serde_json::from_slice(&self.payload)
+    }
+}
+
+/// A fresh message id: a UUIDv7 written as 26 characters of Crockford's
+/// base32. Ids generated in one process sort in generation order (the
+/// schedule breaks ties in due time by id), and are 10 bytes shorter than
+/// the hyphenated UUID, which Redis stores twice per waiting message.
+pub(crate) fn new_id() -> String {
+    const ALPHABET: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+    let mut n = uuid::Uuid::now_v7().as_u128();
+    let mut out = [0u8; 26];
+    for slot in out.iter_mut().rev() {
+        *slot = ALPHABET[(n & 31) as usize];
+        n >>= 5;
+    }
+    out.iter().map(|&b| b as char).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_sort_in_generation_order() {
+        let ids: Vec<String> = (0..1000).map(|_| new_id()).collect();
+        assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        assert!(ids.iter().all(|id| id.len() == 26));
+    }
+
+    #[test]
+    fn records_split() {
+        assert_eq!(
+            split_record(b"17:1:2:{\"a\":1}"),
+            Some((17, 1, 2, &b"{\"a\":1}"[..]))
+        );
+        assert_eq!(split_record(b"17:1:2:a:b"), Some((17, 1, 2, &b"a:b"[..])));
+        assert_eq!(split_record(b"{\"a\":1}"), None);
+        assert_eq!(split_record(b"1:x:2:p"), None);
+    }
+}

@@ -1,0 +1,8 @@
+-- Moves a claimed message to the dead letters with its error.
+-- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors
+-- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
+-- Returns 1, or 0 when the claim is no longer held (nothing changes).
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], now_ms(), ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+return 1

@@ -1,0 +1,29 @@
+-- Claims up to ARGV[1] due messages, in due order, under a lease.
+-- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims
+-- ARGV[1]: how many at most (bounded by the caller)   ARGV[2]: lease in ms
+-- Returns {claim, next due ms or -1, now, then per message id, due ms, record}.
+-- A scheduled id whose record is missing (removed by hand) is dropped.
+local now = now_ms()
+local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))
+if #due == 0 then
+  return {0, head_due(KEYS[2]) or -1, now}
+end
+local ids = {}
+for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
+redis.call('ZREM', KEYS[2], unpack(ids))
+local records = redis.call('HMGET', KEYS[1], unpack(ids))
+local claim = redis.call('INCR', KEYS[4])
+local deadline = now + tonumber(ARGV[2])
+local leases = {}
+local out = {claim, head_due(KEYS[2]) or -1, now}
+for i, id in ipairs(ids) do
+  if records[i] then
+    leases[#leases + 1] = deadline
+    leases[#leases + 1] = id .. ':' .. claim
+    out[#out + 1] = id
+    out[#out + 1] = due[2 * i]
+    out[#out + 1] = records[i]
+  end
+end
+if #leases > 0 then redis.call('ZADD', KEYS[3], unpack(leases)) end
+return out

@@ -1,0 +1,15 @@
+-- Renews the leases of claimed messages still held by the caller.
+-- KEYS[1]: active
+-- ARGV[1]: lease in ms   ARGV[2..]: active members "<id>:<claim>"
+-- Returns per member 1 (renewed) or 0 (no longer held: lease expired and recovered).
+local deadline = now_ms() + tonumber(ARGV[1])
+local out = {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', deadline, ARGV[i])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out

@@ -1,0 +1,804 @@
+//! A reliable Redis delay queue: immediate and delayed messages, leases,
+//! retries and dead letters, every state change one Lua script.
+//!
+//! # Model
+//!
+//! A message is pushed with a due time ("now" is simply due at once) and
+//! lives in exactly one of three places until it is acknowledged:
+//!
+//! * **scheduled**: in the schedule, a sorted set scored by due time;
+//! * **active**: claimed by a worker under a lease (a deadline in the active
+//!   set), identified by a claim number only that worker knows;
+//! * **dead**: buried with its last error, waiting to be inspected or
+//!   re-driven.
+//!
+//! Its payload is stored once, in a hash, while the id moves between the sets.
+//! Each transition (push, claim, ack, retry, defer, bury, lease expiry) is one
+//! Lua script that reads "now" from the server's clock, so a message is never
+//! in no structure or claimable twice, and producers' clocks never matter.
+//! Every operation on a claimed message carries its claim: after a lease ran
+//! out and another worker took the message, the first worker's ack, retry or
+//! defer is refused and changes nothing.
+//!
+//! ```no_run
+//! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
+//! use std::time::Duration;
+//! use lockgate::Queue;
+//!
+//! let queue: Queue<String> = Queue::new(conn, "emails")?;
+//! queue.push("due now".to_string()).await?;
+//! queue.push_after("in a minute".to_string(), Duration::from_secs(60)).await?;
+//!
+//! let claimed = queue.claim(10, Duration::from_secs(30)).await?;
+//! for job in claimed.jobs {
+//!     println!("sending {}", *job);
+//!     queue.ack(&job).await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Waiting for work without polling is [`Waiter`]'s job; driving a tower
+//! service from a queue is the [`Worker`](crate::Worker)'s.
+
+mod job;
+mod scripts;
+mod wait;
+
+use std::borrow::Borrow;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use redis::Value;
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+pub use self::job::{DeadLetter, Job};
+pub use self::wait::{Connector, Waiter, Wake};
+use crate::error::{Error, Result};
+use crate::keys;
+use crate::lock::millis;
+use scripts::Scripts;
+
+/// The most messages one script call handles (claim, push batch, recover).
+/// Lua's `unpack` fails somewhere past 8,000 values; staying far below keeps
+/// every script call short, so the server is never blocked for long.
+pub const MAX_BATCH: usize = 1000;
+
+/// A Redis delay queue of `T` messages.
+///
+/// Cloning is cheap and shares the connection. `C` is any redis-rs async
+/// connection; a Redis Cluster works because every key of one queue shares
+/// the hash tag `{<name>}`.
+pub struct Queue<T, C = redis::aio::ConnectionManager> {
+    /// The connection every command goes through.
+    conn: C,
+    /// Names of the queue's Redis keys.
+    keys: Arc<QueueKeys>,
+    /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
+    _message: PhantomData<fn(T) -> T>,
+}
+
+impl<T, C: Clone> Clone for Queue<T, C> {
+    fn clone(&self) -> Self {
+        Self {
+            conn: self.conn.clone(),
+            keys: self.keys.clone(),
+            _message: PhantomData,
+        }
+    }
+}
+
+impl<T, C> std::fmt::Debug for Queue<T, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("name", &self.keys.name)
+            .field("prefix", &self.keys.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The Redis key names of one queue, built once.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct QueueKeys {
+    pub(crate) name: String,
+    pub(crate) prefix: String,
+    pub(crate) data: String,
+    pub(crate) schedule: String,
+    pub(crate) active: String,
+    pub(crate) dead: String,
+    pub(crate) errors: String,
+    pub(crate) claims: String,
+    pub(crate) bell: String,
+}
+
+impl QueueKeys {
+    fn new(prefix: &str, name: &str) -> Self {
+        let base = format!("{prefix}:{{{}}}", keys::tag(name));
+        Self {
+            name: name.to_owned(),
+            prefix: prefix.to_owned(),
+            data: format!("{base}:data"),
+            schedule: format!("{base}:schedule"),
+            active: format!("{base}:active"),
+            dead: format!("{base}:dead"),
+            errors: format!("{base}:errors"),
+            claims: format!("{base}:claims"),
+            bell: format!("{base}:bell"),
+        }
+    }
+
+    fn all(&self) -> [&str; 7] {
+        [
+            &self.data,
+            &self.schedule,
+            &self.active,
+            &self.dead,
+            &self.errors,
+            &self.claims,
+            &self.bell,
+        ]
+    }
+}
+
+/// When a pushed message becomes due, and under which id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushOptions {
+    /// Caller-chosen id; a fresh sortable id when `None`.
+    id: Option<String>,
+    /// When the message is due; now when `None`.
+    when: Option<When>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum When {
+    /// This long after the server's now.
+    After(Duration),
+    /// At this wall-clock time.
+    At(SystemTime),
+}
+
+impl PushOptions {
+    /// Due now, with a generated id.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Uses `id` as the message id. Pushing an id that exists already (in
+    /// any state) changes nothing and reports the existing message: this is
+    /// how to de-duplicate. Ids must not be empty.
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// Due `delay` after the moment the server receives the push.
+    pub fn after(mut self, delay: Duration) -> Self {
+        self.when = Some(When::After(delay));
+        self
+    }
+
+    /// Due at `at` (a time in the past is due at once).
+    pub fn at(mut self, at: SystemTime) -> Self {
+        self.when = Some(When::At(at));
+        self
+    }
+
+    /// The argument the push and reschedule scripts take.
+    fn when_arg(&self) -> String {
+        match self.when {
+            None => "0".to_owned(),
+            Some(When::After(d)) => millis(d).to_string(),
+            Some(When::At(t)) => format!("@{}", unix_ms(t)),
+        }
+    }
+}
+
+/// The receipt of a push.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Pushed {
+    /// The message id.
+    pub id: String,
+    /// When the message is due: `None` if the id existed already and that
+    /// message is not scheduled (it is being processed, or dead).
+    pub due: Option<SystemTime>,
+    /// `false` when a message with this id existed already and nothing was
+    /// added.
+    pub created: bool,
+}
+
+/// The result of [`Queue::claim`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Claimed<T> {
+    /// The claimed messages, in due order.
+    pub jobs: Vec<Job<T>>,
+    /// How long until the next scheduled message is due, by the server's
+    /// clock (zero when one is due already); `None` when nothing is scheduled.
+    pub next_due: Option<Duration>,
+    /// Claimed messages whose payload could not be decoded as `T`: they were
+    /// moved to the dead letters with the decoding error.
+    pub buried: usize,
+}
+
+/// The result of [`Queue::recover`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Recovered {
+    /// Messages whose lease ran out, put back on the schedule, due now.
+    pub requeued: usize,
+    /// Messages whose lease ran out and that had used up their attempts.
+    pub buried: usize,
+}
+
+/// A snapshot of a queue's size, read at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Scheduled messages that are due.
+    pub due: u64,
+    /// Scheduled messages that are not due yet.
+    pub later: u64,
+    /// Messages claimed by workers.
+    pub active: u64,
+    /// Dead letters.
+    pub dead: u64,
+    /// How long the oldest due message has been due.
+    pub oldest_due_age: Option<Duration>,
+}
+
+impl<T, C> Queue<T, C>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A queue named `name` under the default prefix (`lockgate`).
+    /// Errors on an empty name.
+    pub fn new(conn: C, name: impl AsRef<str>) -> Result<Self> {
+        let name = name.as_ref();
+        if name.is_empty() {
+            return Err(Error::config("queue name must not be empty"));
+        }
+        Ok(Self {
+            conn,
+            keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
+            _message: PhantomData,
+        })
+    }
+
+    /// Places the queue's keys under `prefix`. Errors on an empty prefix or
+    /// one with braces.
+    pub fn prefix(self, prefix: impl AsRef<str>) -> Result<Self> {
+        let prefix = prefix.as_ref();
+        keys::check_prefix(prefix)?;
+        Ok(Self {
+            keys: Arc::new(QueueKeys::new(prefix, &self.keys.name)),
+            ..self
+        })
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.keys.name
+    }
+
+    /// The connection this queue uses.
+    pub fn connection(&self) -> &C {
+        &self.conn
+    }
+
+    pub(crate) fn keys(&self) -> &Arc<QueueKeys> {
+        &self.keys
+    }
+
+    /// Adds a message, due now.
+    pub async fn push(&self, msg: impl Borrow<T>) -> Result<Pushed> {
+        self.push_with(msg, PushOptions::new()).await
+    }
+
+    /// Adds a message due `delay` from now (by the server's clock).
+    pub async fn push_after(&self, msg: impl Borrow<T>, delay: Duration) -> Result<Pushed> {
+        self.push_with(msg, PushOptions::new().after(delay)).await
+    }
+
+    /// Adds a message due at `at` (by the wall clock; a past time is due now).
+    pub async fn push_at(&self, msg: impl Borrow<T>, at: SystemTime) -> Result<Pushed> {
+        self.push_with(msg, PushOptions::new().at(at)).await
+    }
+
+    /// Adds a message with a chosen id and due time.
+    pub async fn push_with(&self, msg: impl Borrow<T>, options: PushOptions) -> Result<Pushed> {
+        let mut pushed = self.push_many_with([(msg, options)]).await?;
+        pushed
+            .pop()
+            .ok_or_else(|| Error::reply("pushing a message", "empty reply"))
+    }
+
+    /// Adds many messages, all due now, in one round trip per
+    /// [`MAX_BATCH`] messages. Each batch is atomic.
+    pub async fn push_many<I>(&self, msgs: I) -> Result<Vec<Pushed>>
+    where
+        I: IntoIterator,
+        I::Item: Borrow<T>,
+    {
+        self.push_many_with(msgs.into_iter().map(|m| (m, PushOptions::new())))
+            .await
+    }
+
+    /// Adds many messages with their own ids and due times, in one round trip
+    /// per [`MAX_BATCH`] messages. Each batch is atomic.
+    pub async fn push_many_with<I, M>(&self, msgs: I) -> Result<Vec<Pushed>>
+    where
+        I: IntoIterator<Item = (M, PushOptions)>,
+        M: Borrow<T>,
+    {
+        // Encode everything first, so that a message that cannot be encoded
+        // fails the call before anything was written.
+        let mut encoded = Vec::new();
+        for (msg, options) in msgs {
+            let payload = serde_json::to_vec(msg.borrow()).map_err(Error::Encode)?;
+            let id = match &options.id {
+                Some(id) if id.is_empty() => {
+                    return Err(Error::InvalidKey("message id must not be empty".into()));
+                }
+                Some(id) => id.clone(),
+                None => job::new_id(),
+            };
+            encoded.push((id, options.when_arg(), payload));
+        }
+        let mut receipts = Vec::with_capacity(encoded.len());
+        for batch in encoded.chunks(MAX_BATCH) {
+            let mut call = Scripts::get().push.prepare_invoke();
+            call.key(&self.keys.data)
+                .key(&self.keys.schedule)
+                .key(&self.keys.bell);
+            for (id, when, payload) in batch {
+                call.arg(id).arg(when).arg(payload);
+            }
+            let reply: Vec<i64> =
+                call.invoke_async(&mut self.conn.clone())
+                    .await
+                    .map_err(Error::redis(format_args!(
+                        "pushing to queue `{}`",
+                        self.name()
+                    )))?;
+            if reply.len() != batch.len() * 2 {
+                return Err(Error::reply(
+                    format_args!("pushing to queue `{}`", self.name()),
+                    format_args!("{} values for {} messages", reply.len(), batch.len()),
+                ));
+            }
+            for ((id, _, _), pair) in batch.iter().zip(reply.chunks(2)) {
+                receipts.push(Pushed {
+                    id: id.clone(),
+                    due: (pair[1] >= 0).then(|| from_unix_ms(pair[1])),
+                    created: pair[0] == 1,
+                });
+            }
+        }
+        Ok(receipts)
+    }
+
+    /// Claims up to `max` due messages (at most [`MAX_BATCH`]), in due order,
+    /// each leased for `lease`: unless acknowledged, retried, deferred,
+    /// buried or extended before the lease runs out, [`recover`](Self::recover)
+    /// hands it to another worker.
+    ///
+    /// A claimed payload that does not decode as `T` is not returned: it is
+    /// buried with the decoding error and counted in [`Claimed::buried`].
+    pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
+        let attempted = || format!("claiming from queue `{}`", self.name());
+        if max == 0 || max > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "claim batch must be 1..={MAX_BATCH}, got {max}"
+            )));
+        }
+        check_lease(lease)?;
+        let reply: Vec<Value> = Scripts::get()
+            .claim
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.active)
+            .key(&self.keys.claims)
+            .arg(max)
+            .arg(millis(lease))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        let bad = |detail: &str| Error::reply(attempted(), detail);
+        let mut values = reply.into_iter();
+        let int = |v: Option<Value>| v.as_ref().and_then(as_int).ok_or_else(|| bad("bad header"));
+        let claim = int(values.next())?;
+        let next_due = int(values.next())?;
+        let now = int(values.next())?;
+        let claim = u64::try_from(claim).map_err(|_| bad("negative claim"))?;
+        let mut claimed = Claimed {
+            jobs: Vec::new(),
+            next_due: (next_due >= 0)
+                .then(|| Duration::from_millis(u64::try_from(next_due - now).unwrap_or(0))),
+            buried: 0,
+        };
+        while let (Some(id), Some(due), Some(record)) =
+            (values.next(), values.next(), values.next())
+        {
+            let (Some(id), Some(due), Value::BulkString(record)) = (
+                as_string(id),
+                as_string(due).and_then(|d| d.parse::<f64>().ok()),
+                record,
+            ) else {
+                return Err(bad("bad message entry"));
+            };
+            match Job::decode(id, claim, due as i64, &record, &self.keys) {
+                Ok(job) => claimed.jobs.push(job),
+                Err((job, error)) => {
+                    tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
+                    if self.bury(&job, &error).await? {
+                        claimed.buried += 1;
+                    }
+                }
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Completes a claimed message: it is deleted. Returns `false`, changing
+    /// nothing, when the claim is no longer held (its lease ran out and the
+    /// message went back to the schedule or to another worker).
+    pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
+        let job = job.claim_ref();
+        let acked: i64 = Scripts::get()
+            .ack
+            .key(&self.keys.data)
+            .key(&self.keys.active)
+            .key(&self.keys.errors)
+            .arg(job.member())
+            .arg(job.id())
+            .arg(if job.failures() > 0 { "1" } else { "0" })
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "acknowledging message `{}`",
+                job.id()
+            )))?;
+        Ok(acked == 1)
+    }
+
+    /// Puts a claimed message back on the schedule after a failure, due
+    /// `delay` from now, counting a failed attempt and recording `error`.
+    /// Returns the new due time, or `None` when the claim is no longer held.
+    pub async fn retry<J: Claim>(
+        &self,
+        job: &J,
+        delay: Duration,
+        error: &str,
+    ) -> Result<Option<SystemTime>> {
+        self.reschedule(
+            job.claim_ref(),
+            &millis(delay).to_string(),
+            "failure",
+            error,
+        )
+        .await
+    }
+
+    /// Puts a claimed message back on the schedule because its lock was
+    /// busy: counts a deferral, not a failed attempt. Returns the new due
+    /// time, or `None` when the claim is no longer held.
+    pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
+        self.reschedule(job.claim_ref(), &millis(delay).to_string(), "deferral", "")
+            .await
+    }
+
+    async fn reschedule(
+        &self,
+        job: ClaimRef<'_>,
+        when: &str,
+        counter: &str,
+        error: &str,
+    ) -> Result<Option<SystemTime>> {
+        let due: i64 = Scripts::get()
+            .reschedule
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.active)
+            .key(&self.keys.errors)
+            .key(&self.keys.bell)
+            .arg(job.member())
+            .arg(job.id())
+            .arg(when)
+            .arg(counter)
+            .arg(error)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "rescheduling message `{}` ({counter})",
+                job.id()
+            )))?;
+        Ok((due >= 0).then(|| from_unix_ms(due)))
+    }
+
+    /// Moves a claimed message to the dead letters with `error`. Returns
+    /// `false`, changing nothing, when the claim is no longer held.
+    pub async fn bury<J: Claim>(&self, job: &J, error: &str) -> Result<bool> {
+        let job = job.claim_ref();
+        let buried: i64 = Scripts::get()
+            .bury
+            .key(&self.keys.active)
+            .key(&self.keys.dead)
+            .key(&self.keys.errors)
+            .arg(job.member())
+            .arg(job.id())
+            .arg(error)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("burying message `{}`", job.id())))?;
+        Ok(buried == 1)
+    }
+
+    /// Renews the leases of claimed messages to run `lease` from now, in one
+    /// round trip. Returns, per message, whether its claim was still held.
+    pub async fn extend<'a, J, I>(&self, jobs: I, lease: Duration) -> Result<Vec<bool>>
+    where
+        J: Claim + 'a,
+        I: IntoIterator<Item = &'a J>,
+    {
+        check_lease(lease)?;
+        let mut call = Scripts::get().extend.prepare_invoke();
+        call.key(&self.keys.active).arg(millis(lease));
+        let mut count = 0;
+        for job in jobs {
+            call.arg(job.claim_ref().member());
+            count += 1;
+        }
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let held: Vec<i64> =
+            call.invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "extending leases in queue `{}`",
+                    self.name()
+                )))?;
+        Ok(held.into_iter().map(|h| h == 1).collect())
+    }
+
+    /// Hands messages whose lease ran out back to the schedule, due now,
+    /// counting a failed attempt; a message that has failed `max_attempts`
+    /// times is buried instead. Handles up to [`MAX_BATCH`] messages per call
+    /// and loops until none is left. Safe to run from many processes at once.
+    pub async fn recover(&self, max_attempts: u32) -> Result<Recovered> {
+        let mut total = Recovered::default();
+        loop {
+            let (requeued, buried): (usize, usize) = Scripts::get()
+                .recover
+                .key(&self.keys.data)
+                .key(&self.keys.schedule)
+                .key(&self.keys.active)
+                .key(&self.keys.dead)
+                .key(&self.keys.errors)
+                .key(&self.keys.bell)
+                .arg(max_attempts.max(1))
+                .arg(MAX_BATCH)
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "recovering expired leases in queue `{}`",
+                    self.name()
+                )))?;
+            total.requeued += requeued;
+            total.buried += buried;
+            if requeued + buried < MAX_BATCH {
+                if total.requeued + total.buried > 0 {
+                    tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
+                }
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Counts the queue's messages in each state.
+    pub async fn stats(&self) -> Result<Stats> {
+        let v: (u64, u64, u64, u64, i64, i64) = Scripts::get()
+            .stats
+            .key(&self.keys.schedule)
+            .key(&self.keys.active)
+            .key(&self.keys.dead)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "reading stats of queue `{}`",
+                self.name()
+            )))?;
+        let (due, later, active, dead, oldest, now) = v;
+        Ok(Stats {
+            due,
+            later,
+            active,
+            dead,
+            oldest_due_age: (oldest >= 0)
+                .then(|| Duration::from_millis(u64::try_from(now - oldest).unwrap_or(0))),
+        })
+    }
+
+    /// Lists dead letters, oldest first: `start..=stop` by position, where
+    /// negative positions count from the end (`0, -1` lists all).
+    pub async fn dead_letters(&self, start: isize, stop: isize) -> Result<Vec<DeadLetter>> {
+        let reply: Vec<Value> = Scripts::get()
+            .dead
+            .key(&self.keys.data)
+            .key(&self.keys.dead)
+            .key(&self.keys.errors)
+            .arg(start)
+            .arg(stop)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "listing dead letters of queue `{}`",
+                self.name()
+            )))?;
+        let mut out = Vec::with_capacity(reply.len() / 4);
+        let mut values = reply.into_iter();
+        while let (Some(id), Some(at), Some(record), Some(error)) =
+            (values.next(), values.next(), values.next(), values.next())
+        {
+            let (Some(id), Some(at)) = (
+                as_string(id),
+                as_string(at).and_then(|a| a.parse::<f64>().ok()),
+            ) else {
+                return Err(Error::reply("listing dead letters", "bad entry"));
+            };
+            out.push(DeadLetter::new(
+                id,
+                from_unix_ms(at as i64),
+                as_bytes(record),
+                as_string(error),
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Re-drives one dead letter: due now, attempts reset. Returns whether it
+    /// was dead.
+    pub async fn requeue_dead(&self, id: &str) -> Result<bool> {
+        if id.is_empty() {
+            return Err(Error::InvalidKey("message id must not be empty".into()));
+        }
+        Ok(self.requeue_dead_batch(id).await? == 1)
+    }
+
+    /// Re-drives every dead letter (in batches of [`MAX_BATCH`]); returns how
+    /// many.
+    pub async fn requeue_all_dead(&self) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let n = self.requeue_dead_batch("").await?;
+            total += n;
+            if n < MAX_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn requeue_dead_batch(&self, id: &str) -> Result<usize> {
+        Scripts::get()
+            .requeue_dead
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.dead)
+            .key(&self.keys.errors)
+            .key(&self.keys.bell)
+            .arg(id)
+            .arg(MAX_BATCH)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "re-driving dead letters of queue `{}`",
+                self.name()
+            )))
+    }
+
+    /// Deletes a scheduled or dead message. Returns whether it existed. A
+    /// message being processed is deleted too, but its worker's ack still
+    /// succeeds.
+    pub async fn remove(&self, id: &str) -> Result<bool> {
+        let removed: i64 = Scripts::get()
+            .remove
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.dead)
+            .key(&self.keys.errors)
+            .arg(id)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("removing message `{id}`")))?;
+        Ok(removed == 1)
+    }
+
+    /// Deletes the whole queue: every message in every state.
+    pub async fn purge(&self) -> Result<()> {
+        redis::cmd("DEL")
+            .arg(&self.keys.all()[..])
+            .exec_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "purging queue `{}`",
+                self.name()
+            )))
+    }
+
+    /// A [`Waiter`] that blocks until this queue's doorbell rings, on its own
+    /// connection opened through `connector` (a [`redis::Client`] or a
+    /// cluster client).
+    pub fn waiter<K: Connector>(&self, connector: K) -> Waiter<K> {
+        Waiter::new(connector, self.keys.bell.clone())
+    }
+}
+
+/// Something that identifies a claimed message: a [`Job`], or a reference to
+/// one. Lets [`Queue::ack`] and friends take jobs of any payload type.
+pub trait Claim {
+    /// The message id and claim.
+    fn claim_ref(&self) -> ClaimRef<'_>;
+}
+
+/// The parts of a claimed message that prove its claim.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRef<'a> {
+    id: &'a str,
+    claim: u64,
+    failures: u32,
+}
+
+impl ClaimRef<'_> {
+    fn id(&self) -> &str {
+        self.id
+    }
+    fn failures(&self) -> u32 {
+        self.failures
+    }
+    fn member(&self) -> String {
+        format!("{}:{}", self.id, self.claim)
+    }
+}
+
+fn check_lease(lease: Duration) -> Result<()> {
+    if lease < Duration::from_millis(1) {
+        return Err(Error::config(format_args!(
+            "lease must be at least 1 ms, got {lease:?}"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn unix_ms(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(_) => 0,
+    }
+}
+
+pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+fn as_int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+fn as_bytes(v: Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        _ => None,
+    }
+}
+
+fn as_string(v: Value) -> Option<String> {
+    as_bytes(v).and_then(|b| String::from_utf8(b).ok())
+}

@@ -1,0 +1,185 @@
+//! Waiting for work without polling.
+//!
+//! Producers ring a queue's doorbell (a one-element list) whenever they add a
+//! message that is due earlier than everything already scheduled. A
+//! [`Waiter`] blocks on that doorbell with `BLPOP` on a connection of its
+//! own, because a blocking command on the shared multiplexed connection
+//! would stall every other command queued behind it.
+//!
+//! The due moment itself is timed by a tokio timer, not by the server: Redis
+//! notices a blocked client's timeout only on its `hz` tick (every 100 ms
+//! at the default `hz 10`), far too coarse to deliver a delayed message on
+//! time. So the `BLPOP` only ever wakes us *early*; it blocks for at most
+//! [`BLOCK`] server-side, and is abandoned (the connection dropped and
+//! rebuilt) if no answer arrives within [`BLOCK`] + [`MARGIN`], which covers
+//! half-open connections after a failover.
+//!
+//! A `BLPOP` outlives a `wait` call that returned on its deadline: it stays
+//! in flight and the next `wait` picks up its answer, so a ring that arrives
+//! between two waits is never lost and never answered twice.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use redis::RedisResult;
+use redis::aio::ConnectionLike;
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+
+/// How long a `BLPOP` blocks on the server.
+pub(crate) const BLOCK: Duration = Duration::from_secs(2);
+/// How much longer than [`BLOCK`] the client waits for its answer before it
+/// gives the connection up as dead.
+pub(crate) const MARGIN: Duration = Duration::from_millis(1500);
+
+/// Opens the dedicated connections that blocking commands need.
+///
+/// Implemented for [`redis::Client`] (a multiplexed connection without
+/// redis-rs' response timeout, which would cut every block short) and for
+/// [`redis::cluster::ClusterClient`].
+pub trait Connector: Send + Sync + 'static {
+    /// The connection type it opens.
+    type Connection: ConnectionLike + Clone + Send + Sync + 'static;
+
+    /// Opens a new connection.
+    fn connect(&self) -> impl Future<Output = RedisResult<Self::Connection>> + Send;
+}
+
+impl Connector for redis::Client {
+    type Connection = redis::aio::MultiplexedConnection;
+
+    fn connect(&self) -> impl Future<Output = RedisResult<Self::Connection>> + Send {
+        // Our own deadline (BLOCK + MARGIN) replaces the response timeout.
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+        async move {
+            self.get_multiplexed_async_connection_with_config(&config)
+                .await
+        }
+    }
+}
+
+impl Connector for redis::cluster::ClusterClient {
+    type Connection = redis::cluster_async::ClusterConnection;
+
+    fn connect(&self) -> impl Future<Output = RedisResult<Self::Connection>> + Send {
+        let config = redis::cluster::ClusterConfig::new().set_response_timeout(BLOCK + MARGIN * 2);
+        async move { self.get_async_connection_with_config(config).await }
+    }
+}
+
+/// Why [`Waiter::wait`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Wake {
+    /// The doorbell rang: a message due earlier than the previous head was
+    /// added. Claim, and look at the new next due time.
+    Rung,
+    /// The deadline passed.
+    Deadline,
+}
+
+type Pending = Pin<Box<dyn Future<Output = RedisResult<bool>> + Send>>;
+
+/// Blocks until a queue's doorbell rings or a deadline passes, on a
+/// connection of its own. Made by [`Queue::waiter`](super::Queue::waiter).
+pub struct Waiter<K: Connector> {
+    /// Opens the dedicated connection (again, after a failure).
+    connector: K,
+    /// The doorbell key.
+    bell: String,
+    /// The dedicated connection; `None` until opened, and after a failure.
+    conn: Option<K::Connection>,
+    /// The `BLPOP` in flight, if any.
+    pending: Option<Pending>,
+}
+
+impl<K: Connector> std::fmt::Debug for Waiter<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("bell", &self.bell)
+            .field("connected", &self.conn.is_some())
+            .field("blocked", &self.pending.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: Connector> Waiter<K> {
+    pub(crate) fn new(connector: K, bell: String) -> Self {
+        Self {
+            connector,
+            bell,
+            conn: None,
+            pending: None,
+        }
+    }
+
+    /// Waits until the doorbell rings or `deadline` passes (forever, for a
+    /// ring, when `None`).
+    ///
+    /// A Redis failure (connection lost, server gone, no answer in time)
+    /// returns an error after dropping the connection; the next call opens a
+    /// new one. Backing off between failures is the caller's choice.
+    pub async fn wait(&mut self, deadline: Option<Instant>) -> Result<Wake> {
+        loop {
+            if self.pending.is_none() {
+                self.pending = Some(self.block().await?);
+            }
+            let Some(pending) = self.pending.as_mut() else {
+                continue;
+            };
+            let answer = match deadline {
+                Some(deadline) => tokio::select! {
+                    biased;
+                    answer = pending => answer,
+                    () = tokio::time::sleep_until(deadline) => return Ok(Wake::Deadline),
+                },
+                None => pending.await,
+            };
+            self.pending = None;
+            match answer {
+                Ok(true) => return Ok(Wake::Rung),
+                // The server-side block ran out: block again.
+                Ok(false) => continue,
+                Err(e) => {
+                    self.conn = None;
+                    return Err(Error::redis("waiting on the queue's doorbell")(e));
+                }
+            }
+        }
+    }
+
+    /// Starts a `BLPOP` on the dedicated connection, opening it if needed.
+    async fn block(&mut self) -> Result<Pending> {
+        let conn = match &self.conn {
+            Some(conn) => conn.clone(),
+            None => {
+                let conn = self
+                    .connector
+                    .connect()
+                    .await
+                    .map_err(Error::redis("opening the waiter's connection"))?;
+                self.conn.insert(conn).clone()
+            }
+        };
+        let mut cmd = redis::cmd("BLPOP");
+        cmd.arg(&self.bell).arg(BLOCK.as_secs_f64());
+        Ok(Box::pin(async move {
+            let mut conn = conn;
+            match tokio::time::timeout(
+                BLOCK + MARGIN,
+                cmd.query_async::<Option<(String, String)>>(&mut conn),
+            )
+            .await
+            {
+                Ok(answer) => answer.map(|popped| popped.is_some()),
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer to a blocking BLPOP within its deadline",
+                )
+                .into()),
+            }
+        }))
+    }
+}

@@ -1,0 +1,320 @@
+//! Throwaway `redis-server` processes for tests, benches and examples.
+//!
+//! Enabled by the `test-util` feature. Each [`RedisServer`] is a private
+//! server on a free loopback port, started with `--save "" --appendonly no`
+//! in its own temporary directory, and killed (its directory removed) when
+//! the value is dropped. Giving every test its own server keeps tests
+//! independent, so they can run in parallel and never touch a server they
+//! did not start.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use lockgate::testing::RedisServer;
+//!
+//! let server = RedisServer::start()?;
+//! let conn = server.connection_manager().await?;
+//! // ... use `conn`; the server is killed when `server` goes out of scope.
+//! # Ok(()) }
+//! ```
+//!
+//! The `redis-server` binary is taken from `LOCKGATE_REDIS_SERVER` when set,
+//! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
+//! [`StartError::NotInstalled`], whose message says how to install it.
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a fresh server may take to answer `PING`.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a test server could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// No `redis-server` binary was found.
+    #[error(
+        "`{binary}` was not found. lockgate's tests start their own redis-server (>= 7). \
+         Install it with `sudo apt-get install redis-server` (Debian/Ubuntu) or \
+         `brew install redis` (macOS), or point LOCKGATE_REDIS_SERVER at the binary."
+    )]
+    NotInstalled {
+        /// The binary that was looked for.
+        binary: String,
+    },
+    /// Spawning the process failed for another reason.
+    #[error("could not run `{binary}`: {source}")]
+    Spawn {
+        /// The binary that was run.
+        binary: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server exited or did not answer `PING` in time.
+    #[error("redis-server on port {port} did not come up: {reason}\n--- server log ---\n{log}")]
+    NotReady {
+        /// The port it was told to listen on.
+        port: u16,
+        /// What was observed.
+        reason: String,
+        /// The server's log, for diagnosis.
+        log: String,
+    },
+}
+
+/// Configures a [`RedisServer`] before starting it.
+#[derive(Debug, Clone, Default)]
+pub struct ServerBuilder {
+    /// Extra command-line arguments, appended after lockgate's own.
+    args: Vec<String>,
+}
+
+impl ServerBuilder {
+    /// Adds a command-line argument, for example `.arg("--timeout").arg("1")`.
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Adds several command-line arguments.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Starts the server on a free loopback port and waits until it answers.
+    pub fn start(self) -> Result<RedisServer, StartError> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "lockgate-redis-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let mut server = RedisServer {
+            child: None,
+            port: 0,
+            dir,
+            args: self.args,
+        };
+        // Another process may grab the port between our probe and the
+        // server's bind; a few attempts make that race harmless.
+        let mut last = None;
+        for _ in 0..5 {
+            server.port = free_port();
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                Err(e @ StartError::NotReady { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.expect("five attempts were made"))
+    }
+}
+
+/// A private `redis-server` process, killed when dropped.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// The running process, `None` while stopped.
+    child: Option<Child>,
+    /// The loopback port it listens on (kept across restarts).
+    port: u16,
+    /// Its working directory (`--dir`), removed on drop.
+    dir: PathBuf,
+    /// Extra arguments it was started with.
+    args: Vec<String>,
+}
+
+impl RedisServer {
+    /// Starts a server with lockgate's default arguments.
+    pub fn start() -> Result<Self, StartError> {
+        ServerBuilder::default().start()
+    }
+
+    /// A builder for a server with extra arguments.
+    pub fn builder() -> ServerBuilder {
+        ServerBuilder::default()
+    }
+
+    /// The loopback port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A redis-rs client for this server.
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url()).expect("a loopback URL is always valid")
+    }
+
+    /// A new [`ConnectionManager`](redis::aio::ConnectionManager) to this server.
+    pub async fn connection_manager(&self) -> redis::RedisResult<redis::aio::ConnectionManager> {
+        self.client().get_connection_manager().await
+    }
+
+    /// A new multiplexed connection to this server.
+    pub async fn multiplexed(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        self.client().get_multiplexed_async_connection().await
+    }
+
+    /// The server's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server (SIGKILL: no chance to save or say goodbye). Its port
+    /// and directory are kept for [`restart`](Self::restart).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, killing it first if it runs.
+    pub fn restart(&mut self) -> Result<(), StartError> {
+        self.stop();
+        self.spawn()
+    }
+
+    fn spawn(&mut self) -> Result<(), StartError> {
+        let binary =
+            std::env::var("LOCKGATE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let _ = std::fs::create_dir_all(&self.dir);
+        let log = self.dir.join("redis.log");
+        let child = Command::new(&binary)
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(&log)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| match source.kind() {
+                std::io::ErrorKind::NotFound => StartError::NotInstalled {
+                    binary: binary.clone(),
+                },
+                _ => StartError::Spawn {
+                    binary: binary.clone(),
+                    source,
+                },
+            })?;
+        self.child = Some(child);
+        let port = self.port;
+        let not_ready = |reason: String| StartError::NotReady {
+            port,
+            reason,
+            log: std::fs::read_to_string(&log).unwrap_or_default(),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            let Some(child) = self.child.as_mut() else {
+                return Err(not_ready("it was stopped".into()));
+            };
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Err(not_ready(format!("it exited with {status}")));
+            }
+            // Only our own process counts: another test's server may have won
+            // the race for this port.
+            if server_pid(self.port) == Some(child.id()) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                self.stop();
+                return Err(not_ready(format!("no PONG within {START_TIMEOUT:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Where an example or a manual try should find Redis.
+///
+/// `REDIS_URL` when it is set; else `redis://127.0.0.1:6379` when a server
+/// answers there; else a throwaway server started through [`RedisServer`]
+/// (returned too, so it lives as long as the caller keeps it).
+pub fn local_or_throwaway()
+-> Result<(redis::Client, Option<RedisServer>), Box<dyn std::error::Error>> {
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        return Ok((redis::Client::open(url)?, None));
+    }
+    if ping(6379) {
+        return Ok((redis::Client::open("redis://127.0.0.1:6379/")?, None));
+    }
+    let server = RedisServer::start()?;
+    Ok((server.client(), Some(server)))
+}
+
+/// A port that was free a moment ago (0 if none could be found, which
+/// makes the start fail with a clear error).
+fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+/// The process id of the Redis server answering on a loopback port.
+fn server_pid(port: u16) -> Option<u32> {
+    let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .ok()?;
+    stream.write_all(b"INFO server\r\n").ok()?;
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    // The reply is one bulk string of a few hundred bytes; read until the
+    // line we need has arrived in full.
+    while reply.len() < 64 * 1024 {
+        let n = stream.read(&mut buf).ok()?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some(rest) = text.split("process_id:").nth(1) {
+            if let Some((pid, _)) = rest.split_once("\r\n") {
+                return pid.trim().parse().ok();
+            }
+        }
+    }
+    None
+}
+
+/// Whether a Redis server answers `PING` on a loopback port.
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok()
+        && stream.read_exact(&mut reply).is_ok()
+        && &reply == b"+PONG\r\n"
+}
