@@ -44,6 +44,11 @@ pub enum Error {
         detail: String,
     },
 
+    /// A worker's service failed in `poll_ready`, which in tower means it
+    /// can serve no more requests; the worker stopped.
+    #[error("the worker's service failed: {0}")]
+    Service(#[source] crate::BoxError),
+
     /// A message could not be serialized into JSON.
     #[error("could not encode message: {0}")]
     Encode(#[source] serde_json::Error),

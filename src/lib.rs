@@ -10,6 +10,8 @@
 //! * [`layer`]: the [`LockLayer`] tower middleware and its [`OnConflict`]
 //!   strategies (fail, retry with [`Backoff`], defer), returning an
 //!   [`Outcome`].
+//! * [`worker`]: the [`Worker`], which drives a tower service from a queue:
+//!   claims, settles, renews leases, recovers, reconnects, shuts down.
 //! * [`error`]: the crate's [`Error`] type.
 //! * `testing` (feature `test-util`): throwaway `redis-server` processes for
 //!   tests, benches and examples.
@@ -33,6 +35,7 @@ mod outcome;
 pub mod queue;
 #[cfg(feature = "test-util")]
 pub mod testing;
+pub mod worker;
 
 pub use backoff::Backoff;
 pub use error::{Error, Result};
@@ -40,6 +43,7 @@ pub use layer::{HeldLock, LockLayer, OnConflict, OnLost};
 pub use lock::{Acquisition, Contended, Lease, Locker};
 pub use outcome::Outcome;
 pub use queue::{Job, PushOptions, Queue};
+pub use worker::Worker;
 
 /// The boxed error type of lockgate's middleware, as in tower.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -55,6 +55,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use self::job::{DeadLetter, Job};
+pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
 use crate::keys;
@@ -491,6 +492,14 @@ where
             .await
     }
 
+    /// Hands a claimed message back, due now, without counting a failure or
+    /// a deferral (a worker shutting down before it could handle it).
+    /// Returns `false` when the claim is no longer held.
+    pub async fn release<J: Claim>(&self, job: &J) -> Result<bool> {
+        let due = self.reschedule(job.claim_ref(), "0", "release", "").await?;
+        Ok(due.is_some())
+    }
+
     async fn reschedule(
         &self,
         job: ClaimRef<'_>,
@@ -528,6 +537,7 @@ where
             .key(&self.keys.active)
             .key(&self.keys.dead)
             .key(&self.keys.errors)
+            .key(&self.keys.data)
             .arg(job.member())
             .arg(job.id())
             .arg(error)
@@ -572,7 +582,7 @@ where
     pub async fn recover(&self, max_attempts: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
         loop {
-            let (requeued, buried): (usize, usize) = Scripts::get()
+            let (requeued, buried, examined): (usize, usize, usize) = Scripts::get()
                 .recover
                 .key(&self.keys.data)
                 .key(&self.keys.schedule)
@@ -590,7 +600,7 @@ where
                 )))?;
             total.requeued += requeued;
             total.buried += buried;
-            if requeued + buried < MAX_BATCH {
+            if examined < MAX_BATCH {
                 if total.requeued + total.buried > 0 {
                     tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
                 }
@@ -666,7 +676,7 @@ where
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        Ok(self.requeue_dead_batch(id).await? == 1)
+        Ok(self.requeue_dead_batch(id).await?.0 == 1)
     }
 
     /// Re-drives every dead letter (in batches of [`MAX_BATCH`]); returns how
@@ -674,15 +684,15 @@ where
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
         loop {
-            let n = self.requeue_dead_batch("").await?;
-            total += n;
-            if n < MAX_BATCH {
+            let (requeued, examined) = self.requeue_dead_batch("").await?;
+            total += requeued;
+            if examined < MAX_BATCH {
                 return Ok(total);
             }
         }
     }
 
-    async fn requeue_dead_batch(&self, id: &str) -> Result<usize> {
+    async fn requeue_dead_batch(&self, id: &str) -> Result<(usize, usize)> {
         Scripts::get()
             .requeue_dead
             .key(&self.keys.data)
@@ -700,9 +710,9 @@ where
             )))
     }
 
-    /// Deletes a scheduled or dead message. Returns whether it existed. A
-    /// message being processed is deleted too, but its worker's ack still
-    /// succeeds.
+    /// Deletes a scheduled or dead message; returns whether it did. A message
+    /// being processed is left to its worker (`false`): deleting it then
+    /// would let that worker's claim act on a later message with the same id.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let removed: i64 = Scripts::get()
             .remove
@@ -732,8 +742,8 @@ where
     /// A [`Waiter`] that blocks until this queue's doorbell rings, on its own
     /// connection opened through `connector` (a [`redis::Client`] or a
     /// cluster client).
-    pub fn waiter<K: Connector>(&self, connector: K) -> Waiter<K> {
-        Waiter::new(connector, self.keys.bell.clone())
+    pub fn waiter<K: Connector>(&self, connector: K) -> Waiter<K, C> {
+        Waiter::new(connector, self.conn.clone(), self.keys.bell.clone())
     }
 }
 
@@ -742,6 +752,37 @@ where
 pub trait Claim {
     /// The message id and claim.
     fn claim_ref(&self) -> ClaimRef<'_>;
+}
+
+/// An owned proof of a claim: what a worker keeps of a job it handed to a
+/// service, to settle it afterwards.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClaimToken {
+    id: String,
+    claim: u64,
+    failures: u32,
+}
+
+impl ClaimToken {
+    /// The message id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Which attempt the claimed delivery is (1 for the first).
+    pub fn attempt(&self) -> u32 {
+        self.failures.saturating_add(1)
+    }
+}
+
+impl Claim for ClaimToken {
+    fn claim_ref(&self) -> ClaimRef<'_> {
+        ClaimRef {
+            id: &self.id,
+            claim: self.claim,
+            failures: self.failures,
+        }
+    }
 }
 
 /// The parts of a claimed message that prove its claim.
@@ -753,6 +794,15 @@ pub struct ClaimRef<'a> {
 }
 
 impl ClaimRef<'_> {
+    /// An owned copy.
+    pub fn to_token(&self) -> ClaimToken {
+        ClaimToken {
+            id: self.id.to_owned(),
+            claim: self.claim,
+            failures: self.failures,
+        }
+    }
+
     fn id(&self) -> &str {
         self.id
     }

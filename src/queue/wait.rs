@@ -14,9 +14,15 @@
 //! rebuilt) if no answer arrives within [`BLOCK`] + [`MARGIN`], which covers
 //! half-open connections after a failover.
 //!
-//! A `BLPOP` outlives a `wait` call that returned on its deadline: it stays
-//! in flight and the next `wait` picks up its answer, so a ring that arrives
-//! between two waits is never lost and never answered twice.
+//! A ring is one list element, and Redis hands it to the client that has
+//! been blocked longest. So no `BLPOP` may stay blocked while its worker is
+//! busy, or it would take a ring an idle worker was waiting for: when `wait`
+//! returns on its deadline, it unblocks its own `BLPOP` with `CLIENT UNBLOCK`
+//! sent over the queue's shared connection (in the background, so the
+//! deadline is not delayed). The `BLPOP`'s answer (usually nil, or a ring
+//! that arrived in between) is collected by the next `wait`, so a ring is
+//! never lost. On a Redis Cluster the unblock may reach another node and do
+//! nothing; the worker's periodic wake-up still bounds the delay.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -84,18 +90,21 @@ type Pending = Pin<Box<dyn Future<Output = RedisResult<bool>> + Send>>;
 
 /// Blocks until a queue's doorbell rings or a deadline passes, on a
 /// connection of its own. Made by [`Queue::waiter`](super::Queue::waiter).
-pub struct Waiter<K: Connector> {
+pub struct Waiter<K: Connector, C> {
     /// Opens the dedicated connection (again, after a failure).
     connector: K,
+    /// The queue's shared connection, for `CLIENT UNBLOCK`.
+    control: C,
     /// The doorbell key.
     bell: String,
-    /// The dedicated connection; `None` until opened, and after a failure.
-    conn: Option<K::Connection>,
+    /// The dedicated connection and its client id; `None` until opened, and
+    /// after a failure.
+    conn: Option<(K::Connection, i64)>,
     /// The `BLPOP` in flight, if any.
     pending: Option<Pending>,
 }
 
-impl<K: Connector> std::fmt::Debug for Waiter<K> {
+impl<K: Connector, C> std::fmt::Debug for Waiter<K, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Waiter")
             .field("bell", &self.bell)
@@ -105,10 +114,15 @@ impl<K: Connector> std::fmt::Debug for Waiter<K> {
     }
 }
 
-impl<K: Connector> Waiter<K> {
-    pub(crate) fn new(connector: K, bell: String) -> Self {
+impl<K, C> Waiter<K, C>
+where
+    K: Connector,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    pub(crate) fn new(connector: K, control: C, bell: String) -> Self {
         Self {
             connector,
+            control,
             bell,
             conn: None,
             pending: None,
@@ -122,7 +136,11 @@ impl<K: Connector> Waiter<K> {
     /// returns an error after dropping the connection; the next call opens a
     /// new one. Backing off between failures is the caller's choice.
     pub async fn wait(&mut self, deadline: Option<Instant>) -> Result<Wake> {
+        let mut retried = false;
         loop {
+            // A connection that sat unused may have been closed by the
+            // server's idle `timeout`; its first failure is retried once.
+            let reused = self.pending.is_none() && self.conn.is_some();
             if self.pending.is_none() {
                 self.pending = Some(self.block().await?);
             }
@@ -133,34 +151,59 @@ impl<K: Connector> Waiter<K> {
                 Some(deadline) => tokio::select! {
                     biased;
                     answer = pending => answer,
-                    () = tokio::time::sleep_until(deadline) => return Ok(Wake::Deadline),
+                    () = tokio::time::sleep_until(deadline) => {
+                        self.unblock();
+                        return Ok(Wake::Deadline);
+                    }
                 },
                 None => pending.await,
             };
             self.pending = None;
             match answer {
                 Ok(true) => return Ok(Wake::Rung),
-                // The server-side block ran out: block again.
+                // The server-side block ran out, or we unblocked it.
                 Ok(false) => continue,
                 Err(e) => {
                     self.conn = None;
+                    if reused && !retried && (e.is_connection_dropped() || e.is_io_error()) {
+                        retried = true;
+                        continue;
+                    }
                     return Err(Error::redis("waiting on the queue's doorbell")(e));
                 }
             }
         }
     }
 
+    /// Ends the in-flight `BLPOP` early, without waiting for the answer.
+    fn unblock(&self) {
+        let Some((_, id)) = &self.conn else { return };
+        let mut control = self.control.clone();
+        let mut cmd = redis::cmd("CLIENT");
+        cmd.arg("UNBLOCK").arg(*id);
+        tokio::spawn(async move {
+            if let Err(error) = cmd.query_async::<i64>(&mut control).await {
+                tracing::debug!(%error, "could not unblock the waiter's BLPOP");
+            }
+        });
+    }
+
     /// Starts a `BLPOP` on the dedicated connection, opening it if needed.
     async fn block(&mut self) -> Result<Pending> {
         let conn = match &self.conn {
-            Some(conn) => conn.clone(),
+            Some((conn, _)) => conn.clone(),
             None => {
-                let conn = self
+                let mut conn = self
                     .connector
                     .connect()
                     .await
                     .map_err(Error::redis("opening the waiter's connection"))?;
-                self.conn.insert(conn).clone()
+                let id: i64 = redis::cmd("CLIENT")
+                    .arg("ID")
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(Error::redis("reading the waiter's client id"))?;
+                self.conn.insert((conn, id)).0.clone()
             }
         };
         let mut cmd = redis::cmd("BLPOP");

@@ -1,8 +1,10 @@
 -- Moves a claimed message to the dead letters with its error.
--- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors
+-- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors   KEYS[4]: data
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
--- Returns 1, or 0 when the claim is no longer held (nothing changes).
+-- Returns 1, or 0 when the claim is no longer held or the record is gone
+-- (the queue was purged): nothing changes then.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], now_ms(), ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 return 1

@@ -4,7 +4,8 @@
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: dead
 -- KEYS[5]: errors   KEYS[6]: bell
 -- ARGV[1]: max attempts   ARGV[2]: how many at most in this call
--- Returns {requeued, buried}.
+-- Returns {requeued, buried, examined}: a caller loops while examined is the
+-- batch size (entries without a record are dropped and not counted otherwise).
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local max_attempts = tonumber(ARGV[1])
@@ -30,4 +31,4 @@ for _, member in ipairs(expired) do
     end
   end
 end
-return {requeued, buried}
+return {requeued, buried, #expired}

@@ -1,0 +1,209 @@
+//! Lock cycles per second: through the LockLayer vs the bare scripts, and
+//! contention on hot keys.
+//!
+//! `cargo bench --bench lock` (full run, three rounds, medians); built and run
+//! on tiny inputs by `cargo test --all-targets`.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use lockgate::testing::RedisServer;
+use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict};
+use redis::Script;
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+const TASKS: usize = 50;
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.multiplexed().await?;
+    let secs = if full_run() { 3.0 } else { 0.2 };
+    let rounds = if full_run() { 3 } else { 1 };
+
+    let (mut bare, mut locker, mut layer) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        bare.push(bare_cycles(conn.clone(), secs).await?);
+        locker.push(locker_cycles(conn.clone(), secs).await?);
+        layer.push(layer_cycles(conn.clone(), secs).await?);
+    }
+    let (bare, locker, layer) = (median(bare), median(locker), median(layer));
+    println!("## lock cycle, {TASKS} tasks, distinct keys (median of {rounds} rounds of {secs} s)");
+    println!("| path | cycles/s | vs bare |\n|---|---|---|");
+    println!(
+        "| bare: SET NX PX command + compare-and-delete script, no fence | {bare:.0} | 100 % |"
+    );
+    println!(
+        "| lockgate's acquire/release scripts via Locker (with fence) | {locker:.0} | {:.1} % |",
+        100.0 * locker / bare
+    );
+    println!(
+        "| LockLayer: acquire + no-op handler + release | {layer:.0} | {:.1} % |",
+        100.0 * layer / bare
+    );
+    println!(
+        "LockLayer / Locker scripts = {:.1} %\n",
+        100.0 * layer / locker
+    );
+
+    hot_keys(conn, secs).await?;
+    Ok(())
+}
+
+/// The minimal correct lock, no library around it.
+async fn bare_cycles(conn: redis::aio::MultiplexedConnection, secs: f64) -> Result<f64, BoxError> {
+    let release = Arc::new(Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    ));
+    run_tasks(secs, move |task, stop, count| {
+        let mut conn = conn.clone();
+        let release = release.clone();
+        async move {
+            let key = format!("bare:lock:{{{task}}}");
+            let token = format!("{:032x}", rand::random::<u128>());
+            while !stop.load(Ordering::Relaxed) {
+                let ok: Option<String> = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(10_000)
+                    .query_async(&mut conn)
+                    .await?;
+                if ok.is_some() {
+                    let _: i64 = release
+                        .key(&key)
+                        .arg(&token)
+                        .invoke_async(&mut conn)
+                        .await?;
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// lockgate's own scripts, issued directly, without the layer.
+async fn locker_cycles(
+    conn: redis::aio::MultiplexedConnection,
+    secs: f64,
+) -> Result<f64, BoxError> {
+    let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+    run_tasks(secs, move |task, stop, count| {
+        let locker = locker.clone();
+        async move {
+            let key = format!("locker-{task}");
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(lease) = locker.acquire(&key).await?.lease() {
+                    locker.release(&lease).await?;
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+async fn layer_cycles(conn: redis::aio::MultiplexedConnection, secs: f64) -> Result<f64, BoxError> {
+    let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locker, |key: &String| key.clone()))
+        .service_fn(|_: String| async { Ok::<_, BoxError>(()) });
+    run_tasks(secs, move |task, stop, count| {
+        let mut service = service.clone();
+        async move {
+            let key = format!("layer-{task}");
+            while !stop.load(Ordering::Relaxed) {
+                let _ = service.ready().await?.call(key.clone()).await?;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// Runs `TASKS` tasks for `secs`; returns completed cycles per second.
+async fn run_tasks<F, Fut>(secs: f64, task: F) -> Result<f64, BoxError>
+where
+    F: Fn(usize, Arc<AtomicBool>, Arc<AtomicU64>) -> Fut,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let handles: Vec<_> = (0..TASKS)
+        .map(|i| tokio::spawn(task(i, stop.clone(), count.clone())))
+        .collect();
+    let start = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let n = count.load(Ordering::Relaxed);
+    let elapsed = start.elapsed().as_secs_f64();
+    for h in handles {
+        h.await??;
+    }
+    Ok(n as f64 / elapsed)
+}
+
+/// 50 tasks over 5 hot keys, each retrying with backoff until it gets the
+/// lock: rate, waiting time, and how evenly acquisitions spread over tasks.
+async fn hot_keys(conn: redis::aio::MultiplexedConnection, secs: f64) -> Result<(), BoxError> {
+    let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+    let backoff = Backoff::exponential(Duration::from_micros(500), Duration::from_millis(8))?
+        .unlimited_attempts()
+        .max_elapsed(Duration::from_secs(5));
+    let service = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(locker, |key: &String| key.clone())
+                .on_conflict(OnConflict::retry(backoff)),
+        )
+        .service_fn(|_: String| async { Ok::<_, BoxError>(()) });
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let mut service = service.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let key = format!("hot-{}", task % 5);
+                let mut waits = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let start = Instant::now();
+                    let _ = service.ready().await?.call(key.clone()).await?;
+                    waits.push(start.elapsed());
+                }
+                Ok::<_, BoxError>(waits)
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let elapsed = start.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    let mut per_task = Vec::new();
+    for h in handles {
+        let waits = h.await??;
+        per_task.push(waits.len());
+        all.extend(waits);
+    }
+    all.sort();
+    per_task.sort();
+    println!("## 50 tasks over 5 hot keys, retry with backoff 0.5–8 ms ({secs} s)");
+    println!(
+        "{:.0} acquisitions/s; call latency (wait + cycle) p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; per-task acquisitions {}–{}",
+        all.len() as f64 / elapsed,
+        ms(quantile(&all, 0.5)),
+        ms(quantile(&all, 0.99)),
+        ms(quantile(&all, 1.0)),
+        per_task[0],
+        per_task[per_task.len() - 1],
+    );
+    Ok(())
+}

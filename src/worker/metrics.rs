@@ -1,0 +1,85 @@
+//! Counters of what a worker did.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// A handle on a [`Worker`](super::Worker)'s counters. Cloning shares them.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics(Arc<Counters>);
+
+#[derive(Debug, Default)]
+struct Counters {
+    claimed: AtomicU64,
+    done: AtomicU64,
+    retried: AtomicU64,
+    deferred: AtomicU64,
+    dead: AtomicU64,
+    lost_leases: AtomicU64,
+    recovered: AtomicU64,
+    redis_errors: AtomicU64,
+}
+
+/// The counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MetricsSnapshot {
+    /// Messages claimed.
+    pub claimed: u64,
+    /// Messages handled successfully and acknowledged.
+    pub done: u64,
+    /// Failed messages scheduled for another attempt.
+    pub retried: u64,
+    /// Messages deferred because their lock was busy.
+    pub deferred: u64,
+    /// Messages moved to the dead letters (failed for the last time, too
+    /// many deferrals, or undecodable).
+    pub dead: u64,
+    /// Messages whose lease ran out while this worker held them.
+    pub lost_leases: u64,
+    /// Messages of dead workers recovered (requeued or buried) by this one.
+    pub recovered: u64,
+    /// Redis errors met (each followed by a pause or a retry).
+    pub redis_errors: u64,
+}
+
+impl Metrics {
+    /// Reads all counters.
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let c = &self.0;
+        MetricsSnapshot {
+            claimed: c.claimed.load(Relaxed),
+            done: c.done.load(Relaxed),
+            retried: c.retried.load(Relaxed),
+            deferred: c.deferred.load(Relaxed),
+            dead: c.dead.load(Relaxed),
+            lost_leases: c.lost_leases.load(Relaxed),
+            recovered: c.recovered.load(Relaxed),
+            redis_errors: c.redis_errors.load(Relaxed),
+        }
+    }
+
+    pub(crate) fn add_claimed(&self, n: u64) {
+        self.0.claimed.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn count_done(&self) {
+        self.0.done.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn count_retried(&self) {
+        self.0.retried.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn count_deferred(&self) {
+        self.0.deferred.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn add_dead(&self, n: u64) {
+        self.0.dead.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn count_lost_lease(&self) {
+        self.0.lost_leases.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn add_recovered(&self, n: u64) {
+        self.0.recovered.fetch_add(n, Relaxed);
+    }
+    pub(crate) fn count_error(&self) {
+        self.0.redis_errors.fetch_add(1, Relaxed);
+    }
+}

@@ -1,0 +1,633 @@
+//! Drives a tower service from a [`Queue`]: the consumer loop that brings
+//! fresh, delayed, retried and deferred messages back into the pipeline.
+//!
+//! # Behavior
+//!
+//! * **Claiming.** The worker claims due messages in batches sized to its
+//!   free capacity (`concurrency` minus handlers running), and keeps claiming
+//!   while batches come back full. Each claimed [`Job`] is passed to the
+//!   service once it is ready (`poll_ready` is respected), in a task of its
+//!   own.
+//! * **Settling.** `Ok` acknowledges the message (deletes it);
+//!   [`Outcome::Deferred`] leaves it where the [`LockLayer`](crate::LockLayer)
+//!   put it; `Err`, or a panic, retries it with backoff, and buries it as a
+//!   dead letter with the error text after `max_attempts`.
+//! * **Leases.** In-flight messages are leased; one timer renews all their
+//!   leases every third of the lease, and recovers messages whose worker
+//!   died (their lease ran out) so another worker takes them.
+//! * **Idle.** With nothing due, the worker sleeps on a tokio timer until the
+//!   next due time, and is woken early by the queue's doorbell when a
+//!   producer adds an earlier message (see [`Waiter`](crate::queue::Waiter)).
+//!   No polling loop; a message due at T starts within milliseconds of T.
+//! * **Faults.** Every Redis error is logged and followed by a jittered
+//!   backoff (100 ms doubling to 5 s); the blocking connection is rebuilt,
+//!   and the queue's connection should be a
+//!   [`ConnectionManager`](redis::aio::ConnectionManager), which reconnects
+//!   by itself. Nothing is lost: a message whose settlement could not be
+//!   written comes back after its lease.
+//! * **Shutdown.** When the shutdown future completes, the worker stops
+//!   claiming, waits up to `shutdown_timeout` for running handlers, then
+//!   cancels the rest and hands their messages back, due now, without
+//!   counting an attempt.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), lockgate::BoxError> {
+//! use lockgate::{BoxError, Job, Queue, Worker};
+//! use tower::service_fn;
+//!
+//! let client = redis::Client::open("redis://127.0.0.1/")?;
+//! let queue: Queue<String> = Queue::new(client.get_connection_manager().await?, "emails")?;
+//! let service = service_fn(|job: Job<String>| async move {
+//!     println!("sending {}", *job);
+//!     Ok::<_, BoxError>(())
+//! });
+//! Worker::new(client, queue, service)
+//!     .concurrency(16)?
+//!     .run_until(tokio::signal::ctrl_c())
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+mod metrics;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower::{Service, ServiceExt};
+use tracing::Instrument;
+
+pub use self::metrics::{Metrics, MetricsSnapshot};
+use crate::BoxError;
+use crate::backoff::Backoff;
+use crate::error::{Error, Result};
+use crate::outcome::Outcome;
+use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue};
+
+/// How a worker reads a service's response: whether the message was
+/// deferred (and is rescheduled already) or done.
+///
+/// Implemented for [`Outcome`] (what a [`LockLayer`](crate::LockLayer)
+/// returns) and for common plain responses, which always mean done. For a
+/// response type of your own, `impl WorkerResponse for MyType {}` says
+/// "done".
+pub trait WorkerResponse {
+    /// The id under which the message was deferred, if it was.
+    fn deferred_as(&self) -> Option<&str> {
+        None
+    }
+}
+
+impl<R> WorkerResponse for Outcome<R> {
+    fn deferred_as(&self) -> Option<&str> {
+        match self {
+            Outcome::Deferred { id, .. } => Some(id),
+            Outcome::Done(_) => None,
+        }
+    }
+}
+
+macro_rules! done_responses {
+    ($($t:ty),*) => {$( impl WorkerResponse for $t {} )*};
+}
+done_responses!(
+    (),
+    bool,
+    String,
+    u8,
+    u16,
+    u32,
+    u64,
+    usize,
+    i8,
+    i16,
+    i32,
+    i64,
+    isize,
+    serde_json::Value
+);
+
+/// Consumes a [`Queue`] through a tower service.
+pub struct Worker<T, C, K, S> {
+    /// Opens the dedicated connection the idle wait blocks on.
+    connector: K,
+    /// The queue to consume.
+    queue: Queue<T, C>,
+    /// The service each job is passed to.
+    service: S,
+    /// Tunables, validated when set.
+    config: Config,
+    /// Counters, shared with [`Worker::metrics`] handles.
+    metrics: Metrics,
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    /// Handlers running at once, at most.
+    concurrency: usize,
+    /// Lease of a claimed message; renewed every third of it.
+    lease: Duration,
+    /// Tries per message before it is buried.
+    max_attempts: u32,
+    /// Deferrals per message before it is buried; `None` for no limit.
+    max_deferrals: Option<u32>,
+    /// Wait before retrying a failed message.
+    retry: Backoff,
+    /// How long shutdown waits for running handlers.
+    shutdown_timeout: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            concurrency: 10,
+            lease: Duration::from_secs(30),
+            max_attempts: 5,
+            max_deferrals: None,
+            retry: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300))
+                .expect("constant arguments are valid")
+                .unlimited_attempts(),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl<T, C, K, S> std::fmt::Debug for Worker<T, C, K, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("queue", &self.queue)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, C, K, S> Worker<T, C, K, S>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+    K: Connector,
+    S: Service<Job<T>> + Send + 'static,
+    S::Response: WorkerResponse + Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    /// A worker for `queue`, passing each job to `service`; `connector` (a
+    /// [`redis::Client`] or a cluster client) opens the connection the idle
+    /// wait blocks on.
+    ///
+    /// Defaults: concurrency 10, lease 30 s, 5 attempts, retries after
+    /// 1 s doubling to 5 min (jittered), unlimited deferrals, 30 s shutdown
+    /// timeout.
+    pub fn new(connector: K, queue: Queue<T, C>, service: S) -> Self {
+        Self {
+            connector,
+            queue,
+            service,
+            config: Config::default(),
+            metrics: Metrics::default(),
+        }
+    }
+
+    /// Handlers running at once, at most. Errors on zero.
+    pub fn concurrency(mut self, n: usize) -> Result<Self> {
+        if n == 0 {
+            return Err(Error::config("worker concurrency must be at least 1"));
+        }
+        self.config.concurrency = n;
+        Ok(self)
+    }
+
+    /// How long a claimed message stays leased without renewal; the worker
+    /// renews every third of it. A message whose worker died is handed to
+    /// another about one lease later. Errors under 30 ms.
+    pub fn lease(mut self, lease: Duration) -> Result<Self> {
+        if lease < Duration::from_millis(30) {
+            return Err(Error::config(format_args!(
+                "worker lease must be at least 30 ms, got {lease:?}"
+            )));
+        }
+        self.config.lease = lease;
+        Ok(self)
+    }
+
+    /// Tries per message, the first included, before it becomes a dead
+    /// letter. Errors on zero.
+    pub fn max_attempts(mut self, n: u32) -> Result<Self> {
+        if n == 0 {
+            return Err(Error::config("max_attempts must be at least 1"));
+        }
+        self.config.max_attempts = n;
+        Ok(self)
+    }
+
+    /// Deferrals (for lock contention) per message before it becomes a dead
+    /// letter instead of being handled again. Counted apart from attempts.
+    pub fn max_deferrals(mut self, n: u32) -> Self {
+        self.config.max_deferrals = Some(n);
+        self
+    }
+
+    /// The wait before a failed message is tried again: the n-th retry waits
+    /// [`Backoff::delay`]`(n - 1)`. The backoff's own attempt limits are not
+    /// used; [`max_attempts`](Self::max_attempts) is.
+    pub fn retry_backoff(mut self, backoff: Backoff) -> Self {
+        self.config.retry = backoff;
+        self
+    }
+
+    /// How long shutdown waits for running handlers before cancelling them
+    /// and handing their messages back.
+    pub fn shutdown_timeout(mut self, d: Duration) -> Self {
+        self.config.shutdown_timeout = d;
+        self
+    }
+
+    /// A handle on the worker's counters, readable while it runs.
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.clone()
+    }
+
+    /// Runs until `shutdown` completes, then shuts down gracefully.
+    ///
+    /// Redis failures never end the loop (they are logged and retried with
+    /// backoff); it returns an error only when the service fails in
+    /// `poll_ready`, which in tower means it can serve no more requests.
+    pub async fn run_until(mut self, shutdown: impl Future) -> Result<()> {
+        warn_on_eviction(&self.queue).await;
+        let shared = Arc::new(Shared {
+            queue: self.queue.clone(),
+            config: self.config.clone(),
+            metrics: self.metrics.clone(),
+            in_flight: Mutex::new(HashMap::new()),
+        });
+        let housekeeping = tokio::spawn(housekeep(shared.clone()));
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let mut tasks = JoinSet::new();
+        let mut waiter = self.queue.waiter(self.connector);
+        let mut failures = 0;
+        let mut next_seq = 0u64;
+        tokio::pin!(shutdown);
+
+        let result = 'run: loop {
+            while tasks.try_join_next().is_some() {}
+            let first = tokio::select! {
+                biased;
+                _ = &mut shutdown => break Ok(()),
+                permit = permits.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break Ok(()),
+                },
+            };
+            let max = (1 + permits.available_permits()).min(MAX_BATCH);
+            let claimed = tokio::select! {
+                biased;
+                _ = &mut shutdown => break Ok(()),
+                claimed = self.queue.claim(max, self.config.lease) => claimed,
+            };
+            let claimed = match claimed {
+                Ok(claimed) => claimed,
+                Err(error) => {
+                    drop(first);
+                    self.metrics.count_error();
+                    if pause_after_error(&error, &mut failures, &mut shutdown).await {
+                        break Ok(());
+                    }
+                    continue;
+                }
+            };
+            failures = 0;
+            let claimed_at = Instant::now();
+            let full = claimed.jobs.len() == max;
+            self.metrics.add_claimed(claimed.jobs.len() as u64);
+            self.metrics.add_dead(claimed.buried as u64);
+            let mut first = Some(first);
+            let mut jobs = claimed.jobs.into_iter();
+            while let Some(job) = jobs.next() {
+                let permit = match first.take() {
+                    Some(permit) => permit,
+                    None => match permits.clone().try_acquire_owned() {
+                        Ok(permit) => permit,
+                        // Only this loop takes permits, and it claimed no
+                        // more than were free; hand the job back regardless.
+                        Err(_) => {
+                            let _ = self.queue.release(&job).await;
+                            continue;
+                        }
+                    },
+                };
+                if let Some(max) = self
+                    .config
+                    .max_deferrals
+                    .filter(|max| job.deferrals() > *max)
+                {
+                    let error = format!(
+                        "deferred {} times (limit {max}): its lock stayed busy",
+                        job.deferrals()
+                    );
+                    shared
+                        .settle(&job.claim_ref().to_token(), Settlement::Bury(error))
+                        .await;
+                    continue;
+                }
+                if let Err(error) = self.service.ready().await {
+                    // The service is broken for good: hand everything back.
+                    let _ = self.queue.release(&job).await;
+                    for job in jobs.by_ref() {
+                        let _ = self.queue.release(&job).await;
+                    }
+                    break 'run Err(Error::Service(error.into()));
+                }
+                let token = job.claim_ref().to_token();
+                let seq = next_seq;
+                next_seq += 1;
+                shared.in_flight().insert(seq, token.clone());
+                let span = tracing::info_span!("job", queue = %self.queue.name(), id = %token.id(), attempt = token.attempt());
+                let call = self.service.call(job);
+                tasks.spawn(handle(shared.clone(), seq, token, call, permit).instrument(span));
+            }
+            if full {
+                continue;
+            }
+            // Nothing more is due: sleep until the next due time, or until
+            // the doorbell rings. The cap is a safety net for a ring taken by
+            // a worker that was busy when it came.
+            let mut deadline = claimed_at + BLOCK;
+            if let Some(next) = claimed.next_due {
+                deadline = deadline.min(claimed_at + next);
+            }
+            let woken = tokio::select! {
+                biased;
+                _ = &mut shutdown => break Ok(()),
+                woken = waiter.wait(Some(deadline)) => woken,
+            };
+            if let Err(error) = woken {
+                self.metrics.count_error();
+                if pause_after_error(&error, &mut failures, &mut shutdown).await {
+                    break Ok(());
+                }
+            }
+        };
+
+        shared.drain(tasks).await;
+        housekeeping.abort();
+        result
+    }
+}
+
+/// State shared by the claim loop, the handler tasks and housekeeping.
+struct Shared<T, C> {
+    queue: Queue<T, C>,
+    config: Config,
+    metrics: Metrics,
+    /// Claims of messages being handled, by task sequence number.
+    in_flight: Mutex<HashMap<u64, ClaimToken>>,
+}
+
+/// What to write back for a handled message.
+enum Settlement {
+    Ack,
+    Retry(String),
+    Bury(String),
+}
+
+impl<T, C> Shared<T, C>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<u64, ClaimToken>> {
+        // A panic while holding this lock cannot leave the map inconsistent
+        // (every operation is a single insert/remove/clone), so poisoning is
+        // ignored.
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes a settlement, retrying Redis errors for about a lease. If it
+    /// still fails, the message comes back when its lease runs out.
+    async fn settle(&self, token: &ClaimToken, settlement: Settlement) {
+        let mut pause = Duration::from_millis(50);
+        let give_up = Instant::now() + self.config.lease;
+        loop {
+            let written = match &settlement {
+                Settlement::Ack => self.queue.ack(token).await,
+                Settlement::Retry(error) => {
+                    let delay = self.config.retry.delay(token.attempt() - 1);
+                    self.queue
+                        .retry(token, delay, error)
+                        .await
+                        .map(|due| due.is_some())
+                }
+                Settlement::Bury(error) => self.queue.bury(token, error).await,
+            };
+            match written {
+                Ok(true) => {
+                    match settlement {
+                        Settlement::Ack => self.metrics.count_done(),
+                        Settlement::Retry(_) => self.metrics.count_retried(),
+                        Settlement::Bury(_) => self.metrics.add_dead(1),
+                    }
+                    return;
+                }
+                Ok(false) => {
+                    self.metrics.count_lost_lease();
+                    tracing::warn!(id = %token.id(), "lease ran out before the message was settled; it is handled again elsewhere");
+                    return;
+                }
+                Err(error) if Instant::now() + pause < give_up => {
+                    self.metrics.count_error();
+                    tracing::warn!(id = %token.id(), %error, "could not settle message; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(error) => {
+                    self.metrics.count_error();
+                    tracing::error!(id = %token.id(), %error, "could not settle message; it comes back after its lease");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits for running handlers up to the shutdown timeout; cancels the
+    /// rest and hands their messages back.
+    async fn drain(&self, mut tasks: JoinSet<()>) {
+        let drained = tokio::time::timeout(self.config.shutdown_timeout, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_ok() {
+            return;
+        }
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, t)| t).collect();
+        let mut handed_back = 0;
+        for token in &unfinished {
+            if let Ok(true) = self.queue.release(token).await {
+                handed_back += 1;
+            }
+        }
+        tracing::info!(queue = %self.queue.name(), handed_back, "shutdown: cancelled handlers that outlived the shutdown timeout");
+    }
+}
+
+/// Runs one handler call and settles its message.
+async fn handle<T, C, R, E>(
+    shared: Arc<Shared<T, C>>,
+    seq: u64,
+    token: ClaimToken,
+    call: impl Future<Output = std::result::Result<R, E>> + Send,
+    _permit: OwnedSemaphorePermit,
+) where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+    R: WorkerResponse,
+    E: Into<BoxError>,
+{
+    let settlement = match AssertUnwindSafe(call).catch_unwind().await {
+        Ok(Ok(response)) => match response.deferred_as() {
+            // Rescheduled in place by the LockLayer: nothing left to do.
+            Some(id) if id == token.id() => {
+                shared.metrics.count_deferred();
+                None
+            }
+            // Copied into another queue: this one is done.
+            Some(_) => {
+                shared.metrics.count_deferred();
+                Some(Settlement::Ack)
+            }
+            None => Some(Settlement::Ack),
+        },
+        Ok(Err(error)) => Some(failure(&shared.config, &token, error_chain(&*error.into()))),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic payload".into());
+            Some(failure(
+                &shared.config,
+                &token,
+                format!("handler panicked: {message}"),
+            ))
+        }
+    };
+    if let Some(settlement) = settlement {
+        shared.settle(&token, settlement).await;
+    }
+    shared.in_flight().remove(&seq);
+}
+
+fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
+    if token.attempt() >= config.max_attempts {
+        tracing::warn!(id = %token.id(), attempt = token.attempt(), %error, "message failed for the last time; burying it");
+        Settlement::Bury(error)
+    } else {
+        tracing::info!(id = %token.id(), attempt = token.attempt(), %error, "message failed; retrying later");
+        Settlement::Retry(error)
+    }
+}
+
+/// An error and its sources, joined with ": ".
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Renews the leases of in-flight messages every third of the lease, and
+/// recovers expired leases of dead workers.
+async fn housekeep<T, C>(shared: Arc<Shared<T, C>>)
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let lease = shared.config.lease;
+    let mut ticks = tokio::time::interval(lease / 3);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let tokens: Vec<ClaimToken> = shared.in_flight().values().cloned().collect();
+        for batch in tokens.chunks(MAX_BATCH) {
+            match shared.queue.extend(batch, lease).await {
+                Ok(held) => {
+                    for (token, held) in batch.iter().zip(held) {
+                        if !held {
+                            shared.metrics.count_lost_lease();
+                            tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
+                        }
+                    }
+                }
+                Err(error) => {
+                    shared.metrics.count_error();
+                    tracing::warn!(%error, "could not renew leases");
+                }
+            }
+        }
+        match shared.queue.recover(shared.config.max_attempts).await {
+            Ok(recovered) => shared
+                .metrics
+                .add_recovered((recovered.requeued + recovered.buried) as u64),
+            Err(error) => {
+                shared.metrics.count_error();
+                tracing::warn!(%error, "could not recover expired leases");
+            }
+        }
+    }
+}
+
+/// Logs a Redis error and sleeps a jittered, growing pause; returns `true`
+/// when shutdown came first.
+async fn pause_after_error(
+    error: &Error,
+    failures: &mut u32,
+    shutdown: &mut (impl Future + Unpin),
+) -> bool {
+    let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5))
+        .expect("constant arguments are valid");
+    // At least half the cap, so that a dead server is not hammered.
+    let cap = backoff.cap(*failures);
+    let pause = cap / 2 + backoff.delay(*failures) / 2;
+    *failures = failures.saturating_add(1);
+    tracing::warn!(%error, ?pause, "redis error in the worker loop; pausing");
+    tokio::select! {
+        biased;
+        _ = shutdown => true,
+        () = tokio::time::sleep(pause) => false,
+    }
+}
+
+/// Warns when the server may evict keys: an evicted queue key loses messages.
+async fn warn_on_eviction<T, C>(queue: &Queue<T, C>)
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut queue.connection().clone())
+        .await;
+    match reply.as_deref() {
+        Ok([_, policy]) if policy != "noeviction" => tracing::warn!(
+            %policy,
+            "the server's maxmemory-policy is not `noeviction`: under memory pressure Redis may evict queue keys and lose messages"
+        ),
+        Ok(_) => {}
+        Err(error) => tracing::debug!(%error, "could not read maxmemory-policy"),
+    }
+}

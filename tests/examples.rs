@@ -1,0 +1,49 @@
+//! Runs every example in `examples/` against a throwaway redis-server and
+//! checks that it succeeds and says something.
+//!
+//! The examples are run through `cargo run --example` (Cargo gives tests no
+//! path to example binaries), one after the other so that the cargo
+//! invocations do not fight over the build directory lock.
+
+use std::process::Command;
+
+use lockgate::testing::RedisServer;
+
+const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing"];
+
+#[test]
+fn every_example_runs() {
+    let server =
+        RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"));
+    for name in EXAMPLES {
+        let output = Command::new(env!("CARGO"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args([
+                "run",
+                "--quiet",
+                "--example",
+                name,
+                "--features",
+                "test-util",
+            ])
+            .env("REDIS_URL", server.url())
+            .output()
+            .unwrap_or_else(|e| panic!("could not run cargo for example {name}: {e}"));
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "example {name} failed with {}\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
+            output.status
+        );
+        let address = format!("127.0.0.1:{}", server.port());
+        assert!(
+            stdout.contains(&address),
+            "example {name} did not say it used {address}\n--- stdout ---\n{stdout}"
+        );
+        assert!(
+            !stdout.trim().is_empty(),
+            "example {name} printed nothing\n--- stderr ---\n{stderr}"
+        );
+    }
+}

@@ -1,0 +1,168 @@
+//! Worker end to end, against real redis-server processes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockgate::testing::RedisServer;
+use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Outcome, Queue, Worker};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tower::ServiceBuilder;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Msg {
+    n: u32,
+    key: String,
+}
+
+type Intervals = Arc<Mutex<HashMap<String, Vec<(Instant, Instant, u32)>>>>;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Asserts recorded hold intervals never overlap per key.
+fn assert_exclusive(intervals: &Intervals) {
+    for (key, list) in intervals.lock().unwrap().iter_mut() {
+        list.sort_by_key(|(start, _, _)| *start);
+        for pair in list.windows(2) {
+            assert!(
+                pair[0].1 <= pair[1].0,
+                "handlers of key {key} overlapped: message {} and {}",
+                pair[0].2,
+                pair[1].2
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let total = 2000;
+    let msgs: Vec<Msg> = (0..total)
+        .map(|n| Msg {
+            n,
+            key: format!("k{}", n % 10),
+        })
+        .collect();
+    queue.push_many(&msgs).await.unwrap();
+
+    let intervals: Intervals = Default::default();
+    let handled: Arc<Mutex<BTreeMap<u32, u32>>> = Default::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    let mut metrics = Vec::new();
+    for _ in 0..2 {
+        // Each worker on its own connection, as in two processes.
+        let conn = server.connection_manager().await.unwrap();
+        let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+        let locker = Locker::new(conn).ttl(Duration::from_secs(5)).unwrap();
+        let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(3);
+        let (intervals, handled) = (intervals.clone(), handled.clone());
+        let service = ServiceBuilder::new()
+            .layer(
+                LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
+                    .on_conflict(OnConflict::retry(backoff).then_defer(queue.clone(), ms(5))),
+            )
+            .service_fn(move |job: Job<Msg>| {
+                let (intervals, handled) = (intervals.clone(), handled.clone());
+                async move {
+                    let start = Instant::now();
+                    tokio::time::sleep(ms(1)).await;
+                    let end = Instant::now();
+                    intervals
+                        .lock()
+                        .unwrap()
+                        .entry(job.key.clone())
+                        .or_default()
+                        .push((start, end, job.n));
+                    *handled.lock().unwrap().entry(job.n).or_default() += 1;
+                    Ok::<_, BoxError>(())
+                }
+            });
+        let worker = Worker::new(server.client(), queue, service)
+            .concurrency(8)
+            .unwrap()
+            .lease(Duration::from_secs(10))
+            .unwrap();
+        metrics.push(worker.metrics());
+        let mut stop = stop_rx.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })));
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handled.lock().unwrap().len() < total as usize {
+        assert!(
+            Instant::now() < deadline,
+            "not every message was handled in time"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+    stop_tx.send(true).unwrap();
+    for worker in workers {
+        worker.await.unwrap().unwrap();
+    }
+
+    let handled = handled.lock().unwrap();
+    assert_eq!(handled.len(), total as usize);
+    assert!(
+        handled.values().all(|&n| n == 1),
+        "a message was handled twice"
+    );
+    assert_exclusive(&intervals);
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    let done: u64 = metrics.iter().map(|m| m.snapshot().done).sum();
+    let deferred: u64 = metrics.iter().map(|m| m.snapshot().deferred).sum();
+    assert_eq!(done, total as u64);
+    println!("done {done}, deferred {deferred}");
+}
+
+#[tokio::test]
+async fn delayed_messages_are_never_early() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let queue: Queue<u32> = Queue::new(conn, "delayed").unwrap();
+    let started: Arc<Mutex<Vec<(u32, std::time::SystemTime, std::time::SystemTime)>>> =
+        Default::default();
+    let log = started.clone();
+    let service = tower::service_fn(move |job: Job<u32>| {
+        let log = log.clone();
+        async move {
+            log.lock()
+                .unwrap()
+                .push((*job, job.due_at(), std::time::SystemTime::now()));
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    for n in 0..20u32 {
+        queue
+            .push_after(n, ms(20 + 15 * u64::from(n)))
+            .await
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while started.lock().unwrap().len() < 20 {
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(ms(10)).await;
+    }
+    stop_tx.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    for (n, due, at) in started.lock().unwrap().iter() {
+        // Same machine, so the server's clock is ours: a handler never starts
+        // before its message is due.
+        assert!(at >= due, "message {n} started before it was due");
+    }
+}
