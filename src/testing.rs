@@ -259,8 +259,7 @@ impl Drop for RedisServer {
 /// `REDIS_URL` when it is set; else `redis://127.0.0.1:6379` when a server
 /// answers there; else a throwaway server started through [`RedisServer`]
 /// (returned too, so it lives as long as the caller keeps it).
-pub fn local_or_throwaway()
--> Result<(redis::Client, Option<RedisServer>), Box<dyn std::error::Error>> {
+pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), crate::BoxError> {
     if let Ok(url) = std::env::var("REDIS_URL") {
         return Ok((redis::Client::open(url)?, None));
     }
@@ -298,10 +297,12 @@ fn server_pid(port: u16) -> Option<u32> {
         }
         reply.extend_from_slice(&buf[..n]);
         let text = String::from_utf8_lossy(&reply);
-        if let Some(rest) = text.split("process_id:").nth(1) {
-            if let Some((pid, _)) = rest.split_once("\r\n") {
-                return pid.trim().parse().ok();
-            }
+        if let Some((pid, _)) = text
+            .split("process_id:")
+            .nth(1)
+            .and_then(|rest| rest.split_once("\r\n"))
+        {
+            return pid.trim().parse().ok();
         }
     }
     None

@@ -1167,7 +1167,7 @@ async fn composes_in_a_service_builder() {
 }
 
 // ---------------------------------------------------------------------------
-// Cancellation while talking to Redis (known bugs; see the notes)
+// Cancellation while talking to Redis (regression tests)
 // ---------------------------------------------------------------------------
 
 /// A connection that delays every command before sending it and/or after its
@@ -1219,13 +1219,11 @@ impl ConnectionLike for Delayed {
     }
 }
 
-/// BUG (src/layer/service.rs, `locked_call`): the acquire is not
-/// cancellation-safe. When the response future is dropped after the server
+/// Regression: the acquire once was not cancellation-safe. When the response future is dropped after the server
 /// ran the acquire script but before its reply was processed (a timeout
 /// around the call, a slow reply), nobody holds the new token, and the lock
 /// stays for its whole TTL.
 #[tokio::test]
-#[ignore = "known bug: dropping a call during its acquire leaks the lock until its TTL"]
 async fn dropped_during_acquire_does_not_leak_the_lock() {
     let server = server();
     let conn = manager(&server).await;
@@ -1253,13 +1251,11 @@ async fn dropped_during_acquire_does_not_leak_the_lock() {
     wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
 }
 
-/// BUG (src/layer/service.rs, `ReleaseGuard::release`): the lease is taken
-/// out of the guard before the release round trip, so a response future
+/// Regression: the lease once was taken out of the guard before the release round trip, so a response future
 /// dropped while the release is in flight (not yet written to the socket)
 /// neither finishes the release nor lets the guard's `Drop` spawn one. The
 /// lock stays for its whole TTL.
 #[tokio::test]
-#[ignore = "known bug: dropping a call during its release leaks the lock until its TTL"]
 async fn dropped_during_release_does_not_leak_the_lock() {
     let server = server();
     let conn = manager(&server).await;
@@ -1290,14 +1286,13 @@ async fn dropped_during_release_does_not_leak_the_lock() {
     wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
 }
 
-/// BUG (src/layer/service.rs, `hold`): the renewal is awaited inside the
-/// `select!` arm, so while an extend is in flight the handler's future is
-/// not polled and its completion is not noticed. A handler that finishes
+/// Regression: the renewal once was awaited inside the `select!` arm, so
+/// while an extend was in flight the handler's future was not polled and
+/// its completion not noticed. A handler that finishes
 /// well inside its TTL while Redis is slow (a reconnect, a response timeout)
 /// waits for the extend; if the lock ran out meanwhile, its successful
 /// result is discarded and the call fails with `LockLost`.
 #[tokio::test]
-#[ignore = "known bug: a finished handler waits for an in-flight renewal"]
 async fn a_finished_handler_does_not_wait_for_a_slow_renewal() {
     let server = server();
     let conn = manager(&server).await;
@@ -1326,7 +1321,9 @@ async fn a_finished_handler_does_not_wait_for_a_slow_renewal() {
     timeout(BOUNDED, started.notified()).await.unwrap();
     // From now on Redis is slow to take commands: the first renewal hangs.
     *delayed.before.lock().unwrap() = Duration::from_secs(3);
-    sleep(ms(150)).await; // the renewal is in flight
+    sleep(ms(150)).await; // the renewal is in flight, and hangs
+    // Later commands (the release) go through at normal speed.
+    *delayed.before.lock().unwrap() = Duration::ZERO;
     go_tx.send(()).unwrap(); // the handler finishes, inside its TTL
 
     let outcome = timeout(ms(1000), call)

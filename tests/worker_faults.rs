@@ -473,7 +473,6 @@ impl tower::Service<Job<u32>> for RateLimited {
 /// leases must be renewed meanwhile, or they are recovered and handled again
 /// (and finally dead-lettered as "lease expired") although nothing failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "src bug: jobs claimed in a batch are not leased-renewed while run_until awaits service.ready(); a back-pressuring service gets them duplicated and dead-lettered"]
 async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
     let server = RedisServer::start().unwrap();
     let queue: Queue<u32> = Queue::new(manager(&server).await, "rate-limited").unwrap();
@@ -515,11 +514,9 @@ async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
         "nothing failed, yet messages were handled again: {handled:?}; {snapshot:?}"
     );
     assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 0), "{snapshot:?}");
-    assert_eq!(
-        (snapshot.done, snapshot.lost_leases),
-        (4, 0),
-        "{snapshot:?}"
-    );
+    // No lease ran out. (`lost_leases` is not asserted here: it has false
+    // positives, see `no_lease_is_reported_lost_when_nothing_failed`.)
+    assert_eq!((snapshot.done, snapshot.recovered), (4, 0), "{snapshot:?}");
 }
 
 // ---------------------------------------------------------------------------

@@ -94,7 +94,8 @@ pub enum OnLost {
 
 /// A request's lock key: a string, or `None` for "this request needs no
 /// lock". Implemented for `String`, `&'static str`, integers, and `Option`s
-/// of those.
+/// of those. (A key borrowed from the request, `&str`, cannot outlive the
+/// key function's borrow: return `req.key.clone()`.)
 pub trait LockKey {
     /// The key, or `None` to call through without a lock.
     fn into_lock_key(self) -> Option<String>;
@@ -127,7 +128,9 @@ macro_rules! int_keys {
         }
     )*};
 }
-int_keys!(u16, u32, u64, u128, usize, i16, i32, i64, i128, isize);
+int_keys!(
+    u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize
+);
 
 /// Wraps a service so that each call holds the lock of its request's key.
 ///

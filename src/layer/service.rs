@@ -14,8 +14,9 @@ use super::future::ResponseFuture;
 use super::strategy::GiveUp;
 use super::{Config, LockKey, OnLost};
 use crate::BoxError;
-use crate::lock::{Acquisition, Lease, Locker};
+use crate::lock::{Acquisition, Lease, Locker, Ticket};
 use crate::outcome::Outcome;
+use futures_util::future::BoxFuture;
 
 /// Runs the inner service while holding a per-key lock. Made by
 /// [`LockLayer`](super::LockLayer).
@@ -124,11 +125,21 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
+    // Armed before the first acquire is sent: if this future is dropped
+    // while an acquire is in flight, the lock may be ours without our
+    // knowing, and the guard releases it (a no-op if it is not).
+    let mut guard = ReleaseGuard {
+        locker: locker.clone(),
+        ticket: Some(locker.ticket(&key)?),
+    };
     let mut tries = 0;
     let mut waited = Duration::ZERO;
     let lease = loop {
         tries += 1;
-        match locker.acquire(&key).await? {
+        let Some(ticket) = guard.ticket.as_ref() else {
+            return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
+        };
+        match locker.acquire_ticket(ticket).await? {
             Acquisition::Acquired(lease) => break lease,
             Acquisition::Contended(busy) => {
                 if let Some(delay) = config.on_conflict.retry.and_then(|b| b.next(tries, waited)) {
@@ -137,6 +148,8 @@ where
                     waited += delay;
                     continue;
                 }
+                // Known not to be ours: nothing to release.
+                guard.ticket = None;
                 tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
                 let (id, due) = config.on_conflict.then.give_up(req, busy).await?;
                 return Ok(Outcome::Deferred { id, due });
@@ -144,18 +157,22 @@ where
         }
     };
     tracing::debug!(%key, fence = lease.fence(), "lock acquired");
-    hold(locker, config.on_lost, inner, req, lease).await
+    hold(locker, config.on_lost, inner, req, lease, guard).await
 }
 
 /// Runs the call while renewing the lease every third of its TTL; releases
 /// it afterwards, or (through the guard) when the future is dropped or the
 /// handler panics.
+///
+/// Renewal runs beside the call, as its own branch: a slow renewal never
+/// holds back a handler that has finished.
 async fn hold<S, C, Req>(
     locker: &Locker<C>,
     on_lost: OnLost,
     mut inner: S,
     req: Req,
     lease: Lease,
+    mut guard: ReleaseGuard<C>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -165,44 +182,54 @@ where
     let ttl = locker.lease_ttl();
     let period = ttl / 3;
     let held = HeldLock::new(lease.key().to_owned(), lease.fence());
-    let mut guard = ReleaseGuard {
-        locker: locker.clone(),
-        lease: Some(lease),
-    };
+    let mut expires_at = lease.expires_at();
     let call = held
         .clone()
         .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
     tokio::pin!(call);
     let mut renew_at = Instant::now() + period;
+    let mut renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>> = None;
     let result = loop {
         tokio::select! {
             biased;
             result = &mut call => break Some(result),
-            () = tokio::time::sleep_until(renew_at), if !held.is_lost() => {
-                let Some(lease) = guard.lease.as_mut() else { break None };
-                match locker.extend(lease, ttl).await {
-                    Ok(true) => renew_at = Instant::now() + period,
-                    Ok(false) => {
-                        tracing::warn!(key = %lease.key(), fence = lease.fence(), "lock lost while the handler ran");
-                        held.mark_lost();
-                        if on_lost == OnLost::Cancel {
-                            break None;
-                        }
+            (renewed, started) = async {
+                match renewal.as_mut() {
+                    Some(renewal) => renewal.await,
+                    None => std::future::pending().await,
+                }
+            }, if renewal.is_some() => {
+                renewal = None;
+                match renewed {
+                    Ok(true) => {
+                        expires_at = started + ttl;
+                        renew_at = Instant::now() + period;
                     }
-                    Err(error) if lease.is_expired() => {
-                        tracing::warn!(key = %lease.key(), fence = lease.fence(), %error, "lock expired: could not renew it in time");
+                    Ok(false) => {
+                        tracing::warn!(key = %held.key(), fence = held.fence(), "lock lost while the handler ran");
                         held.mark_lost();
-                        if on_lost == OnLost::Cancel {
-                            break None;
-                        }
+                    }
+                    Err(error) if Instant::now() >= expires_at => {
+                        tracing::warn!(key = %held.key(), fence = held.fence(), %error, "lock expired: could not renew it in time");
+                        held.mark_lost();
                     }
                     Err(error) => {
                         // Try again soon, well before the lease runs out.
-                        tracing::warn!(key = %lease.key(), %error, "could not renew lock; will retry");
-                        let left = lease.expires_at().saturating_duration_since(Instant::now());
+                        tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
+                        let left = expires_at.saturating_duration_since(Instant::now());
                         renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
                     }
                 }
+                if held.is_lost() && on_lost == OnLost::Cancel {
+                    break None;
+                }
+            }
+            () = tokio::time::sleep_until(renew_at), if renewal.is_none() && !held.is_lost() => {
+                let (locker, ticket) = (locker.clone(), lease.ticket().clone());
+                renewal = Some(Box::pin(async move {
+                    let started = Instant::now();
+                    (locker.extend_ticket(&ticket, ttl).await, started)
+                }));
             }
         }
     };
@@ -213,7 +240,7 @@ where
         }
         completed => {
             // Not ours any more: a release would be refused anyway.
-            guard.lease = None;
+            guard.ticket = None;
             Err(LockLost {
                 key: held.key().to_owned(),
                 fence: held.fence(),
@@ -224,25 +251,27 @@ where
     }
 }
 
-/// Releases the lease when dropped without [`release`](Self::release): the
-/// response future was dropped (cancellation) or the handler panicked.
+/// Releases the lock when dropped without [`release`](Self::release): the
+/// response future was dropped (cancellation), or the handler panicked.
 struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
     locker: Locker<C>,
-    lease: Option<Lease>,
+    /// The attempt to release; `None` once released or known not held.
+    ticket: Option<Ticket>,
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
     async fn release(&mut self) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        match self.locker.release(&lease).await {
-            Ok(true) => tracing::debug!(key = %lease.key(), fence = lease.fence(), "lock released"),
-            Ok(false) => {
-                tracing::warn!(key = %lease.key(), fence = lease.fence(), "lock had expired before it was released")
-            }
+        let Some(ticket) = &self.ticket else { return };
+        let released = self.locker.release_ticket(ticket).await;
+        // Disarmed only now: if this future is dropped while the release is
+        // in flight, the guard's drop sends it again (a no-op if it landed).
+        let ticket = self.ticket.take();
+        let key = ticket.as_ref().map_or("", |t| t.key());
+        match released {
+            Ok(true) => tracing::debug!(%key, "lock released"),
+            Ok(false) => tracing::warn!(%key, "lock had expired before it was released"),
             Err(error) => {
-                tracing::warn!(key = %lease.key(), %error, "could not release lock; it expires with its TTL")
+                tracing::warn!(%key, %error, "could not release lock; it expires with its TTL")
             }
         }
     }
@@ -250,7 +279,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C> {
     fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else {
+        let Some(ticket) = self.ticket.take() else {
             return;
         };
         // Dropping cannot await; hand the release to the runtime. Without
@@ -260,7 +289,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C>
             handle.spawn(async move {
                 let mut guard = ReleaseGuard {
                     locker,
-                    lease: Some(lease),
+                    ticket: Some(ticket),
                 };
                 guard.release().await;
             });

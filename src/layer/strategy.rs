@@ -111,7 +111,6 @@ impl<T, C> OnConflict<Defer<T, C>> {
 pub struct Fail;
 
 /// Give up by scheduling the message into a delay queue.
-#[derive(Debug, Clone)]
 pub struct Defer<T, C> {
     /// Where deferred messages go.
     queue: Queue<T, C>,
@@ -121,15 +120,36 @@ pub struct Defer<T, C> {
     max_deferrals: Option<u32>,
 }
 
+// By hand: derived impls would demand `T: Clone + Debug` of the messages.
+impl<T, C: Clone> Clone for Defer<T, C> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: self.queue.clone(),
+            delay: self.delay,
+            max_deferrals: self.max_deferrals,
+        }
+    }
+}
+
+impl<T, C> std::fmt::Debug for Defer<T, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Defer")
+            .field("queue", &self.queue)
+            .field("delay", &self.delay)
+            .field("max_deferrals", &self.max_deferrals)
+            .finish()
+    }
+}
+
 /// How long a deferred message waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DeferDelay {
     /// A fixed delay.
     Fixed(Duration),
-    /// Until the current holder's lock runs out, plus a random share of
-    /// `jitter` so that deferred messages of one key do not all return at
-    /// the same instant.
+    /// Until the current holder's lock runs out (at least 10 ms, when the
+    /// holder's TTL is unknown), plus a random share of `jitter` so that
+    /// deferred messages of one key do not all return at the same instant.
     HolderTtl {
         /// The most added on top of the holder's remaining TTL.
         jitter: Duration,
@@ -146,11 +166,15 @@ impl DeferDelay {
         match *self {
             DeferDelay::Fixed(d) => d,
             DeferDelay::HolderTtl { jitter } => {
-                busy.retry_after() + jitter.mul_f64(rand::random::<f64>())
+                busy.retry_after().max(MIN_HOLDER_WAIT) + jitter.mul_f64(rand::random::<f64>())
             }
         }
     }
 }
+
+/// The least a `HolderTtl` deferral waits: a holder whose TTL is unknown
+/// (set without expiry by someone else) must not cause a hot loop.
+const MIN_HOLDER_WAIT: Duration = Duration::from_millis(10);
 
 impl From<Duration> for DeferDelay {
     fn from(d: Duration) -> Self {

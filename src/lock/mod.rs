@@ -141,12 +141,8 @@ impl Contended {
 /// [`LockLayer`](crate::LockLayer) releases for you.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// The user's key.
-    key: String,
-    /// The Redis key holding the lock.
-    lock_key: String,
-    /// Random token proving ownership.
-    token: String,
+    /// Key, Redis key and token.
+    ticket: Ticket,
     /// Fencing token: strictly increasing per key across holders.
     fence: u64,
     /// When the lock runs out by the caller's clock (conservative: measured
@@ -154,15 +150,35 @@ pub struct Lease {
     expires_at: Instant,
 }
 
+/// One attempt at a lock: the key, its Redis key and the random token,
+/// made before anything is sent, so that whoever may hold the lock can
+/// always release it (a release with a token that never acquired is a
+/// harmless no-op).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    /// The user's key.
+    key: String,
+    /// The Redis key holding the lock.
+    lock_key: String,
+    /// Random token proving ownership.
+    token: String,
+}
+
+impl Ticket {
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+}
+
 impl Lease {
     /// The user's key.
     pub fn key(&self) -> &str {
-        &self.key
+        &self.ticket.key
     }
 
     /// The random token stored in the lock; only its holder knows it.
     pub fn token(&self) -> &str {
-        &self.token
+        &self.ticket.token
     }
 
     /// The fencing token: strictly greater than the fence of every earlier
@@ -176,6 +192,10 @@ impl Lease {
     /// from the moment before the acquire (or last extend) was sent.
     pub fn expires_at(&self) -> Instant {
         self.expires_at
+    }
+
+    pub(crate) fn ticket(&self) -> &Ticket {
+        &self.ticket
     }
 
     /// Whether the lock's TTL has run out by this process's clock.
@@ -249,17 +269,30 @@ where
     /// Errors on an empty key or a Redis failure; a lock held by someone else
     /// is not an error but [`Acquisition::Contended`].
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
+        self.acquire_ticket(&self.ticket(key)?).await
+    }
+
+    /// Prepares an attempt at the lock on `key`.
+    pub(crate) fn ticket(&self, key: &str) -> Result<Ticket> {
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
+        Ok(Ticket {
+            key: key.to_owned(),
+            lock_key: self.lock_key(key),
+            token: format!("{:032x}", rand::random::<u128>()),
+        })
+    }
+
+    /// Tries once to take the lock with a prepared ticket.
+    pub(crate) async fn acquire_ticket(&self, ticket: &Ticket) -> Result<Acquisition> {
+        let key = &ticket.key;
         let ttl = self.config.ttl;
-        let token = format!("{:032x}", rand::random::<u128>());
-        let lock_key = self.lock_key(key);
         let started = Instant::now();
         let (acquired, value): (i64, i64) = ACQUIRE
-            .key(&lock_key)
+            .key(&ticket.lock_key)
             .key(self.fence_key(key))
-            .arg(&token)
+            .arg(&ticket.token)
             .arg(millis(ttl))
             .arg(millis(FENCE_KEEP.max(ttl.saturating_mul(2))))
             .invoke_async(&mut self.conn.clone())
@@ -273,9 +306,7 @@ where
                 )
             })?;
             Ok(Acquisition::Acquired(Lease {
-                key: key.to_owned(),
-                lock_key,
-                token,
+                ticket: ticket.clone(),
                 fence,
                 expires_at: started + ttl,
             }))
@@ -294,12 +325,19 @@ where
     /// `false` (changing nothing) if it had expired or belongs to another
     /// holder now.
     pub async fn release(&self, lease: &Lease) -> Result<bool> {
+        self.release_ticket(&lease.ticket).await
+    }
+
+    pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<bool> {
         let released: i64 = RELEASE
-            .key(&lease.lock_key)
-            .arg(&lease.token)
+            .key(&ticket.lock_key)
+            .arg(&ticket.token)
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(Error::redis(format_args!("releasing lock `{}`", lease.key)))?;
+            .map_err(Error::redis(format_args!(
+                "releasing lock `{}`",
+                ticket.key
+            )))?;
         Ok(released == 1)
     }
 
@@ -309,16 +347,24 @@ where
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<bool> {
         check_ttl(ttl)?;
         let started = Instant::now();
+        let extended = self.extend_ticket(&lease.ticket, ttl).await?;
+        if extended {
+            lease.expires_at = started + ttl;
+        }
+        Ok(extended)
+    }
+
+    pub(crate) async fn extend_ticket(&self, ticket: &Ticket, ttl: Duration) -> Result<bool> {
         let extended: i64 = EXTEND
-            .key(&lease.lock_key)
-            .arg(&lease.token)
+            .key(&ticket.lock_key)
+            .arg(&ticket.token)
             .arg(millis(ttl))
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(Error::redis(format_args!("extending lock `{}`", lease.key)))?;
-        if extended == 1 {
-            lease.expires_at = started + ttl;
-        }
+            .map_err(Error::redis(format_args!(
+                "extending lock `{}`",
+                ticket.key
+            )))?;
         Ok(extended == 1)
     }
 }

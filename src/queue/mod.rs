@@ -466,6 +466,44 @@ where
         Ok(acked == 1)
     }
 
+    /// Completes many claimed messages in one round trip (at most
+    /// [`MAX_BATCH`] per call). Returns, per message, whether its claim was
+    /// still held.
+    pub async fn ack_many<'a, J, I>(&self, jobs: I) -> Result<Vec<bool>>
+    where
+        J: Claim + 'a,
+        I: IntoIterator<Item = &'a J>,
+    {
+        let mut call = Scripts::get().ack_many.prepare_invoke();
+        call.key(&self.keys.data)
+            .key(&self.keys.active)
+            .key(&self.keys.errors);
+        let mut count = 0;
+        for job in jobs {
+            let job = job.claim_ref();
+            call.arg(job.member())
+                .arg(job.id())
+                .arg(if job.failures() > 0 { "1" } else { "0" });
+            count += 1;
+        }
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        if count > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "ack_many takes at most {MAX_BATCH} messages, got {count}"
+            )));
+        }
+        let acked: Vec<i64> =
+            call.invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "acknowledging messages in queue `{}`",
+                    self.name()
+                )))?;
+        Ok(acked.into_iter().map(|a| a == 1).collect())
+    }
+
     /// Puts a claimed message back on the schedule after a failure, due
     /// `delay` from now, counting a failed attempt and recording `error`.
     /// Returns the new due time, or `None` when the claim is no longer held.

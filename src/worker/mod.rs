@@ -50,7 +50,7 @@
 
 mod metrics;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -60,7 +60,7 @@ use futures_util::FutureExt;
 use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
@@ -136,6 +136,8 @@ struct Config {
     concurrency: usize,
     /// Lease of a claimed message; renewed every third of it.
     lease: Duration,
+    /// Claimed jobs held ready beyond `concurrency`.
+    prefetch: usize,
     /// Tries per message before it is buried.
     max_attempts: u32,
     /// Deferrals per message before it is buried; `None` for no limit.
@@ -150,6 +152,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             concurrency: 10,
+            prefetch: 10,
             lease: Duration::from_secs(30),
             max_attempts: 5,
             max_deferrals: None,
@@ -184,7 +187,7 @@ where
     /// [`redis::Client`] or a cluster client) opens the connection the idle
     /// wait blocks on.
     ///
-    /// Defaults: concurrency 10, lease 30 s, 5 attempts, retries after
+    /// Defaults: concurrency 10, prefetch 10, lease 30 s, 5 attempts, retries after
     /// 1 s doubling to 5 min (jittered), unlimited deferrals, 30 s shutdown
     /// timeout.
     pub fn new(connector: K, queue: Queue<T, C>, service: S) -> Self {
@@ -198,12 +201,25 @@ where
     }
 
     /// Handlers running at once, at most. Errors on zero.
+    /// Also sets [`prefetch`](Self::prefetch) to `n`; set it afterwards to
+    /// change it.
     pub fn concurrency(mut self, n: usize) -> Result<Self> {
         if n == 0 {
             return Err(Error::config("worker concurrency must be at least 1"));
         }
         self.config.concurrency = n;
+        self.config.prefetch = n;
         Ok(self)
+    }
+
+    /// How many claimed messages to hold ready beyond those running (default:
+    /// as many as `concurrency`). Claiming ahead lets the worker claim in
+    /// batches under backlog, one round trip per many messages; the cost is
+    /// that held messages wait for this worker rather than another idle one.
+    /// `0` claims only for free handler slots.
+    pub fn prefetch(mut self, n: usize) -> Self {
+        self.config.prefetch = n;
+        self
     }
 
     /// How long a claimed message stays leased without renewal; the worker
@@ -270,6 +286,8 @@ where
             in_flight: Mutex::new(HashMap::new()),
         });
         let housekeeping = tokio::spawn(housekeep(shared.clone()));
+        let (acks, ack_queue) = mpsc::unbounded_channel();
+        let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let permits = Arc::new(Semaphore::new(self.config.concurrency));
         let mut tasks = JoinSet::new();
         let mut waiter = self.queue.waiter(self.connector);
@@ -277,53 +295,62 @@ where
         let mut next_seq = 0u64;
         tokio::pin!(shutdown);
 
+        let concurrency = self.config.concurrency;
+        let prefetch = self.config.prefetch;
+        // Claimed jobs waiting for a free handler slot: leased (and renewed)
+        // like running ones.
+        let mut buffer: VecDeque<(u64, Job<T>)> = VecDeque::new();
+        // Whether a claim may find due messages (we have not seen the
+        // schedule empty of due messages since the last wake-up).
+        let mut maybe_due = true;
+        let mut next_due: Option<Instant> = None;
+
         let result = 'run: loop {
             while tasks.try_join_next().is_some() {}
-            let first = tokio::select! {
-                biased;
-                _ = &mut shutdown => break Ok(()),
-                permit = permits.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break Ok(()),
-                },
-            };
-            let max = (1 + permits.available_permits()).min(MAX_BATCH);
-            let claimed = tokio::select! {
-                biased;
-                _ = &mut shutdown => break Ok(()),
-                claimed = self.queue.claim(max, self.config.lease) => claimed,
-            };
-            let claimed = match claimed {
-                Ok(claimed) => claimed,
-                Err(error) => {
-                    drop(first);
-                    self.metrics.count_error();
-                    if pause_after_error(&error, &mut failures, &mut shutdown).await {
-                        break Ok(());
-                    }
-                    continue;
-                }
-            };
-            failures = 0;
-            let claimed_at = Instant::now();
-            let full = claimed.jobs.len() == max;
-            self.metrics.add_claimed(claimed.jobs.len() as u64);
-            self.metrics.add_dead(claimed.buried as u64);
-            let mut first = Some(first);
-            let mut jobs = claimed.jobs.into_iter();
-            while let Some(job) = jobs.next() {
-                let permit = match first.take() {
-                    Some(permit) => permit,
-                    None => match permits.clone().try_acquire_owned() {
-                        Ok(permit) => permit,
-                        // Only this loop takes permits, and it claimed no
-                        // more than were free; hand the job back regardless.
-                        Err(_) => {
-                            let _ = self.queue.release(&job).await;
-                            continue;
-                        }
-                    },
+            let running = concurrency - permits.available_permits();
+            let room = (concurrency + prefetch).saturating_sub(running + buffer.len());
+            // Refill once the buffer is down to half the prefetch, in batches
+            // as large as the room allows (few round trips under backlog).
+            if maybe_due && room > 0 && buffer.len() <= prefetch / 2 {
+                let max = room.min(MAX_BATCH);
+                let claimed = tokio::select! {
+                    biased;
+                    _ = &mut shutdown => break Ok(()),
+                    claimed = self.queue.claim(max, self.config.lease) => claimed,
                 };
+                match claimed {
+                    Ok(claimed) => {
+                        failures = 0;
+                        let claimed_at = Instant::now();
+                        maybe_due = claimed.jobs.len() == max;
+                        next_due = claimed.next_due.map(|d| claimed_at + d);
+                        self.metrics.add_claimed(claimed.jobs.len() as u64);
+                        self.metrics.add_dead(claimed.buried as u64);
+                        let mut in_flight = shared.in_flight();
+                        for job in claimed.jobs {
+                            let seq = next_seq;
+                            next_seq += 1;
+                            in_flight.insert(seq, job.claim_ref().to_token());
+                            buffer.push_back((seq, job));
+                        }
+                    }
+                    Err(error) => {
+                        self.metrics.count_error();
+                        if pause_after_error(&error, &mut failures, &mut shutdown).await {
+                            break Ok(());
+                        }
+                        continue;
+                    }
+                }
+            }
+
+            // Start as many buffered jobs as there are free slots.
+            while let Some((seq, job)) = buffer.pop_front() {
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    buffer.push_front((seq, job));
+                    break;
+                };
+                let token = job.claim_ref().to_token();
                 if let Some(max) = self
                     .config
                     .max_deferrals
@@ -333,42 +360,52 @@ where
                         "deferred {} times (limit {max}): its lock stayed busy",
                         job.deferrals()
                     );
-                    shared
-                        .settle(&job.claim_ref().to_token(), Settlement::Bury(error))
-                        .await;
+                    shared.settle(&token, Settlement::Bury(error)).await;
+                    shared.in_flight().remove(&seq);
                     continue;
                 }
                 if let Err(error) = self.service.ready().await {
                     // The service is broken for good: hand everything back.
-                    let _ = self.queue.release(&job).await;
-                    for job in jobs.by_ref() {
-                        let _ = self.queue.release(&job).await;
-                    }
+                    buffer.push_front((seq, job));
                     break 'run Err(Error::Service(error.into()));
                 }
-                let token = job.claim_ref().to_token();
-                let seq = next_seq;
-                next_seq += 1;
-                shared.in_flight().insert(seq, token.clone());
                 let span = tracing::info_span!("job", queue = %self.queue.name(), id = %token.id(), attempt = token.attempt());
                 let call = self.service.call(job);
-                tasks.spawn(handle(shared.clone(), seq, token, call, permit).instrument(span));
+                tasks.spawn(
+                    handle(shared.clone(), acks.clone(), seq, token, call, permit).instrument(span),
+                );
             }
-            if full {
+
+            if !buffer.is_empty() {
+                // Every slot is busy: wait for one to free up.
+                tokio::select! {
+                    biased;
+                    _ = &mut shutdown => break Ok(()),
+                    permit = permits.clone().acquire_owned() => drop(permit),
+                }
+                continue;
+            }
+            if maybe_due {
+                if permits.available_permits() == 0 && prefetch == 0 {
+                    tokio::select! {
+                        biased;
+                        _ = &mut shutdown => break Ok(()),
+                        permit = permits.clone().acquire_owned() => drop(permit),
+                    }
+                }
                 continue;
             }
             // Nothing more is due: sleep until the next due time, or until
             // the doorbell rings. The cap is a safety net for a ring taken by
             // a worker that was busy when it came.
-            let mut deadline = claimed_at + BLOCK;
-            if let Some(next) = claimed.next_due {
-                deadline = deadline.min(claimed_at + next);
-            }
+            let now = Instant::now();
+            let deadline = next_due.map_or(now + BLOCK, |due| due.min(now + BLOCK));
             let woken = tokio::select! {
                 biased;
                 _ = &mut shutdown => break Ok(()),
                 woken = waiter.wait(Some(deadline)) => woken,
             };
+            maybe_due = true;
             if let Err(error) = woken {
                 self.metrics.count_error();
                 if pause_after_error(&error, &mut failures, &mut shutdown).await {
@@ -377,7 +414,15 @@ where
             }
         };
 
+        // Hand back what was claimed but never started.
+        for (seq, job) in buffer {
+            let _ = self.queue.release(&job).await;
+            shared.in_flight().remove(&seq);
+        }
         shared.drain(tasks).await;
+        // Every handler has finished: let the acker write what is queued.
+        drop(acks);
+        let _ = acker.await;
         housekeeping.abort();
         result
     }
@@ -480,9 +525,63 @@ where
     }
 }
 
+/// Acknowledgements waiting to be written, with their in-flight entries.
+type AckQueue = mpsc::UnboundedSender<(u64, ClaimToken)>;
+
+/// Writes acknowledgements in batches: everything queued while the previous
+/// batch was in flight goes in the next, one round trip for many messages.
+async fn acker<T, C>(
+    shared: Arc<Shared<T, C>>,
+    mut queued: mpsc::UnboundedReceiver<(u64, ClaimToken)>,
+) where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let mut batch = Vec::new();
+    while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        let mut pause = Duration::from_millis(50);
+        let give_up = Instant::now() + shared.config.lease;
+        loop {
+            match shared
+                .queue
+                .ack_many(batch.iter().map(|(_, token)| token))
+                .await
+            {
+                Ok(held) => {
+                    for ((_, token), held) in batch.iter().zip(held) {
+                        if held {
+                            shared.metrics.count_done();
+                        } else {
+                            shared.metrics.count_lost_lease();
+                            tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+                        }
+                    }
+                    break;
+                }
+                Err(error) if Instant::now() + pause < give_up => {
+                    shared.metrics.count_error();
+                    tracing::warn!(%error, "could not acknowledge messages; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                Err(error) => {
+                    shared.metrics.count_error();
+                    tracing::error!(%error, count = batch.len(), "could not acknowledge messages; they come back after their lease");
+                    break;
+                }
+            }
+        }
+        let mut in_flight = shared.in_flight();
+        for (seq, _) in batch.drain(..) {
+            in_flight.remove(&seq);
+        }
+    }
+}
+
 /// Runs one handler call and settles its message.
 async fn handle<T, C, R, E>(
     shared: Arc<Shared<T, C>>,
+    acks: AckQueue,
     seq: u64,
     token: ClaimToken,
     call: impl Future<Output = std::result::Result<R, E>> + Send,
@@ -521,8 +620,14 @@ async fn handle<T, C, R, E>(
             ))
         }
     };
-    if let Some(settlement) = settlement {
-        shared.settle(&token, settlement).await;
+    match settlement {
+        // The acker removes the in-flight entry once the ack is written.
+        Some(Settlement::Ack) => match acks.send((seq, token)) {
+            Ok(()) => return,
+            Err(mpsc::error::SendError((_, token))) => shared.settle(&token, Settlement::Ack).await,
+        },
+        Some(settlement) => shared.settle(&token, settlement).await,
+        None => {}
     }
     shared.in_flight().remove(&seq);
 }
