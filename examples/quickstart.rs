@@ -1,26 +1,37 @@
-//! Two tasks contend for the lock on one key.
+//! lockgate in one file: a producer, a worker, and a per-account lock.
 //!
-//! The first takes the lock and works for a moment; the second is told the
-//! key is busy and for how long, waits until the lock is released (or its TTL
-//! runs out), then takes it with a higher fencing token.
+//! Orders for the same account must never be handled at the same time. Six
+//! orders are pushed to a Redis queue (one of them delayed by half a
+//! second); a `Worker` with four handler slots takes them, and a `LockLayer`
+//! holds a lock per account around the handler. When an account is busy, the
+//! order retries briefly, then is deferred back into the queue for 200 ms,
+//! and the worker brings it back then.
 //!
 //! ```text
 //! cargo run --example quickstart --features test-util
-//! REDIS_URL=redis://my-redis:6379/ cargo run --example quickstart --features test-util
 //! ```
 //!
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started.
+//! server answers there, else a throwaway `redis-server` is started. The
+//! example only touches keys under `lockgate:{quickstart-orders}` and
+//! `lockgate:lock:`/`lockgate:fence:`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockgate::{Acquisition, Lease, Locker};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tokio::sync::{Notify, oneshot};
-use tokio::time::sleep;
+use lockgate::{Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tower::ServiceBuilder;
 
-const KEY: &str = "account-42";
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    id: u32,
+    account: String,
+}
+
+/// One line per handled order, for the summary.
+type Log = Arc<Mutex<Vec<String>>>;
 
 #[tokio::main]
 async fn main() {
@@ -30,89 +41,96 @@ async fn main() {
     }
 }
 
-async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    // Keep `server` alive until the end: a throwaway server dies with it.
-    let (client, server) = lockgate::testing::local_or_throwaway()?;
-    let address = client.get_connection_info().addr().to_string();
-    match (&server, std::env::var("REDIS_URL")) {
-        (Some(_), _) => println!("using a throwaway redis-server at {address}"),
-        (None, Ok(_)) => println!("using REDIS_URL: {address}"),
-        (None, Err(_)) => println!("using the local Redis at {address}"),
+async fn run() -> Result<(), BoxError> {
+    let (client, _server) = lockgate::testing::local_or_throwaway()?;
+    match &_server {
+        Some(server) => println!("started a throwaway redis-server on port {}", server.port()),
+        None => println!("using Redis at {}", client.get_connection_info().addr()),
     }
+    let conn = client.get_connection_manager().await?;
 
-    // A ConnectionManager reconnects by itself. Two retries keep this
-    // example from waiting long when Redis is unreachable.
-    let config = ConnectionManagerConfig::new().set_number_of_retries(2);
-    let conn = ConnectionManager::new_with_config(client, config)
-        .await
-        .map_err(|e| format!("could not connect to Redis at {address}: {e}"))?;
+    let queue: Queue<Order> = Queue::new(conn.clone(), "quickstart-orders")?;
+    queue.purge().await?; // a clean start for the example's own queue
+
+    // The lock: one per account, 2 s TTL (renewed while a handler runs long).
     let locker = Locker::new(conn).ttl(Duration::from_secs(2))?;
+    let ms = Duration::from_millis;
+    let strategy = OnConflict::retry(Backoff::exponential(ms(5), ms(50))?.max_attempts(3))
+        .then_defer(queue.clone(), ms(200));
 
-    let released = Arc::new(Notify::new());
-    let (holding_tx, holding_rx) = oneshot::channel();
+    let log: Log = Default::default();
+    let started = Instant::now();
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locker, |job: &Job<Order>| job.account.clone()).on_conflict(strategy))
+        .service_fn({
+            let log = log.clone();
+            move |job: Job<Order>| handle(job, log.clone(), started)
+        });
 
-    let first = tokio::spawn({
-        let (locker, released) = (locker.clone(), released.clone());
+    // The producer: three orders for alice, two for bob, one delayed for carol.
+    let orders = [
+        (1, "alice"),
+        (2, "alice"),
+        (3, "bob"),
+        (4, "alice"),
+        (5, "bob"),
+    ];
+    queue
+        .push_many(orders.map(|(id, account)| Order {
+            id,
+            account: account.into(),
+        }))
+        .await?;
+    let carol = Order {
+        id: 6,
+        account: "carol".into(),
+    };
+    queue.push_after(carol, Duration::from_millis(500)).await?;
+    println!("pushed 6 orders (order 6 is due in 500 ms)\n");
+
+    // The worker runs until every order was handled (or 20 s passed).
+    let worker = Worker::new(client, queue.clone(), service).concurrency(4)?;
+    let metrics = worker.metrics();
+    let done = {
+        let log = log.clone();
         async move {
-            let lease = acquire(&locker, "first", &released).await?;
-            let _ = holding_tx.send(());
-            println!("[first] working for 500 ms ...");
-            sleep(Duration::from_millis(500)).await;
-            let still_mine = locker.release(&lease).await?;
-            println!("[first] released the lock (still ours: {still_mine})");
-            released.notify_one();
-            Ok::<u64, lockgate::Error>(lease.fence())
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while log.lock().map(|l| l.len()).unwrap_or(0) < 6 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
-    });
+    };
+    worker.run_until(done).await?;
 
-    let second = tokio::spawn({
-        let (locker, released) = (locker.clone(), released.clone());
-        async move {
-            // Start only once the first task holds the lock.
-            let _ = holding_rx.await;
-            let lease = acquire(&locker, "second", &released).await?;
-            locker.release(&lease).await?;
-            println!("[second] released the lock");
-            Ok::<u64, lockgate::Error>(lease.fence())
-        }
-    });
-
-    let first_fence = first.await??;
-    let second_fence = second.await??;
-    println!("fences: first {first_fence} < second {second_fence}");
+    let m = metrics.snapshot();
+    println!(
+        "\nsummary: {} handled, {} deferrals while an account was busy, {} retried, {} dead",
+        m.done, m.deferred, m.retried, m.dead
+    );
+    let stats = queue.stats().await?;
+    println!(
+        "queue afterwards: {} due, {} later, {} active, {} dead",
+        stats.due, stats.later, stats.active, stats.dead
+    );
     Ok(())
 }
 
-/// Takes the lock on [`KEY`], waiting while someone else holds it: until the
-/// holder's TTL would run out (`retry_after`) or until it says it released.
-async fn acquire(
-    locker: &Locker<ConnectionManager>,
-    who: &str,
-    released: &Notify,
-) -> lockgate::Result<Lease> {
-    loop {
-        match locker.acquire(KEY).await? {
-            Acquisition::Acquired(lease) => {
-                println!("[{who}] acquired `{KEY}`, fence {}", lease.fence());
-                return Ok(lease);
-            }
-            Acquisition::Contended(busy) => {
-                println!(
-                    "[{who}] `{}` is held by someone else; retry after {:?}",
-                    busy.key(),
-                    busy.retry_after()
-                );
-                // `retry_after` is zero when unknown: never spin on it.
-                let wait = busy.retry_after().max(Duration::from_millis(50));
-                tokio::select! {
-                    () = sleep(wait) => {
-                        println!("[{who}] waited out the holder's TTL, retrying");
-                    }
-                    () = released.notified() => {
-                        println!("[{who}] the holder released, retrying");
-                    }
-                }
-            }
-        }
+/// The business logic: runs while its account's lock is held.
+async fn handle(job: Job<Order>, log: Log, started: Instant) -> Result<(), BoxError> {
+    let fence = HeldLock::current().map_or(0, |lock| lock.fence());
+    let at = started.elapsed().as_millis();
+    // Work that must not overlap with other work on the same account.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let line = format!(
+        "{at:>5} ms  order {} for {:<5}  attempt {}, deferred {} times, fence {fence}",
+        job.id,
+        job.account,
+        job.attempt(),
+        job.deferrals(),
+    );
+    println!("{line}");
+    if let Ok(mut log) = log.lock() {
+        log.push(line);
     }
+    Ok(())
 }

@@ -85,6 +85,17 @@ impl Backoff {
         cap.mul_f64(rand::random::<f64>())
     }
 
+    /// The longest all waits together may take: `max_elapsed` if set, else
+    /// the sum of the caps of the waits `max_attempts` allows; `None` when
+    /// neither bounds it.
+    pub fn budget(&self) -> Option<Duration> {
+        if let Some(limit) = self.max_elapsed {
+            return Some(limit);
+        }
+        let attempts = self.max_attempts?;
+        Some((0..attempts.saturating_sub(1)).map(|n| self.cap(n)).sum())
+    }
+
     /// The wait before try `tried + 1`, having tried `tried` times and waited
     /// `waited` so far; `None` when the limits say stop.
     pub fn next(&self, tried: u32, waited: Duration) -> Option<Duration> {

@@ -256,11 +256,11 @@ impl Drop for RedisServer {
 
 /// Where an example or a manual try should find Redis.
 ///
-/// `REDIS_URL` when it is set; else `redis://127.0.0.1:6379` when a server
+/// `REDIS_URL` when it is set (and not empty); else `redis://127.0.0.1:6379` when a server
 /// answers there; else a throwaway server started through [`RedisServer`]
 /// (returned too, so it lives as long as the caller keeps it).
 pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), crate::BoxError> {
-    if let Ok(url) = std::env::var("REDIS_URL") {
+    if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
         return Ok((redis::Client::open(url)?, None));
     }
     if ping(6379) {

@@ -641,7 +641,8 @@ async fn retry_counts_failures_records_errors_and_respects_its_delay() {
     let dead = q.dead_letters(0, -1).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, id);
-    assert_eq!(dead[0].failures, 3);
+    // Three retries and the final failure that buried it.
+    assert_eq!(dead[0].failures, 4);
     assert_eq!(dead[0].error.as_deref(), Some("boom 4, giving up"));
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(3));
 
@@ -766,8 +767,9 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_eq!(
         listed,
         [
-            ("a", 1, Some("a is hopeless")),
-            ("b", 0, Some("b is hopeless"))
+            // `bury` counts the delivery it ends as a failed attempt.
+            ("a", 2, Some("a is hopeless")),
+            ("b", 1, Some("b is hopeless"))
         ]
     );
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(0));

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockgate::testing::RedisServer;
-use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Outcome, Queue, Worker};
+use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
@@ -109,12 +109,14 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         worker.await.unwrap().unwrap();
     }
 
-    let handled = handled.lock().unwrap();
-    assert_eq!(handled.len(), total as usize);
-    assert!(
-        handled.values().all(|&n| n == 1),
-        "a message was handled twice"
-    );
+    {
+        let handled = handled.lock().unwrap();
+        assert_eq!(handled.len(), total as usize);
+        assert!(
+            handled.values().all(|&n| n == 1),
+            "a message was handled twice"
+        );
+    }
     assert_exclusive(&intervals);
     let stats = queue.stats().await.unwrap();
     assert_eq!(

@@ -242,7 +242,6 @@ async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
 /// `DeadLetter::failures` is documented as "Failed attempts": after three
 /// failed attempts it must say 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "src bug: a message buried by the worker after its last failed attempt records failures == max_attempts - 1 (bury.lua does not count the last failure; recover.lua does)"]
 async fn dead_letter_counts_every_failed_attempt() {
     let server = RedisServer::start().unwrap();
     let queue: Queue<u32> = Queue::new(manager(&server).await, "counted").unwrap();
@@ -349,7 +348,6 @@ async fn panicking_handler_is_dead_lettered_and_the_worker_survives() {
 /// panics) is a handler panic too: the design says handler panics are caught
 /// per message and the worker survives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "src bug: a panic inside Service::call (not its future) unwinds out of Worker::run_until and kills the worker"]
 async fn panic_in_service_call_itself_does_not_kill_the_worker() {
     let server = RedisServer::start().unwrap();
     let queue: Queue<u32> = Queue::new(manager(&server).await, "panicking-call").unwrap();
@@ -393,7 +391,6 @@ async fn panic_in_service_call_itself_does_not_kill_the_worker() {
 /// With nothing failing, no lease is lost. A renewal that races with the
 /// ack of the message it renews must not count (or log) a lost lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "src bug: housekeeping counts (and warns about) a lost lease when a handler acks between the in-flight snapshot and the extend call"]
 async fn no_lease_is_reported_lost_when_nothing_failed() {
     let server = RedisServer::start().unwrap();
     let queue: Queue<u32> = Queue::new(manager(&server).await, "no-faults").unwrap();
@@ -524,7 +521,6 @@ async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
 // ---------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "src bug: aborting/dropping run_until leaks the housekeeping task, which renews the aborted message's lease forever"]
 async fn message_of_an_aborted_worker_is_redelivered_after_its_lease() {
     let server = RedisServer::start().unwrap();
     let queue: Queue<u32> = Queue::new(manager(&server).await, "aborted").unwrap();

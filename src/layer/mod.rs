@@ -67,6 +67,7 @@
 mod context;
 pub mod error;
 mod future;
+mod local;
 mod service;
 mod strategy;
 
@@ -135,7 +136,9 @@ int_keys!(
 /// Wraps a service so that each call holds the lock of its request's key.
 ///
 /// Cloning the layer is cheap: clones share the [`Locker`] (and its
-/// connection), the key function and the strategy. Locks are distributed:
+/// connection), the key function, the strategy, and (under `retry`) the
+/// per-key FIFO in which this process's calls for one key wait their turn
+/// before asking Redis. Locks are distributed:
 /// two layers on two connections, in two processes, exclude each other as
 /// long as they use the same Redis and key prefix.
 pub struct LockLayer<C, F, D = Fail> {
@@ -152,6 +155,8 @@ pub(crate) struct Config<C, F, D> {
     pub(crate) on_conflict: OnConflict<D>,
     /// What to do when the lock is lost mid-call.
     pub(crate) on_lost: OnLost,
+    /// This process's waiters per key (used under `retry`).
+    pub(crate) local: Arc<local::LocalQueues>,
 }
 
 impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
@@ -161,6 +166,7 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
             key_fn: self.key_fn.clone(),
             on_conflict: self.on_conflict.clone(),
             on_lost: self.on_lost,
+            local: self.local.clone(),
         }
     }
 }
@@ -201,6 +207,7 @@ impl<C, F> LockLayer<C, F, Fail> {
                 key_fn: Arc::new(key_fn),
                 on_conflict: OnConflict::fail(),
                 on_lost: OnLost::default(),
+                local: Default::default(),
             },
         }
     }
@@ -213,6 +220,7 @@ impl<C, F, D> LockLayer<C, F, D> {
             locker,
             key_fn,
             on_lost,
+            local,
             ..
         } = self.config;
         LockLayer {
@@ -221,6 +229,7 @@ impl<C, F, D> LockLayer<C, F, D> {
                 key_fn,
                 on_conflict: strategy,
                 on_lost,
+                local,
             },
         }
     }

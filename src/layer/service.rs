@@ -125,6 +125,28 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
+    let started = Instant::now();
+    // Under `retry`, wait behind this process's earlier calls for the key
+    // (FIFO), within the retry budget; only the head asks Redis.
+    let _turn = match config.on_conflict.retry {
+        None => None,
+        Some(backoff) => {
+            let turn = config.local.turn(&key);
+            match backoff.budget() {
+                None => Some(turn.await),
+                Some(budget) => match tokio::time::timeout(budget, turn).await {
+                    Ok(turn) => Some(turn),
+                    Err(_) => {
+                        tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
+                        let retry_after = locker.remaining(&key).await?.unwrap_or_default();
+                        let busy = crate::Contended::new(key, retry_after);
+                        let (id, due) = config.on_conflict.then.give_up(req, busy).await?;
+                        return Ok(Outcome::Deferred { id, due });
+                    }
+                },
+            }
+        }
+    };
     // Armed before the first acquire is sent: if this future is dropped
     // while an acquire is in flight, the lock may be ours without our
     // knowing, and the guard releases it (a no-op if it is not).
@@ -133,7 +155,7 @@ where
         ticket: Some(locker.ticket(&key)?),
     };
     let mut tries = 0;
-    let mut waited = Duration::ZERO;
+    let mut waited = started.elapsed();
     let lease = loop {
         tries += 1;
         let Some(ticket) = guard.ticket.as_ref() else {

@@ -49,7 +49,8 @@ static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("ext
 pub const DEFAULT_PREFIX: &str = "lockgate";
 /// The lock TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// The fence counter is kept at least this long after its last use.
+/// A fence counter lives this long after it was seeded (then it is seeded
+/// again from the clock; see acquire.lua).
 const FENCE_KEEP: Duration = Duration::from_secs(3600);
 
 /// Acquires, renews and releases per-key locks on Redis.
@@ -319,6 +320,19 @@ where
                 retry_after,
             )))
         }
+    }
+
+    /// How long the lock on `key` still lives: `None` when it is free (or
+    /// held without expiry, which lockgate never does).
+    pub async fn remaining(&self, key: &str) -> Result<Option<Duration>> {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(self.lock_key(key))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "reading the TTL of lock `{key}`"
+            )))?;
+        Ok(u64::try_from(pttl).ok().map(Duration::from_millis))
     }
 
     /// Releases a lock. Returns `true` if it was still held by `lease`, and

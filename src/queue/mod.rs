@@ -435,7 +435,7 @@ where
                 Ok(job) => claimed.jobs.push(job),
                 Err((job, error)) => {
                     tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
-                    if self.bury(&job, &error).await? {
+                    if self.bury_with(&job, &error, false).await? {
                         claimed.buried += 1;
                     }
                 }
@@ -566,9 +566,21 @@ where
         Ok((due >= 0).then(|| from_unix_ms(due)))
     }
 
-    /// Moves a claimed message to the dead letters with `error`. Returns
-    /// `false`, changing nothing, when the claim is no longer held.
+    /// Moves a claimed message to the dead letters with `error`, counting
+    /// this delivery as a failed attempt. Returns `false`, changing nothing,
+    /// when the claim is no longer held.
     pub async fn bury<J: Claim>(&self, job: &J, error: &str) -> Result<bool> {
+        self.bury_with(job, error, true).await
+    }
+
+    /// Buries; `failed` says whether the delivery counts as a failed attempt
+    /// (not so for undecodable payloads or too many deferrals).
+    pub(crate) async fn bury_with<J: Claim>(
+        &self,
+        job: &J,
+        error: &str,
+        failed: bool,
+    ) -> Result<bool> {
         let job = job.claim_ref();
         let buried: i64 = Scripts::get()
             .bury
@@ -579,6 +591,7 @@ where
             .arg(job.member())
             .arg(job.id())
             .arg(error)
+            .arg(if failed { "1" } else { "0" })
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("burying message `{}`", job.id())))?;

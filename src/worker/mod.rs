@@ -285,7 +285,9 @@ where
             metrics: self.metrics.clone(),
             in_flight: Mutex::new(HashMap::new()),
         });
-        let housekeeping = tokio::spawn(housekeep(shared.clone()));
+        // Aborted when run_until ends or is dropped: it must not keep
+        // renewing the leases of messages nobody handles any more.
+        let housekeeping = AbortOnDrop(tokio::spawn(housekeep(shared.clone())));
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let permits = Arc::new(Semaphore::new(self.config.concurrency));
@@ -360,20 +362,40 @@ where
                         "deferred {} times (limit {max}): its lock stayed busy",
                         job.deferrals()
                     );
-                    shared.settle(&token, Settlement::Bury(error)).await;
                     shared.in_flight().remove(&seq);
+                    shared.settle(&token, Settlement::BuryDeferred(error)).await;
                     continue;
                 }
-                if let Err(error) = self.service.ready().await {
+                let ready = tokio::select! {
+                    biased;
+                    _ = &mut shutdown => {
+                        buffer.push_front((seq, job));
+                        break 'run Ok(());
+                    }
+                    ready = self.service.ready() => ready.map(|_| ()),
+                };
+                if let Err(error) = ready {
                     // The service is broken for good: hand everything back.
                     buffer.push_front((seq, job));
                     break 'run Err(Error::Service(error.into()));
                 }
                 let span = tracing::info_span!("job", queue = %self.queue.name(), id = %token.id(), attempt = token.attempt());
-                let call = self.service.call(job);
-                tasks.spawn(
-                    handle(shared.clone(), acks.clone(), seq, token, call, permit).instrument(span),
-                );
+                // `call` itself may panic (code before a service_fn's async
+                // block, a key function): that fails this message, not the
+                // worker.
+                match std::panic::catch_unwind(AssertUnwindSafe(|| self.service.call(job))) {
+                    Ok(call) => {
+                        let handled =
+                            handle(shared.clone(), acks.clone(), seq, token, call, permit);
+                        tasks.spawn(handled.instrument(span));
+                    }
+                    Err(panic) => {
+                        let error = format!("service call panicked: {}", panic_message(&*panic));
+                        let settlement = failure(&shared.config, &token, error);
+                        shared.in_flight().remove(&seq);
+                        shared.settle(&token, settlement).await;
+                    }
+                }
             }
 
             if !buffer.is_empty() {
@@ -423,8 +445,17 @@ where
         // Every handler has finished: let the acker write what is queued.
         drop(acks);
         let _ = acker.await;
-        housekeeping.abort();
+        drop(housekeeping);
         result
+    }
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -441,7 +472,10 @@ struct Shared<T, C> {
 enum Settlement {
     Ack,
     Retry(String),
+    /// Failed for the last time.
     Bury(String),
+    /// Deferred too often (not a failed attempt).
+    BuryDeferred(String),
 }
 
 impl<T, C> Shared<T, C>
@@ -472,13 +506,16 @@ where
                         .map(|due| due.is_some())
                 }
                 Settlement::Bury(error) => self.queue.bury(token, error).await,
+                Settlement::BuryDeferred(error) => self.queue.bury_with(token, error, false).await,
             };
             match written {
                 Ok(true) => {
                     match settlement {
                         Settlement::Ack => self.metrics.count_done(),
                         Settlement::Retry(_) => self.metrics.count_retried(),
-                        Settlement::Bury(_) => self.metrics.add_dead(1),
+                        Settlement::Bury(_) | Settlement::BuryDeferred(_) => {
+                            self.metrics.add_dead(1)
+                        }
                     }
                     return;
                 }
@@ -525,14 +562,15 @@ where
     }
 }
 
-/// Acknowledgements waiting to be written, with their in-flight entries.
-type AckQueue = mpsc::UnboundedSender<(u64, ClaimToken)>;
+/// Acknowledgements waiting to be written, and whether each counts as done
+/// (not so for a message deferred by copying it into another queue).
+type AckQueue = mpsc::UnboundedSender<(ClaimToken, bool)>;
 
 /// Writes acknowledgements in batches: everything queued while the previous
 /// batch was in flight goes in the next, one round trip for many messages.
 async fn acker<T, C>(
     shared: Arc<Shared<T, C>>,
-    mut queued: mpsc::UnboundedReceiver<(u64, ClaimToken)>,
+    mut queued: mpsc::UnboundedReceiver<(ClaimToken, bool)>,
 ) where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -544,13 +582,15 @@ async fn acker<T, C>(
         loop {
             match shared
                 .queue
-                .ack_many(batch.iter().map(|(_, token)| token))
+                .ack_many(batch.iter().map(|(token, _)| token))
                 .await
             {
                 Ok(held) => {
-                    for ((_, token), held) in batch.iter().zip(held) {
+                    for ((token, done), held) in batch.iter().zip(held) {
                         if held {
-                            shared.metrics.count_done();
+                            if *done {
+                                shared.metrics.count_done();
+                            }
                         } else {
                             shared.metrics.count_lost_lease();
                             tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
@@ -571,10 +611,7 @@ async fn acker<T, C>(
                 }
             }
         }
-        let mut in_flight = shared.in_flight();
-        for (seq, _) in batch.drain(..) {
-            in_flight.remove(&seq);
-        }
+        batch.clear();
     }
 }
 
@@ -592,44 +629,50 @@ async fn handle<T, C, R, E>(
     R: WorkerResponse,
     E: Into<BoxError>,
 {
-    let settlement = match AssertUnwindSafe(call).catch_unwind().await {
+    let outcome = AssertUnwindSafe(call).catch_unwind().await;
+    // Settling starts: stop renewing the lease (a renewal that finds it gone
+    // from now on is not a lost lease).
+    shared.in_flight().remove(&seq);
+    let settlement = match outcome {
         Ok(Ok(response)) => match response.deferred_as() {
             // Rescheduled in place by the LockLayer: nothing left to do.
             Some(id) if id == token.id() => {
                 shared.metrics.count_deferred();
                 None
             }
-            // Copied into another queue: this one is done.
+            // Copied into another queue: acknowledge the original.
             Some(_) => {
                 shared.metrics.count_deferred();
-                Some(Settlement::Ack)
+                Some((Settlement::Ack, false))
             }
-            None => Some(Settlement::Ack),
+            None => Some((Settlement::Ack, true)),
         },
-        Ok(Err(error)) => Some(failure(&shared.config, &token, error_chain(&*error.into()))),
+        Ok(Err(error)) => {
+            let error = error_chain(&*error.into());
+            Some((failure(&shared.config, &token, error), false))
+        }
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic payload".into());
-            Some(failure(
-                &shared.config,
-                &token,
-                format!("handler panicked: {message}"),
-            ))
+            let error = format!("handler panicked: {}", panic_message(&*panic));
+            Some((failure(&shared.config, &token, error), false))
         }
     };
     match settlement {
-        // The acker removes the in-flight entry once the ack is written.
-        Some(Settlement::Ack) => match acks.send((seq, token)) {
-            Ok(()) => return,
-            Err(mpsc::error::SendError((_, token))) => shared.settle(&token, Settlement::Ack).await,
-        },
-        Some(settlement) => shared.settle(&token, settlement).await,
+        Some((Settlement::Ack, done)) => {
+            if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
+                shared.settle(&token, Settlement::Ack).await;
+            }
+        }
+        Some((settlement, _)) => shared.settle(&token, settlement).await,
         None => {}
     }
-    shared.in_flight().remove(&seq);
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
 }
 
 fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
@@ -666,12 +709,21 @@ where
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        let tokens: Vec<ClaimToken> = shared.in_flight().values().cloned().collect();
-        for batch in tokens.chunks(MAX_BATCH) {
-            match shared.queue.extend(batch, lease).await {
+        let in_flight: Vec<(u64, ClaimToken)> = shared
+            .in_flight()
+            .iter()
+            .map(|(seq, t)| (*seq, t.clone()))
+            .collect();
+        for batch in in_flight.chunks(MAX_BATCH) {
+            match shared
+                .queue
+                .extend(batch.iter().map(|(_, token)| token), lease)
+                .await
+            {
                 Ok(held) => {
-                    for (token, held) in batch.iter().zip(held) {
-                        if !held {
+                    for ((seq, token), held) in batch.iter().zip(held) {
+                        // Settled since the snapshot: not lost, just done.
+                        if !held && shared.in_flight().contains_key(seq) {
                             shared.metrics.count_lost_lease();
                             tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
                         }

@@ -1,10 +1,18 @@
 -- Moves a claimed message to the dead letters with its error.
 -- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors   KEYS[4]: data
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
+-- ARGV[4]: "1" to count this delivery as a failed attempt
 -- Returns 1, or 0 when the claim is no longer held or the record is gone
 -- (the queue was purged): nothing changes then.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
-if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 0 then return 0 end
+local record = redis.call('HGET', KEYS[4], ARGV[2])
+if not record then return 0 end
+if ARGV[4] == '1' then
+  local enq, failures, deferrals, payload = parse(record)
+  if enq then
+    redis.call('HSET', KEYS[4], ARGV[2], enq .. ':' .. (failures + 1) .. ':' .. deferrals .. ':' .. payload)
+  end
+end
 redis.call('ZADD', KEYS[2], now_ms(), ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 return 1

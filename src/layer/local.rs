@@ -1,0 +1,105 @@
+//! A FIFO per key among the tasks of this process.
+//!
+//! Under `retry`, tasks of one process that want the same key first queue
+//! here, in arrival order, and only the head of each queue contends on
+//! Redis. Without it, ten local tasks on one hot key would all poll Redis
+//! with backoff, and whoever happens to wake first wins: wasted round trips,
+//! long tail waits, and an uneven share between tasks. With it, a released
+//! lock goes to the next local waiter at once. Redis stays the authority:
+//! the local queue only decides who of this process asks next.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::OwnedMutexGuard;
+
+/// The queues of one layer (shared by its clones and services).
+#[derive(Debug, Default)]
+pub(crate) struct LocalQueues {
+    /// One FIFO mutex per key with waiters; removed when the last leaves.
+    queues: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// A place in a key's local queue; first in line once [`LocalQueues::turn`]
+/// returned. Leaving (drop) hands the turn to the next waiter.
+pub(crate) struct Turn {
+    queues: Arc<LocalQueues>,
+    key: String,
+    queue: Option<Arc<tokio::sync::Mutex<()>>>,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl LocalQueues {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        // Every critical section is one map operation: nothing to poison.
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for this task's turn on `key` (tokio's mutex is fair: FIFO).
+    pub(crate) async fn turn(self: &Arc<Self>, key: &str) -> Turn {
+        let queue = self.map().entry(key.to_owned()).or_default().clone();
+        // Built before waiting, so that a cancelled wait still cleans up.
+        let mut turn = Turn {
+            queues: self.clone(),
+            key: key.to_owned(),
+            queue: Some(queue.clone()),
+            guard: None,
+        };
+        turn.guard = Some(queue.lock_owned().await);
+        turn
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        self.guard = None;
+        self.queue = None;
+        let mut map = self.queues.map();
+        // Only the map's own reference left: nobody waits on this key.
+        if map
+            .get(&self.key)
+            .is_some_and(|q| Arc::strong_count(q) == 1)
+        {
+            map.remove(&self.key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn turns_are_fifo_and_queues_are_removed_when_empty() {
+        let queues = Arc::new(LocalQueues::default());
+        let first = queues.turn("k").await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for i in 0..5 {
+            let (queues, order) = (queues.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let _turn = queues.turn("k").await;
+                order.lock().unwrap().push(i);
+            }));
+            // Let each waiter enqueue before the next one.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(first);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+        assert!(queues.map().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_wait_leaves_nothing_behind() {
+        let queues = Arc::new(LocalQueues::default());
+        let held = queues.turn("k").await;
+        let waiting = tokio::time::timeout(Duration::from_millis(10), queues.turn("k")).await;
+        assert!(waiting.is_err());
+        drop(held);
+        assert!(queues.map().is_empty());
+    }
+}
