@@ -5,6 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::Notify;
 
+use crate::lock::Ticket;
+
 tokio::task_local! {
     static CURRENT: HeldLock;
 }
@@ -30,8 +32,8 @@ pub struct HeldLock(Arc<State>);
 
 #[derive(Debug)]
 struct State {
-    /// The user's key.
-    key: String,
+    /// The user's key, with the lock's Redis key and token.
+    ticket: Arc<Ticket>,
     /// The lease's fencing token.
     fence: u64,
     /// Set once a renewal finds the lock gone.
@@ -41,9 +43,9 @@ struct State {
 }
 
 impl HeldLock {
-    pub(crate) fn new(key: String, fence: u64) -> Self {
+    pub(crate) fn new(ticket: Arc<Ticket>, fence: u64) -> Self {
         Self(Arc::new(State {
-            key,
+            ticket,
             fence,
             lost: AtomicBool::new(false),
             notify: Notify::new(),
@@ -59,7 +61,7 @@ impl HeldLock {
 
     /// The user's key.
     pub fn key(&self) -> &str {
-        &self.0.key
+        self.0.ticket.key()
     }
 
     /// The fencing token: strictly greater than any earlier holder's.

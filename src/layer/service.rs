@@ -203,7 +203,7 @@ where
 {
     let ttl = locker.lease_ttl();
     let period = ttl / 3;
-    let held = HeldLock::new(lease.key().to_owned(), lease.fence());
+    let held = HeldLock::new(lease.ticket().clone(), lease.fence());
     let mut expires_at = lease.expires_at();
     let call = held
         .clone()
@@ -278,7 +278,7 @@ where
 struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
     locker: Locker<C>,
     /// The attempt to release; `None` once released or known not held.
-    ticket: Option<Ticket>,
+    ticket: Option<Arc<Ticket>>,
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {

@@ -142,8 +142,8 @@ impl Contended {
 /// [`LockLayer`](crate::LockLayer) releases for you.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// Key, Redis key and token.
-    ticket: Ticket,
+    /// Key, Redis key and token (shared with the layer's release guard).
+    ticket: Arc<Ticket>,
     /// Fencing token: strictly increasing per key across holders.
     fence: u64,
     /// When the lock runs out by the caller's clock (conservative: measured
@@ -195,7 +195,7 @@ impl Lease {
         self.expires_at
     }
 
-    pub(crate) fn ticket(&self) -> &Ticket {
+    pub(crate) fn ticket(&self) -> &Arc<Ticket> {
         &self.ticket
     }
 
@@ -274,19 +274,19 @@ where
     }
 
     /// Prepares an attempt at the lock on `key`.
-    pub(crate) fn ticket(&self, key: &str) -> Result<Ticket> {
+    pub(crate) fn ticket(&self, key: &str) -> Result<Arc<Ticket>> {
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
-        Ok(Ticket {
+        Ok(Arc::new(Ticket {
             key: key.to_owned(),
             lock_key: self.lock_key(key),
             token: format!("{:032x}", rand::random::<u128>()),
-        })
+        }))
     }
 
     /// Tries once to take the lock with a prepared ticket.
-    pub(crate) async fn acquire_ticket(&self, ticket: &Ticket) -> Result<Acquisition> {
+    pub(crate) async fn acquire_ticket(&self, ticket: &Arc<Ticket>) -> Result<Acquisition> {
         let key = &ticket.key;
         let ttl = self.config.ttl;
         let started = Instant::now();
