@@ -86,7 +86,7 @@ async fn memory() -> Result<(), BoxError> {
 async fn claim_throughput() -> Result<(), BoxError> {
     let n = size(200_000, 2_000);
     println!(
-        "## claim throughput, 8 claimers, {n} due messages (claim + ack, batch of acks not used)"
+        "## claim throughput, 8 claimers, {n} due messages (claims only)"
     );
     println!("| batch | claimed messages/s |\n|---|---|");
     for batch in [1, 10, 100] {

@@ -308,6 +308,11 @@ where
         let mut next_due: Option<Instant> = None;
 
         let result = 'run: loop {
+            // Checked without waiting on every round, so that a steady backlog
+            // (which never waits) still notices a shutdown.
+            if (&mut shutdown).now_or_never().is_some() {
+                break Ok(());
+            }
             while tasks.try_join_next().is_some() {}
             let running = concurrency - permits.available_permits();
             let room = (concurrency + prefetch).saturating_sub(running + buffer.len());
@@ -315,12 +320,9 @@ where
             // as large as the room allows (few round trips under backlog).
             if maybe_due && room > 0 && buffer.len() <= prefetch / 2 {
                 let max = room.min(MAX_BATCH);
-                let claimed = tokio::select! {
-                    biased;
-                    _ = &mut shutdown => break Ok(()),
-                    claimed = self.queue.claim(max, self.config.lease) => claimed,
-                };
-                match claimed {
+                // Not raced against shutdown: a claim cancelled after the
+                // server ran it would strand its jobs until their lease ran out.
+                match self.queue.claim(max, self.config.lease).await {
                     Ok(claimed) => {
                         failures = 0;
                         let claimed_at = Instant::now();
