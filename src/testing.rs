@@ -17,6 +17,19 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`RedisCluster`] does the same for a Redis Cluster: N such servers, each
+//! started in cluster mode, that hold the 16384 hash slots between them.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use lockgate::testing::RedisCluster;
+//!
+//! let cluster = RedisCluster::start()?; // three primaries, no replicas
+//! let conn = cluster.connection().await?;
+//! // ... use `conn` (a `redis::cluster_async::ClusterConnection`).
+//! # Ok(()) }
+//! ```
+//!
 //! The `redis-server` binary is taken from `LOCKGATE_REDIS_SERVER` when set,
 //! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
 //! [`StartError::NotInstalled`], whose message says how to install it.
@@ -30,6 +43,11 @@ use std::time::{Duration, Instant};
 
 /// How long a fresh server may take to answer `PING`.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the nodes of a fresh cluster may take to agree that every slot
+/// is served (`cluster_state:ok` on each of them).
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// The number of hash slots of a Redis Cluster.
+const SLOTS: usize = 16384;
 
 /// Why a test server could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +81,16 @@ pub enum StartError {
         reason: String,
         /// The server's log, for diagnosis.
         log: String,
+    },
+    /// The nodes of a [`RedisCluster`] started, but did not form a cluster
+    /// that serves every slot in time.
+    #[error("redis cluster on ports {ports:?} did not form: {reason}")]
+    ClusterNotReady {
+        /// The nodes' ports.
+        ports: Vec<u16>,
+        /// What was observed (the last `CLUSTER INFO` of a lagging node, or
+        /// the command that failed).
+        reason: String,
     },
 }
 
@@ -252,6 +280,254 @@ impl Drop for RedisServer {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Configures a [`RedisCluster`] before starting it.
+#[derive(Debug, Clone)]
+pub struct ClusterBuilder {
+    /// How many primaries (each serving an equal share of the slots).
+    nodes: usize,
+    /// Extra command-line arguments for every node.
+    args: Vec<String>,
+}
+
+impl Default for ClusterBuilder {
+    fn default() -> Self {
+        Self {
+            nodes: 3,
+            args: Vec::new(),
+        }
+    }
+}
+
+impl ClusterBuilder {
+    /// How many nodes (all primaries, no replicas); 3 by default. Starting
+    /// with 0 fails.
+    pub fn nodes(mut self, n: usize) -> Self {
+        self.nodes = n;
+        self
+    }
+
+    /// Adds a command-line argument for every node.
+    pub fn arg(mut self, arg: impl Into<String>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Adds several command-line arguments for every node.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Starts the nodes, forms the cluster, and waits until every node says
+    /// `cluster_state:ok`.
+    ///
+    /// Node `i` of `n` serves slots `i * 16384 / n ..= (i + 1) * 16384 / n - 1`
+    /// (given with `CLUSTER ADDSLOTSRANGE`); each node is introduced to the
+    /// first with `CLUSTER MEET`, and gossip does the rest. Nothing depends on
+    /// `redis-cli`.
+    pub fn start(self) -> Result<RedisCluster, StartError> {
+        if self.nodes == 0 {
+            return Err(StartError::ClusterNotReady {
+                ports: Vec::new(),
+                reason: "a cluster needs at least one node".into(),
+            });
+        }
+        let mut nodes = Vec::with_capacity(self.nodes);
+        let mut bus_ports = Vec::with_capacity(self.nodes);
+        for _ in 0..self.nodes {
+            let (node, bus_port) = self.start_node()?;
+            nodes.push(node);
+            bus_ports.push(bus_port);
+        }
+        let cluster = RedisCluster { nodes, bus_ports };
+        cluster.form()?;
+        Ok(cluster)
+    }
+
+    /// Starts one node in cluster mode. Its cluster bus gets a port of its
+    /// own (the default, port + 10000, may be taken or beyond 65535).
+    fn start_node(&self) -> Result<(RedisServer, u16), StartError> {
+        let mut last = None;
+        for _ in 0..5 {
+            let bus_port = free_port();
+            let builder = RedisServer::builder()
+                .args(["--cluster-enabled", "yes"])
+                // Relative to the node's own `--dir`: every node has its own.
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-port", &bus_port.to_string()])
+                .args(["--cluster-announce-ip", "127.0.0.1"])
+                .args(["--cluster-node-timeout", "5000"])
+                .args(self.args.iter().cloned());
+            match builder.start() {
+                Ok(node) => return Ok((node, bus_port)),
+                // Probably the bus port was taken meanwhile: pick another.
+                Err(e @ StartError::NotReady { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.expect("five attempts were made"))
+    }
+}
+
+/// A private Redis Cluster of `redis-server` processes on loopback ports:
+/// primaries only, the slots split evenly between them. Every node is a
+/// [`RedisServer`], killed (its directory removed) when the cluster is
+/// dropped.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The nodes; node `i` serves the `i`-th share of the slots.
+    nodes: Vec<RedisServer>,
+    /// Their cluster bus ports, in the same order.
+    bus_ports: Vec<u16>,
+}
+
+impl RedisCluster {
+    /// Starts a cluster of three nodes.
+    pub fn start() -> Result<Self, StartError> {
+        ClusterBuilder::default().start()
+    }
+
+    /// A builder for a cluster with another number of nodes or extra
+    /// arguments.
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder::default()
+    }
+
+    /// The nodes, in slot order: node `i` of `n` serves slots
+    /// `i * 16384 / n ..= (i + 1) * 16384 / n - 1`. A node's own
+    /// [`client`](RedisServer::client) talks to that node alone (and gets
+    /// `MOVED` for keys of other nodes).
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// The nodes, mutably: to [`stop`](RedisServer::stop) or
+    /// [`restart`](RedisServer::restart) one. A restarted node rejoins with
+    /// its slots, which it keeps in `nodes.conf` in its directory (its data
+    /// is lost, as for any [`RedisServer`]).
+    pub fn nodes_mut(&mut self) -> &mut [RedisServer] {
+        &mut self.nodes
+    }
+
+    /// The index of the node that serves `slot` (`0..16384`).
+    pub fn node_of_slot(&self, slot: u16) -> usize {
+        (usize::from(slot) * self.nodes.len() / SLOTS).min(self.nodes.len() - 1)
+    }
+
+    /// Every node's URL, `redis://127.0.0.1:<port>/`.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// A cluster client seeded with every node.
+    pub fn client(&self) -> redis::cluster::ClusterClient {
+        redis::cluster::ClusterClient::new(self.urls())
+            .expect("a non-empty list of loopback URLs is always valid")
+    }
+
+    /// A new async cluster connection.
+    pub async fn connection(&self) -> redis::RedisResult<redis::cluster_async::ClusterConnection> {
+        self.client().get_async_connection().await
+    }
+
+    /// Splits the slots, introduces the nodes, and waits for `cluster_state:ok`
+    /// on every node.
+    fn form(&self) -> Result<(), StartError> {
+        let ports: Vec<u16> = self.nodes.iter().map(RedisServer::port).collect();
+        let fail = |reason: String| StartError::ClusterNotReady {
+            ports: ports.clone(),
+            reason,
+        };
+        let mut conns = Vec::with_capacity(self.nodes.len());
+        for node in &self.nodes {
+            let conn = node
+                .client()
+                .get_connection_with_timeout(Duration::from_secs(2))
+                .and_then(|conn| {
+                    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                    Ok(conn)
+                })
+                .map_err(|e| fail(format!("connecting to port {}: {e}", node.port())))?;
+            conns.push(conn);
+        }
+        let n = self.nodes.len();
+        for (i, conn) in conns.iter_mut().enumerate() {
+            let port = self.nodes[i].port();
+            let (first, last) = (i * SLOTS / n, (i + 1) * SLOTS / n - 1);
+            // Distinct epochs up front spare the nodes the collision
+            // resolution that equal epochs (all 0) would need.
+            let commands = [
+                redis::cmd("CLUSTER")
+                    .arg("SET-CONFIG-EPOCH")
+                    .arg(i + 1)
+                    .to_owned(),
+                redis::cmd("CLUSTER")
+                    .arg("ADDSLOTSRANGE")
+                    .arg(first)
+                    .arg(last)
+                    .to_owned(),
+            ];
+            for cmd in commands {
+                cmd.exec(conn)
+                    .map_err(|e| fail(format!("{} on port {port}: {e}", describe(&cmd))))?;
+            }
+        }
+        for (i, conn) in conns.iter_mut().enumerate().skip(1) {
+            let cmd = redis::cmd("CLUSTER")
+                .arg("MEET")
+                .arg("127.0.0.1")
+                .arg(ports[0])
+                .arg(self.bus_ports[0])
+                .to_owned();
+            cmd.exec(conn)
+                .map_err(|e| fail(format!("{} on port {}: {e}", describe(&cmd), ports[i])))?;
+        }
+        let deadline = Instant::now() + CLUSTER_TIMEOUT;
+        for (i, conn) in conns.iter_mut().enumerate() {
+            loop {
+                let info = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query::<String>(conn)
+                    .map_err(|e| fail(format!("CLUSTER INFO on port {}: {e}", ports[i])))?;
+                let field = |name: &str| {
+                    info.lines()
+                        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                        .map(str::trim)
+                };
+                if field("cluster_state") == Some("ok")
+                    && field("cluster_known_nodes") == Some(n.to_string().as_str())
+                {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(fail(format!(
+                        "port {} was not ready within {CLUSTER_TIMEOUT:?}; its CLUSTER INFO:\n{}",
+                        ports[i],
+                        info.trim_end()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A command's name and arguments, for error messages.
+fn describe(cmd: &redis::Cmd) -> String {
+    cmd.args_iter()
+        .map(|arg| match arg {
+            redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            _ => "<cursor>".into(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Where an example or a manual try should find Redis.

@@ -11,7 +11,7 @@ use super::error::{ClaimLost, TooManyDeferrals};
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::lock::Contended;
-use crate::queue::{Job, PushOptions, Queue};
+use crate::queue::{Claim, ClaimToken, Job, PushOptions, Queue, RunningJob};
 
 /// The conflict strategy: optionally retry with backoff, then fail or defer.
 ///
@@ -84,10 +84,12 @@ impl OnConflict<Fail> {
     /// [`Outcome::Deferred`](crate::Outcome::Deferred). A [`Worker`](crate::Worker)
     /// on that queue, running the same service, brings it back.
     ///
-    /// When the request is a [`Job`] claimed from `queue` itself, it is
-    /// rescheduled in place (one script; it counts a deferral, not a failed
-    /// attempt). Any other request is pushed as a new message, which needs
-    /// `Req: Serialize`.
+    /// When the request is a [`Job`] claimed from `queue` itself, or the
+    /// payload of a job that a `Worker` on `queue` is running (its jobs
+    /// mapped with `Job::into_payload` before this layer), that job is
+    /// rescheduled in place: one script, same id, and it counts a deferral,
+    /// not a failed attempt. Any other request is pushed as a new message,
+    /// which needs `Req: Serialize`.
     pub fn defer<T, C>(
         queue: Queue<T, C>,
         delay: impl Into<DeferDelay>,
@@ -210,14 +212,57 @@ where
     fn give_up(&self, req: T, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
+        let max_deferrals = self.max_deferrals;
+        // Run by a Worker on this very queue (its jobs mapped to payloads
+        // before this layer): reschedule that job in place, as for a Job<T>.
+        let running = RunningJob::current().filter(|job| &job.queue == queue.keys());
         Box::pin(async move {
-            let pushed = queue
-                .push_with(req, PushOptions::new().after(delay))
-                .await?;
-            let due = pushed.due.unwrap_or_else(SystemTime::now);
-            tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
-            Ok((pushed.id, due))
+            match running {
+                Some(job) => {
+                    defer_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy, delay)
+                        .await
+                }
+                None => {
+                    let pushed = queue.push_with(req, PushOptions::new().after(delay)).await?;
+                    let due = pushed.due.unwrap_or_else(SystemTime::now);
+                    tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
+                    Ok((pushed.id, due))
+                }
+            }
         })
+    }
+}
+
+/// Reschedules a claimed job in place (one script), within its deferral cap.
+async fn defer_in_place<T, C>(
+    queue: &Queue<T, C>,
+    token: &ClaimToken,
+    deferrals: u32,
+    max_deferrals: Option<u32>,
+    busy: &Contended,
+    delay: Duration,
+) -> Result<Deferral, BoxError>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    if max_deferrals.is_some_and(|max| deferrals >= max) {
+        return Err(TooManyDeferrals {
+            id: token.id().to_owned(),
+            key: busy.key().to_owned(),
+            deferrals,
+        }
+        .into());
+    }
+    match queue.defer(token, delay).await? {
+        Some(due) => {
+            tracing::debug!(key = %busy.key(), id = %token.id(), deferrals = deferrals + 1, ?delay, "deferred");
+            Ok((token.id().to_owned(), due))
+        }
+        None => Err(ClaimLost {
+            id: token.id().to_owned(),
+        }
+        .into()),
     }
 }
 
@@ -226,42 +271,20 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    fn give_up(
-        &self,
-        job: Job<T>,
-        busy: Contended,
-    ) -> BoxFuture<'static, Result<Deferral, BoxError>> {
+    fn give_up(&self, job: Job<T>, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
         Box::pin(async move {
-            if max_deferrals.is_some_and(|max| job.deferrals() >= max) {
-                return Err(TooManyDeferrals {
-                    id: job.id().to_owned(),
-                    key: busy.key().to_owned(),
-                    deferrals: job.deferrals(),
-                }
-                .into());
-            }
             if job.queue_keys() != queue.keys() {
-                // Claimed elsewhere: copy it into the deferral queue. The
-                // worker that claimed it acknowledges the original when it
+                // Claimed from another queue: copy it into the deferral queue.
+                // The worker that claimed it acknowledges the original when it
                 // sees a deferral under another id.
-                let pushed = queue
-                    .push_with(job.into_payload(), PushOptions::new().after(delay))
-                    .await?;
+                let pushed = queue.push_with(job.into_payload(), PushOptions::new().after(delay)).await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
-            match queue.defer(&job, delay).await? {
-                Some(due) => {
-                    tracing::debug!(key = %busy.key(), id = %job.id(), deferrals = job.deferrals() + 1, ?delay, "deferred");
-                    Ok((job.id().to_owned(), due))
-                }
-                None => Err(ClaimLost {
-                    id: job.id().to_owned(),
-                }
-                .into()),
-            }
+            let token = job.claim_ref().to_token();
+            defer_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy, delay).await
         })
     }
 }

@@ -30,6 +30,43 @@ pub struct Job<T> {
     queue: Arc<QueueKeys>,
 }
 
+tokio::task_local! {
+    /// The claimed job a [`Worker`](crate::Worker) is running the service
+    /// for, so that a deferral of the plain payload deep in the stack can
+    /// reschedule the job in place instead of pushing a copy.
+    static RUNNING: RunningJob;
+}
+
+/// What a deferral needs to know of the job the worker is running.
+#[derive(Debug, Clone)]
+pub(crate) struct RunningJob {
+    /// The queue it was claimed from.
+    pub(crate) queue: Arc<QueueKeys>,
+    /// Its claim.
+    pub(crate) token: super::ClaimToken,
+    /// Deferrals before this delivery.
+    pub(crate) deferrals: u32,
+}
+
+impl RunningJob {
+    pub(crate) fn of<T>(job: &Job<T>) -> Self {
+        Self {
+            queue: job.queue.clone(),
+            token: job.claim_ref().to_token(),
+            deferrals: job.deferrals,
+        }
+    }
+
+    /// The job the current task's worker is running, if any.
+    pub(crate) fn current() -> Option<Self> {
+        RUNNING.try_with(Clone::clone).ok()
+    }
+
+    pub(crate) async fn scope<F: std::future::Future>(self, f: F) -> F::Output {
+        RUNNING.scope(self, f).await
+    }
+}
+
 /// A record's header fields and payload: `<enqueued_ms>:<failures>:<deferrals>:<payload>`.
 pub(crate) fn split_record(record: &[u8]) -> Option<(i64, u32, u32, &[u8])> {
     let mut parts = record.splitn(4, |b| *b == b':');

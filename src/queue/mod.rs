@@ -55,6 +55,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use self::job::{DeadLetter, Job};
+pub(crate) use self::job::RunningJob;
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};

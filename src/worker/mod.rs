@@ -71,7 +71,9 @@ use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue};
+use crate::queue::{
+    BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob,
+};
 
 /// How a worker reads a service's response: whether the message was
 /// deferred (and is rescheduled already) or done.
@@ -385,8 +387,12 @@ where
                 // `call` itself may panic (code before a service_fn's async
                 // block, a key function): that fails this message, not the
                 // worker.
+                // The job is visible to a deferral of its plain payload
+                // further down the stack (see `RunningJob`).
+                let running = RunningJob::of(&job);
                 match std::panic::catch_unwind(AssertUnwindSafe(|| self.service.call(job))) {
                     Ok(call) => {
+                        let call = running.scope(call);
                         let handled =
                             handle(shared.clone(), acks.clone(), seq, token, call, permit);
                         tasks.spawn(handled.instrument(span));
