@@ -81,7 +81,7 @@ async fn main() {
 
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
-    let (client, server) = lockgate::testing::local_or_throwaway().map_err(|e| e.to_string())?;
+    let (client, server) = lockgate::testing::local_or_throwaway()?;
     let address = client.get_connection_info().addr().to_string();
     match server {
         Some(_) => println!("using a throwaway redis-server at {address}"),

@@ -9,8 +9,8 @@
 //! * `defer(queue, holder_ttl)` puts the message aside in a Redis delay
 //!   queue, due when the holder's lock runs out, and frees the caller.
 //!
-//! Finally the deferred message is claimed from the queue once it is due and
-//! handled.
+//! Finally a `Worker` on the queue brings the deferred message back through
+//! the `defer` service once it is due.
 //!
 //! ```text
 //! cargo run --example strategies --features test-util
@@ -23,10 +23,14 @@
 use std::time::{Duration, SystemTime};
 
 use lockgate::layer::DeferDelay;
-use lockgate::{Acquisition, Backoff, BoxError, Contended, LockLayer, Locker, OnConflict, Queue};
+use lockgate::{
+    Acquisition, Backoff, BoxError, Contended, Job, LockLayer, Locker, OnConflict, Outcome, Queue,
+    Worker,
+};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
-use tokio::time::{Instant, sleep};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep, timeout};
 use tower::{ServiceBuilder, ServiceExt};
 
 const KEY: &str = "hot";
@@ -65,14 +69,14 @@ async fn main() {
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
     // Keep `server` alive until the end: a throwaway server dies with it.
-    let (client, server) = lockgate::testing::local_or_throwaway().map_err(|e| e.to_string())?;
+    let (client, server) = lockgate::testing::local_or_throwaway()?;
     let address = client.get_connection_info().addr().to_string();
     match server {
         Some(_) => println!("using a throwaway redis-server at {address}"),
         None => println!("using the Redis at {address}"),
     }
     let config = ConnectionManagerConfig::new().set_number_of_retries(2);
-    let conn = ConnectionManager::new_with_config(client, config)
+    let conn = ConnectionManager::new_with_config(client.clone(), config)
         .await
         .map_err(|e| format!("could not connect to Redis at {address}: {e}"))?;
 
@@ -125,7 +129,7 @@ async fn run() -> Result<(), BoxError> {
     let started = Instant::now();
     let (failed, retried, deferred) = tokio::join!(
         async {
-            let r = fail.clone().oneshot(message("via fail")).await;
+            let r = fail.oneshot(message("via fail")).await;
             (r, started.elapsed())
         },
         async {
@@ -133,7 +137,7 @@ async fn run() -> Result<(), BoxError> {
             (r, started.elapsed())
         },
         async {
-            let r = defer.oneshot(message("via defer")).await;
+            let r = defer.clone().oneshot(message("via defer")).await;
             (r, started.elapsed())
         },
     );
@@ -151,56 +155,47 @@ async fn run() -> Result<(), BoxError> {
     }
     let (outcome, after) = retried;
     match outcome? {
-        lockgate::Outcome::Done(reply) => {
-            println!("[retry] done after {} ms: {reply}", after.as_millis())
-        }
+        Outcome::Done(reply) => println!("[retry] done after {} ms: {reply}", after.as_millis()),
         other => println!("[retry] {other:?}"),
     }
     let (outcome, after) = deferred;
-    let due = match outcome? {
-        lockgate::Outcome::Deferred { id, due } => {
+    match outcome? {
+        Outcome::Deferred { id, due } => {
             let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
             println!(
                 "[defer] deferred after {after:?}: id {id}, due in {} ms (when the holder's lock runs out)",
                 wait.as_millis()
             );
-            due
         }
-        lockgate::Outcome::Done(reply) => {
-            println!("[defer] the key was free after all: {reply}");
-            SystemTime::now()
-        }
-    };
+        Outcome::Done(reply) => println!("[defer] the key was free after all: {reply}"),
+    }
     releasing.await??;
 
-    // A `lockgate::Worker` would claim deferred messages and bring them back
-    // through the same service. It is not part of lockgate yet, so claim the
-    // message by hand once it is due.
-    println!("(lockgate::Worker is not available yet: claiming the deferred message by hand)");
-    if let Ok(wait) = due.duration_since(SystemTime::now()) {
-        sleep(wait).await;
-    }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let job = loop {
-        let mut claimed = queue.claim(1, Duration::from_secs(30)).await?;
-        if let Some(job) = claimed.jobs.pop() {
-            break job;
-        }
-        if Instant::now() > deadline {
-            return Err("the deferred message never became due".into());
-        }
-        sleep(ms(5)).await;
+    // A worker on the queue brings deferred messages back through the same
+    // `defer` service (unwrapping the claimed `Job`); it stops after the
+    // first message it handles, or after 5 s.
+    let (handled_tx, mut handled_rx) = mpsc::unbounded_channel();
+    let service = defer
+        .map_request(|job: Job<Message>| {
+            println!("[worker] claimed {} ({:?})", job.id(), job.text);
+            job.into_payload()
+        })
+        .map_response(move |outcome| {
+            if let Outcome::Done(reply) = &outcome {
+                println!("[worker] {reply}");
+                let _ = handled_tx.send(());
+            }
+            outcome
+        });
+    let handled = async {
+        let _ = timeout(Duration::from_secs(5), handled_rx.recv()).await;
     };
-    println!(
-        "[queue] claimed {} ({:?}): attempt {}, deferrals {}",
-        job.id(),
-        job.text,
-        job.attempt(),
-        job.deferrals()
-    );
-    let outcome = fail.oneshot(job.payload().clone()).await?;
-    println!("[queue] {outcome:?}");
-    queue.ack(&job).await?;
+    let worker = Worker::new(client, queue.clone(), service);
+    let metrics = worker.metrics();
+    worker.run_until(handled).await?;
+    if metrics.snapshot().done != 1 {
+        return Err("the worker did not bring the deferred message back".into());
+    }
     queue.purge().await?;
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::process::Command;
 
 use lockgate::testing::RedisServer;
 
-const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing"];
+const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing", "pipeline"];
 
 #[test]
 fn every_example_runs() {
