@@ -8,6 +8,8 @@
 //! reports its loss, fencing order, readiness propagation), never timings:
 //! durations appear only as generous sanity bounds.
 
+mod support;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -19,59 +21,23 @@ use futures_util::FutureExt;
 use lockgate::layer::{DeferDelay, GiveUp, LockLost, TooManyDeferrals};
 use lockgate::testing::RedisServer;
 use lockgate::{
-    Acquisition, Backoff, BoxError, Contended, Error, HeldLock, Job, Lease, LockLayer, Locker,
-    OnConflict, OnLost, Outcome, Queue,
+    Acquisition, BoxError, Contended, Error, HeldLock, Job, LockLayer, Locker, OnConflict, OnLost,
+    Outcome, Queue,
 };
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use support::{
+    BOUNDED, acquired, backoff, done_if, eventually, exists, locker, manager, ms, raw, secs, server,
+};
+use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, sleep, timeout};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
-
-/// Upper bound for anything a test waits for; never reached when all is well.
-const BOUNDED: Duration = Duration::from_secs(10);
 
 type BoxFut<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
 
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-fn server() -> RedisServer {
-    RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
-}
-
-async fn manager(server: &RedisServer) -> ConnectionManager {
-    server
-        .connection_manager()
-        .await
-        .expect("connection manager to the test server")
-}
-
-fn locker<C>(conn: C, ttl: Duration) -> Locker<C>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    Locker::new(conn).ttl(ttl).expect("valid TTL")
-}
-
-fn backoff(base: u64, max: u64) -> Backoff {
-    Backoff::exponential(ms(base), ms(max)).expect("valid backoff")
-}
-
-async fn acquired<C>(locker: &Locker<C>, key: &str) -> Lease
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    match locker.acquire(key).await.expect("acquire") {
-        Acquisition::Acquired(lease) => lease,
-        Acquisition::Contended(c) => panic!("expected to acquire {key:?}, got {c}"),
-    }
-}
 
 /// Asserts that `key` is held by someone else right now.
 async fn assert_busy<C>(locker: &Locker<C>, key: &str, at: &str)
@@ -87,53 +53,20 @@ where
     }
 }
 
-async fn exists(conn: &ConnectionManager, key: &str) -> bool {
-    let n: i64 = redis::cmd("EXISTS")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await
-        .expect("EXISTS");
-    n == 1
-}
-
-async fn pttl(conn: &ConnectionManager, key: &str) -> i64 {
-    redis::cmd("PTTL")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await
-        .expect("PTTL")
-}
-
-async fn del(conn: &ConnectionManager, key: &str) {
-    let _: i64 = redis::cmd("DEL")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await
-        .expect("DEL");
-}
-
-/// Polls until `key` is gone; panics after `bound`. Returns how long it took.
-async fn wait_gone(conn: &ConnectionManager, key: &str, bound: Duration) -> Duration {
-    let started = Instant::now();
-    while exists(conn, key).await {
-        assert!(
-            started.elapsed() < bound,
-            "{key} still exists after {bound:?} (PTTL {} ms)",
-            pttl(conn, key).await
-        );
-        sleep(ms(5)).await;
-    }
-    started.elapsed()
+/// Polls until `key` is gone; panics after 2 s (far below the 30 s TTLs of
+/// the locks it waits for, so only a release explains a pass).
+async fn wait_gone(conn: &ConnectionManager, key: &str) {
+    eventually(&format!("{key} is gone"), secs(2), async || {
+        let pttl: i64 = raw(conn, &["PTTL", key]).await;
+        done_if(pttl == -2, format_args!("PTTL {pttl} ms"))
+    })
+    .await;
 }
 
 /// Calls made through EVAL/EVALSHA on the server so far (every lock acquire,
 /// extend and release is one).
 async fn script_calls(conn: &ConnectionManager) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn.clone())
-        .await
-        .expect("INFO commandstats");
+    let info: String = raw(conn, &["INFO", "commandstats"]).await;
     info.lines()
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
         .filter_map(|l| {
@@ -154,10 +87,7 @@ where
 {
     let started = Instant::now();
     loop {
-        let mut claimed = queue
-            .claim(1, Duration::from_secs(30))
-            .await
-            .expect("claim");
+        let mut claimed = queue.claim(1, secs(30)).await.expect("claim");
         if let Some(job) = claimed.jobs.pop() {
             return job;
         }
@@ -422,7 +352,7 @@ async fn fail_reports_contended_with_key_and_retry_after() {
 async fn retry_succeeds_once_the_holder_releases() {
     let server = server();
     // A long TTL: only the release can let the retrying call in.
-    let holder = locker(manager(&server).await, Duration::from_secs(30));
+    let holder = locker(manager(&server).await, secs(30));
     let lease = acquired(&holder, "hot").await;
 
     let recorder = Recorder::new(ms(1));
@@ -454,7 +384,7 @@ async fn retry_succeeds_once_the_holder_releases() {
 async fn retry_then_fail_gives_up_after_max_attempts() {
     let server = server();
     let stats_conn = manager(&server).await;
-    let holder = locker(manager(&server).await, Duration::from_secs(30));
+    let holder = locker(manager(&server).await, secs(30));
     let lease = acquired(&holder, "hot").await; // also loads the acquire script
 
     for attempts in [1, 2, 5] {
@@ -479,7 +409,7 @@ async fn retry_then_fail_gives_up_after_max_attempts() {
 #[tokio::test]
 async fn retry_with_max_elapsed_stops_within_its_budget() {
     let server = server();
-    let holder = locker(manager(&server).await, Duration::from_secs(30));
+    let holder = locker(manager(&server).await, secs(30));
     let lease = acquired(&holder, "hot").await;
     let svc = LockLayer::new(locker(manager(&server).await, ms(300)), key_of)
         .on_conflict(OnConflict::retry(
@@ -490,7 +420,7 @@ async fn retry_with_max_elapsed_stops_within_its_budget() {
     let err = svc.oneshot(msg("hot", 1)).await.unwrap_err();
     assert_eq!(downcast::<Contended>(&err).key(), "hot");
     // Sleeps add up to at most 100 ms; round trips are extra (sanity bound).
-    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(started.elapsed() < secs(3));
     holder.release(&lease).await.unwrap();
 }
 
@@ -504,7 +434,7 @@ async fn defer_pushes_a_plain_message_into_the_queue() {
 
     let counter = Counter::default();
     let svc = LockLayer::new(locker(manager(&server).await, ms(300)), key_of)
-        .on_conflict(OnConflict::defer(queue.clone(), Duration::from_secs(2)))
+        .on_conflict(OnConflict::defer(queue.clone(), secs(2)))
         .layer(counter.clone());
     let before = SystemTime::now();
     let outcome = svc.oneshot(msg("hot", 7)).await.unwrap();
@@ -513,18 +443,13 @@ async fn defer_pushes_a_plain_message_into_the_queue() {
     };
     assert_eq!(counter.calls(), 0);
     assert!(
-        gap(due, before + Duration::from_secs(2)) < ms(500),
+        gap(due, before + secs(2)) < ms(500),
         "due {due:?} is not about 2 s after {before:?}"
     );
     let stats = queue.stats().await.unwrap();
     assert_eq!((stats.due, stats.later, stats.active), (0, 1, 0));
     assert!(
-        queue
-            .claim(10, Duration::from_secs(30))
-            .await
-            .unwrap()
-            .jobs
-            .is_empty(),
+        queue.claim(10, secs(30)).await.unwrap().jobs.is_empty(),
         "claimable before it is due"
     );
 
@@ -577,7 +502,7 @@ async fn defer_until_the_holders_ttl_runs_out() {
 async fn retry_then_defer() {
     let server = server();
     let conn = manager(&server).await;
-    let holder = locker(conn.clone(), Duration::from_secs(30));
+    let holder = locker(conn.clone(), secs(30));
     let lease = acquired(&holder, "hot").await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "deferred").unwrap();
     let counter = Counter::default();
@@ -630,7 +555,7 @@ fn job_handler(
 async fn a_claimed_job_is_rescheduled_in_place_up_to_max_deferrals() {
     let server = server();
     let conn = manager(&server).await;
-    let holder = locker(conn.clone(), Duration::from_secs(30));
+    let holder = locker(conn.clone(), secs(30));
     let lease = acquired(&holder, "hot").await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "jobs").unwrap();
     let pushed = queue.push(msg("hot", 1)).await.unwrap();
@@ -688,7 +613,7 @@ async fn a_claimed_job_is_rescheduled_in_place_up_to_max_deferrals() {
 async fn a_job_from_another_queue_is_copied() {
     let server = server();
     let conn = manager(&server).await;
-    let holder = locker(conn.clone(), Duration::from_secs(30));
+    let holder = locker(conn.clone(), secs(30));
     let _lease = acquired(&holder, "hot").await;
     let deferrals: Queue<Msg> = Queue::new(conn.clone(), "deferrals").unwrap();
     let source: Queue<Msg> = Queue::new(conn.clone(), "source").unwrap();
@@ -722,7 +647,7 @@ async fn a_job_from_another_queue_is_copied() {
 async fn released_when_the_handler_fails() {
     let server = server();
     let conn = manager(&server).await;
-    let layer_locker = locker(manager(&server).await, Duration::from_secs(30));
+    let layer_locker = locker(manager(&server).await, secs(30));
     let lock_key = layer_locker.lock_key("k");
     let svc = LockLayer::new(layer_locker, key_of).layer(service_fn(|_m: Msg| async {
         Err::<(), _>(std::io::Error::other("handler failed"))
@@ -744,7 +669,7 @@ async fn released_when_the_handler_fails() {
 async fn released_when_the_handler_panics() {
     let server = server();
     let conn = manager(&server).await;
-    let layer_locker = locker(manager(&server).await, Duration::from_secs(30));
+    let layer_locker = locker(manager(&server).await, secs(30));
     let lock_key = layer_locker.lock_key("k");
     let svc = LockLayer::new(layer_locker, key_of).layer(service_fn(|m: Msg| async move {
         if m.n > 0 {
@@ -756,14 +681,14 @@ async fn released_when_the_handler_panics() {
     // In a task: the panic surfaces as a JoinError.
     let joined = tokio::spawn(svc.clone().oneshot(msg("k", 1))).await;
     assert!(joined.unwrap_err().is_panic());
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
 
     // In place, caught with catch_unwind.
     let caught = std::panic::AssertUnwindSafe(svc.clone().oneshot(msg("k", 2)))
         .catch_unwind()
         .await;
     assert!(caught.is_err(), "the panic propagates");
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
 
     // And the key works normally afterwards.
     assert_eq!(svc.oneshot(msg("k", 0)).await.unwrap(), Outcome::Done(()));
@@ -789,11 +714,10 @@ async fn released_when_the_response_future_is_dropped() {
     let server = server();
     let conn = manager(&server).await;
     // 30 s: expiry cannot explain a quick hand-over.
-    let layer_locker = locker(manager(&server).await, Duration::from_secs(30));
+    let layer_locker = locker(manager(&server).await, secs(30));
     let lock_key = layer_locker.lock_key("k");
     let started = Arc::new(tokio::sync::Notify::new());
-    let svc = LockLayer::new(layer_locker, key_of)
-        .layer(slow_handler(started.clone(), Duration::from_secs(60)));
+    let svc = LockLayer::new(layer_locker, key_of).layer(slow_handler(started.clone(), secs(60)));
     let other = locker(manager(&server).await, ms(300));
 
     // Aborting the task that drives the call.
@@ -802,7 +726,7 @@ async fn released_when_the_response_future_is_dropped() {
     assert!(exists(&conn, &lock_key).await);
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
     let lease = acquired(&other, "k").await;
     other.release(&lease).await.unwrap();
 
@@ -814,7 +738,7 @@ async fn released_when_the_response_future_is_dropped() {
     }
     assert!(exists(&conn, &lock_key).await);
     drop(call);
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
     let lease = acquired(&other, "k").await;
     other.release(&lease).await.unwrap();
 }
@@ -878,7 +802,7 @@ async fn a_lost_lock_is_reported_to_the_handler_and_the_caller() {
     }));
     let call = tokio::spawn(svc.oneshot(msg("k", 1)));
     let fence = timeout(BOUNDED, rx).await.unwrap().unwrap();
-    del(&conn, &lock_key).await;
+    raw::<i64>(&conn, &["DEL", &lock_key]).await;
 
     let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
     let lost = downcast::<LockLost>(&err);
@@ -913,7 +837,7 @@ async fn on_lost_cancel_drops_the_handler() {
                 async move {
                     let _guard = guard;
                     started.notify_one();
-                    sleep(Duration::from_secs(30)).await;
+                    sleep(secs(30)).await;
                     reached_end.store(true, Ordering::SeqCst);
                     Ok::<_, BoxError>(())
                 }
@@ -921,7 +845,7 @@ async fn on_lost_cancel_drops_the_handler() {
         }));
     let call = tokio::spawn(svc.oneshot(msg("k", 1)));
     timeout(BOUNDED, started.notified()).await.unwrap();
-    del(&conn, &lock_key).await;
+    raw::<i64>(&conn, &["DEL", &lock_key]).await;
 
     let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
     let lost = downcast::<LockLost>(&err);
@@ -975,7 +899,7 @@ async fn held_lock_exposes_key_and_an_ordered_fence() {
 #[tokio::test]
 async fn a_none_key_bypasses_the_lock() {
     let server = server();
-    let holder = locker(manager(&server).await, Duration::from_secs(30));
+    let holder = locker(manager(&server).await, secs(30));
     let lease = acquired(&holder, "busy").await;
     let svc = LockLayer::new(
         locker(manager(&server).await, ms(300)),
@@ -1021,7 +945,7 @@ async fn integer_keys() {
     for n in [42, -7, 0] {
         assert_eq!(svc.clone().oneshot(n).await.unwrap(), Outcome::Done(n));
     }
-    let holder = locker(conn, Duration::from_secs(30));
+    let holder = locker(conn, secs(30));
     let lease = acquired(&holder, "42").await;
     let err = svc.oneshot(42).await.unwrap_err();
     assert_eq!(downcast::<Contended>(&err).key(), "42");
@@ -1122,20 +1046,13 @@ async fn poll_ready_follows_the_inner_service() {
 #[tokio::test]
 async fn composes_in_a_service_builder() {
     let server = server();
-    let conn = manager(&server).await;
-    let layer_locker = locker(manager(&server).await, Duration::from_secs(30));
-    let lock_key = layer_locker.lock_key("k");
-
-    // tower's "timeout", "limit" and "buffer" features are not enabled in
-    // this crate, so the stack is built from `util` layers: a timeout made
-    // with map_future, a request adapter, and boxing into a cloneable
-    // service.
+    // A request adapter outside the lock layer, the whole stack boxed into a
+    // cloneable service.
     let svc = ServiceBuilder::new()
         .boxed_clone()
         .map_request(|(key, work): (&'static str, u64)| msg(key, work as u32))
-        .map_future(|fut| async move { timeout(ms(300), fut).await.map_err(BoxError::from)? })
         .layer(
-            LockLayer::new(layer_locker, key_of)
+            LockLayer::new(locker(manager(&server).await, secs(30)), key_of)
                 .on_conflict(OnConflict::retry(backoff(5, 20).max_attempts(100)).then_fail()),
         )
         .service_fn(|m: Msg| async move {
@@ -1157,13 +1074,164 @@ async fn composes_in_a_service_builder() {
         (a.unwrap(), b.unwrap()),
         (Outcome::Done(30), Outcome::Done(30))
     );
+}
 
-    // The timeout drops a slow call; its lock is released, not left to its
-    // 30 s TTL.
-    let err = svc.clone().oneshot(("k", 5_000)).await.unwrap_err();
-    assert!(err.is::<tokio::time::error::Elapsed>(), "{err:?}");
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
-    assert_eq!(svc.oneshot(("k", 2)).await.unwrap(), Outcome::Done(2));
+/// tower's `TimeoutLayer` outside the lock layer drops a call that runs too
+/// long: its lock is released at once, not left to its 30 s TTL. Inside the
+/// lock layer the timeout is the handler's error, and the lock is released
+/// before the call returns.
+#[tokio::test]
+async fn a_timeout_layer_releases_the_lock_of_a_timed_out_call_at_once() {
+    let server = server();
+    let conn = manager(&server).await;
+    let layer_locker = locker(manager(&server).await, secs(30));
+    let lock_key = layer_locker.lock_key("k");
+    let lock_layer = LockLayer::new(layer_locker, key_of);
+    let started = Arc::new(tokio::sync::Notify::new());
+    let other = locker(conn.clone(), ms(300));
+
+    let outside = ServiceBuilder::new()
+        .timeout(ms(200))
+        .layer(lock_layer.clone())
+        .service(slow_handler(started.clone(), secs(60)));
+    let err = outside.oneshot(msg("k", 1)).await.unwrap_err();
+    assert!(err.is::<tower::timeout::error::Elapsed>(), "{err:?}");
+    timeout(BOUNDED, started.notified())
+        .await
+        .expect("the handler ran, so the lock was held");
+    wait_gone(&conn, &lock_key).await;
+    let lease = acquired(&other, "k").await;
+    other.release(&lease).await.unwrap();
+
+    let inside = ServiceBuilder::new()
+        .layer(lock_layer)
+        .timeout(ms(200))
+        .service(slow_handler(started.clone(), secs(60)));
+    let err = inside.oneshot(msg("k", 2)).await.unwrap_err();
+    assert!(err.is::<tower::timeout::error::Elapsed>(), "{err:?}");
+    assert!(
+        !exists(&conn, &lock_key).await,
+        "released before the call returned"
+    );
+    let lease = acquired(&other, "k").await;
+    other.release(&lease).await.unwrap();
+}
+
+/// tower's `ConcurrencyLimitLayer` inside the lock layer: the lock layer's
+/// `poll_ready` is the limit's, so callers see its back-pressure, whatever
+/// their keys. A call that gives up on a busy key hands its permit back.
+#[tokio::test]
+async fn a_concurrency_limit_inside_applies_back_pressure_through_the_lock_layer() {
+    let server = server();
+    let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let svc = ServiceBuilder::new()
+        .layer(LockLayer::new(
+            locker(manager(&server).await, secs(30)),
+            key_of,
+        ))
+        .concurrency_limit(1)
+        .service_fn({
+            let (started, go) = (started.clone(), go.clone());
+            move |m: Msg| {
+                let (started, go) = (started.clone(), go.clone());
+                async move {
+                    started.notify_one();
+                    go.notified().await;
+                    Ok::<_, BoxError>(m.n)
+                }
+            }
+        });
+
+    let first = tokio::spawn(svc.clone().oneshot(msg("a", 1)));
+    timeout(BOUNDED, started.notified()).await.unwrap();
+    let mut second = svc.clone();
+    assert!(poll_ready_once(&mut second).await.is_pending());
+    assert!(
+        timeout(ms(100), second.ready()).await.is_err(),
+        "ready while the only permit is taken"
+    );
+    go.notify_one();
+    let outcome = timeout(BOUNDED, first).await.unwrap().unwrap();
+    assert_eq!(outcome.unwrap(), Outcome::Done(1));
+    timeout(BOUNDED, second.ready())
+        .await
+        .expect("ready once the first call ended")
+        .unwrap();
+    go.notify_one(); // lets the next handler finish at once
+    assert_eq!(second.call(msg("b", 2)).await.unwrap(), Outcome::Done(2));
+
+    let holder = locker(manager(&server).await, secs(30));
+    let lease = acquired(&holder, "busy").await;
+    let err = svc.clone().oneshot(msg("busy", 3)).await.unwrap_err();
+    assert_eq!(downcast::<Contended>(&err).key(), "busy");
+    timeout(BOUNDED, svc.clone().ready())
+        .await
+        .expect("the permit was handed back")
+        .unwrap();
+    holder.release(&lease).await.unwrap();
+}
+
+/// tower's `ConcurrencyLimitLayer` outside the lock layer bounds the calls in
+/// flight, taking their locks included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_limit_outside_bounds_the_calls_in_flight() {
+    let server = server();
+    let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let svc = ServiceBuilder::new()
+        .concurrency_limit(2)
+        .layer(LockLayer::new(
+            locker(manager(&server).await, secs(30)),
+            key_of,
+        ))
+        .service_fn({
+            let (running, most) = (running.clone(), most.clone());
+            move |m: Msg| {
+                let (running, most) = (running.clone(), most.clone());
+                async move {
+                    most.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                    sleep(ms(20)).await;
+                    running.fetch_sub(1, Ordering::SeqCst);
+                    Ok::<_, BoxError>(m.n)
+                }
+            }
+        });
+    let calls: Vec<_> = (0..8)
+        .map(|n| tokio::spawn(svc.clone().oneshot(msg(&format!("k{n}"), n))))
+        .collect();
+    for (n, call) in (0..).zip(calls) {
+        let outcome = timeout(BOUNDED, call).await.unwrap().unwrap();
+        assert_eq!(outcome.unwrap(), Outcome::Done(n));
+    }
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= 2, "{most} calls ran at once under a limit of 2");
+}
+
+/// tower's `BufferLayer` outside the lock layer: callers share one lock
+/// layer through the buffer's worker. `HeldLock::current()` still works in
+/// the handler (the `Recorder` asserts it): the lock layer is inside the
+/// buffer, so it still wraps the handler's future in its task-local.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_layer_outside_serves_callers_through_one_lock_layer() {
+    let server = server();
+    let recorder = Recorder::new(ms(3));
+    let svc = ServiceBuilder::new()
+        .buffer(4)
+        .layer(
+            LockLayer::new(locker(manager(&server).await, secs(30)), key_of).on_conflict(
+                OnConflict::retry(backoff(2, 20).unlimited_attempts().max_elapsed(BOUNDED)),
+            ),
+        )
+        .service(recorder.clone());
+    let calls: Vec<_> = (0..16)
+        .map(|n| tokio::spawn(svc.clone().oneshot(msg(&format!("k{}", n % 2), n))))
+        .collect();
+    for call in calls {
+        let outcome = timeout(BOUNDED, call).await.unwrap().unwrap();
+        assert_eq!(outcome.unwrap(), Outcome::Done(()));
+    }
+    let intervals = recorder.intervals();
+    assert_eq!(intervals.len(), 16, "one handler run per call");
+    assert_no_overlap(intervals);
 }
 
 // ---------------------------------------------------------------------------
@@ -1228,7 +1296,7 @@ async fn dropped_during_acquire_does_not_leak_the_lock() {
     let server = server();
     let conn = manager(&server).await;
     let delayed = Delayed::new(manager(&server).await);
-    let layer_locker = locker(delayed.clone(), Duration::from_secs(30));
+    let layer_locker = locker(delayed.clone(), secs(30));
     let lock_key = layer_locker.lock_key("k");
     let svc = LockLayer::new(layer_locker, key_of).layer(Counter::default());
     // Load the scripts, so the acquire below is one EVALSHA.
@@ -1248,7 +1316,7 @@ async fn dropped_during_acquire_does_not_leak_the_lock() {
     let _ = call.await;
     *delayed.after.lock().unwrap() = Duration::ZERO;
 
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
 }
 
 /// Regression: the lease once was taken out of the guard before the release round trip, so a response future
@@ -1260,7 +1328,7 @@ async fn dropped_during_release_does_not_leak_the_lock() {
     let server = server();
     let conn = manager(&server).await;
     let delayed = Delayed::new(manager(&server).await);
-    let layer_locker = locker(delayed.clone(), Duration::from_secs(30));
+    let layer_locker = locker(delayed.clone(), secs(30));
     let lock_key = layer_locker.lock_key("k");
     let (tx, rx) = oneshot::channel::<()>();
     let tx = Arc::new(Mutex::new(Some(tx)));
@@ -1283,7 +1351,7 @@ async fn dropped_during_release_does_not_leak_the_lock() {
     let _ = call.await;
     *delayed.before.lock().unwrap() = Duration::ZERO;
 
-    wait_gone(&conn, &lock_key, Duration::from_secs(2)).await;
+    wait_gone(&conn, &lock_key).await;
 }
 
 /// Regression: the renewal once was awaited inside the `select!` arm, so
@@ -1320,7 +1388,7 @@ async fn a_finished_handler_does_not_wait_for_a_slow_renewal() {
     let call = tokio::spawn(svc.oneshot(msg("k", 1)));
     timeout(BOUNDED, started.notified()).await.unwrap();
     // From now on Redis is slow to take commands: the first renewal hangs.
-    *delayed.before.lock().unwrap() = Duration::from_secs(3);
+    *delayed.before.lock().unwrap() = secs(3);
     sleep(ms(150)).await; // the renewal is in flight, and hangs
     // Later commands (the release) go through at normal speed.
     *delayed.before.lock().unwrap() = Duration::ZERO;

@@ -4,65 +4,24 @@
 //! invariants (mutual exclusion, token-checked release, fencing order, error
 //! kinds), never timings, and keep TTLs short so that the suite is quick.
 
+mod support;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockgate::testing::RedisServer;
-use lockgate::{Acquisition, Error, Lease, Locker};
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use futures_util::future::join_all;
+use lockgate::{Acquisition, Error, Locker};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use support::{
+    BOUNDED, acquired, done_if, eventually, exists, hash_tag, impatient_manager, locker, manager,
+    ms, raw, secs, server,
+};
 use tokio::time::{Instant, sleep, timeout};
-
-/// Upper bound for anything that waits on a dead server.
-const BOUNDED: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
-
-fn server() -> RedisServer {
-    RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
-}
-
-async fn manager(server: &RedisServer) -> ConnectionManager {
-    server
-        .connection_manager()
-        .await
-        .expect("connection manager to the test server")
-}
-
-/// A connection manager that gives up reconnecting quickly, so tests against
-/// a dead server stay short (the default retries for several seconds).
-async fn impatient_manager(server: &RedisServer) -> ConnectionManager {
-    let config = ConnectionManagerConfig::new()
-        .set_number_of_retries(1)
-        .set_min_delay(Duration::from_millis(10))
-        .set_max_delay(Duration::from_millis(50))
-        .set_connection_timeout(Some(Duration::from_millis(500)))
-        .set_response_timeout(Some(Duration::from_millis(500)));
-    server
-        .client()
-        .get_connection_manager_with_config(config)
-        .await
-        .expect("connection manager to the test server")
-}
-
-fn locker<C>(conn: C, ttl: Duration) -> Locker<C>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    Locker::new(conn).ttl(ttl).expect("valid TTL")
-}
-
-async fn acquired<C>(locker: &Locker<C>, key: &str) -> Lease
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    match locker.acquire(key).await.expect("acquire") {
-        Acquisition::Acquired(lease) => lease,
-        Acquisition::Contended(c) => panic!("expected to acquire {key:?}, got {c}"),
-    }
-}
 
 async fn assert_contended<C>(locker: &Locker<C>, key: &str, ttl: Duration)
 where
@@ -77,43 +36,8 @@ where
     }
 }
 
-async fn get<C: ConnectionLike + Clone>(conn: &C, key: &str) -> Option<String> {
-    redis::cmd("GET")
-        .arg(key)
-        .query_async(&mut conn.clone())
-        .await
-        .expect("GET")
-}
-
-async fn exists<C: ConnectionLike + Clone>(conn: &C, key: &str) -> bool {
-    redis::cmd("EXISTS")
-        .arg(key)
-        .query_async::<i64>(&mut conn.clone())
-        .await
-        .expect("EXISTS")
-        == 1
-}
-
-async fn del<C: ConnectionLike + Clone>(conn: &C, key: &str) {
-    redis::cmd("DEL")
-        .arg(key)
-        .query_async::<i64>(&mut conn.clone())
-        .await
-        .expect("DEL");
-}
-
-/// The part of `key` Redis Cluster hashes: the content between the first `{`
-/// and the first `}` after it when that is non-empty, else the whole key.
-fn hash_tag(key: &str) -> &str {
-    if let Some(open) = key.find('{') {
-        let rest = &key[open + 1..];
-        if let Some(close) = rest.find('}')
-            && close > 0
-        {
-            return &rest[..close];
-        }
-    }
-    key
+async fn get(conn: &ConnectionManager, key: &str) -> Option<String> {
+    raw(conn, &["GET", key]).await
 }
 
 // ---------------------------------------------------------------------------
@@ -137,7 +61,7 @@ async fn contend<C>(
         match locker.acquire(key).await.expect("acquire") {
             Acquisition::Acquired(lease) => {
                 let start = Instant::now();
-                sleep(Duration::from_millis(1 + (i % 2) as u64)).await;
+                sleep(ms(1 + (i % 2) as u64)).await;
                 let end = Instant::now();
                 assert!(
                     locker.release(&lease).await.expect("release"),
@@ -153,7 +77,7 @@ async fn contend<C>(
             Acquisition::Contended(c) => {
                 assert_eq!(c.key(), key);
                 // Back off briefly, so that attempts spread over the holds.
-                sleep(Duration::from_millis(1)).await;
+                sleep(ms(1)).await;
             }
         }
     }
@@ -166,7 +90,7 @@ async fn holds_of_one_key_never_overlap() {
     const ITERATIONS: usize = 40;
     let server = server();
     // Two lockers on two separate connections of two kinds.
-    let ttl = Duration::from_secs(2);
+    let ttl = secs(2);
     let by_manager = locker(manager(&server).await, ttl);
     let by_multiplexed = locker(server.multiplexed().await.unwrap(), ttl);
     let holds = Arc::new(Mutex::new(HashMap::new()));
@@ -217,10 +141,10 @@ async fn holds_of_one_key_never_overlap() {
 #[tokio::test]
 async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
     let server = server();
-    let ttl = Duration::from_millis(100);
+    let ttl = ms(100);
     let conn = manager(&server).await;
     let first = locker(conn.clone(), ttl);
-    let second = locker(server.multiplexed().await.unwrap(), Duration::from_secs(5));
+    let second = locker(server.multiplexed().await.unwrap(), secs(5));
     let key = "expiring";
 
     let mut stale = acquired(&first, key).await;
@@ -234,7 +158,7 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
             Acquisition::Acquired(lease) => break lease,
             Acquisition::Contended(c) => {
                 assert!(Instant::now() < deadline, "lock never expired");
-                sleep(c.retry_after().max(Duration::from_millis(1))).await;
+                sleep(c.retry_after().max(ms(1))).await;
             }
         }
     };
@@ -245,12 +169,7 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
     // The stale holder can neither release nor extend the new holder's lock.
     assert!(!first.release(&stale).await.unwrap());
     let stale_expiry = stale.expires_at();
-    assert!(
-        !first
-            .extend(&mut stale, Duration::from_secs(60))
-            .await
-            .unwrap()
-    );
+    assert!(!first.extend(&mut stale, secs(60)).await.unwrap());
     assert_eq!(
         stale.expires_at(),
         stale_expiry,
@@ -260,16 +179,12 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
         get(&conn, &first.lock_key(key)).await.as_deref(),
         Some(fresh.token())
     );
-    let pttl: i64 = redis::cmd("PTTL")
-        .arg(first.lock_key(key))
-        .query_async(&mut conn.clone())
-        .await
-        .unwrap();
+    let pttl: i64 = raw(&conn, &["PTTL", &first.lock_key(key)]).await;
     assert!(
         pttl > 0 && pttl <= 5_000,
         "the stale extend changed the TTL: {pttl}"
     );
-    assert_contended(&first, key, Duration::from_secs(5)).await;
+    assert_contended(&first, key, secs(5)).await;
 
     // The new holder still owns it.
     assert!(second.release(&fresh).await.unwrap());
@@ -282,7 +197,7 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
 async fn released_lock_is_free_at_once_and_release_is_token_checked() {
     let server = server();
     let conn = manager(&server).await;
-    let locker = locker(conn.clone(), Duration::from_millis(300));
+    let locker = locker(conn.clone(), ms(300));
     let lease = acquired(&locker, "k").await;
 
     // Once released the lock is free at once; the old lease (same key, old
@@ -304,9 +219,9 @@ async fn released_lock_is_free_at_once_and_release_is_token_checked() {
 #[tokio::test]
 async fn contention_reports_key_and_a_positive_retry_after_within_the_ttl() {
     let server = server();
-    let ttl = Duration::from_millis(300);
+    let ttl = ms(300);
     let a = locker(manager(&server).await, ttl);
-    let b = locker(manager(&server).await, Duration::from_secs(10));
+    let b = locker(manager(&server).await, secs(10));
     let lease = acquired(&a, "busy").await;
 
     for contender in [&a, &b] {
@@ -338,7 +253,7 @@ async fn contention_reports_key_and_a_positive_retry_after_within_the_ttl() {
 async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
     let server = server();
     let conn = manager(&server).await;
-    let ttl = Duration::from_millis(200);
+    let ttl = ms(200);
     // Two lockers on two separate connections.
     let a = locker(conn.clone(), ttl);
     let b = locker(manager(&server).await, ttl);
@@ -359,7 +274,7 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
     // The fence counter is lost (deleted by hand, evicted, expired): fences
     // must still go up, also when it is lost again right away.
     for round in 0..5 {
-        del(&conn, &a.fence_key(key)).await;
+        raw::<i64>(&conn, &["DEL", &a.fence_key(key)]).await;
         assert!(!exists(&conn, &a.fence_key(key)).await);
         let locker = if round % 2 == 0 { &a } else { &b };
         let lease = acquired(locker, key).await;
@@ -371,7 +286,7 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
     // A holder whose lock expired does not stop the next fence from growing.
     let expired = acquired(&a, key).await;
     check(expired.fence(), "before expiry");
-    sleep(ttl + Duration::from_millis(50)).await;
+    sleep(ttl + ms(50)).await;
     let next = acquired(&b, key).await;
     check(next.fence(), "after expiry");
     assert!(b.release(&next).await.unwrap());
@@ -394,7 +309,7 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
 async fn extend_keeps_a_lock_past_its_original_ttl() {
     let server = server();
     let conn = manager(&server).await;
-    let ttl = Duration::from_millis(150);
+    let ttl = ms(150);
     let holder = locker(conn.clone(), ttl);
     let rival = locker(server.multiplexed().await.unwrap(), ttl);
     let key = "long-job";
@@ -422,17 +337,8 @@ async fn extend_keeps_a_lock_past_its_original_ttl() {
     );
 
     // A longer extension is honoured by the server too.
-    assert!(
-        holder
-            .extend(&mut lease, Duration::from_secs(5))
-            .await
-            .unwrap()
-    );
-    let pttl: i64 = redis::cmd("PTTL")
-        .arg(holder.lock_key(key))
-        .query_async(&mut conn.clone())
-        .await
-        .unwrap();
+    assert!(holder.extend(&mut lease, secs(5)).await.unwrap());
+    let pttl: i64 = raw(&conn, &["PTTL", &holder.lock_key(key)]).await;
     assert!(
         pttl > ttl.as_millis() as i64 && pttl <= 5_000,
         "pttl {pttl}"
@@ -447,7 +353,7 @@ async fn extend_keeps_a_lock_past_its_original_ttl() {
 }
 
 async fn sleep_until_past(instant: Instant) {
-    tokio::time::sleep_until(instant + Duration::from_millis(20)).await;
+    tokio::time::sleep_until(instant + ms(20)).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -458,7 +364,7 @@ async fn sleep_until_past(instant: Instant) {
 async fn unusual_keys_are_independent_locks_in_one_slot() {
     let server = server();
     let conn = manager(&server).await;
-    let ttl = Duration::from_millis(500);
+    let ttl = ms(500);
     let locker = locker(conn.clone(), ttl);
     let long = "k".repeat(10_000);
     let long_braced = format!("{{{}}}", "}".repeat(5_000));
@@ -560,11 +466,8 @@ async fn bad_configuration_is_rejected_when_set() {
         );
     }
     assert_eq!(
-        Locker::new(conn.clone())
-            .ttl(Duration::from_millis(1))
-            .unwrap()
-            .lease_ttl(),
-        Duration::from_millis(1)
+        Locker::new(conn.clone()).ttl(ms(1)).unwrap().lease_ttl(),
+        ms(1)
     );
     for prefix in ["", "a{b", "a}b", "{", "}"] {
         let result = Locker::new(conn.clone()).prefix(prefix);
@@ -577,7 +480,7 @@ async fn bad_configuration_is_rejected_when_set() {
     assert!(!err.is_retryable());
 
     // extend checks its TTL like the builder, and changes nothing on error.
-    let locker = locker(conn.clone(), Duration::from_millis(300));
+    let locker = locker(conn.clone(), ms(300));
     let mut lease = acquired(&locker, "k").await;
     let before = lease.clone();
     for ttl in [Duration::ZERO, Duration::from_micros(500)] {
@@ -606,16 +509,16 @@ async fn custom_prefix_is_used_and_separates_lock_spaces() {
     let both = Locker::new(conn.clone())
         .prefix("app:locks")
         .unwrap()
-        .ttl(Duration::from_millis(400))
+        .ttl(ms(400))
         .unwrap();
-    assert_eq!(both.lease_ttl(), Duration::from_millis(400));
+    assert_eq!(both.lease_ttl(), ms(400));
     assert_eq!(both.lock_key("k"), custom.lock_key("k"));
     let both = Locker::new(conn.clone())
-        .ttl(Duration::from_millis(400))
+        .ttl(ms(400))
         .unwrap()
         .prefix("app:locks")
         .unwrap();
-    assert_eq!(both.lease_ttl(), Duration::from_millis(400));
+    assert_eq!(both.lease_ttl(), ms(400));
     assert_eq!(both.lock_key("k"), custom.lock_key("k"));
 
     let lease = acquired(&both, "k").await;
@@ -623,7 +526,7 @@ async fn custom_prefix_is_used_and_separates_lock_spaces() {
     assert!(!exists(&conn, &default.lock_key("k")).await);
     // Another prefix is another lock space.
     let other = acquired(&default, "k").await;
-    assert_contended(&custom, "k", Duration::from_millis(400)).await;
+    assert_contended(&custom, "k", ms(400)).await;
     assert!(default.release(&other).await.unwrap());
     assert!(both.release(&lease).await.unwrap());
 }
@@ -644,11 +547,8 @@ fn assert_retryable_redis_error(err: &Error) {
 #[tokio::test]
 async fn stopped_server_gives_a_retryable_error() {
     let mut server = server();
-    let multiplexed = locker(
-        server.multiplexed().await.unwrap(),
-        Duration::from_millis(200),
-    );
-    let managed = locker(impatient_manager(&server).await, Duration::from_millis(200));
+    let multiplexed = locker(server.multiplexed().await.unwrap(), ms(200));
+    let managed = locker(impatient_manager(&server).await, ms(200));
     // Connections are up and working before the server goes away.
     let lease = acquired(&multiplexed, "a").await;
     assert!(multiplexed.release(&lease).await.unwrap());
@@ -682,10 +582,10 @@ async fn stopped_server_gives_a_retryable_error() {
 #[ignore = "takes 6-13 s: the default ConnectionManager backs off before failing"]
 async fn stopped_server_with_default_connection_manager_errors_within_bounds() {
     let mut server = server();
-    let managed = locker(manager(&server).await, Duration::from_millis(200));
+    let managed = locker(manager(&server).await, ms(200));
     let lease = acquired(&managed, "a").await;
     server.stop();
-    let bound = Duration::from_secs(30);
+    let bound = secs(30);
     let started = std::time::Instant::now();
     let result = timeout(bound, managed.release(&lease))
         .await
@@ -722,7 +622,7 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn server_killed_mid_run_ends_every_task_with_an_error() {
     let mut server = server();
-    let ttl = Duration::from_millis(200);
+    let ttl = ms(200);
     let multiplexed = locker(server.multiplexed().await.unwrap(), ttl);
     let managed = locker(impatient_manager(&server).await, ttl);
     let successes = Arc::new(Mutex::new(0));
@@ -738,11 +638,11 @@ async fn server_killed_mid_run_ends_every_task_with_an_error() {
         });
     }
     // Let them work, then pull the plug.
-    let deadline = Instant::now() + BOUNDED;
-    while *successes.lock().unwrap() < 50 {
-        assert!(Instant::now() < deadline, "tasks made no progress");
-        sleep(Duration::from_millis(5)).await;
-    }
+    eventually("the tasks make progress", BOUNDED, async || {
+        let n = *successes.lock().unwrap();
+        done_if(n >= 50, format_args!("{n} successes"))
+    })
+    .await;
     server.stop();
 
     let ended = timeout(BOUNDED, join_all(tasks))
@@ -758,20 +658,10 @@ async fn server_killed_mid_run_ends_every_task_with_an_error() {
     }
 }
 
-async fn join_all<T>(
-    tasks: Vec<tokio::task::JoinHandle<T>>,
-) -> Vec<Result<T, tokio::task::JoinError>> {
-    let mut out = Vec::with_capacity(tasks.len());
-    for task in tasks {
-        out.push(task.await);
-    }
-    out
-}
-
 #[tokio::test]
 async fn restarted_server_is_usable_again_through_a_connection_manager() {
     let mut server = server();
-    let managed = locker(impatient_manager(&server).await, Duration::from_millis(200));
+    let managed = locker(impatient_manager(&server).await, ms(200));
     let before = acquired(&managed, "k").await;
     assert!(managed.release(&before).await.unwrap());
     server.stop();
@@ -790,7 +680,7 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
             Err(e) => {
                 assert_retryable_redis_error(&e);
                 assert!(Instant::now() < deadline, "never reconnected: {e}");
-                sleep(Duration::from_millis(20)).await;
+                sleep(ms(20)).await;
             }
         }
     };

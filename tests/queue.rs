@@ -9,6 +9,8 @@
 //! sanity bounds ("woke before the deadline"), and leases and delays are
 //! short so that the file stays quick.
 
+mod support;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,13 +22,13 @@ use lockgate::testing::RedisServer;
 use lockgate::{Error, PushOptions, Queue};
 use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
+use support::{
+    BOUNDED, counts, done_if, eventually, hash_tag, manager, ms, raw, secs, server, stats,
+};
 use tokio::time::{Instant, sleep, timeout};
 
 /// A lease that never runs out during a test.
-const LONG: Duration = Duration::from_secs(60);
-/// Upper bound for anything that waits on Redis, so a bug cannot hang the
-/// suite.
-const BOUNDED: Duration = Duration::from_secs(10);
+const LONG: Duration = secs(60);
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Email {
@@ -45,17 +47,6 @@ fn email(n: u64) -> Email {
 // Helpers
 // ---------------------------------------------------------------------------
 
-fn server() -> RedisServer {
-    RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
-}
-
-async fn manager(server: &RedisServer) -> ConnectionManager {
-    server
-        .connection_manager()
-        .await
-        .expect("connection manager to the test server")
-}
-
 fn queue<T>(conn: ConnectionManager, name: &str) -> Queue<T>
 where
     T: Serialize + serde::de::DeserializeOwned,
@@ -63,35 +54,10 @@ where
     Queue::new(conn, name).expect("valid queue name")
 }
 
-/// Runs a raw command, as a producer in another language would.
-async fn raw<T: redis::FromRedisValue>(conn: &ConnectionManager, args: &[&str]) -> T {
-    let mut cmd = redis::cmd(args[0]);
-    for arg in &args[1..] {
-        cmd.arg(*arg);
-    }
-    cmd.query_async(&mut conn.clone())
-        .await
-        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
-}
-
 /// The name of one of queue `name`'s keys under the default prefix (for
 /// names without `}` or `\`, which appear verbatim in the hash tag).
 fn key(name: &str, part: &str) -> String {
     format!("lockgate:{{{name}}}:{part}")
-}
-
-/// The part of `key` Redis Cluster hashes: the content between the first `{`
-/// and the first `}` after it when that is non-empty, else the whole key.
-fn hash_tag(key: &str) -> &str {
-    if let Some(open) = key.find('{') {
-        let rest = &key[open + 1..];
-        if let Some(close) = rest.find('}')
-            && close > 0
-        {
-            return &rest[..close];
-        }
-    }
-    key
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -155,18 +121,11 @@ where
     claimed.jobs.into_iter().next().unwrap()
 }
 
-async fn stats<T>(q: &Queue<T>) -> Stats
-where
-    T: Serialize + serde::de::DeserializeOwned,
-{
-    q.stats().await.expect("stats")
-}
-
 /// Asserts the state counts (ignoring `oldest_due_age`).
 #[track_caller]
 fn assert_counts(s: Stats, due: u64, later: u64, active: u64, dead: u64) {
     assert_eq!(
-        (s.due, s.later, s.active, s.dead),
+        counts(&s),
         (due, later, active, dead),
         "(due, later, active, dead) of {s:?}"
     );
@@ -186,7 +145,7 @@ where
             Err(e) => {
                 assert!(e.is_retryable(), "push failed for good: {e}");
                 last = Some(e);
-                sleep(Duration::from_millis(50)).await;
+                sleep(ms(50)).await;
             }
         }
     }
@@ -205,7 +164,7 @@ where
             Err(e) => {
                 assert!(e.is_retryable(), "claim failed for good: {e}");
                 last = Some(e);
-                sleep(Duration::from_millis(50)).await;
+                sleep(ms(50)).await;
             }
         }
     }
@@ -216,7 +175,7 @@ where
 /// runs to its deadline.
 async fn drain(waiter: &mut Waiter<redis::Client, ConnectionManager>) {
     for _ in 0..10 {
-        let deadline = Instant::now() + Duration::from_millis(100);
+        let deadline = Instant::now() + ms(100);
         match waiter.wait(Some(deadline)).await.expect("wait") {
             Wake::Deadline => return,
             _ => continue,
@@ -230,7 +189,7 @@ async fn drain(waiter: &mut Waiter<redis::Client, ConnectionManager>) {
 async fn wait_for_ring(waiter: &mut Waiter<redis::Client, ConnectionManager>, what: &str) -> usize {
     let mut errors = 0;
     loop {
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + secs(5);
         match timeout(BOUNDED, waiter.wait(Some(deadline))).await {
             Err(_) => panic!("{what}: wait outlived its deadline"),
             Ok(Ok(Wake::Rung)) => return errors,
@@ -300,7 +259,7 @@ async fn concurrent_claimers_take_every_message_exactly_once() {
                 let r = q.recover(1).await.expect("recover");
                 requeued += r.requeued;
                 buried += r.buried;
-                sleep(Duration::from_millis(2)).await;
+                sleep(ms(2)).await;
             }
             (requeued, buried)
         })
@@ -385,16 +344,14 @@ async fn due_messages_are_claimed_in_due_order() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "order");
     for delay in [250, 50, 200, 0, 100, 150] {
-        q.push_after(delay, Duration::from_millis(delay))
-            .await
-            .unwrap();
+        q.push_after(delay, ms(delay)).await.unwrap();
     }
     // Until all are due.
-    let start = Instant::now();
-    while stats(&q).await.later > 0 {
-        assert!(start.elapsed() < BOUNDED, "messages never became due");
-        sleep(Duration::from_millis(20)).await;
-    }
+    eventually("all messages are due", BOUNDED, async || {
+        let s = stats(&q).await;
+        done_if(s.later == 0, s)
+    })
+    .await;
     let jobs = claim(&q, 100, LONG).await;
     let payloads: Vec<u64> = jobs.iter().map(|j| **j).collect();
     assert_eq!(payloads, [0, 50, 100, 150, 200, 250]);
@@ -429,14 +386,11 @@ async fn a_delayed_message_is_claimable_once_due_and_not_before() {
     let q: Queue<Email> = queue(manager(&server).await, "delayed");
     let before = SystemTime::now();
     let since = Instant::now();
-    let pushed = q
-        .push_after(email(1), Duration::from_millis(300))
-        .await
-        .unwrap();
+    let pushed = q.push_after(email(1), ms(300)).await.unwrap();
     assert!(pushed.created);
     assert!(pushed.due.unwrap() > before, "{pushed:?}");
 
-    let job = claim_when_due(&q, since, Duration::from_millis(300)).await;
+    let job = claim_when_due(&q, since, ms(300)).await;
     assert_eq!(job.id(), pushed.id);
     assert_eq!(*job, email(1));
     assert_eq!(Some(job.due_at()), pushed.due);
@@ -449,7 +403,7 @@ async fn a_delayed_message_is_claimable_once_due_and_not_before() {
 async fn push_at_in_the_past_is_due_now_and_in_the_future_is_not() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "at");
-    let past = SystemTime::now() - Duration::from_secs(5);
+    let past = SystemTime::now() - secs(5);
     let pushed = q.push_at(1, past).await.unwrap();
     assert_eq!(
         pushed.due.map(unix_ms),
@@ -458,16 +412,16 @@ async fn push_at_in_the_past_is_due_now_and_in_the_future_is_not() {
     );
     let s = stats(&q).await;
     assert_counts(s, 1, 0, 0, 0);
-    assert!(s.oldest_due_age.unwrap() >= Duration::from_secs(5), "{s:?}");
+    assert!(s.oldest_due_age.unwrap() >= secs(5), "{s:?}");
     let job = claim_one(&q, LONG).await;
     assert_eq!(*job, 1);
     assert!(q.ack(&job).await.unwrap());
 
     let since = Instant::now();
-    let future = SystemTime::now() + Duration::from_millis(300);
+    let future = SystemTime::now() + ms(300);
     let pushed = q.push_at(2, future).await.unwrap();
     assert_eq!(pushed.due.map(unix_ms), Some(unix_ms(future)));
-    let job = claim_when_due(&q, since, Duration::from_millis(300)).await;
+    let job = claim_when_due(&q, since, ms(300)).await;
     assert_eq!(*job, 2);
     assert_eq!(unix_ms(job.due_at()), unix_ms(future));
 }
@@ -481,14 +435,14 @@ async fn an_expired_lease_is_redelivered_and_the_stale_holder_is_refused() {
     let server = server();
     let q: Queue<Email> = queue(manager(&server).await, "lease");
     q.push(email(7)).await.unwrap();
-    let stale = claim_one(&q, Duration::from_millis(200)).await;
+    let stale = claim_one(&q, ms(200)).await;
     assert_eq!(stale.attempt(), 1);
 
     // A lease that holds is not recovered.
     let none = q.recover(3).await.unwrap();
     assert_eq!((none.requeued, none.buried), (0, 0));
 
-    sleep(Duration::from_millis(250)).await;
+    sleep(ms(250)).await;
     let r = q.recover(3).await.unwrap();
     assert_eq!((r.requeued, r.buried), (1, 0));
     assert_counts(stats(&q).await, 1, 0, 0, 0);
@@ -534,17 +488,14 @@ async fn extending_a_lease_keeps_recover_away() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "extend");
     q.push_many([1u64, 2, 3]).await.unwrap();
-    let mut jobs = claim(&q, 10, Duration::from_millis(500)).await;
+    let mut jobs = claim(&q, 10, ms(500)).await;
     assert_eq!(jobs.len(), 3);
     // The third is not extended: it shows what recover does without renewal.
     let control = jobs.pop().unwrap();
-    sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        q.extend(&jobs, Duration::from_secs(3)).await.unwrap(),
-        [true, true]
-    );
+    sleep(ms(100)).await;
+    assert_eq!(q.extend(&jobs, secs(3)).await.unwrap(), [true, true]);
     // Past the original lease.
-    sleep(Duration::from_millis(550)).await;
+    sleep(ms(550)).await;
     let r = q.recover(5).await.unwrap();
     assert_eq!(
         (r.requeued, r.buried),
@@ -572,8 +523,8 @@ async fn extending_a_lease_keeps_recover_away() {
 
     // Extending a claim that was lost to recovery fails.
     q.push(3).await.unwrap();
-    let stale = claim_one(&q, Duration::from_millis(20)).await;
-    sleep(Duration::from_millis(60)).await;
+    let stale = claim_one(&q, ms(20)).await;
+    sleep(ms(60)).await;
     assert_eq!(q.recover(5).await.unwrap().requeued, 1);
     assert_eq!(q.extend([&stale], LONG).await.unwrap(), [false]);
     assert_counts(stats(&q).await, 1, 0, 0, 0);
@@ -622,13 +573,9 @@ async fn retry_counts_failures_records_errors_and_respects_its_delay() {
     assert_eq!(*job, email(3), "payload survives retries");
     let since = Instant::now();
     let before = SystemTime::now();
-    let due = q
-        .retry(&job, Duration::from_millis(200), "boom 3")
-        .await
-        .unwrap()
-        .unwrap();
+    let due = q.retry(&job, ms(200), "boom 3").await.unwrap().unwrap();
     assert!(unix_ms(due) >= unix_ms(before) + 200, "retry delay ignored");
-    let job = claim_when_due(&q, since, Duration::from_millis(200)).await;
+    let job = claim_when_due(&q, since, ms(200)).await;
     assert_eq!(job.attempt(), 4);
     assert_eq!(Some(job.due_at()), Some(due));
     assert_eq!(
@@ -681,11 +628,8 @@ async fn defer_counts_deferrals_not_attempts() {
     let job = claim_one(&q, LONG).await;
     assert_eq!((job.attempt(), job.deferrals()), (2, 3));
     let since = Instant::now();
-    q.defer(&job, Duration::from_millis(200))
-        .await
-        .unwrap()
-        .unwrap();
-    let job = claim_when_due(&q, since, Duration::from_millis(200)).await;
+    q.defer(&job, ms(200)).await.unwrap().unwrap();
+    let job = claim_when_due(&q, since, ms(200)).await;
     assert_eq!((job.attempt(), job.deferrals()), (2, 4));
     assert!(q.ack(&job).await.unwrap());
     assert_eq!(stats(&q).await, Stats::default());
@@ -697,15 +641,15 @@ async fn recover_buries_after_max_attempts() {
     let q: Queue<Email> = queue(manager(&server).await, "attempts");
     let id = q.push(email(5)).await.unwrap().id;
 
-    let job = claim_one(&q, Duration::from_millis(20)).await;
+    let job = claim_one(&q, ms(20)).await;
     assert_eq!(job.attempt(), 1);
-    sleep(Duration::from_millis(60)).await;
+    sleep(ms(60)).await;
     let r = q.recover(2).await.unwrap();
     assert_eq!((r.requeued, r.buried), (1, 0));
 
-    let job = claim_one(&q, Duration::from_millis(20)).await;
+    let job = claim_one(&q, ms(20)).await;
     assert_eq!(job.attempt(), 2);
-    sleep(Duration::from_millis(60)).await;
+    sleep(ms(60)).await;
     let r = q.recover(2).await.unwrap();
     assert_eq!((r.requeued, r.buried), (0, 1));
     assert_counts(stats(&q).await, 0, 0, 0, 1);
@@ -733,14 +677,9 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
             .await
             .unwrap();
     }
-    q.push_with(
-        email(9),
-        PushOptions::new()
-            .id("later")
-            .after(Duration::from_secs(60)),
-    )
-    .await
-    .unwrap();
+    q.push_with(email(9), PushOptions::new().id("later").after(secs(60)))
+        .await
+        .unwrap();
     assert_counts(stats(&q).await, 3, 1, 0, 0);
 
     // a fails once before it is buried; b is buried at once; c stays active.
@@ -829,7 +768,7 @@ async fn bulk_operations_cross_batch_boundaries() {
     // Claim everything in maximal batches under a short lease...
     let mut jobs = Vec::new();
     loop {
-        let batch = claim(&q, lockgate::queue::MAX_BATCH, Duration::from_millis(20)).await;
+        let batch = claim(&q, lockgate::queue::MAX_BATCH, ms(20)).await;
         if batch.is_empty() {
             break;
         }
@@ -838,7 +777,7 @@ async fn bulk_operations_cross_batch_boundaries() {
     let mut payloads: Vec<u64> = jobs.iter().map(|j| **j).collect();
     assert_eq!(payloads, (0..MESSAGES).collect::<Vec<_>>(), "push order");
     // ...let every lease run out, and bury them all in one recover call.
-    sleep(Duration::from_millis(60)).await;
+    sleep(ms(60)).await;
     let r = q.recover(1).await.unwrap();
     assert_eq!((r.requeued, r.buried), (0, MESSAGES as usize));
     assert_counts(stats(&q).await, 0, 0, 0, MESSAGES);
@@ -873,10 +812,7 @@ async fn caller_ids_deduplicate_in_every_state() {
     let server = server();
     let q: Queue<Email> = queue(manager(&server).await, "dedup");
     let first = q
-        .push_with(
-            email(1),
-            PushOptions::new().id("x").after(Duration::from_secs(60)),
-        )
+        .push_with(email(1), PushOptions::new().id("x").after(secs(60)))
         .await
         .unwrap();
     assert!(first.created);
@@ -977,9 +913,9 @@ async fn ids_with_colons_and_unicode_round_trip() {
         q.push_with(n as u64, PushOptions::new().id(id))
             .await
             .unwrap();
-        let job = claim_one(&q, Duration::from_millis(20)).await;
+        let job = claim_one(&q, ms(20)).await;
         assert_eq!(job.id(), id);
-        sleep(Duration::from_millis(60)).await;
+        sleep(ms(60)).await;
         assert_eq!(q.recover(5).await.unwrap().requeued, 1, "{id:?}");
         let job = claim_one(&q, LONG).await;
         assert_eq!((job.id(), job.attempt()), (id, 2));
@@ -1000,7 +936,7 @@ async fn remove_and_purge() {
     let q: Queue<u64> = queue(conn.clone(), "rm");
 
     // Scheduled.
-    q.push_with(1, PushOptions::new().id("s").after(Duration::from_secs(60)))
+    q.push_with(1, PushOptions::new().id("s").after(secs(60)))
         .await
         .unwrap();
     assert!(q.remove("s").await.unwrap());
@@ -1037,7 +973,7 @@ async fn remove_and_purge() {
     let other: Queue<u64> = queue(conn.clone(), "other");
     other.push(0).await.unwrap();
     q.push_many([5u64, 6, 7]).await.unwrap();
-    q.push_after(8, Duration::from_secs(60)).await.unwrap();
+    q.push_after(8, secs(60)).await.unwrap();
     let jobs = claim(&q, 2, LONG).await;
     assert!(q.bury(&jobs[0], "x").await.unwrap());
     assert_counts(stats(&q).await, 1, 1, 2, 1);
@@ -1153,13 +1089,10 @@ async fn a_producer_in_another_language_can_enqueue_with_raw_commands() {
     .await;
     let _: i64 = raw(&foreign, &["LPUSH", "lockgate:{polyglot}:bell", "1"]).await;
 
-    let wake = timeout(
-        BOUNDED,
-        waiter.wait(Some(Instant::now() + Duration::from_secs(5))),
-    )
-    .await
-    .expect("bounded")
-    .unwrap();
+    let wake = timeout(BOUNDED, waiter.wait(Some(Instant::now() + secs(5))))
+        .await
+        .expect("bounded")
+        .unwrap();
     assert_eq!(wake, Wake::Rung);
     let job = claim_one(&q, LONG).await;
     assert_eq!(job.id(), "ext-1");
@@ -1209,7 +1142,7 @@ async fn bad_configuration_is_refused() {
     // Refused calls touched nothing; the boundaries themselves work.
     assert!(raw::<Vec<String>>(&conn, &["KEYS", "*"]).await.is_empty());
     assert!(q.claim(lockgate::queue::MAX_BATCH, LONG).await.is_ok());
-    assert!(q.claim(1, Duration::from_millis(1)).await.is_ok());
+    assert!(q.claim(1, ms(1)).await.is_ok());
 
     let prefixed = queue::<u64>(conn.clone(), "cfg")
         .prefix("app:jobs")
@@ -1236,7 +1169,7 @@ async fn every_key_of_a_queue_shares_one_hash_tag() {
         let jobs = claim(&q, 2, LONG).await;
         assert_eq!(jobs.len(), 2);
         assert!(q.bury(&jobs[0], "dead").await.unwrap());
-        q.push_after(3, Duration::from_secs(60)).await.unwrap();
+        q.push_after(3, secs(60)).await.unwrap();
         assert_counts(stats(&q).await, 0, 1, 1, 1);
     }
 
@@ -1291,21 +1224,18 @@ async fn waiter_wakes_on_a_push_from_another_connection() {
     drain(&mut waiter).await;
 
     let push = tokio::spawn(async move {
-        sleep(Duration::from_millis(200)).await;
+        sleep(ms(200)).await;
         producer.push(11).await.unwrap()
     });
     let start = Instant::now();
-    let deadline = start + Duration::from_secs(5);
+    let deadline = start + secs(5);
     let wake = timeout(BOUNDED, waiter.wait(Some(deadline)))
         .await
         .expect("bounded")
         .unwrap();
     assert_eq!(wake, Wake::Rung);
     assert!(Instant::now() < deadline, "woke only at the deadline");
-    assert!(
-        start.elapsed() >= Duration::from_millis(150),
-        "woke before the push"
-    );
+    assert!(start.elapsed() >= ms(150), "woke before the push");
     let pushed = push.await.unwrap();
     let job = claim_one(&q, LONG).await;
     assert_eq!(job.id(), pushed.id);
@@ -1313,19 +1243,13 @@ async fn waiter_wakes_on_a_push_from_another_connection() {
 
     // A push that is not earlier than the head does not ring; one that is
     // earlier does (a delayed head moved forward).
-    q.push_after(1, Duration::from_secs(60)).await.unwrap();
+    q.push_after(1, secs(60)).await.unwrap();
     drain(&mut waiter).await;
-    q.push_after(2, Duration::from_secs(120)).await.unwrap();
-    let wake = waiter
-        .wait(Some(Instant::now() + Duration::from_millis(300)))
-        .await
-        .unwrap();
+    q.push_after(2, secs(120)).await.unwrap();
+    let wake = waiter.wait(Some(Instant::now() + ms(300))).await.unwrap();
     assert_eq!(wake, Wake::Deadline, "a later message rang the bell");
     q.push(3).await.unwrap();
-    let wake = waiter
-        .wait(Some(Instant::now() + Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let wake = waiter.wait(Some(Instant::now() + secs(5))).await.unwrap();
     assert_eq!(wake, Wake::Rung);
 }
 
@@ -1334,7 +1258,7 @@ async fn waiter_returns_at_its_deadline_when_nothing_is_pushed() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "quiet");
     let mut waiter = q.waiter(server.client());
-    for wait in [Duration::from_millis(300), Duration::from_millis(50)] {
+    for wait in [ms(300), ms(50)] {
         let start = Instant::now();
         let wake = timeout(BOUNDED, waiter.wait(Some(start + wait)))
             .await
@@ -1343,13 +1267,10 @@ async fn waiter_returns_at_its_deadline_when_nothing_is_pushed() {
         assert_eq!(wake, Wake::Deadline);
         let elapsed = start.elapsed();
         assert!(elapsed >= wait, "returned early: {elapsed:?}");
-        assert!(elapsed < wait + Duration::from_secs(1), "late: {elapsed:?}");
+        assert!(elapsed < wait + secs(1), "late: {elapsed:?}");
     }
     // A deadline in the past returns at once.
-    let wake = waiter
-        .wait(Some(Instant::now() - Duration::from_millis(1)))
-        .await
-        .unwrap();
+    let wake = waiter.wait(Some(Instant::now() - ms(1))).await.unwrap();
     assert_eq!(wake, Wake::Deadline);
 }
 
@@ -1368,15 +1289,12 @@ async fn a_waiting_worker_gets_a_delayed_message_once_due() {
     let push = {
         let pushed_at = pushed_at.clone();
         tokio::spawn(async move {
-            sleep(Duration::from_millis(100)).await;
+            sleep(ms(100)).await;
             *pushed_at.lock().unwrap() = Some(Instant::now());
-            producer
-                .push_after(5, Duration::from_millis(300))
-                .await
-                .unwrap()
+            producer.push_after(5, ms(300)).await.unwrap()
         })
     };
-    let give_up = Instant::now() + Duration::from_secs(5);
+    let give_up = Instant::now() + secs(5);
     let (mut rings, mut claims) = (0, 0);
     let job = loop {
         assert!(Instant::now() < give_up, "the message never arrived");
@@ -1401,10 +1319,7 @@ async fn a_waiting_worker_gets_a_delayed_message_once_due() {
     let pushed = push.await.unwrap();
     assert_eq!(job.id(), pushed.id);
     let pushed_at = pushed_at.lock().unwrap().unwrap();
-    assert!(
-        pushed_at.elapsed() >= Duration::from_millis(300),
-        "delivered early"
-    );
+    assert!(pushed_at.elapsed() >= ms(300), "delivered early");
     assert_eq!(rings, 1, "one ring for the push to an empty schedule");
     assert!(claims <= 5, "the worker polled: {claims} claims");
 }
@@ -1424,13 +1339,10 @@ async fn waiter_survives_the_server_closing_idle_connections() {
     // Blocked across the idle timeout (and across a server-side block that
     // ran out): a blocked client is not idle.
     let start = Instant::now();
-    let wake = timeout(
-        BOUNDED,
-        waiter.wait(Some(start + Duration::from_millis(2500))),
-    )
-    .await
-    .expect("bounded")
-    .expect("a blocked waiter must not lose its connection");
+    let wake = timeout(BOUNDED, waiter.wait(Some(start + ms(2500))))
+        .await
+        .expect("bounded")
+        .expect("a blocked waiter must not lose its connection");
     assert_eq!(wake, Wake::Deadline);
     push_retrying(&producer, 1, "one").await;
     let errors = wait_for_ring(&mut waiter, "after a long block").await;
@@ -1440,7 +1352,7 @@ async fn waiter_survives_the_server_closing_idle_connections() {
 
     // Idle between two waits (as while a worker processes a job): the server
     // closes the waiter's connection.
-    sleep(Duration::from_millis(2500)).await;
+    sleep(ms(2500)).await;
     push_retrying(&producer, 2, "two").await;
     wait_for_ring(&mut waiter, "after an idle gap").await;
     let job = claim_retrying(&q).await.pop().expect("the pushed message");
@@ -1458,28 +1370,19 @@ async fn waiter_survives_client_kill() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "kill");
     let producer: Queue<u64> = queue(manager(&server).await, "kill");
-    let mut admin = server.multiplexed().await.unwrap();
+    let admin = server.multiplexed().await.unwrap();
     let mut waiter = q.waiter(server.client());
     drain(&mut waiter).await;
 
     // Killed while blocked.
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("normal")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    let killed: i64 = raw(&admin, &["CLIENT", "KILL", "TYPE", "normal"]).await;
     assert!(killed >= 3, "killed {killed} clients");
     // At most one error; then it waits normally again.
     let mut errors = 0;
     loop {
-        match timeout(
-            BOUNDED,
-            waiter.wait(Some(Instant::now() + Duration::from_millis(300))),
-        )
-        .await
-        .expect("bounded")
+        match timeout(BOUNDED, waiter.wait(Some(Instant::now() + ms(300))))
+            .await
+            .expect("bounded")
         {
             Ok(Wake::Deadline) => break,
             Ok(other) => panic!("nothing was pushed, got {other:?}"),
@@ -1496,13 +1399,7 @@ async fn waiter_survives_client_kill() {
     assert!(q.ack(&job).await.unwrap());
 
     // Killed while not blocked (between waits).
-    let _: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("normal")
-        .query_async(&mut admin)
-        .await
-        .unwrap();
+    raw::<i64>(&admin, &["CLIENT", "KILL", "TYPE", "normal"]).await;
     push_retrying(&producer, 2, "two").await;
     wait_for_ring(&mut waiter, "after a kill between waits").await;
     let job = claim_retrying(&q).await.pop().expect("the pushed message");
@@ -1542,12 +1439,12 @@ async fn claims_from_before_a_purge_cannot_touch_new_messages() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "purged");
     q.push_with(1, PushOptions::new().id("x")).await.unwrap();
-    let old = claim_one(&q, Duration::from_millis(20)).await;
+    let old = claim_one(&q, ms(20)).await;
     q.purge().await.unwrap();
     q.push_with(2, PushOptions::new().id("x")).await.unwrap();
     assert!(!q.ack(&old).await.unwrap());
     assert!(!q.bury(&old, "too late").await.unwrap());
-    sleep(Duration::from_millis(60)).await;
+    sleep(ms(60)).await;
     assert_eq!(q.recover(1).await.unwrap(), Default::default());
     assert!(q.dead_letters(0, -1).await.unwrap().is_empty());
     let job = claim_one(&q, LONG).await;
@@ -1562,15 +1459,15 @@ async fn recover_handles_every_expired_lease_even_when_records_vanished() {
     let server = server();
     let q: Queue<u64> = queue(manager(&server).await, "recover-all");
     q.push_many(0..1001u64).await.unwrap();
-    let first = claim(&q, 1000, Duration::from_millis(20)).await;
-    let second = claim(&q, 1000, Duration::from_millis(20)).await;
+    let first = claim(&q, 1000, ms(20)).await;
+    let second = claim(&q, 1000, ms(20)).await;
     assert_eq!((first.len(), second.len()), (1000, 1));
     raw::<i64>(
         q.connection(),
         &["HDEL", &key("recover-all", "data"), first[0].id()],
     )
     .await;
-    sleep(Duration::from_millis(60)).await;
+    sleep(ms(60)).await;
     let r = q.recover(5).await.unwrap();
     assert_eq!(r.requeued, 1000);
     assert_counts(stats(&q).await, 1000, 0, 0, 0);
@@ -1586,19 +1483,19 @@ async fn a_busy_waiter_does_not_take_the_ring_from_an_idle_one() {
     let mut busy = q.waiter(server.client());
     let mut idle = q.waiter(server.client());
     // Drain any stale ring, then let `busy` time out: its worker goes to work.
-    let soon = || Some(tokio::time::Instant::now() + Duration::from_millis(50));
+    let soon = || Some(tokio::time::Instant::now() + ms(50));
     while busy.wait(soon()).await.unwrap() == Wake::Rung {}
     assert_eq!(busy.wait(soon()).await.unwrap(), Wake::Deadline);
     let producer = q.clone();
     tokio::spawn(async move {
-        sleep(Duration::from_millis(200)).await;
+        sleep(ms(200)).await;
         producer.push(1).await.unwrap();
     });
     let started = std::time::Instant::now();
     let woken = idle
-        .wait(Some(tokio::time::Instant::now() + Duration::from_secs(3)))
+        .wait(Some(tokio::time::Instant::now() + secs(3)))
         .await
         .unwrap();
     assert_eq!(woken, Wake::Rung, "the idle waiter slept through the push");
-    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(started.elapsed() < secs(2));
 }

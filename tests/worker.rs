@@ -1,12 +1,13 @@
 //! Worker end to end, against real redis-server processes.
 
+mod support;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use lockgate::testing::RedisServer;
-use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use lockgate::{BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use serde::{Deserialize, Serialize};
+use support::{backoff, counts, done_if, eventually, manager, ms, secs, server, stats, stop};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 
@@ -17,10 +18,6 @@ struct Msg {
 }
 
 type Intervals = Arc<Mutex<HashMap<String, Vec<(Instant, Instant, u32)>>>>;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// Asserts recorded hold intervals never overlap per key.
 fn assert_exclusive(intervals: &Intervals) {
@@ -39,8 +36,8 @@ fn assert_exclusive(intervals: &Intervals) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
-    let server = RedisServer::start().unwrap();
-    let conn = server.connection_manager().await.unwrap();
+    let server = server();
+    let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
     let total = 2000;
     let msgs: Vec<Msg> = (0..total)
@@ -58,10 +55,10 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
     let mut metrics = Vec::new();
     for _ in 0..2 {
         // Each worker on its own connection, as in two processes.
-        let conn = server.connection_manager().await.unwrap();
+        let conn = manager(&server).await;
         let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-        let locker = Locker::new(conn).ttl(Duration::from_secs(5)).unwrap();
-        let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(3);
+        let locker = Locker::new(conn).ttl(secs(5)).unwrap();
+        let backoff = backoff(1, 5).max_attempts(3);
         let (intervals, handled) = (intervals.clone(), handled.clone());
         let service = ServiceBuilder::new()
             .layer(
@@ -87,7 +84,7 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         let worker = Worker::new(server.client(), queue, service)
             .concurrency(8)
             .unwrap()
-            .lease(Duration::from_secs(10))
+            .lease(secs(10))
             .unwrap();
         metrics.push(worker.metrics());
         let mut stop = stop_rx.clone();
@@ -96,14 +93,11 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         })));
     }
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while handled.lock().unwrap().len() < total as usize {
-        assert!(
-            Instant::now() < deadline,
-            "not every message was handled in time"
-        );
-        tokio::time::sleep(ms(20)).await;
-    }
+    eventually("every message is handled", secs(60), async || {
+        let n = handled.lock().unwrap().len();
+        done_if(n >= total as usize, format_args!("{n} handled"))
+    })
+    .await;
     stop_tx.send(true).unwrap();
     for worker in workers {
         worker.await.unwrap().unwrap();
@@ -118,11 +112,7 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         );
     }
     assert_exclusive(&intervals);
-    let stats = queue.stats().await.unwrap();
-    assert_eq!(
-        (stats.due, stats.later, stats.active, stats.dead),
-        (0, 0, 0, 0)
-    );
+    assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 0));
     let done: u64 = metrics.iter().map(|m| m.snapshot().done).sum();
     let deferred: u64 = metrics.iter().map(|m| m.snapshot().deferred).sum();
     assert_eq!(done, total as u64);
@@ -131,8 +121,8 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
 
 #[tokio::test]
 async fn delayed_messages_are_never_early() {
-    let server = RedisServer::start().unwrap();
-    let conn = server.connection_manager().await.unwrap();
+    let server = server();
+    let conn = manager(&server).await;
     let queue: Queue<u32> = Queue::new(conn, "delayed").unwrap();
     let started: Arc<Mutex<Vec<(u32, std::time::SystemTime, std::time::SystemTime)>>> =
         Default::default();
@@ -155,16 +145,72 @@ async fn delayed_messages_are_never_early() {
             .await
             .unwrap();
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while started.lock().unwrap().len() < 20 {
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(ms(10)).await;
-    }
-    stop_tx.send(()).unwrap();
-    run.await.unwrap().unwrap();
+    eventually("every handler has started", secs(10), async || {
+        let n = started.lock().unwrap().len();
+        done_if(n >= 20, format_args!("{n} handled"))
+    })
+    .await;
+    stop(stop_tx, run).await;
     for (n, due, at) in started.lock().unwrap().iter() {
         // Same machine, so the server's clock is ours: a handler never starts
         // before its message is due.
         assert!(at >= due, "message {n} started before it was due");
     }
+}
+
+/// A LockLayer over the plain payload (the worker's jobs mapped with
+/// `into_payload` before it) still defers the worker's job in place: same
+/// id, deferrals counted, so `max_deferrals` ends a key that never frees
+/// instead of copying the message forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferring_a_mapped_payload_reschedules_the_running_job_in_place() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "mapped").unwrap();
+    let locker = Locker::new(conn).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    let service = ServiceBuilder::new()
+        .map_request(|job: Job<Msg>| job.into_payload())
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), ms(10)).max_deferrals(3)),
+        )
+        .service_fn(|_: Msg| async { Ok::<_, BoxError>(()) });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .max_attempts(1)
+        .unwrap();
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    let pushed = queue
+        .push(Msg {
+            n: 1,
+            key: "busy".into(),
+        })
+        .await
+        .unwrap();
+    let deadline = Instant::now() + secs(10);
+    while queue.stats().await.unwrap().dead < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "never dead-lettered: {:?}",
+            metrics.snapshot()
+        );
+        tokio::time::sleep(ms(10)).await;
+    }
+    stop_tx.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let dead = queue.dead_letters(0, -1).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].id, pushed.id,
+        "the message was copied, not rescheduled"
+    );
+    assert_eq!(dead[0].deferrals, 3);
+    assert!(
+        dead[0].error.as_deref().unwrap_or("").contains("deferred"),
+        "{dead:?}"
+    );
+    assert_eq!(metrics.snapshot().deferred, 3);
+    assert!(locker.release(&holder).await.unwrap());
 }

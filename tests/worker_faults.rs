@@ -8,92 +8,33 @@
 //! none lost, no duplicates when nothing crashed), never about timings; every
 //! wait is bounded and panics with what it was waiting for.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lockgate::queue::Stats;
 use lockgate::testing::RedisServer;
-use lockgate::{
-    Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Outcome, PushOptions, Queue, Worker,
-};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use lockgate::{BoxError, Job, LockLayer, Locker, OnConflict, Outcome, PushOptions, Queue, Worker};
+use redis::aio::ConnectionManager;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use support::{
+    backoff, counts, done_if, eventually, ms, queue_drained, raw, reconnecting_manager, secs,
+    server, stats, stop,
+};
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
+use tokio::time::{Instant, sleep, timeout};
 use tower::{ServiceBuilder, ServiceExt, service_fn};
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-fn secs(n: u64) -> Duration {
-    Duration::from_secs(n)
-}
-
-/// Small retry backoff, so that retries do not slow the tests down.
-fn quick_retries() -> Backoff {
-    Backoff::exponential(ms(5), ms(20)).expect("valid backoff")
-}
-
-/// A connection manager that reconnects quickly after a restart or a kill.
-async fn manager(server: &RedisServer) -> ConnectionManager {
-    let config = ConnectionManagerConfig::new()
-        .set_number_of_retries(5)
-        .set_min_delay(ms(20))
-        .set_max_delay(ms(200));
-    server
-        .client()
-        .get_connection_manager_with_config(config)
-        .await
-        .expect("connect to the test server")
-}
-
-/// Polls `check` until it returns `Ok`, for at most `within`; panics with
-/// `what` and the last state `check` described otherwise.
-async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        let state = match check().await {
-            Ok(()) => return,
-            Err(state) => state,
-        };
-        if Instant::now() >= deadline {
-            panic!("timed out after {within:?} waiting until {what}; last state: {state}");
-        }
-        tokio::time::sleep(ms(10)).await;
-    }
-}
-
-/// Queue stats, retried through connection faults.
-async fn stats<T, C>(queue: &Queue<T, C>) -> Stats
-where
-    T: Serialize + serde::de::DeserializeOwned,
-    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
-{
-    let deadline = Instant::now() + secs(20);
-    loop {
-        match queue.stats().await {
-            Ok(stats) => return stats,
-            Err(error) if Instant::now() < deadline => {
-                eprintln!("stats failed ({error}); retrying");
-                tokio::time::sleep(ms(50)).await;
-            }
-            Err(error) => panic!("could not read queue stats for 20 s: {error}"),
-        }
-    }
-}
-
-fn counts(stats: &Stats) -> (u64, u64, u64, u64) {
-    (stats.due, stats.later, stats.active, stats.dead)
+/// A queue on a connection of its own that reconnects quickly after faults.
+async fn reconnecting_queue<T: Serialize + DeserializeOwned>(
+    server: &RedisServer,
+    name: &str,
+) -> Queue<T> {
+    Queue::new(reconnecting_manager(server).await, name).expect("valid queue name")
 }
 
 /// Pushes `n` under the id `m<n>`, retrying through connection faults (the
@@ -108,7 +49,7 @@ async fn push_retrying(queue: &Queue<u32>, n: u32) {
             Ok(_) => return,
             Err(error) if Instant::now() < deadline => {
                 eprintln!("push of {n} failed ({error}); retrying");
-                tokio::time::sleep(ms(50)).await;
+                sleep(ms(50)).await;
             }
             Err(error) => panic!("could not push message {n} for 20 s: {error}"),
         }
@@ -132,33 +73,35 @@ fn missing(handled: &Handled, expected: impl IntoIterator<Item = u32>) -> Vec<u3
 }
 
 async fn all_handled(what: &str, handled: &Handled, expected: std::ops::Range<u32>) {
-    eventually(what, secs(30), || {
+    eventually(what, secs(30), async || {
         let left = missing(handled, expected.clone());
-        async move {
-            if left.is_empty() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{} not handled yet, e.g. {:?}",
-                    left.len(),
-                    &left[..left.len().min(10)]
-                ))
-            }
-        }
+        done_if(
+            left.is_empty(),
+            format_args!(
+                "{} not handled yet, e.g. {:?}",
+                left.len(),
+                &left[..left.len().min(10)]
+            ),
+        )
     })
     .await;
 }
 
-/// Triggers a worker's graceful shutdown and waits (bounded) for `run_until`
-/// to return; panics unless it returned `Ok`.
-async fn stop(stop: oneshot::Sender<()>, run: JoinHandle<lockgate::Result<()>>) {
-    let _ = stop.send(());
-    match tokio::time::timeout(secs(20), run).await {
-        Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(error))) => panic!("run_until returned an error: {error}"),
-        Ok(Err(error)) => panic!("the worker task failed: {error}"),
-        Err(_) => panic!("run_until did not return within 20 s of the shutdown signal"),
-    }
+/// A handler that works for 1 ms, then records the number `n_of` reads from
+/// its request.
+fn recording<R: 'static>(
+    handled: Handled,
+    n_of: fn(&R) -> u32,
+) -> impl tower::Service<R, Response = (), Error = BoxError, Future = impl Send> + Clone + Send + 'static
+{
+    service_fn(move |req: R| {
+        let (handled, n) = (handled.clone(), n_of(&req));
+        async move {
+            sleep(ms(1)).await;
+            record(&handled, n);
+            Ok::<_, BoxError>(())
+        }
+    })
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,8 +116,8 @@ struct Msg {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "failing").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "failing").await;
     let attempts: Arc<Mutex<Vec<u32>>> = Default::default();
     let seen = attempts.clone();
     let service = service_fn(move |job: Job<u32>| {
@@ -196,21 +139,15 @@ async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
         .unwrap()
         .lease(ms(400))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
 
     let pushed = queue.push(7).await.unwrap();
-    eventually("the message is dead-lettered", secs(20), || {
+    eventually("the message is dead-lettered", secs(20), async || {
         let snapshot = metrics.snapshot();
-        async move {
-            if snapshot.dead == 1 {
-                Ok(())
-            } else {
-                Err(format!("{snapshot:?}"))
-            }
-        }
+        done_if(snapshot.dead == 1, snapshot)
     })
     .await;
     stop(stop_tx, run).await;
@@ -243,28 +180,22 @@ async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
 /// failed attempts it must say 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letter_counts_every_failed_attempt() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "counted").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "counted").await;
     let service = service_fn(|_job: Job<u32>| async { Err::<(), BoxError>("always fails".into()) });
     let worker = Worker::new(server.client(), queue.clone(), service)
         .max_attempts(3)
         .unwrap()
         .lease(ms(400))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
     queue.push(1).await.unwrap();
-    eventually("the message is dead-lettered", secs(20), || {
+    eventually("the message is dead-lettered", secs(20), async || {
         let dead = metrics.snapshot().dead;
-        async move {
-            if dead == 1 {
-                Ok(())
-            } else {
-                Err(format!("dead = {dead}"))
-            }
-        }
+        done_if(dead == 1, format_args!("dead = {dead}"))
     })
     .await;
     stop(stop_tx, run).await;
@@ -275,8 +206,8 @@ async fn dead_letter_counts_every_failed_attempt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panicking_handler_is_dead_lettered_and_the_worker_survives() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "panicking").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "panicking").await;
     let handled: Handled = Default::default();
     let calls = Arc::new(AtomicU32::new(0));
     let (log, count) = (handled.clone(), calls.clone());
@@ -296,22 +227,20 @@ async fn panicking_handler_is_dead_lettered_and_the_worker_survives() {
         .unwrap()
         .lease(ms(400))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
 
     queue.push(13).await.unwrap();
-    eventually("the panicking message is dead-lettered", secs(20), || {
-        let snapshot = metrics.snapshot();
-        async move {
-            if snapshot.dead == 1 {
-                Ok(())
-            } else {
-                Err(format!("{snapshot:?}"))
-            }
-        }
-    })
+    eventually(
+        "the panicking message is dead-lettered",
+        secs(20),
+        async || {
+            let snapshot = metrics.snapshot();
+            done_if(snapshot.dead == 1, snapshot)
+        },
+    )
     .await;
     assert!(
         !run.is_finished(),
@@ -349,8 +278,8 @@ async fn panicking_handler_is_dead_lettered_and_the_worker_survives() {
 /// per message and the worker survives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panic_in_service_call_itself_does_not_kill_the_worker() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "panicking-call").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "panicking-call").await;
     let handled: Handled = Default::default();
     let log = handled.clone();
     let service = service_fn(move |job: Job<u32>| {
@@ -370,17 +299,14 @@ async fn panic_in_service_call_itself_does_not_kill_the_worker() {
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
     queue.push(13).await.unwrap();
-    eventually("the panicking message is dead-lettered", secs(10), || {
-        let queue = queue.clone();
-        async move {
+    eventually(
+        "the panicking message is dead-lettered",
+        secs(10),
+        async || {
             let s = stats(&queue).await;
-            if s.dead == 1 {
-                Ok(())
-            } else {
-                Err(format!("{s:?}"))
-            }
-        }
-    })
+            done_if(s.dead == 1, s)
+        },
+    )
     .await;
     queue.push(14).await.unwrap();
     all_handled("the next message is handled", &handled, 14..15).await;
@@ -392,18 +318,10 @@ async fn panic_in_service_call_itself_does_not_kill_the_worker() {
 /// ack of the message it renews must not count (or log) a lost lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_lease_is_reported_lost_when_nothing_failed() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "no-faults").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "no-faults").await;
     let handled: Handled = Default::default();
-    let log = handled.clone();
-    let service = service_fn(move |job: Job<u32>| {
-        let log = log.clone();
-        async move {
-            tokio::time::sleep(ms(1)).await;
-            record(&log, *job);
-            Ok::<_, BoxError>(())
-        }
-    });
+    let service = recording(handled.clone(), |job: &Job<u32>| **job);
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(16)
         .unwrap()
@@ -471,8 +389,8 @@ impl tower::Service<Job<u32>> for RateLimited {
 /// (and finally dead-lettered as "lease expired") although nothing failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "rate-limited").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "rate-limited").await;
     let handled: Handled = Default::default();
     let service = RateLimited {
         every: ms(500),
@@ -485,23 +403,20 @@ async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
         .unwrap()
         .lease(ms(300))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     queue.push_many(0..4u32).await.unwrap();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
     all_handled("every message is handled", &handled, 0..4).await;
-    eventually("nothing is left scheduled or active", secs(30), || {
-        let queue = queue.clone();
-        async move {
+    eventually(
+        "nothing is left scheduled or active",
+        secs(30),
+        async || {
             let s = stats(&queue).await;
-            if s.due + s.later + s.active == 0 {
-                Ok(())
-            } else {
-                Err(format!("{s:?}"))
-            }
-        }
-    })
+            done_if(s.due + s.later + s.active == 0, s)
+        },
+    )
     .await;
     stop(stop_tx, run).await;
     let snapshot = metrics.snapshot();
@@ -522,8 +437,8 @@ async fn back_pressure_in_poll_ready_does_not_expire_claimed_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn message_of_an_aborted_worker_is_redelivered_after_its_lease() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "aborted").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "aborted").await;
     let lease = ms(400);
 
     // First worker: its handler signals and then hangs.
@@ -532,17 +447,17 @@ async fn message_of_an_aborted_worker_is_redelivered_after_its_lease() {
         let started = started_tx.clone();
         async move {
             let _ = started.send((*job, job.attempt()));
-            tokio::time::sleep(secs(3600)).await;
+            sleep(secs(3600)).await;
             Ok::<_, BoxError>(())
         }
     });
     let first = Worker::new(server.client(), queue.clone(), hanging)
         .lease(lease)
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let first_run = tokio::spawn(first.run_until(std::future::pending::<()>()));
     queue.push(42).await.unwrap();
-    let started = tokio::time::timeout(secs(10), started_rx.recv())
+    let started = timeout(secs(10), started_rx.recv())
         .await
         .expect("the first worker's handler did not start within 10 s")
         .expect("the handler's channel closed");
@@ -550,7 +465,7 @@ async fn message_of_an_aborted_worker_is_redelivered_after_its_lease() {
 
     // The worker dies: its task is aborted mid-message.
     first_run.abort();
-    let aborted = tokio::time::timeout(secs(10), first_run)
+    let aborted = timeout(secs(10), first_run)
         .await
         .expect("the aborted worker task did not end");
     assert!(aborted.unwrap_err().is_cancelled());
@@ -573,30 +488,25 @@ async fn message_of_an_aborted_worker_is_redelivered_after_its_lease() {
     let second = Worker::new(server.client(), queue.clone(), service)
         .lease(lease)
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = second.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(second.run_until(stop_rx));
-    eventually("the second worker handles the message", secs(15), || {
-        let done = handled.lock().unwrap().clone();
-        let queue = queue.clone();
-        async move {
-            if !done.is_empty() {
-                return Ok(());
-            }
-            Err(format!("nothing handled; queue {:?}", stats(&queue).await))
-        }
-    })
+    eventually(
+        "the second worker handles the message",
+        secs(15),
+        async || {
+            let done = !handled.lock().unwrap().is_empty();
+            done_if(
+                done,
+                format_args!("nothing handled; queue {:?}", stats(&queue).await),
+            )
+        },
+    )
     .await;
-    eventually("the message is acknowledged", secs(10), || {
+    eventually("the message is acknowledged", secs(10), async || {
         let snapshot = metrics.snapshot();
-        async move {
-            if snapshot.done == 1 {
-                Ok(())
-            } else {
-                Err(format!("{snapshot:?}"))
-            }
-        }
+        done_if(snapshot.done == 1, snapshot)
     })
     .await;
     stop(stop_tx, run).await;
@@ -625,9 +535,9 @@ async fn worker_survives_the_server_closing_idle_connections() {
         .arg("1")
         .start()
         .unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "idle").unwrap();
+    let queue: Queue<u32> = reconnecting_queue(&server, "idle").await;
     // A separate producer connection, idle (and closed) in the gaps too.
-    let producer: Queue<u32> = Queue::new(manager(&server).await, "idle").unwrap();
+    let producer: Queue<u32> = reconnecting_queue(&server, "idle").await;
     let handled: Handled = Default::default();
     let log = handled.clone();
     let service = service_fn(move |job: Job<u32>| {
@@ -640,15 +550,14 @@ async fn worker_survives_the_server_closing_idle_connections() {
     // The default 30 s lease keeps housekeeping (every 10 s) from touching
     // the queue's connection during the idle gaps, so the server does close
     // it.
-    let worker =
-        Worker::new(server.client(), queue.clone(), service).retry_backoff(quick_retries());
+    let worker = Worker::new(server.client(), queue.clone(), service).retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
 
     for round in 0..2u32 {
         // Idle for longer than the server's timeout.
-        tokio::time::sleep(ms(2500)).await;
+        sleep(ms(2500)).await;
         assert!(!run.is_finished(), "the worker stopped while idle");
         let batch = round * 100..round * 100 + 20;
         for n in batch.clone() {
@@ -661,18 +570,7 @@ async fn worker_survives_the_server_closing_idle_connections() {
         )
         .await;
     }
-    eventually("the queue is empty", secs(10), || {
-        let queue = queue.clone();
-        async move {
-            let s = stats(&queue).await;
-            if counts(&s) == (0, 0, 0, 0) {
-                Ok(())
-            } else {
-                Err(format!("{s:?}"))
-            }
-        }
-    })
-    .await;
+    queue_drained(&queue).await;
     stop(stop_tx, run).await;
 
     // Nothing crashed: every message exactly once.
@@ -690,25 +588,17 @@ async fn worker_survives_the_server_closing_idle_connections() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_survives_client_kill_during_load() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "killed").unwrap();
-    let mut killer = server.multiplexed().await.unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "killed").await;
+    let killer = server.multiplexed().await.unwrap();
     let handled: Handled = Default::default();
-    let log = handled.clone();
-    let service = service_fn(move |job: Job<u32>| {
-        let log = log.clone();
-        async move {
-            tokio::time::sleep(ms(1)).await;
-            record(&log, *job);
-            Ok::<_, BoxError>(())
-        }
-    });
+    let service = recording(handled.clone(), |job: &Job<u32>| **job);
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(4)
         .unwrap()
         .lease(ms(500))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let total = 500u32;
     queue.push_many(0..total).await.unwrap();
@@ -720,26 +610,14 @@ async fn worker_survives_client_kill_during_load() {
         eventually(
             &format!("{threshold} messages are handled"),
             secs(30),
-            || {
+            async || {
                 let n = handled.lock().unwrap().len();
-                async move {
-                    if n >= threshold {
-                        Ok(())
-                    } else {
-                        Err(format!("{n} handled"))
-                    }
-                }
+                done_if(n >= threshold, format_args!("{n} handled"))
             },
         )
         .await;
         // SKIPME defaults to yes: this connection survives its own kill.
-        let killed: i64 = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("TYPE")
-            .arg("normal")
-            .query_async(&mut killer)
-            .await
-            .unwrap();
+        let killed: i64 = raw(&killer, &["CLIENT", "KILL", "TYPE", "normal"]).await;
         kills.push(killed);
     }
     assert!(
@@ -748,18 +626,7 @@ async fn worker_survives_client_kill_during_load() {
     );
 
     all_handled("every message is handled", &handled, 0..total).await;
-    eventually("the queue is empty", secs(20), || {
-        let queue = queue.clone();
-        async move {
-            let s = stats(&queue).await;
-            if counts(&s) == (0, 0, 0, 0) {
-                Ok(())
-            } else {
-                Err(format!("{s:?}"))
-            }
-        }
-    })
-    .await;
+    queue_drained(&queue).await;
     stop(stop_tx, run).await;
 
     let snapshot = metrics.snapshot();
@@ -775,9 +642,9 @@ async fn worker_survives_client_kill_during_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_resumes_by_itself_after_server_restarts() {
-    let mut server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "restarted").unwrap();
-    let producer: Queue<u32> = Queue::new(manager(&server).await, "restarted").unwrap();
+    let mut server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "restarted").await;
+    let producer: Queue<u32> = reconnecting_queue(&server, "restarted").await;
     let handled: Handled = Default::default();
     let log = handled.clone();
     let service = service_fn(move |job: Job<u32>| {
@@ -785,7 +652,7 @@ async fn worker_resumes_by_itself_after_server_restarts() {
         async move {
             // Slow enough that the load phase is still running at the restart.
             if *job >= 2000 && *job < 3000 {
-                tokio::time::sleep(ms(5)).await;
+                sleep(ms(5)).await;
             }
             record(&log, *job);
             Ok::<_, BoxError>(())
@@ -796,7 +663,7 @@ async fn worker_resumes_by_itself_after_server_restarts() {
         .unwrap()
         .lease(ms(500))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
@@ -813,7 +680,7 @@ async fn worker_resumes_by_itself_after_server_restarts() {
     .await;
 
     // Restart while idle. The server keeps no data; nothing was waiting.
-    tokio::time::sleep(ms(200)).await;
+    sleep(ms(200)).await;
     tokio::task::block_in_place(|| server.restart()).unwrap();
     for n in 1000..1020 {
         push_retrying(&producer, n).await;
@@ -828,15 +695,9 @@ async fn worker_resumes_by_itself_after_server_restarts() {
     // Restart during load: whatever was in Redis is gone with the server's
     // memory (not the worker's fault); the worker must carry on.
     producer.push_many(2000..2400).await.unwrap();
-    eventually("the load is being handled", secs(20), || {
+    eventually("the load is being handled", secs(20), async || {
         let n = handled.lock().unwrap().range(2000..3000).count();
-        async move {
-            if n >= 40 {
-                Ok(())
-            } else {
-                Err(format!("{n} handled"))
-            }
-        }
+        done_if(n >= 40, format_args!("{n} handled"))
     })
     .await;
     tokio::task::block_in_place(|| server.restart()).unwrap();
@@ -867,8 +728,8 @@ async fn worker_resumes_by_itself_after_server_restarts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_waits_for_running_handlers() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "drain").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "drain").await;
     let (started_tx, mut started_rx) = mpsc::unbounded_channel::<u32>();
     let completed: Handled = Default::default();
     let log = completed.clone();
@@ -876,7 +737,7 @@ async fn graceful_shutdown_waits_for_running_handlers() {
         let (started, log) = (started_tx.clone(), log.clone());
         async move {
             let _ = started.send(*job);
-            tokio::time::sleep(ms(200)).await;
+            sleep(ms(200)).await;
             record(&log, *job);
             Ok::<_, BoxError>(())
         }
@@ -892,7 +753,7 @@ async fn graceful_shutdown_waits_for_running_handlers() {
     let run = tokio::spawn(worker.run_until(stop_rx));
     queue.push_many(0..4u32).await.unwrap();
     for _ in 0..4 {
-        tokio::time::timeout(secs(10), started_rx.recv())
+        timeout(secs(10), started_rx.recv())
             .await
             .expect("4 handlers did not start within 10 s")
             .unwrap();
@@ -919,8 +780,8 @@ async fn graceful_shutdown_waits_for_running_handlers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_hands_unfinished_messages_back() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "handback").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "handback").await;
     let n = 3u32;
     let (started_tx, mut started_rx) = mpsc::unbounded_channel::<u32>();
     let completed = Arc::new(AtomicU32::new(0));
@@ -929,7 +790,7 @@ async fn graceful_shutdown_hands_unfinished_messages_back() {
         let (started, done) = (started_tx.clone(), done.clone());
         async move {
             let _ = started.send(*job);
-            tokio::time::sleep(secs(10)).await;
+            sleep(secs(10)).await;
             done.fetch_add(1, Ordering::SeqCst);
             Ok::<_, BoxError>(())
         }
@@ -944,7 +805,7 @@ async fn graceful_shutdown_hands_unfinished_messages_back() {
     let run = tokio::spawn(worker.run_until(stop_rx));
     queue.push_many(0..n).await.unwrap();
     for _ in 0..n {
-        tokio::time::timeout(secs(10), started_rx.recv())
+        timeout(secs(10), started_rx.recv())
             .await
             .expect("the handlers did not start within 10 s")
             .unwrap();
@@ -952,7 +813,7 @@ async fn graceful_shutdown_hands_unfinished_messages_back() {
 
     let shutdown_at = Instant::now();
     let _ = stop_tx.send(());
-    let returned = tokio::time::timeout(secs(5), run)
+    let returned = timeout(secs(5), run)
         .await
         .expect("run_until did not return within 5 s although shutdown_timeout is 200 ms");
     returned.unwrap().unwrap();
@@ -965,7 +826,7 @@ async fn graceful_shutdown_hands_unfinished_messages_back() {
 
     let s = stats(&queue).await;
     assert_eq!(
-        (s.due, s.later, s.active, s.dead),
+        counts(&s),
         (u64::from(n), 0, 0, 0),
         "handed back, due now: {s:?}"
     );
@@ -991,8 +852,8 @@ async fn graceful_shutdown_hands_unfinished_messages_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn message_whose_lock_stays_busy_is_dead_lettered_after_max_deferrals() {
-    let server = RedisServer::start().unwrap();
-    let conn = manager(&server).await;
+    let server = server();
+    let conn = reconnecting_manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "contended").unwrap();
     // Someone else holds the key for the whole test.
     let holder = Locker::new(conn.clone()).ttl(secs(60)).unwrap();
@@ -1021,7 +882,7 @@ async fn message_whose_lock_stays_busy_is_dead_lettered_after_max_deferrals() {
         .lease(ms(400))
         .unwrap()
         .max_deferrals(3)
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
@@ -1032,15 +893,9 @@ async fn message_whose_lock_stays_busy_is_dead_lettered_after_max_deferrals() {
         })
         .await
         .unwrap();
-    eventually("the message is dead-lettered", secs(20), || {
+    eventually("the message is dead-lettered", secs(20), async || {
         let snapshot = metrics.snapshot();
-        async move {
-            if snapshot.dead == 1 {
-                Ok(())
-            } else {
-                Err(format!("{snapshot:?}"))
-            }
-        }
+        done_if(snapshot.dead == 1, snapshot)
     })
     .await;
     stop(stop_tx, run).await;
@@ -1080,8 +935,8 @@ async fn message_whose_lock_stays_busy_is_dead_lettered_after_max_deferrals() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_worker_configuration_is_an_error() {
-    let server = RedisServer::start().unwrap();
-    let queue: Queue<u32> = Queue::new(manager(&server).await, "config").unwrap();
+    let server = server();
+    let queue: Queue<u32> = reconnecting_queue(&server, "config").await;
     let service = service_fn(|_job: Job<u32>| async { Ok::<_, BoxError>(()) });
     let worker = || Worker::new(server.client(), queue.clone(), service);
 
@@ -1126,21 +981,6 @@ fn pipeline_msgs() -> Vec<Msg> {
         .collect()
 }
 
-/// The handler both the pipeline and the worker run.
-fn msg_handler(
-    handled: Handled,
-) -> impl tower::Service<Msg, Response = (), Error = BoxError, Future = impl Send> + Clone + Send + 'static
-{
-    service_fn(move |msg: Msg| {
-        let handled = handled.clone();
-        async move {
-            tokio::time::sleep(ms(1)).await;
-            record(&handled, msg.n);
-            Ok::<_, BoxError>(())
-        }
-    })
-}
-
 /// Runs the messages through `call_all` on a LockLayer-wrapped `Msg` service
 /// while the hot key is held: the hot messages are deferred into `queue`.
 /// Returns the hot key's lease, still held.
@@ -1161,9 +1001,9 @@ async fn run_pipeline(
             LockLayer::new(Locker::new(conn.clone()), |msg: &Msg| msg.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(20))),
         )
-        .service(msg_handler(handled.clone()));
+        .service(recording(handled.clone(), |msg: &Msg| msg.n));
     let msgs = pipeline_msgs();
-    let results: Vec<Result<Outcome<()>, BoxError>> = tokio::time::timeout(
+    let results: Vec<Result<Outcome<()>, BoxError>> = timeout(
         secs(20),
         service
             .call_all(futures_util::stream::iter(msgs.clone()))
@@ -1212,38 +1052,21 @@ async fn drain_with_worker<S>(
     let worker = Worker::new(server.client(), queue.clone(), worker_service)
         .lease(ms(500))
         .unwrap()
-        .retry_backoff(quick_retries());
+        .retry_backoff(backoff(5, 20));
     let metrics = worker.metrics();
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(worker.run_until(stop_rx));
 
-    eventually("the worker defers a hot message", secs(20), || {
+    eventually("the worker defers a hot message", secs(20), async || {
         let snapshot = metrics.snapshot();
-        async move {
-            if snapshot.deferred > 0 {
-                Ok(())
-            } else {
-                Err(format!("{snapshot:?}"))
-            }
-        }
+        done_if(snapshot.deferred > 0, snapshot)
     })
     .await;
     let (locker, lease) = holder;
     assert!(locker.release(&lease).await.unwrap());
 
     all_handled("every pipeline message is handled", handled, 0..40).await;
-    eventually("the queue is empty", secs(20), || {
-        let queue = queue.clone();
-        async move {
-            let s = stats(&queue).await;
-            if counts(&s) == (0, 0, 0, 0) {
-                Ok(())
-            } else {
-                Err(format!("{s:?}"))
-            }
-        }
-    })
-    .await;
+    queue_drained(queue).await;
     stop(stop_tx, run).await;
 
     let handled = handled.lock().unwrap();
@@ -1261,8 +1084,8 @@ async fn drain_with_worker<S>(
 /// busy key reschedules the claimed job in place, counting a deferral.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn call_all_pipeline_defers_and_a_worker_brings_messages_back_in_place() {
-    let server = RedisServer::start().unwrap();
-    let conn = manager(&server).await;
+    let server = server();
+    let conn = reconnecting_manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "pipeline").unwrap();
     let handled: Handled = Default::default();
     let holder = run_pipeline(&conn, &queue, &handled).await;
@@ -1273,7 +1096,7 @@ async fn call_all_pipeline_defers_and_a_worker_brings_messages_back_in_place() {
                 .on_conflict(OnConflict::defer(queue.clone(), ms(20))),
         )
         .map_request(|job: Job<Msg>| job.into_payload())
-        .service(msg_handler(handled.clone()));
+        .service(recording(handled.clone(), |msg: &Msg| msg.n));
     drain_with_worker(&server, &queue, &handled, holder, worker_service).await;
 }
 
@@ -1282,8 +1105,8 @@ async fn call_all_pipeline_defers_and_a_worker_brings_messages_back_in_place() {
 /// acknowledges the original.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn call_all_pipeline_defers_and_a_worker_on_the_same_msg_service_acks_copies() {
-    let server = RedisServer::start().unwrap();
-    let conn = manager(&server).await;
+    let server = server();
+    let conn = reconnecting_manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "pipeline-copies").unwrap();
     let handled: Handled = Default::default();
     let holder = run_pipeline(&conn, &queue, &handled).await;
@@ -1293,7 +1116,7 @@ async fn call_all_pipeline_defers_and_a_worker_on_the_same_msg_service_acks_copi
             LockLayer::new(Locker::new(conn.clone()), |msg: &Msg| msg.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(20))),
         )
-        .service(msg_handler(handled.clone()));
+        .service(recording(handled.clone(), |msg: &Msg| msg.n));
     let worker_service = ServiceBuilder::new()
         .map_request(|job: Job<Msg>| job.into_payload())
         .service(msg_service);

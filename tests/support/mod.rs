@@ -1,0 +1,207 @@
+//! Helpers shared by the integration tests: servers, connections, polling,
+//! queue and lock shortcuts. Each test file includes it with `mod support;`.
+
+// Every test crate compiles this module but uses only part of it.
+#![allow(dead_code)]
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use lockgate::queue::Stats;
+use lockgate::testing::RedisServer;
+use lockgate::{Acquisition, Backoff, Lease, Locker, Queue};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep, timeout};
+
+/// Upper bound for anything a test waits for; never reached when all is well.
+pub const BOUNDED: Duration = secs(10);
+
+/// `n` milliseconds.
+pub const fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// `n` seconds.
+pub const fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// A private redis-server for one test, killed when dropped.
+pub fn server() -> RedisServer {
+    RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
+}
+
+/// A connection manager with redis-rs's default configuration.
+pub async fn manager(server: &RedisServer) -> ConnectionManager {
+    server
+        .connection_manager()
+        .await
+        .expect("connection manager to the test server")
+}
+
+/// A connection manager that gives up reconnecting quickly, so tests against
+/// a dead server stay short (the default retries for several seconds).
+pub async fn impatient_manager(server: &RedisServer) -> ConnectionManager {
+    let config = ConnectionManagerConfig::new()
+        .set_number_of_retries(1)
+        .set_min_delay(ms(10))
+        .set_max_delay(ms(50))
+        .set_connection_timeout(Some(ms(500)))
+        .set_response_timeout(Some(ms(500)));
+    with_config(server, config).await
+}
+
+/// A connection manager that reconnects quickly after a restart or a kill.
+pub async fn reconnecting_manager(server: &RedisServer) -> ConnectionManager {
+    let config = ConnectionManagerConfig::new()
+        .set_number_of_retries(5)
+        .set_min_delay(ms(20))
+        .set_max_delay(ms(200));
+    with_config(server, config).await
+}
+
+async fn with_config(server: &RedisServer, config: ConnectionManagerConfig) -> ConnectionManager {
+    server
+        .client()
+        .get_connection_manager_with_config(config)
+        .await
+        .expect("connection manager to the test server")
+}
+
+/// Runs a raw command (`args[0]` is its name), as another client would.
+pub async fn raw<T: redis::FromRedisValue>(
+    conn: &(impl ConnectionLike + Clone),
+    args: &[&str],
+) -> T {
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+/// Whether `key` exists on the server.
+pub async fn exists(conn: &(impl ConnectionLike + Clone), key: &str) -> bool {
+    raw::<i64>(conn, &["EXISTS", key]).await == 1
+}
+
+/// The part of `key` Redis Cluster hashes: the content between the first `{`
+/// and the first `}` after it when that is non-empty, else the whole key.
+pub fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{') {
+        let rest = &key[open + 1..];
+        if let Some(close) = rest.find('}')
+            && close > 0
+        {
+            return &rest[..close];
+        }
+    }
+    key
+}
+
+/// Polls `check` until it returns `Ok`, for at most `within`; panics with
+/// `what` and the last state `check` described otherwise.
+pub async fn eventually(
+    what: &str,
+    within: Duration,
+    mut check: impl AsyncFnMut() -> Result<(), String>,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let state = match check().await {
+            Ok(()) => return,
+            Err(state) => state,
+        };
+        if Instant::now() >= deadline {
+            panic!("timed out after {within:?} waiting until {what}; last state: {state}");
+        }
+        sleep(ms(10)).await;
+    }
+}
+
+/// The answer of an [`eventually`] check: done when `done`, else not yet,
+/// with `state` as what was seen.
+pub fn done_if(done: bool, state: impl Debug) -> Result<(), String> {
+    if done {
+        Ok(())
+    } else {
+        Err(format!("{state:?}"))
+    }
+}
+
+/// A locker with a lease TTL of `ttl`.
+pub fn locker<C>(conn: C, ttl: Duration) -> Locker<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    Locker::new(conn).ttl(ttl).expect("valid TTL")
+}
+
+/// Acquires `key`, which must be free.
+pub async fn acquired<C>(locker: &Locker<C>, key: &str) -> Lease
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match locker.acquire(key).await.expect("acquire") {
+        Acquisition::Acquired(lease) => lease,
+        Acquisition::Contended(c) => panic!("expected to acquire {key:?}, got {c}"),
+    }
+}
+
+/// Exponential backoff from `base` to `max` milliseconds.
+pub fn backoff(base: u64, max: u64) -> Backoff {
+    Backoff::exponential(ms(base), ms(max)).expect("valid backoff")
+}
+
+/// Queue stats, retried through connection faults for up to 20 s.
+pub async fn stats<T, C>(queue: &Queue<T, C>) -> Stats
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let deadline = Instant::now() + secs(20);
+    loop {
+        match queue.stats().await {
+            Ok(stats) => return stats,
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("stats failed ({error}); retrying");
+                sleep(ms(50)).await;
+            }
+            Err(error) => panic!("could not read queue stats for 20 s: {error}"),
+        }
+    }
+}
+
+/// `(due, later, active, dead)`: the message counts of `stats`.
+pub fn counts(stats: &Stats) -> (u64, u64, u64, u64) {
+    (stats.due, stats.later, stats.active, stats.dead)
+}
+
+/// Waits (up to 20 s) until `queue` holds no message in any state.
+pub async fn queue_drained<T, C>(queue: &Queue<T, C>)
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    eventually("the queue is empty", secs(20), async || {
+        let s = stats(queue).await;
+        done_if(counts(&s) == (0, 0, 0, 0), s)
+    })
+    .await;
+}
+
+/// Triggers a worker's graceful shutdown and waits (bounded) for `run_until`
+/// to return; panics unless it returned `Ok`.
+pub async fn stop(stop: oneshot::Sender<()>, run: JoinHandle<lockgate::Result<()>>) {
+    let _ = stop.send(());
+    match timeout(secs(20), run).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(error))) => panic!("run_until returned an error: {error}"),
+        Ok(Err(error)) => panic!("the worker task failed: {error}"),
+        Err(_) => panic!("run_until did not return within 20 s of the shutdown signal"),
+    }
+}
