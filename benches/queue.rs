@@ -85,9 +85,7 @@ async fn memory() -> Result<(), BoxError> {
 /// Messages claimed per second with 8 concurrent claimers, by batch size.
 async fn claim_throughput() -> Result<(), BoxError> {
     let n = size(200_000, 2_000);
-    println!(
-        "## claim throughput, 8 claimers, {n} due messages (claims only)"
-    );
+    println!("## claim throughput, 8 claimers, {n} due messages (claims only)");
     println!("| batch | claimed messages/s |\n|---|---|");
     for batch in [1, 10, 100] {
         let server = RedisServer::start()?;

@@ -219,11 +219,20 @@ where
         Box::pin(async move {
             match running {
                 Some(job) => {
-                    defer_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy, delay)
-                        .await
+                    defer_in_place(
+                        &queue,
+                        &job.token,
+                        job.deferrals,
+                        max_deferrals,
+                        &busy,
+                        delay,
+                    )
+                    .await
                 }
                 None => {
-                    let pushed = queue.push_with(req, PushOptions::new().after(delay)).await?;
+                    let pushed = queue
+                        .push_with(req, PushOptions::new().after(delay))
+                        .await?;
                     let due = pushed.due.unwrap_or_else(SystemTime::now);
                     tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
                     Ok((pushed.id, due))
@@ -271,7 +280,11 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    fn give_up(&self, job: Job<T>, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
+    fn give_up(
+        &self,
+        job: Job<T>,
+        busy: Contended,
+    ) -> BoxFuture<'static, Result<Deferral, BoxError>> {
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
@@ -280,7 +293,9 @@ where
                 // Claimed from another queue: copy it into the deferral queue.
                 // The worker that claimed it acknowledges the original when it
                 // sees a deferral under another id.
-                let pushed = queue.push_with(job.into_payload(), PushOptions::new().after(delay)).await?;
+                let pushed = queue
+                    .push_with(job.into_payload(), PushOptions::new().after(delay))
+                    .await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();

@@ -54,8 +54,8 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use self::job::{DeadLetter, Job};
 pub(crate) use self::job::RunningJob;
+pub use self::job::{DeadLetter, Job};
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
@@ -105,6 +105,8 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct QueueKeys {
     pub(crate) name: String,
+    /// `<prefix>:{<name>}`, the stem of every key below.
+    pub(crate) base: String,
     pub(crate) prefix: String,
     pub(crate) data: String,
     pub(crate) schedule: String,
@@ -120,6 +122,7 @@ impl QueueKeys {
         let base = format!("{prefix}:{{{}}}", keys::tag(name));
         Self {
             name: name.to_owned(),
+            base: base.clone(),
             prefix: prefix.to_owned(),
             data: format!("{base}:data"),
             schedule: format!("{base}:schedule"),
@@ -795,7 +798,8 @@ where
     /// connection opened through `connector` (a [`redis::Client`] or a
     /// cluster client).
     pub fn waiter<K: Connector>(&self, connector: K) -> Waiter<K, C> {
-        Waiter::new(connector, self.conn.clone(), self.keys.bell.clone())
+        let poke = format!("{}:poke:{}", self.keys.base, job::new_id());
+        Waiter::new(connector, self.conn.clone(), self.keys.bell.clone(), poke)
     }
 }
 

@@ -16,13 +16,15 @@
 //!
 //! A ring is one list element, and Redis hands it to the client that has
 //! been blocked longest. So no `BLPOP` may stay blocked while its worker is
-//! busy, or it would take a ring an idle worker was waiting for: when `wait`
-//! returns on its deadline, it unblocks its own `BLPOP` with `CLIENT UNBLOCK`
-//! sent over the queue's shared connection (in the background, so the
-//! deadline is not delayed). The `BLPOP`'s answer (usually nil, or a ring
-//! that arrived in between) is collected by the next `wait`, so a ring is
-//! never lost. On a Redis Cluster the unblock may reach another node and do
-//! nothing; the worker's periodic wake-up still bounds the delay.
+//! busy, or it would take a ring an idle worker was waiting for. Each waiter
+//! therefore blocks on two lists: the bell, and a "poke" list of its own
+//! (`<prefix>:{<queue>}:poke:<uuid>`, in the bell's hash slot). When `wait`
+//! returns on its deadline, it pushes to its poke list over the queue's
+//! shared connection (in the background, so the deadline is not delayed),
+//! which ends its own `BLPOP` and no one else's; the answer (the poke, or a
+//! ring that arrived in between) is collected by the next `wait`, so a ring
+//! is never lost. Both lists are addressed by key, so this works the same on
+//! a Redis Cluster. A poke left over expires after ten seconds.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -93,13 +95,14 @@ type Pending = Pin<Box<dyn Future<Output = RedisResult<bool>> + Send>>;
 pub struct Waiter<K: Connector, C> {
     /// Opens the dedicated connection (again, after a failure).
     connector: K,
-    /// The queue's shared connection, for `CLIENT UNBLOCK`.
+    /// The queue's shared connection, to poke our own `BLPOP`.
     control: C,
     /// The doorbell key.
     bell: String,
-    /// The dedicated connection and its client id; `None` until opened, and
-    /// after a failure.
-    conn: Option<(K::Connection, i64)>,
+    /// This waiter's own poke list (same hash slot as the bell).
+    poke: String,
+    /// The dedicated connection; `None` until opened, and after a failure.
+    conn: Option<K::Connection>,
     /// The `BLPOP` in flight, if any.
     pending: Option<Pending>,
 }
@@ -119,11 +122,12 @@ where
     K: Connector,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    pub(crate) fn new(connector: K, control: C, bell: String) -> Self {
+    pub(crate) fn new(connector: K, control: C, bell: String, poke: String) -> Self {
         Self {
             connector,
             control,
             bell,
+            poke,
             conn: None,
             pending: None,
         }
@@ -177,13 +181,15 @@ where
 
     /// Ends the in-flight `BLPOP` early, without waiting for the answer.
     fn unblock(&self) {
-        let Some((_, id)) = &self.conn else { return };
         let mut control = self.control.clone();
-        let mut cmd = redis::cmd("CLIENT");
-        cmd.arg("UNBLOCK").arg(*id);
+        let mut poke = redis::pipe();
+        poke.lpush(&self.poke, 1)
+            .ignore()
+            .pexpire(&self.poke, 10_000)
+            .ignore();
         tokio::spawn(async move {
-            if let Err(error) = cmd.query_async::<i64>(&mut control).await {
-                tracing::debug!(%error, "could not unblock the waiter's BLPOP");
+            if let Err(error) = poke.exec_async(&mut control).await {
+                tracing::debug!(%error, "could not poke the waiter's BLPOP");
             }
         });
     }
@@ -191,23 +197,19 @@ where
     /// Starts a `BLPOP` on the dedicated connection, opening it if needed.
     async fn block(&mut self) -> Result<Pending> {
         let conn = match &self.conn {
-            Some((conn, _)) => conn.clone(),
+            Some(conn) => conn.clone(),
             None => {
-                let mut conn = self
+                let conn = self
                     .connector
                     .connect()
                     .await
                     .map_err(Error::redis("opening the waiter's connection"))?;
-                let id: i64 = redis::cmd("CLIENT")
-                    .arg("ID")
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(Error::redis("reading the waiter's client id"))?;
-                self.conn.insert((conn, id)).0.clone()
+                self.conn.insert(conn).clone()
             }
         };
         let mut cmd = redis::cmd("BLPOP");
-        cmd.arg(&self.bell).arg(BLOCK.as_secs_f64());
+        cmd.arg(&self.bell).arg(&self.poke).arg(BLOCK.as_secs_f64());
+        let bell = self.bell.clone();
         Ok(Box::pin(async move {
             let mut conn = conn;
             match tokio::time::timeout(
@@ -216,7 +218,8 @@ where
             )
             .await
             {
-                Ok(answer) => answer.map(|popped| popped.is_some()),
+                // A ring, or our own poke (which is no ring).
+                Ok(answer) => answer.map(|popped| popped.is_some_and(|(key, _)| key == bell)),
                 Err(_) => Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "no answer to a blocking BLPOP within its deadline",

@@ -71,9 +71,7 @@ use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{
-    BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob,
-};
+use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
 
 /// How a worker reads a service's response: whether the message was
 /// deferred (and is rescheduled already) or done.

@@ -1,0 +1,702 @@
+//! lockgate on a Redis Cluster: locks, queues, the waiter and the worker,
+//! with `redis::cluster_async::ClusterConnection` as the connection type,
+//! against throwaway three-node clusters (`lockgate::testing::RedisCluster`).
+//!
+//! Keys are chosen to land on different nodes, and include braces, so that a
+//! script touching keys of two slots would fail with `CROSSSLOT` and a
+//! command routed to the wrong node with `MOVED`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockgate::queue::Wake;
+use lockgate::testing::RedisCluster;
+use lockgate::{Acquisition, Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use redis::cluster_async::ClusterConnection;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tower::ServiceBuilder;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Msg {
+    n: u32,
+    key: String,
+}
+
+fn msg(n: u32, key: &str) -> Msg {
+    Msg {
+        n,
+        key: key.to_owned(),
+    }
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn cluster() -> RedisCluster {
+    RedisCluster::start().expect("a three-node test cluster starts")
+}
+
+async fn connect(cluster: &RedisCluster) -> ClusterConnection {
+    cluster
+        .connection()
+        .await
+        .expect("connecting to the test cluster")
+}
+
+/// The index of the node that serves `key`, asked of the cluster.
+async fn node_of(cluster: &RedisCluster, conn: &ClusterConnection, key: &str) -> usize {
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(key)
+        .query_async(&mut conn.clone())
+        .await
+        .expect("CLUSTER KEYSLOT");
+    cluster.node_of_slot(slot)
+}
+
+/// Whether `key` exists, asked of node `node` alone (a node that does not
+/// serve the key answers `MOVED`, which fails the test).
+async fn exists_on(cluster: &RedisCluster, node: usize, key: &str) -> bool {
+    let mut conn = cluster.nodes()[node]
+        .multiplexed()
+        .await
+        .expect("connecting to one node");
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("EXISTS {key:?} on node {node}: {e}"))
+        == 1
+}
+
+/// Every key on every node, by node.
+async fn keys_by_node(cluster: &RedisCluster) -> Vec<BTreeSet<String>> {
+    let mut out = Vec::new();
+    for node in cluster.nodes() {
+        let mut conn = node.multiplexed().await.expect("connecting to one node");
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*")
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS *");
+        out.push(keys.into_iter().collect());
+    }
+    out
+}
+
+/// The hash tag lockgate gives a user's key or queue name (documented in
+/// `src/keys.rs`: `\` becomes `\\` and `}` becomes `\)`).
+fn tag(name: &str) -> String {
+    name.replace('\\', "\\\\").replace('}', "\\)")
+}
+
+/// Blocked clients per node (`INFO clients`).
+async fn blocked_clients(cluster: &RedisCluster) -> Vec<u64> {
+    let mut out = Vec::new();
+    for node in cluster.nodes() {
+        let mut conn = node.multiplexed().await.expect("connecting to one node");
+        let info: String = redis::cmd("INFO")
+            .arg("clients")
+            .query_async(&mut conn)
+            .await
+            .expect("INFO clients");
+        let blocked = info
+            .lines()
+            .find_map(|line| line.strip_prefix("blocked_clients:"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("INFO clients reports blocked_clients");
+        out.push(blocked);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_test_cluster_serves_every_slot_from_its_own_nodes() {
+    assert!(
+        RedisCluster::builder().nodes(0).start().is_err(),
+        "a cluster without nodes must not start"
+    );
+    let cluster = cluster();
+    assert_eq!(cluster.nodes().len(), 3);
+    assert_eq!(cluster.urls().len(), 3);
+    let ports: BTreeSet<u16> = cluster.nodes().iter().map(|n| n.port()).collect();
+    assert_eq!(ports.len(), 3);
+    assert!(!ports.contains(&6379));
+    for (i, url) in cluster.urls().iter().enumerate() {
+        assert_eq!(*url, cluster.nodes()[i].url());
+    }
+    assert_eq!(cluster.node_of_slot(0), 0);
+    assert_eq!(cluster.node_of_slot(16383), 2);
+
+    // Every node agrees the cluster is healthy and knows the others.
+    for node in cluster.nodes() {
+        let mut conn = node.multiplexed().await.unwrap();
+        let info: String = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(info.contains("cluster_state:ok"), "{info}");
+        assert!(info.contains("cluster_known_nodes:3"), "{info}");
+        assert!(info.contains("cluster_slots_assigned:16384"), "{info}");
+    }
+
+    // Through the cluster client, plain keys spread over all nodes, and each
+    // lives where `node_of_slot` says.
+    let conn = connect(&cluster).await;
+    let mut used = BTreeSet::new();
+    for i in 0..30 {
+        let key = format!("spread-{i}");
+        redis::cmd("SET")
+            .arg(&key)
+            .arg(i)
+            .exec_async(&mut conn.clone())
+            .await
+            .unwrap();
+        let node = node_of(&cluster, &conn, &key).await;
+        assert!(exists_on(&cluster, node, &key).await);
+        used.insert(node);
+    }
+    assert_eq!(used.len(), 3, "30 keys should reach all three nodes");
+}
+
+/// Keys for the lock tests: braces and backslashes in every position, and
+/// enough plain keys to reach every node.
+fn lock_keys() -> Vec<String> {
+    let mut keys: Vec<String> = [
+        "a}b",
+        "{x}",
+        "}",
+        "{",
+        "{}",
+        "}{",
+        "a{b}c",
+        "\\",
+        "\\)",
+        "}x{",
+        "ключ",
+        "with space",
+    ]
+    .iter()
+    .map(|k| k.to_string())
+    .collect();
+    let mut i = 0;
+    while keys.len() < 50 {
+        keys.push(format!("account-{i}"));
+        i += 1;
+    }
+    keys
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_acquire_extend_release_and_fence_on_every_node() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let ttl = Duration::from_secs(10);
+    let locker = Locker::new(conn.clone()).ttl(ttl).unwrap();
+    // A second holder, on a connection of its own.
+    let rival = Locker::new(connect(&cluster).await).ttl(ttl).unwrap();
+    let mut nodes_used = BTreeSet::new();
+
+    for key in lock_keys() {
+        let lease = locker
+            .acquire(&key)
+            .await
+            .unwrap_or_else(|e| panic!("acquiring {key:?}: {e}"))
+            .lease()
+            .unwrap_or_else(|| panic!("{key:?} was free"));
+        assert_eq!(lease.key(), key);
+
+        // The lock and its fence counter share one slot, hence one node,
+        // and sit where the cluster says.
+        let node = node_of(&cluster, &conn, &locker.lock_key(&key)).await;
+        assert_eq!(
+            node,
+            node_of(&cluster, &conn, &locker.fence_key(&key)).await
+        );
+        assert!(exists_on(&cluster, node, &locker.lock_key(&key)).await);
+        assert!(exists_on(&cluster, node, &locker.fence_key(&key)).await);
+        nodes_used.insert(node);
+
+        match rival.acquire(&key).await.unwrap() {
+            Acquisition::Contended(busy) => {
+                assert_eq!(busy.key(), key);
+                assert!(busy.retry_after() > Duration::ZERO && busy.retry_after() <= ttl);
+            }
+            Acquisition::Acquired(_) => panic!("{key:?} was acquired twice"),
+        }
+
+        let mut lease = lease;
+        assert!(locker.extend(&mut lease, ms(30_000)).await.unwrap());
+        let left = locker.remaining(&key).await.unwrap().expect("held");
+        assert!(left > ttl, "extend did not reach the lock of {key:?}");
+
+        assert!(locker.release(&lease).await.unwrap());
+        assert!(!locker.release(&lease).await.unwrap(), "released twice");
+        assert!(!locker.extend(&mut lease, ttl).await.unwrap());
+        assert_eq!(locker.remaining(&key).await.unwrap(), None);
+
+        // The next holder's fence is higher.
+        let next = rival
+            .acquire(&key)
+            .await
+            .unwrap()
+            .lease()
+            .unwrap_or_else(|| panic!("{key:?} was released"));
+        assert!(
+            next.fence() > lease.fence(),
+            "fence of {key:?} went from {} to {}",
+            lease.fence(),
+            next.fence()
+        );
+        // The old lease can neither release nor extend the new holder's lock.
+        assert!(!locker.release(&lease).await.unwrap());
+        assert!(!locker.extend(&mut lease, ttl).await.unwrap());
+        assert!(locker.remaining(&key).await.unwrap().is_some());
+        assert!(rival.release(&next).await.unwrap());
+    }
+    assert_eq!(nodes_used.len(), 3, "the lock keys should reach every node");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_lockers_exclude_each_other_per_key() {
+    let cluster = cluster();
+    let hot = ["a}b", "{x}", "plain", "k{y}z"];
+    let holders: Arc<HashMap<&str, AtomicUsize>> =
+        Arc::new(hot.iter().map(|k| (*k, AtomicUsize::new(0))).collect());
+    let fences: Arc<Mutex<HashMap<String, Vec<u64>>>> = Default::default();
+    let rounds = 30;
+    let tasks = 4;
+    let mut set = tokio::task::JoinSet::new();
+    for t in 0..tasks {
+        // Each task on its own connection, as separate processes would be.
+        let locker = Locker::new(connect(&cluster).await)
+            .ttl(Duration::from_secs(10))
+            .unwrap();
+        let (holders, fences) = (holders.clone(), fences.clone());
+        set.spawn(async move {
+            for round in 0..rounds {
+                let key = hot[(t + round) % hot.len()];
+                let lease = loop {
+                    match locker.acquire(key).await.unwrap() {
+                        Acquisition::Acquired(lease) => break lease,
+                        Acquisition::Contended(_) => tokio::time::sleep(ms(1)).await,
+                    }
+                };
+                let inside = holders[key].fetch_add(1, Ordering::SeqCst);
+                assert_eq!(inside, 0, "two holders of {key:?} at once");
+                fences
+                    .lock()
+                    .unwrap()
+                    .entry(key.to_owned())
+                    .or_default()
+                    .push(lease.fence());
+                tokio::time::sleep(ms(2)).await;
+                holders[key].fetch_sub(1, Ordering::SeqCst);
+                assert!(locker.release(&lease).await.unwrap());
+            }
+        });
+    }
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(joined) = set.join_next().await {
+            joined.expect("a locking task failed");
+        }
+    })
+    .await
+    .expect("the lockers finished in time");
+
+    let fences = fences.lock().unwrap();
+    assert_eq!(
+        fences.values().map(Vec::len).sum::<usize>(),
+        tasks * rounds,
+        "every round held its lock once"
+    );
+    for (key, list) in fences.iter() {
+        // Recorded inside the critical section, so in acquisition order.
+        assert!(
+            list.windows(2).all(|w| w[0] < w[1]),
+            "fences of {key:?} did not increase: {list:?}"
+        );
+    }
+}
+
+/// Walks one queue through every operation, asserting as it goes. Its keys
+/// must all live on `node`.
+async fn exercise_queue(cluster: &RedisCluster, queue: Queue<Msg, ClusterConnection>, node: usize) {
+    let name = queue.name().to_owned();
+    let k = |n: u32| msg(n, &name);
+    let lease = Duration::from_secs(30);
+
+    // Push, de-duplicate, push many, push later.
+    let first = queue.push(k(0)).await.unwrap();
+    assert!(first.created && first.due.is_some());
+    let fixed = queue
+        .push_with(k(1), lockgate::PushOptions::new().id("fixed"))
+        .await
+        .unwrap();
+    assert!(fixed.created);
+    assert_eq!(fixed.id, "fixed");
+    let again = queue
+        .push_with(k(99), lockgate::PushOptions::new().id("fixed"))
+        .await
+        .unwrap();
+    assert!(!again.created, "an existing id must not be pushed twice");
+    let many = queue.push_many((2..7).map(k)).await.unwrap();
+    assert_eq!(many.len(), 5);
+    assert!(many.iter().all(|p| p.created));
+    let later = queue
+        .push_after(k(7), Duration::from_secs(600))
+        .await
+        .unwrap();
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (7, 1, 0, 0)
+    );
+
+    // Every key of the queue is on its node, and only there.
+    let expected_prefix = format!("lockgate:{{{}}}:", tag(&name));
+    for (i, keys) in keys_by_node(cluster).await.iter().enumerate() {
+        let ours = keys
+            .iter()
+            .filter(|key| key.starts_with(&expected_prefix))
+            .count();
+        if i == node {
+            assert!(
+                ours >= 2,
+                "queue {name:?} has no keys on node {i}: {keys:?}"
+            );
+        } else {
+            assert_eq!(ours, 0, "queue {name:?} has keys on node {i}: {keys:?}");
+        }
+    }
+
+    // Claim everything due, in order.
+    let claimed = queue.claim(100, lease).await.unwrap();
+    assert_eq!(claimed.buried, 0);
+    let next_due = claimed.next_due.expect("the later message is scheduled");
+    assert!(next_due > Duration::from_secs(500));
+    let mut jobs = claimed.jobs;
+    assert!(
+        jobs.windows(2).all(|w| w[0].due_at() <= w[1].due_at()),
+        "claimed out of due order"
+    );
+    jobs.sort_by_key(|j| j.n);
+    let ns: Vec<u32> = jobs.iter().map(|j| j.n).collect();
+    assert_eq!(ns, (0..7).collect::<Vec<_>>());
+    assert!(jobs.iter().all(|j| j.key == name && j.attempt() == 1));
+    assert_eq!(jobs[1].id(), "fixed");
+    assert_eq!(queue.stats().await.unwrap().active, 7);
+
+    // Ack, once.
+    assert!(queue.ack(&jobs[0]).await.unwrap());
+    assert!(!queue.ack(&jobs[0]).await.unwrap(), "acked twice");
+    assert_eq!(
+        queue.ack_many([&jobs[1], &jobs[2]]).await.unwrap(),
+        [true, true]
+    );
+    // Retry, defer, bury, extend.
+    assert!(
+        queue
+            .retry(&jobs[3], ms(0), "boom")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(queue.defer(&jobs[4], ms(0)).await.unwrap().is_some());
+    assert!(queue.bury(&jobs[5], "fatal").await.unwrap());
+    assert!(
+        !queue.bury(&jobs[5], "fatal").await.unwrap(),
+        "buried twice"
+    );
+    assert_eq!(queue.extend([&jobs[6]], lease).await.unwrap(), [true]);
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (2, 1, 1, 1)
+    );
+
+    // The retried message counts a failed attempt, the deferred one a deferral.
+    let back = queue.claim(10, lease).await.unwrap().jobs;
+    let by_n: BTreeMap<u32, &Job<Msg>> = back.iter().map(|j| (j.n, j)).collect();
+    assert_eq!(by_n.keys().copied().collect::<Vec<_>>(), [3, 4]);
+    assert_eq!((by_n[&3].attempt(), by_n[&3].deferrals()), (2, 0));
+    assert_eq!((by_n[&4].attempt(), by_n[&4].deferrals()), (1, 1));
+    assert!(queue.ack(by_n[&4]).await.unwrap());
+
+    // A lease that runs out is recovered: back on the schedule, one more
+    // failed attempt.
+    assert!(
+        queue
+            .retry(by_n[&3], ms(0), "boom")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let short = queue.claim(10, ms(50)).await.unwrap().jobs;
+    assert_eq!(short.len(), 1);
+    assert_eq!(short[0].attempt(), 3);
+    tokio::time::sleep(ms(150)).await;
+    let recovered = queue.recover(10).await.unwrap();
+    assert_eq!((recovered.requeued, recovered.buried), (1, 0));
+    assert!(
+        !queue.ack(&short[0]).await.unwrap(),
+        "an expired claim acked"
+    );
+
+    // Dead letters: listed with their error, re-driven one by one or all.
+    let dead = queue.dead_letters(0, -1).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, jobs[5].id());
+    assert_eq!(dead[0].error.as_deref(), Some("fatal"));
+    assert_eq!((dead[0].failures, dead[0].deferrals), (1, 0));
+    assert_eq!(dead[0].decode::<Msg>().unwrap(), k(5));
+    assert!(queue.requeue_dead(jobs[5].id()).await.unwrap());
+    assert!(!queue.requeue_dead(jobs[5].id()).await.unwrap());
+    assert_eq!(queue.stats().await.unwrap().dead, 0);
+    let both = queue.claim(10, lease).await.unwrap().jobs;
+    let mut ns: Vec<u32> = both.iter().map(|j| j.n).collect();
+    ns.sort();
+    assert_eq!(ns, [3, 5]);
+    for job in &both {
+        assert!(queue.bury(job, "again").await.unwrap());
+    }
+    assert_eq!(queue.dead_letters(0, -1).await.unwrap().len(), 2);
+    assert_eq!(queue.requeue_all_dead().await.unwrap(), 2);
+
+    // Remove a scheduled message; a claimed one is left to its worker.
+    let three = both.iter().find(|j| j.n == 3).unwrap().id().to_owned();
+    assert!(queue.remove(&three).await.unwrap());
+    assert!(
+        !queue.remove(jobs[6].id()).await.unwrap(),
+        "removed a claimed message"
+    );
+    let last = queue.claim(10, lease).await.unwrap().jobs;
+    assert_eq!(last.iter().map(|j| j.n).collect::<Vec<_>>(), [5]);
+    assert_eq!(last[0].attempt(), 1, "re-driving resets the attempts");
+    assert!(queue.ack(&last[0]).await.unwrap());
+    assert!(queue.ack(&jobs[6]).await.unwrap());
+
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 1, 0, 0)
+    );
+    assert!(queue.remove(&later.id).await.unwrap());
+    queue.push(k(8)).await.unwrap();
+    queue.purge().await.unwrap();
+    assert_eq!(queue.stats().await.unwrap(), Default::default());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_queue_operation_stays_in_one_slot() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let data_key = |name: &str| format!("lockgate:{{{}}}:data", tag(name));
+
+    // Two names with braces, served by different nodes.
+    let a = "orders{eu}";
+    let node_a = node_of(&cluster, &conn, &data_key(a)).await;
+    let mut b = None;
+    for candidate in ["}jobs{", "{", "}", "a}b{c", "{mail}", "x}y", "{}{}", "q{1}"] {
+        let node = node_of(&cluster, &conn, &data_key(candidate)).await;
+        if node != node_a {
+            b = Some((candidate, node));
+            break;
+        }
+    }
+    let (b, node_b) = b.expect("a candidate name on another node");
+
+    let queue_a: Queue<Msg, _> = Queue::new(conn.clone(), a).unwrap();
+    let queue_b: Queue<Msg, _> = Queue::new(connect(&cluster).await, b).unwrap();
+    // Both at once, so that their commands interleave on the cluster.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(
+            exercise_queue(&cluster, queue_a, node_a),
+            exercise_queue(&cluster, queue_b, node_b),
+        )
+    })
+    .await
+    .expect("the queue walk-through finished in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_waiter_wakes_on_a_push() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<Msg, _> = Queue::new(conn, "wake{up}").unwrap();
+    let mut waiter = queue.waiter(cluster.client());
+
+    // Nothing pushed: the deadline ends the wait.
+    let started = Instant::now();
+    let woke = waiter.wait(Some(started + ms(100))).await.unwrap();
+    assert_eq!(woke, Wake::Deadline);
+    assert!(started.elapsed() >= ms(100) && started.elapsed() < ms(1000));
+
+    for round in 0..3 {
+        let pusher = queue.clone();
+        let push = tokio::spawn(async move {
+            tokio::time::sleep(ms(200)).await;
+            pusher.push(msg(round, "wake")).await.unwrap();
+        });
+        let started = Instant::now();
+        let woke = waiter
+            .wait(Some(started + Duration::from_secs(10)))
+            .await
+            .unwrap();
+        let waited = started.elapsed();
+        push.await.unwrap();
+        assert_eq!(woke, Wake::Rung, "round {round}");
+        // Well before the server-side block (2 s) would have ended on its own.
+        assert!(
+            waited >= ms(150) && waited < ms(1500),
+            "round {round}: woke after {waited:?}"
+        );
+        let claimed = queue.claim(10, Duration::from_secs(5)).await.unwrap().jobs;
+        assert_eq!(claimed.len(), 1);
+        assert!(queue.ack(&claimed[0]).await.unwrap());
+    }
+}
+
+/// After `wait` returned on its deadline, its `BLPOP` must not stay blocked
+/// on the bell's node (it would take a ring meant for an idle waiter).
+/// Regression: the unblock once used `CLIENT ID`/`CLIENT UNBLOCK`, which
+/// carry no key and reached random nodes; the waiter now pokes a list of its
+/// own in the bell's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_waiter_unblocks_its_blpop_after_a_deadline() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<Msg, _> = Queue::new(conn, "wake{up}").unwrap();
+    let mut waiter = queue.waiter(cluster.client());
+    let mut stuck = 0;
+    for _ in 0..20 {
+        let woke = waiter.wait(Some(Instant::now() + ms(50))).await.unwrap();
+        assert_eq!(woke, Wake::Deadline);
+        // The poke lands within a millisecond or two.
+        tokio::time::sleep(ms(100)).await;
+        if blocked_clients(&cluster).await.iter().sum::<u64>() > 0 {
+            stuck += 1;
+        }
+    }
+    assert_eq!(
+        stuck, 0,
+        "{stuck} of 20 BLPOPs stayed blocked after `wait` returned"
+    );
+}
+
+type Intervals = Arc<Mutex<HashMap<String, Vec<(Instant, Instant, u32)>>>>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion() {
+    let cluster = cluster();
+    let name = "orders{eu}";
+    let hot = ["a}b", "{x}", "plain", "k{y}z", "}"];
+    let total: u32 = 300;
+    let producer: Queue<Msg, _> = Queue::new(connect(&cluster).await, name).unwrap();
+    let msgs: Vec<Msg> = (0..total)
+        .map(|n| msg(n, hot[n as usize % hot.len()]))
+        .collect();
+    producer.push_many(&msgs).await.unwrap();
+
+    let intervals: Intervals = Default::default();
+    let handled: Arc<Mutex<BTreeMap<u32, u32>>> = Default::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    let mut metrics = Vec::new();
+    for _ in 0..2 {
+        // Each worker on its own connection, as in two processes.
+        let conn = connect(&cluster).await;
+        let queue: Queue<Msg, _> = Queue::new(conn.clone(), name).unwrap();
+        let locker = Locker::new(conn).ttl(Duration::from_secs(5)).unwrap();
+        let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(3);
+        let (intervals, handled) = (intervals.clone(), handled.clone());
+        let service = ServiceBuilder::new()
+            .layer(
+                LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
+                    .on_conflict(OnConflict::retry(backoff).then_defer(queue.clone(), ms(5))),
+            )
+            .service_fn(move |job: Job<Msg>| {
+                let (intervals, handled) = (intervals.clone(), handled.clone());
+                async move {
+                    let start = Instant::now();
+                    tokio::time::sleep(ms(2)).await;
+                    let end = Instant::now();
+                    intervals
+                        .lock()
+                        .unwrap()
+                        .entry(job.key.clone())
+                        .or_default()
+                        .push((start, end, job.n));
+                    *handled.lock().unwrap().entry(job.n).or_default() += 1;
+                    Ok::<_, BoxError>(())
+                }
+            });
+        let worker = Worker::new(cluster.client(), queue, service)
+            .concurrency(8)
+            .unwrap()
+            .lease(Duration::from_secs(10))
+            .unwrap();
+        metrics.push(worker.metrics());
+        let mut stop = stop_rx.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })));
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handled.lock().unwrap().len() < total as usize {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {total} messages were handled in time",
+            handled.lock().unwrap().len()
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+    stop_tx.send(true).unwrap();
+    for worker in workers {
+        tokio::time::timeout(Duration::from_secs(30), worker)
+            .await
+            .expect("the worker shut down in time")
+            .unwrap()
+            .unwrap();
+    }
+
+    {
+        let handled = handled.lock().unwrap();
+        assert_eq!(handled.len(), total as usize);
+        let twice: Vec<_> = handled.iter().filter(|(_, c)| **c != 1).collect();
+        assert!(twice.is_empty(), "handled more than once: {twice:?}");
+    }
+    for (key, list) in intervals.lock().unwrap().iter_mut() {
+        list.sort_by_key(|(start, _, _)| *start);
+        for pair in list.windows(2) {
+            assert!(
+                pair[0].1 <= pair[1].0,
+                "handlers of key {key:?} overlapped: message {} and {}",
+                pair[0].2,
+                pair[1].2
+            );
+        }
+    }
+    let stats = producer.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    let snapshots: Vec<_> = metrics.iter().map(|m| m.snapshot()).collect();
+    let done: u64 = snapshots.iter().map(|s| s.done).sum();
+    assert_eq!(done, u64::from(total), "{snapshots:?}");
+    // Five hot keys under sixteen handlers: the deferral path (reschedule in
+    // place, on the cluster) is taken, typically for about half the claims.
+    let deferred: u64 = snapshots.iter().map(|s| s.deferred).sum();
+    assert!(deferred > 0, "{snapshots:?}");
+    assert!(
+        snapshots.iter().all(|s| s.dead == 0 && s.lost_leases == 0),
+        "{snapshots:?}"
+    );
+}
