@@ -18,7 +18,7 @@ use tower::{Service, ServiceBuilder, ServiceExt};
 
 const TASKS: usize = 50;
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
     let server = RedisServer::start()?;
     let conn = server.multiplexed().await?;

@@ -33,6 +33,7 @@ pub mod layer;
 pub mod lock;
 mod outcome;
 pub mod queue;
+mod script;
 #[cfg(feature = "test-util")]
 pub mod testing;
 pub mod worker;

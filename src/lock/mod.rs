@@ -40,6 +40,7 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::keys;
+use crate::script;
 
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -159,15 +160,25 @@ pub struct Lease {
 pub(crate) struct Ticket {
     /// The user's key.
     key: String,
-    /// The Redis key holding the lock.
-    lock_key: String,
-    /// Random token proving ownership.
+    /// The lock's Redis key followed by its fence key, in one allocation.
+    keys: String,
+    /// Where the fence key starts in `keys`.
+    split: usize,
+    /// Random token proving ownership: 32 hex digits.
     token: String,
 }
 
 impl Ticket {
     pub(crate) fn key(&self) -> &str {
         &self.key
+    }
+
+    fn lock_key(&self) -> &str {
+        &self.keys[..self.split]
+    }
+
+    fn fence_key(&self) -> &str {
+        &self.keys[self.split..]
     }
 }
 
@@ -278,10 +289,22 @@ where
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
+        let (prefix, tag) = (&self.config.prefix, keys::tag(key));
+        let mut keys = String::with_capacity(2 * (prefix.len() + tag.len()) + 16);
+        for kind in ["lock", "fence"] {
+            keys.push_str(prefix);
+            keys.push(':');
+            keys.push_str(kind);
+            keys.push_str(":{");
+            keys.push_str(&tag);
+            keys.push('}');
+        }
+        let split = prefix.len() + tag.len() + 8;
         Ok(Arc::new(Ticket {
             key: key.to_owned(),
-            lock_key: self.lock_key(key),
-            token: format!("{:032x}", rand::random::<u128>()),
+            keys,
+            split,
+            token: random_token(),
         }))
     }
 
@@ -290,13 +313,13 @@ where
         let key = &ticket.key;
         let ttl = self.config.ttl;
         let started = Instant::now();
-        let (acquired, value): (i64, i64) = ACQUIRE
-            .key(&ticket.lock_key)
-            .key(self.fence_key(key))
+        let mut cmd = script::evalsha(&ACQUIRE, 2);
+        cmd.arg(ticket.lock_key())
+            .arg(ticket.fence_key())
             .arg(&ticket.token)
             .arg(millis(ttl))
-            .arg(millis(FENCE_KEEP.max(ttl.saturating_mul(2))))
-            .invoke_async(&mut self.conn.clone())
+            .arg(millis(FENCE_KEEP.max(ttl.saturating_mul(2))));
+        let (acquired, value): (i64, i64) = script::run(&ACQUIRE, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("acquiring lock `{key}`")))?;
         if acquired == 1 {
@@ -343,10 +366,9 @@ where
     }
 
     pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<bool> {
-        let released: i64 = RELEASE
-            .key(&ticket.lock_key)
-            .arg(&ticket.token)
-            .invoke_async(&mut self.conn.clone())
+        let mut cmd = script::evalsha(&RELEASE, 1);
+        cmd.arg(ticket.lock_key()).arg(&ticket.token);
+        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "releasing lock `{}`",
@@ -369,11 +391,11 @@ where
     }
 
     pub(crate) async fn extend_ticket(&self, ticket: &Ticket, ttl: Duration) -> Result<bool> {
-        let extended: i64 = EXTEND
-            .key(&ticket.lock_key)
+        let mut cmd = script::evalsha(&EXTEND, 1);
+        cmd.arg(ticket.lock_key())
             .arg(&ticket.token)
-            .arg(millis(ttl))
-            .invoke_async(&mut self.conn.clone())
+            .arg(millis(ttl));
+        let extended: i64 = script::run(&EXTEND, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "extending lock `{}`",
@@ -381,6 +403,17 @@ where
             )))?;
         Ok(extended == 1)
     }
+}
+
+/// 128 random bits as 32 lowercase hex digits (without `core::fmt`, which
+/// showed in profiles of the lock cycle).
+fn random_token() -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let bits = rand::random::<u128>();
+    (0..32)
+        .rev()
+        .map(|i| HEX[((bits >> (4 * i)) & 0xf) as usize] as char)
+        .collect()
 }
 
 /// The longest TTL accepted: ten years. Longer is almost surely a unit
