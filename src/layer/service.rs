@@ -1,5 +1,6 @@
 //! The [`Lock`] service and the life of one locked call.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -209,49 +210,55 @@ where
         .clone()
         .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
     tokio::pin!(call);
+    // A handler that finishes without waiting needs no renewal timer.
+    let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
     let mut renew_at = Instant::now() + period;
     let mut renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>> = None;
-    let result = loop {
-        tokio::select! {
-            biased;
-            result = &mut call => break Some(result),
-            (renewed, started) = async {
-                match renewal.as_mut() {
-                    Some(renewal) => renewal.await,
-                    None => std::future::pending().await,
+    let result = if let Poll::Ready(result) = first {
+        Some(result)
+    } else {
+        loop {
+            tokio::select! {
+                biased;
+                result = &mut call => break Some(result),
+                (renewed, started) = async {
+                    match renewal.as_mut() {
+                        Some(renewal) => renewal.await,
+                        None => std::future::pending().await,
+                    }
+                }, if renewal.is_some() => {
+                    renewal = None;
+                    match renewed {
+                        Ok(true) => {
+                            expires_at = started + ttl;
+                            renew_at = Instant::now() + period;
+                        }
+                        Ok(false) => {
+                            tracing::warn!(key = %held.key(), fence = held.fence(), "lock lost while the handler ran");
+                            held.mark_lost();
+                        }
+                        Err(error) if Instant::now() >= expires_at => {
+                            tracing::warn!(key = %held.key(), fence = held.fence(), %error, "lock expired: could not renew it in time");
+                            held.mark_lost();
+                        }
+                        Err(error) => {
+                            // Try again soon, well before the lease runs out.
+                            tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
+                            let left = expires_at.saturating_duration_since(Instant::now());
+                            renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
+                        }
+                    }
+                    if held.is_lost() && on_lost == OnLost::Cancel {
+                        break None;
+                    }
                 }
-            }, if renewal.is_some() => {
-                renewal = None;
-                match renewed {
-                    Ok(true) => {
-                        expires_at = started + ttl;
-                        renew_at = Instant::now() + period;
-                    }
-                    Ok(false) => {
-                        tracing::warn!(key = %held.key(), fence = held.fence(), "lock lost while the handler ran");
-                        held.mark_lost();
-                    }
-                    Err(error) if Instant::now() >= expires_at => {
-                        tracing::warn!(key = %held.key(), fence = held.fence(), %error, "lock expired: could not renew it in time");
-                        held.mark_lost();
-                    }
-                    Err(error) => {
-                        // Try again soon, well before the lease runs out.
-                        tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
-                        let left = expires_at.saturating_duration_since(Instant::now());
-                        renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
-                    }
+                () = tokio::time::sleep_until(renew_at), if renewal.is_none() && !held.is_lost() => {
+                    let (locker, ticket) = (locker.clone(), lease.ticket().clone());
+                    renewal = Some(Box::pin(async move {
+                        let started = Instant::now();
+                        (locker.extend_ticket(&ticket, ttl).await, started)
+                    }));
                 }
-                if held.is_lost() && on_lost == OnLost::Cancel {
-                    break None;
-                }
-            }
-            () = tokio::time::sleep_until(renew_at), if renewal.is_none() && !held.is_lost() => {
-                let (locker, ticket) = (locker.clone(), lease.ticket().clone());
-                renewal = Some(Box::pin(async move {
-                    let started = Instant::now();
-                    (locker.extend_ticket(&ticket, ttl).await, started)
-                }));
             }
         }
     };
