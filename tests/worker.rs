@@ -214,3 +214,80 @@ async fn deferring_a_mapped_payload_reschedules_the_running_job_in_place() {
     assert_eq!(metrics.snapshot().deferred, 3);
     assert!(locker.release(&holder).await.unwrap());
 }
+
+/// A handler that forwards a *different* message through a LockLayer
+/// deferring into its own queue: the forwarded message is pushed as a new
+/// message, and the job being handled is acknowledged normally (it is not
+/// mistaken for the request the inner layer deferred).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_deferral_does_not_take_over_the_running_job() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "nested").unwrap();
+    let locker = Locker::new(conn).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    async fn sub_handler(_: Msg) -> Result<(), BoxError> {
+        Ok(())
+    }
+    let forward = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), secs(60))),
+        )
+        .service_fn(sub_handler);
+    let handled: Arc<Mutex<Vec<u32>>> = Default::default();
+    let log = handled.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let (forward, log) = (forward.clone(), log.clone());
+        async move {
+            log.lock().unwrap().push(job.n);
+            if job.n == 1 {
+                // Forward a new message for a busy key: it gets deferred.
+                let sub = Msg {
+                    n: 2,
+                    key: "busy".into(),
+                };
+                let outcome = tower::ServiceExt::oneshot(forward, sub)
+                    .await
+                    .expect("the forward call");
+                assert!(outcome.is_deferred());
+            }
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    let outer = queue
+        .push(Msg {
+            n: 1,
+            key: "free".into(),
+        })
+        .await
+        .unwrap();
+    eventually("the outer job is acknowledged", secs(10), || async {
+        let s = stats(&queue).await;
+        done_if(
+            metrics.snapshot().done == 1 && s.later == 1 && s.active == 0,
+            s,
+        )
+    })
+    .await;
+    stop(stop_tx, run).await;
+    assert_eq!(
+        *handled.lock().unwrap(),
+        vec![1],
+        "the outer job ran more than once"
+    );
+    assert_eq!(metrics.snapshot().lost_leases, 0);
+    // The forwarded message waits under an id of its own.
+    let claimed = queue.claim(10, secs(5)).await.unwrap();
+    assert!(
+        claimed.jobs.is_empty(),
+        "the forwarded message is due in 60 s"
+    );
+    assert_ne!(claimed.next_due, None);
+    assert!(queue.remove(&outer.id).await.is_ok());
+    assert!(locker.release(&holder).await.unwrap());
+}

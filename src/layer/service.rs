@@ -17,6 +17,7 @@ use super::{Config, LockKey, OnLost};
 use crate::BoxError;
 use crate::lock::{Acquisition, Lease, Locker, Ticket};
 use crate::outcome::Outcome;
+use crate::queue::RunningJob;
 use futures_util::future::BoxFuture;
 
 /// Runs the inner service while holding a per-key lock. Made by
@@ -95,9 +96,13 @@ where
         let key = (self.config.key_fn)(&req).into_lock_key();
         let config = self.config.clone();
         ResponseFuture::new(Box::pin(async move {
+            // A worker's running job belongs to the first lock layer its
+            // payload passes: calls the handler makes through other layers
+            // must not be mistaken for it.
+            let running = RunningJob::take();
             match key {
                 None => call_ready(inner, req).await,
-                Some(key) => locked_call(config, inner, key, req).await,
+                Some(key) => locked_call(config, inner, key, req, running).await,
             }
         }))
     }
@@ -118,6 +123,7 @@ async fn locked_call<S, C, F, D, Req>(
     inner: S,
     key: String,
     req: Req,
+    running: Option<RunningJob>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -141,7 +147,10 @@ where
                         tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
                         let retry_after = locker.remaining(&key).await?.unwrap_or_default();
                         let busy = crate::Contended::new(key, retry_after);
-                        let (id, due) = config.on_conflict.then.give_up(req, busy).await?;
+                        let give_up = RunningJob::provide(running, || {
+                            config.on_conflict.then.give_up(req, busy)
+                        });
+                        let (id, due) = give_up.await?;
                         return Ok(Outcome::Deferred { id, due });
                     }
                 },
@@ -174,7 +183,9 @@ where
                 // Known not to be ours: nothing to release.
                 guard.ticket = None;
                 tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
-                let (id, due) = config.on_conflict.then.give_up(req, busy).await?;
+                let give_up =
+                    RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
+                let (id, due) = give_up.await?;
                 return Ok(Outcome::Deferred { id, due });
             }
         }

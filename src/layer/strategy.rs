@@ -213,9 +213,13 @@ where
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
-        // Run by a Worker on this very queue (its jobs mapped to payloads
-        // before this layer): reschedule that job in place, as for a Job<T>.
-        let running = RunningJob::current().filter(|job| &job.queue == queue.keys());
+        // The job a Worker on this very queue is running, when this request
+        // is its payload (mapped before this layer): reschedule that job in
+        // place, as for a Job<T>. Anything else (say, a new message the
+        // handler forwards) is pushed as what it is.
+        let running = RunningJob::take().filter(|job| {
+            &job.queue == queue.keys() && serde_json::to_vec(&req).is_ok_and(|req| job.is(&req))
+        });
         Box::pin(async move {
             match running {
                 Some(job) => {

@@ -1,5 +1,6 @@
 //! Claimed messages and dead letters.
 
+use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -28,13 +29,18 @@ pub struct Job<T> {
     due_at: SystemTime,
     /// The queue it was claimed from.
     queue: Arc<QueueKeys>,
+    /// The payload as stored (see [`RunningJob`]).
+    raw: Arc<[u8]>,
 }
 
 tokio::task_local! {
     /// The claimed job a [`Worker`](crate::Worker) is running the service
-    /// for, so that a deferral of the plain payload deep in the stack can
-    /// reschedule the job in place instead of pushing a copy.
-    static RUNNING: RunningJob;
+    /// for, until the first `LockLayer` on the way takes it: that layer may
+    /// reschedule the job in place when it defers the plain payload, instead
+    /// of pushing a copy. Layers further down (a handler's own calls through
+    /// another `LockLayer`) find the slot empty and treat their requests as
+    /// the new messages they are.
+    static RUNNING: RefCell<Option<RunningJob>>;
 }
 
 /// What a deferral needs to know of the job the worker is running.
@@ -46,6 +52,9 @@ pub(crate) struct RunningJob {
     pub(crate) token: super::ClaimToken,
     /// Deferrals before this delivery.
     pub(crate) deferrals: u32,
+    /// Its payload as stored: a deferred request is this job only if it
+    /// encodes to the same bytes.
+    pub(crate) raw: Arc<[u8]>,
 }
 
 impl RunningJob {
@@ -54,16 +63,32 @@ impl RunningJob {
             queue: job.queue.clone(),
             token: job.claim_ref().to_token(),
             deferrals: job.deferrals,
+            raw: job.raw.clone(),
         }
     }
 
-    /// The job the current task's worker is running, if any.
-    pub(crate) fn current() -> Option<Self> {
-        RUNNING.try_with(Clone::clone).ok()
+    /// Whether `encoded` is this job's payload.
+    pub(crate) fn is(&self, encoded: &[u8]) -> bool {
+        *self.raw == *encoded
     }
 
+    /// Takes the job the current task's worker is running, if no one took
+    /// it before.
+    pub(crate) fn take() -> Option<Self> {
+        RUNNING
+            .try_with(|slot| slot.borrow_mut().take())
+            .ok()
+            .flatten()
+    }
+
+    /// Runs `f` (a future) with `self` available to [`RunningJob::take`].
     pub(crate) async fn scope<F: std::future::Future>(self, f: F) -> F::Output {
-        RUNNING.scope(self, f).await
+        RUNNING.scope(RefCell::new(Some(self)), f).await
+    }
+
+    /// Calls `f` with `job` (if any) available to [`RunningJob::take`].
+    pub(crate) fn provide<R>(job: Option<Self>, f: impl FnOnce() -> R) -> R {
+        RUNNING.sync_scope(RefCell::new(job), f)
     }
 }
 
@@ -98,6 +123,7 @@ impl<T: DeserializeOwned> Job<T> {
             enqueued_at: from_unix_ms(enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
+            raw: Arc::from(payload),
         };
         if parsed.is_none() {
             return Err((
@@ -181,6 +207,7 @@ impl<T> Job<T> {
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
+            raw: self.raw,
         }
     }
 }
