@@ -1400,3 +1400,26 @@ async fn a_finished_handler_does_not_wait_for_a_slow_renewal() {
         .unwrap();
     assert_eq!(outcome.unwrap(), Outcome::Done("finished"));
 }
+
+/// A handler that blocks its thread past the TTL gets no renewal: if another
+/// holder takes the key meanwhile, the call must not claim success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_lost_while_the_handler_blocked_is_reported() {
+    let server = server();
+    let conn = manager(&server).await;
+    let svc =
+        LockLayer::new(locker(conn.clone(), ms(300)), key_of).layer(service_fn(|_: Msg| async {
+            // Blocks the thread: no renewal can run.
+            std::thread::sleep(Duration::from_millis(900));
+            Ok::<_, BoxError>(())
+        }));
+    let call = tokio::spawn(svc.oneshot(msg("k", 1)));
+    sleep(ms(500)).await; // past the TTL
+    let rival = locker(conn.clone(), ms(5_000));
+    let lease = acquired(&rival, "k").await;
+    let error = call.await.unwrap().expect_err("the lock was lost");
+    let lost = error.downcast_ref::<LockLost>().expect("LockLost");
+    assert!(lost.completed);
+    // The rival's lock is untouched.
+    assert!(rival.release(&lease).await.unwrap());
+}

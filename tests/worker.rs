@@ -291,3 +291,62 @@ async fn a_nested_deferral_does_not_take_over_the_running_job() {
     assert!(queue.remove(&outer.id).await.is_ok());
     assert!(locker.release(&holder).await.unwrap());
 }
+
+/// A backlog reaches every idle worker: one push rings once and wakes one
+/// worker, whose claim passes the wake-up on while due messages remain. Six
+/// handlers over three workers with two slots each must all run at once
+/// (each waits for the others); the bound is below the 2 s safety-net
+/// wake-up, so this holds only through the chain of rings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_wakes_every_idle_worker() {
+    let server = server();
+    let queue: Queue<u32> = Queue::new(manager(&server).await, "chain").unwrap();
+    let barrier = Arc::new(tokio::sync::Barrier::new(6));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let barrier = barrier.clone();
+        let service = tower::service_fn(move |_: Job<u32>| {
+            let barrier = barrier.clone();
+            async move {
+                tokio::time::timeout(ms(1500), barrier.wait())
+                    .await
+                    .map_err(|_| "the six handlers never ran at once")?;
+                Ok::<_, BoxError>(())
+            }
+        });
+        let worker = Worker::new(server.client(), queue.clone(), service)
+            .concurrency(2)
+            .unwrap()
+            .prefetch(0)
+            .max_attempts(1)
+            .unwrap();
+        let mut stop = stop_rx.clone();
+        let run = worker.run_until(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        });
+        runs.push(tokio::spawn(run));
+    }
+    // Let the workers go idle (each blocks on the doorbell), then push.
+    sleep_a_little().await;
+    queue.push_many(0..6u32).await.unwrap();
+    eventually("every message is handled", secs(10), || async {
+        let s = stats(&queue).await;
+        done_if(counts(&s) == (0, 0, 0, 0) || s.dead > 0, s)
+    })
+    .await;
+    stop_tx.send(true).unwrap();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        stats(&queue).await.dead,
+        0,
+        "{:?}",
+        queue.dead_letters(0, -1).await
+    );
+}
+
+async fn sleep_a_little() {
+    tokio::time::sleep(ms(300)).await;
+}

@@ -275,7 +275,18 @@ where
     };
     match result {
         Some(result) if !held.is_lost() => {
-            guard.release().await;
+            // A release that finds the lock gone means it ran out while the
+            // handler held the thread (no renewal could run): the handler
+            // worked without it for a while, which the caller must know.
+            if guard.release().await == Some(false) {
+                held.mark_lost();
+                return Err(LockLost {
+                    key: held.key().to_owned(),
+                    fence: held.fence(),
+                    completed: true,
+                }
+                .into());
+            }
             result.map(Outcome::Done)
         }
         completed => {
@@ -300,20 +311,23 @@ struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
-    async fn release(&mut self) {
-        let Some(ticket) = &self.ticket else { return };
+    /// Releases the lock: `Some(true)` if it was still ours, `Some(false)`
+    /// if it had expired or was taken, `None` if Redis could not be asked.
+    async fn release(&mut self) -> Option<bool> {
+        let ticket = self.ticket.as_ref()?;
         let released = self.locker.release_ticket(ticket).await;
         // Disarmed only now: if this future is dropped while the release is
         // in flight, the guard's drop sends it again (a no-op if it landed).
         let ticket = self.ticket.take();
         let key = ticket.as_ref().map_or("", |t| t.key());
-        match released {
+        match &released {
             Ok(true) => tracing::debug!(%key, "lock released"),
             Ok(false) => tracing::warn!(%key, "lock had expired before it was released"),
             Err(error) => {
                 tracing::warn!(%key, %error, "could not release lock; it expires with its TTL")
             }
         }
+        released.ok()
     }
 }
 
@@ -331,7 +345,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C>
                     locker,
                     ticket: Some(ticket),
                 };
-                guard.release().await;
+                let _ = guard.release().await;
             });
         }
     }

@@ -134,14 +134,14 @@ impl QueueKeys {
         }
     }
 
-    fn all(&self) -> [&str; 7] {
+    /// The keys `purge` deletes: all but the claim counter.
+    fn all(&self) -> [&str; 6] {
         [
             &self.data,
             &self.schedule,
             &self.active,
             &self.dead,
             &self.errors,
-            &self.claims,
             &self.bell,
         ]
     }
@@ -407,6 +407,7 @@ where
             .key(&self.keys.schedule)
             .key(&self.keys.active)
             .key(&self.keys.claims)
+            .key(&self.keys.bell)
             .arg(max)
             .arg(millis(lease))
             .invoke_async(&mut self.conn.clone())
@@ -433,14 +434,25 @@ where
                 as_string(due).and_then(|d| d.parse::<f64>().ok()),
                 record,
             ) else {
-                return Err(bad("bad message entry"));
+                // Cannot happen with lockgate's script; if it does, the jobs
+                // decoded so far must still reach the caller (they are
+                // leased), and the odd entry comes back after its lease.
+                tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
+                continue;
             };
             match Job::decode(id, claim, due as i64, &record, &self.keys) {
                 Ok(job) => claimed.jobs.push(job),
                 Err((job, error)) => {
                     tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
-                    if self.bury_with(&job, &error, false).await? {
-                        claimed.buried += 1;
+                    // A failed bury must not strand the good jobs of this
+                    // batch: the bad one comes back after its lease and is
+                    // buried then.
+                    match self.bury_with(&job, &error, false).await {
+                        Ok(true) => claimed.buried += 1,
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!(id = %job.id(), error = %e, "could not bury undecodable message")
+                        }
                     }
                 }
             }
@@ -782,7 +794,9 @@ where
         Ok(removed == 1)
     }
 
-    /// Deletes the whole queue: every message in every state.
+    /// Deletes the whole queue: every message in every state. (The claim
+    /// counter stays, so that a worker's claim from before the purge can
+    /// never match a new message pushed under the same id.)
     pub async fn purge(&self) -> Result<()> {
         redis::cmd("DEL")
             .arg(&self.keys.all()[..])
@@ -871,9 +885,10 @@ impl ClaimRef<'_> {
 }
 
 fn check_lease(lease: Duration) -> Result<()> {
-    if lease < Duration::from_millis(1) {
+    if lease < Duration::from_millis(1) || lease > crate::lock::MAX_TTL {
         return Err(Error::config(format_args!(
-            "lease must be at least 1 ms, got {lease:?}"
+            "lease must be between 1 ms and {:?}, got {lease:?}",
+            crate::lock::MAX_TTL
         )));
     }
     Ok(())

@@ -1,8 +1,11 @@
 -- Claims up to ARGV[1] due messages, in due order, under a lease.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims
+-- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims   KEYS[5]: bell
 -- ARGV[1]: how many at most (bounded by the caller)   ARGV[2]: lease in ms
 -- Returns {claim, next due ms or -1, now, then per message id, due ms, record}.
 -- A scheduled id whose record is missing (removed by hand) is dropped.
+-- When due messages remain after the claim, the bell rings again: a ring
+-- wakes one idle worker, and this passes the wake-up on to the next, so a
+-- backlog reaches every idle worker, not just the first.
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))
 if #due == 0 then
@@ -15,7 +18,9 @@ local records = redis.call('HMGET', KEYS[1], unpack(ids))
 local claim = redis.call('INCR', KEYS[4])
 local deadline = now + tonumber(ARGV[2])
 local leases = {}
-local out = {claim, head_due(KEYS[2]) or -1, now}
+local next_due = head_due(KEYS[2])
+if next_due and next_due <= now then ring(KEYS[5]) end
+local out = {claim, next_due or -1, now}
 for i, id in ipairs(ids) do
   if records[i] then
     leases[#leases + 1] = deadline

@@ -37,11 +37,6 @@ local function parse(record)
   return enq, tonumber(failures), tonumber(deferrals), payload
 end
 
--- Integer formatting that never falls into Lua's exponent notation.
-local function int(n)
-  return string.format('%.0f', n)
-end
-
 -- Puts an id (back) on the schedule at `due`, ringing the bell when it is now
 -- the earliest message, so a waiter sleeping towards a later head wakes.
 local function schedule_at(schedule, bell, id, due)
