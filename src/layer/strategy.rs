@@ -168,7 +168,12 @@ impl DeferDelay {
         match *self {
             DeferDelay::Fixed(d) => d,
             DeferDelay::HolderTtl { jitter } => {
-                busy.retry_after().max(MIN_HOLDER_WAIT) + jitter.mul_f64(rand::random::<f64>())
+                let jitter =
+                    Duration::try_from_secs_f64(jitter.as_secs_f64() * rand::random::<f64>())
+                        .unwrap_or(Duration::MAX);
+                busy.retry_after()
+                    .max(MIN_HOLDER_WAIT)
+                    .saturating_add(jitter)
             }
         }
     }
@@ -184,12 +189,22 @@ impl From<Duration> for DeferDelay {
     }
 }
 
+mod sealed {
+    /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
+    pub trait Sealed {}
+    impl Sealed for super::Fail {}
+    impl<T, C> Sealed for super::Defer<T, C> {}
+}
+
 /// Where a deferred message went.
 pub(crate) type Deferral = (String, SystemTime);
 
 /// The last step of a conflict strategy, for requests of type `Req`:
 /// [`Fail`] for any request, [`Defer`] for a `T` or a claimed [`Job<T>`].
-pub trait GiveUp<Req>: Send + Sync + 'static {
+///
+/// Sealed: it appears in bounds (`D: GiveUp<Req>`) but is implemented only
+/// by lockgate's own strategies.
+pub trait GiveUp<Req>: sealed::Sealed + Send + Sync + 'static {
     /// Called with the request once retries are used up.
     fn give_up(&self, req: Req, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>>;
 }

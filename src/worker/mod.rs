@@ -4,8 +4,8 @@
 //! # Behavior
 //!
 //! * **Claiming.** The worker claims due messages in batches sized to its
-//!   free capacity (`concurrency` minus handlers running), and keeps claiming
-//!   while batches come back full. Each claimed [`Job`] is passed to the
+//!   free capacity (`concurrency` plus `prefetch`, minus the messages it
+//!   runs or holds), and keeps claiming while batches come back full. Each claimed [`Job`] is passed to the
 //!   service once it is ready (`poll_ready` is respected), in a task of its
 //!   own.
 //! * **Settling.** `Ok` acknowledges the message (deletes it);
@@ -73,13 +73,18 @@ use crate::error::{Error, Result};
 use crate::outcome::Outcome;
 use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
 
+/// The most handlers one worker runs at once.
+pub const MAX_CONCURRENCY: usize = 100_000;
+
 /// How a worker reads a service's response: whether the message was
 /// deferred (and is rescheduled already) or done.
 ///
 /// Implemented for [`Outcome`] (what a [`LockLayer`](crate::LockLayer)
-/// returns) and for common plain responses, which always mean done. For a
-/// response type of your own, `impl WorkerResponse for MyType {}` says
-/// "done".
+/// returns) and for common plain responses (`()`, `bool`, `String`,
+/// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done.
+/// For a response type of your own, `impl WorkerResponse for MyType {}` says
+/// "done"; for a foreign type, map it away with
+/// `ServiceBuilder::map_response(|_| ())`.
 pub trait WorkerResponse {
     /// The id under which the message was deferred, if it was.
     fn deferred_as(&self) -> Option<&str> {
@@ -99,6 +104,14 @@ impl<R> WorkerResponse for Outcome<R> {
 macro_rules! done_responses {
     ($($t:ty),*) => {$( impl WorkerResponse for $t {} )*};
 }
+impl<R> WorkerResponse for Option<R> {}
+impl<R> WorkerResponse for Vec<R> {}
+impl<R: WorkerResponse + ?Sized> WorkerResponse for Box<R> {
+    fn deferred_as(&self) -> Option<&str> {
+        (**self).deferred_as()
+    }
+}
+
 done_responses!(
     (),
     bool,
@@ -136,8 +149,8 @@ struct Config {
     concurrency: usize,
     /// Lease of a claimed message; renewed every third of it.
     lease: Duration,
-    /// Claimed jobs held ready beyond `concurrency`.
-    prefetch: usize,
+    /// Claimed jobs held ready beyond `concurrency`; `None`: as many.
+    prefetch: Option<usize>,
     /// Tries per message before it is buried.
     max_attempts: u32,
     /// Deferrals per message before it is buried; `None` for no limit.
@@ -152,7 +165,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             concurrency: 10,
-            prefetch: 10,
+            prefetch: None,
             lease: Duration::from_secs(30),
             max_attempts: 5,
             max_deferrals: None,
@@ -201,24 +214,23 @@ where
     }
 
     /// Handlers running at once, at most. Errors on zero.
-    /// Also sets [`prefetch`](Self::prefetch) to `n`; set it afterwards to
-    /// change it.
     pub fn concurrency(mut self, n: usize) -> Result<Self> {
-        if n == 0 {
-            return Err(Error::config("worker concurrency must be at least 1"));
+        if n == 0 || n > MAX_CONCURRENCY {
+            return Err(Error::config(format_args!(
+                "worker concurrency must be between 1 and {MAX_CONCURRENCY}, got {n}"
+            )));
         }
         self.config.concurrency = n;
-        self.config.prefetch = n;
         Ok(self)
     }
 
     /// How many claimed messages to hold ready beyond those running (default:
-    /// as many as `concurrency`). Claiming ahead lets the worker claim in
-    /// batches under backlog, one round trip per many messages; the cost is
-    /// that held messages wait for this worker rather than another idle one.
-    /// `0` claims only for free handler slots.
+    /// as many as `concurrency`, at most [`MAX_BATCH`]). Claiming ahead lets
+    /// the worker claim in batches under backlog, one round trip per many
+    /// messages; the cost is that held messages wait for this worker rather
+    /// than another idle one. `0` claims only for free handler slots.
     pub fn prefetch(mut self, n: usize) -> Self {
-        self.config.prefetch = n;
+        self.config.prefetch = Some(n.min(MAX_BATCH));
         self
     }
 
@@ -226,9 +238,10 @@ where
     /// renews every third of it. A message whose worker died is handed to
     /// another about one lease later. Errors under 30 ms.
     pub fn lease(mut self, lease: Duration) -> Result<Self> {
-        if lease < Duration::from_millis(30) {
+        if lease < Duration::from_millis(30) || lease > crate::lock::MAX_TTL {
             return Err(Error::config(format_args!(
-                "worker lease must be at least 30 ms, got {lease:?}"
+                "worker lease must be between 30 ms and {:?}, got {lease:?}",
+                crate::lock::MAX_TTL
             )));
         }
         self.config.lease = lease;
@@ -298,7 +311,7 @@ where
         tokio::pin!(shutdown);
 
         let concurrency = self.config.concurrency;
-        let prefetch = self.config.prefetch;
+        let prefetch = self.config.prefetch.unwrap_or(concurrency.min(MAX_BATCH));
         // Claimed jobs waiting for a free handler slot: leased (and renewed)
         // like running ones.
         let mut buffer: VecDeque<(u64, Job<T>)> = VecDeque::new();
@@ -365,7 +378,11 @@ where
                         job.deferrals()
                     );
                     shared.in_flight().remove(&seq);
-                    shared.settle(&token, Settlement::BuryDeferred(error)).await;
+                    let shared = shared.clone();
+                    tasks.spawn(async move {
+                        shared.settle(&token, Settlement::BuryDeferred(error)).await;
+                        drop(permit);
+                    });
                     continue;
                 }
                 let ready = tokio::select! {
@@ -399,7 +416,11 @@ where
                         let error = format!("service call panicked: {}", panic_message(&*panic));
                         let settlement = failure(&shared.config, &token, error);
                         shared.in_flight().remove(&seq);
-                        shared.settle(&token, settlement).await;
+                        let shared = shared.clone();
+                        tasks.spawn(async move {
+                            shared.settle(&token, settlement).await;
+                            drop(permit);
+                        });
                     }
                 }
             }

@@ -2,8 +2,8 @@
 -- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors   KEYS[4]: data
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
 -- ARGV[4]: "1" to count this delivery as a failed attempt
--- Returns 1, or 0 when the claim is no longer held or the record is gone
--- (the queue was purged): nothing changes then.
+-- Returns 1, or 0 when the claim is no longer held, or when its record is
+-- gone (the queue was purged); then only the stale lease entry is dropped.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 local record = redis.call('HGET', KEYS[4], ARGV[2])
 if not record then return 0 end
