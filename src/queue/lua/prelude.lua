@@ -24,10 +24,12 @@ local function head_due(schedule)
 end
 
 -- Wakes one idle waiter. The bell holds at most one element: a waiter that
--- was not blocked yet finds it there, and many rings wake no more than one.
+-- was not blocked yet finds it there, and many rings wake no more than one
+-- (a bell that is already ringing is left alone: one read, no write).
 local function ring(bell)
-  redis.call('LPUSH', bell, '1')
-  redis.call('LTRIM', bell, 0, 0)
+  if redis.call('LLEN', bell) == 0 then
+    redis.call('LPUSH', bell, '1')
+  end
 end
 
 -- Splits a record into its header fields and payload; nil if malformed.
