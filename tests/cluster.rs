@@ -11,11 +11,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod support;
+
 use lockgate::queue::Wake;
 use lockgate::testing::RedisCluster;
 use lockgate::{Acquisition, Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use redis::cluster_async::ClusterConnection;
 use serde::{Deserialize, Serialize};
+use support::Holds;
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 
@@ -589,8 +592,6 @@ async fn the_cluster_waiter_unblocks_its_blpop_after_a_deadline() {
     );
 }
 
-type Intervals = Arc<Mutex<HashMap<String, Vec<(Instant, Instant, u32)>>>>;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion() {
     let cluster = cluster();
@@ -603,8 +604,7 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
         .collect();
     producer.push_many(&msgs).await.unwrap();
 
-    let intervals: Intervals = Default::default();
-    let handled: Arc<Mutex<BTreeMap<u32, u32>>> = Default::default();
+    let holds = Holds::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = Vec::new();
     let mut metrics = Vec::new();
@@ -614,25 +614,18 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
         let queue: Queue<Msg, _> = Queue::new(conn.clone(), name).unwrap();
         let locker = Locker::new(conn).ttl(Duration::from_secs(5)).unwrap();
         let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(3);
-        let (intervals, handled) = (intervals.clone(), handled.clone());
+        let holds = holds.clone();
         let service = ServiceBuilder::new()
             .layer(
                 LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
                     .on_conflict(OnConflict::retry(backoff).then_defer(queue.clone(), ms(5))),
             )
             .service_fn(move |job: Job<Msg>| {
-                let (intervals, handled) = (intervals.clone(), handled.clone());
+                let holds = holds.clone();
                 async move {
                     let start = Instant::now();
                     tokio::time::sleep(ms(2)).await;
-                    let end = Instant::now();
-                    intervals
-                        .lock()
-                        .unwrap()
-                        .entry(job.key.clone())
-                        .or_default()
-                        .push((start, end, job.n));
-                    *handled.lock().unwrap().entry(job.n).or_default() += 1;
+                    holds.record(&job.key, job.n, start, Instant::now());
                     Ok::<_, BoxError>(())
                 }
             });
@@ -649,11 +642,11 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
     }
 
     let deadline = Instant::now() + Duration::from_secs(60);
-    while handled.lock().unwrap().len() < total as usize {
+    while holds.handled() < total as usize {
         assert!(
             Instant::now() < deadline,
             "only {} of {total} messages were handled in time",
-            handled.lock().unwrap().len()
+            holds.handled()
         );
         tokio::time::sleep(ms(20)).await;
     }
@@ -666,23 +659,8 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
             .unwrap();
     }
 
-    {
-        let handled = handled.lock().unwrap();
-        assert_eq!(handled.len(), total as usize);
-        let twice: Vec<_> = handled.iter().filter(|(_, c)| **c != 1).collect();
-        assert!(twice.is_empty(), "handled more than once: {twice:?}");
-    }
-    for (key, list) in intervals.lock().unwrap().iter_mut() {
-        list.sort_by_key(|(start, _, _)| *start);
-        for pair in list.windows(2) {
-            assert!(
-                pair[0].1 <= pair[1].0,
-                "handlers of key {key:?} overlapped: message {} and {}",
-                pair[0].2,
-                pair[1].2
-            );
-        }
-    }
+    holds.assert_each_once(total as usize);
+    holds.assert_exclusive();
     let stats = producer.stats().await.unwrap();
     assert_eq!(
         (stats.due, stats.later, stats.active, stats.dead),

@@ -2,12 +2,13 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use lockgate::{BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use serde::{Deserialize, Serialize};
-use support::{backoff, counts, done_if, eventually, manager, ms, secs, server, stats, stop};
+use support::{
+    Holds, backoff, counts, done_if, eventually, manager, ms, secs, server, stats, stop,
+};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
 
@@ -15,23 +16,6 @@ use tower::ServiceBuilder;
 struct Msg {
     n: u32,
     key: String,
-}
-
-type Intervals = Arc<Mutex<HashMap<String, Vec<(Instant, Instant, u32)>>>>;
-
-/// Asserts recorded hold intervals never overlap per key.
-fn assert_exclusive(intervals: &Intervals) {
-    for (key, list) in intervals.lock().unwrap().iter_mut() {
-        list.sort_by_key(|(start, _, _)| *start);
-        for pair in list.windows(2) {
-            assert!(
-                pair[0].1 <= pair[1].0,
-                "handlers of key {key} overlapped: message {} and {}",
-                pair[0].2,
-                pair[1].2
-            );
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,8 +32,7 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         .collect();
     queue.push_many(&msgs).await.unwrap();
 
-    let intervals: Intervals = Default::default();
-    let handled: Arc<Mutex<BTreeMap<u32, u32>>> = Default::default();
+    let holds = Holds::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut workers = Vec::new();
     let mut metrics = Vec::new();
@@ -59,25 +42,18 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
         let locker = Locker::new(conn).ttl(secs(5)).unwrap();
         let backoff = backoff(1, 5).max_attempts(3);
-        let (intervals, handled) = (intervals.clone(), handled.clone());
+        let holds = holds.clone();
         let service = ServiceBuilder::new()
             .layer(
                 LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
                     .on_conflict(OnConflict::retry(backoff).then_defer(queue.clone(), ms(5))),
             )
             .service_fn(move |job: Job<Msg>| {
-                let (intervals, handled) = (intervals.clone(), handled.clone());
+                let holds = holds.clone();
                 async move {
                     let start = Instant::now();
                     tokio::time::sleep(ms(1)).await;
-                    let end = Instant::now();
-                    intervals
-                        .lock()
-                        .unwrap()
-                        .entry(job.key.clone())
-                        .or_default()
-                        .push((start, end, job.n));
-                    *handled.lock().unwrap().entry(job.n).or_default() += 1;
+                    holds.record(&job.key, job.n, start, Instant::now());
                     Ok::<_, BoxError>(())
                 }
             });
@@ -94,7 +70,7 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
     }
 
     eventually("every message is handled", secs(60), async || {
-        let n = handled.lock().unwrap().len();
+        let n = holds.handled();
         done_if(n >= total as usize, format_args!("{n} handled"))
     })
     .await;
@@ -103,15 +79,8 @@ async fn two_workers_handle_every_message_once_with_per_key_exclusion() {
         worker.await.unwrap().unwrap();
     }
 
-    {
-        let handled = handled.lock().unwrap();
-        assert_eq!(handled.len(), total as usize);
-        assert!(
-            handled.values().all(|&n| n == 1),
-            "a message was handled twice"
-        );
-    }
-    assert_exclusive(&intervals);
+    holds.assert_each_once(total as usize);
+    holds.assert_exclusive();
     assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 0));
     let done: u64 = metrics.iter().map(|m| m.snapshot().done).sum();
     let deferred: u64 = metrics.iter().map(|m| m.snapshot().deferred).sum();

@@ -205,3 +205,62 @@ pub async fn stop(stop: oneshot::Sender<()>, run: JoinHandle<lockgate::Result<()
         Err(_) => panic!("run_until did not return within 20 s of the shutdown signal"),
     }
 }
+
+/// What handlers record while they run: who held which key when, and how
+/// often each message was handled. For mutual-exclusion and exactly-once
+/// assertions. Cloning shares the record.
+#[derive(Clone, Default)]
+pub struct Holds(std::sync::Arc<std::sync::Mutex<HoldsInner>>);
+
+#[derive(Default)]
+struct HoldsInner {
+    /// Per key: (start, end, message number) of each handler run.
+    intervals: std::collections::HashMap<String, Vec<(Instant, Instant, u32)>>,
+    /// Per message number: how many times it was handled.
+    handled: std::collections::BTreeMap<u32, u32>,
+}
+
+impl Holds {
+    fn inner(&self) -> std::sync::MutexGuard<'_, HoldsInner> {
+        self.0.lock().unwrap()
+    }
+
+    /// A handler ran message `n` under `key` from `start` to `end`.
+    pub fn record(&self, key: &str, n: u32, start: Instant, end: Instant) {
+        let mut inner = self.inner();
+        inner
+            .intervals
+            .entry(key.to_owned())
+            .or_default()
+            .push((start, end, n));
+        *inner.handled.entry(n).or_default() += 1;
+    }
+
+    /// How many distinct messages were handled.
+    pub fn handled(&self) -> usize {
+        self.inner().handled.len()
+    }
+
+    /// Asserts that messages `0..total` were each handled exactly once.
+    pub fn assert_each_once(&self, total: usize) {
+        let inner = self.inner();
+        assert_eq!(inner.handled.len(), total);
+        let twice: Vec<_> = inner.handled.iter().filter(|(_, c)| **c != 1).collect();
+        assert!(twice.is_empty(), "handled more than once: {twice:?}");
+    }
+
+    /// Asserts that no two handler runs of one key overlapped.
+    pub fn assert_exclusive(&self) {
+        for (key, list) in self.inner().intervals.iter_mut() {
+            list.sort_by_key(|(start, _, _)| *start);
+            for pair in list.windows(2) {
+                assert!(
+                    pair[0].1 <= pair[1].0,
+                    "handlers of key {key:?} overlapped: message {} and {}",
+                    pair[0].2,
+                    pair[1].2
+                );
+            }
+        }
+    }
+}
