@@ -41,6 +41,7 @@
 //! service from a queue is the [`Worker`](crate::Worker)'s.
 
 mod job;
+mod running;
 mod scripts;
 mod wait;
 
@@ -54,7 +55,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub(crate) use self::job::RunningJob;
+pub(crate) use self::running::RunningJob;
 pub use self::job::{DeadLetter, Job};
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
