@@ -6,7 +6,7 @@
 mod support;
 
 use lockgate::testing::{RedisServer, ReplicaPair};
-use lockgate::{Acquisition, Locker};
+use lockgate::{Acquisition, Error, Locker};
 use redis::aio::ConnectionManager;
 use support::{acquired, exists, locker, manager, ms, raw, secs};
 
@@ -122,4 +122,198 @@ async fn fences_increase_when_the_fence_record_or_the_lock_is_deleted() {
         assert!(!locker.release(&lease).await.unwrap());
     }
     cycles(&locker, "k", 3, last).await;
+}
+
+// ---------------------------------------------------------------------------
+// Item 5: opt-in durability with WAIT
+// ---------------------------------------------------------------------------
+
+/// `WAIT` times out after this long in these tests (below redis-rs' default
+/// response timeout of 500 ms).
+const WAIT: std::time::Duration = ms(200);
+
+fn not_replicated(error: &Error) -> (u32, u32, bool) {
+    match error {
+        Error::NotReplicated {
+            wanted,
+            acked,
+            released,
+            timeout,
+            ..
+        } => {
+            assert_eq!(*timeout, WAIT);
+            assert!(error.is_retryable(), "{error}");
+            (*wanted, *acked, *released)
+        }
+        other => panic!("expected NotReplicated, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn durable_locks_reach_the_replica_or_are_released_and_refused() {
+    let pair = pair();
+    // A connection of its own for the durable locker: WAIT holds it.
+    let conn = manager(pair.primary()).await;
+    let durable = locker(conn.clone(), secs(10))
+        .require_replicas(1, WAIT)
+        .await
+        .unwrap();
+    assert_eq!(durable.required_replicas(), Some((1, WAIT)));
+    let plain = locker(manager(pair.primary()).await, secs(10));
+    let on_replica = manager(pair.replica()).await;
+
+    // Replica up: acquire returns once the replica has the lock.
+    let mut lease = acquired(&durable, "k").await;
+    let value = format!("{}:{}", lease.token(), lease.fence());
+    let replicated: Option<String> = raw(&on_replica, &["GET", &durable.lock_key("k")]).await;
+    assert_eq!(replicated.as_deref(), Some(value.as_str()));
+    assert!(durable.extend(&mut lease, secs(20)).await.unwrap());
+    let pttl: i64 = raw(&on_replica, &["PTTL", &durable.lock_key("k")]).await;
+    assert!(
+        pttl > 10_000,
+        "the extension did not reach the replica: {pttl}"
+    );
+    // A lease taken before the replica stops, to extend after.
+    let mut before = acquired(&durable, "extended-later").await;
+    assert!(durable.release(&lease).await.unwrap());
+
+    let mut pair = pair;
+    pair.pause_replica().unwrap();
+
+    // Replica gone: the acquire is refused, typed, and nothing stays held.
+    let error = durable.acquire("k").await.unwrap_err();
+    assert_eq!(not_replicated(&error), (1, 0, true), "{error}");
+    assert!(error.to_string().contains("acquiring lock `k`"), "{error}");
+    assert_eq!(durable.remaining("k").await.unwrap(), None);
+    let taken = acquired(&plain, "k").await;
+    // A contended attempt writes nothing: reported as contended, not as an error.
+    assert!(matches!(
+        durable.acquire("k").await.unwrap(),
+        Acquisition::Contended(_)
+    ));
+    assert!(plain.release(&taken).await.unwrap());
+
+    // An extend that did not reach the replica releases the lock too.
+    let error = durable.extend(&mut before, secs(20)).await.unwrap_err();
+    assert_eq!(not_replicated(&error), (1, 0, true), "{error}");
+    assert_eq!(durable.remaining("extended-later").await.unwrap(), None);
+
+    // Back in sync: durable acquisitions work again.
+    pair.resume_replica().unwrap();
+    pair.wait_for_sync().unwrap();
+    let lease = acquired(&durable, "k").await;
+    assert!(durable.release(&lease).await.unwrap());
+}
+
+#[tokio::test]
+async fn require_replicas_refuses_missing_replicas_and_servers_without_wait_at_once() {
+    // No replica at all: a typed error after the WAIT timeout, not a hang.
+    let server = RedisServer::start().unwrap();
+    let conn = manager(&server).await;
+    let started = std::time::Instant::now();
+    let error = locker(conn.clone(), secs(10))
+        .require_replicas(1, WAIT)
+        .await
+        .unwrap_err();
+    assert_eq!(not_replicated(&error), (1, 0, false), "{error}");
+    assert!(started.elapsed() < secs(5));
+
+    // Bad arguments are configuration errors.
+    for (n, timeout) in [(0, WAIT), (1, std::time::Duration::ZERO), (1, secs(3600))] {
+        let error = locker(conn.clone(), secs(10))
+            .require_replicas(n, timeout)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, Error::Config(_)), "{error:?}");
+    }
+
+    // One replica where two are wanted.
+    let pair = pair();
+    let error = locker(manager(pair.primary()).await, secs(10))
+        .require_replicas(2, WAIT)
+        .await
+        .unwrap_err();
+    assert_eq!(not_replicated(&error), (2, 1, false), "{error}");
+    // A replica (read-only) does not accept WAIT.
+    let error = locker(manager(pair.replica()).await, secs(10))
+        .require_replicas(1, WAIT)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::DurabilityUnsupported { .. }),
+        "{error:?}"
+    );
+    assert!(!error.is_retryable());
+
+    // A server that rejects WAIT (as some managed services do).
+    let no_wait = RedisServer::builder()
+        .args(["--rename-command", "WAIT", ""])
+        .start()
+        .unwrap();
+    let error = locker(manager(&no_wait).await, secs(10))
+        .require_replicas(1, WAIT)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::DurabilityUnsupported { .. }),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("WAIT"), "{error}");
+}
+
+#[tokio::test]
+async fn on_a_cluster_require_replicas_is_typed_and_wait_follows_the_key() {
+    let cluster = lockgate::testing::RedisCluster::start().unwrap();
+    let conn = cluster.connection().await.unwrap();
+    let error = Locker::new(conn.clone())
+        .require_replicas(1, WAIT)
+        .await
+        .unwrap_err();
+    assert_eq!(not_replicated(&error), (1, 0, false), "{error}");
+
+    // What durable locks rely on there: redis-rs sends a pipeline of a keyed
+    // script and a keyless WAIT to the key's node, both on one connection.
+    let locker = Locker::new(conn.clone());
+    let reset = async || {
+        for node in cluster.nodes() {
+            redis::cmd("CONFIG")
+                .arg("RESETSTAT")
+                .exec_async(&mut node.multiplexed().await.unwrap())
+                .await
+                .unwrap();
+        }
+    };
+    reset().await; // forget require_replicas' WAIT, which went to every primary
+    for key in ["a", "b", "c", "d", "e", "f"] {
+        let mut pipe = redis::pipe();
+        pipe.cmd("EVAL")
+            .arg("return redis.call('SET', KEYS[1], '1')")
+            .arg(1)
+            .arg(locker.lock_key(key))
+            .cmd("WAIT")
+            .arg(0)
+            .arg(10);
+        let _: (String, i64) = pipe.query_async(&mut conn.clone()).await.unwrap();
+        for node in cluster.nodes() {
+            let mut node_conn = node.multiplexed().await.unwrap();
+            let has_key: bool = redis::cmd("EXISTS")
+                .arg(locker.lock_key(key))
+                .query_async(&mut node_conn)
+                .await
+                .unwrap_or(false);
+            let stats: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut node_conn)
+                .await
+                .unwrap();
+            let waits = stats.contains("cmdstat_wait:");
+            assert_eq!(
+                waits,
+                has_key,
+                "WAIT went to port {} (the node of {key:?}: {has_key})",
+                node.port()
+            );
+        }
+        reset().await;
+    }
 }

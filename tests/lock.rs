@@ -856,3 +856,86 @@ async fn released_or_expired_locks_leave_only_short_lived_tombstones() {
 fn locker_with_ttl(conn: &ConnectionManager, ttl: Duration) -> Locker<ConnectionManager> {
     locker(conn.clone(), ttl)
 }
+
+// ---------------------------------------------------------------------------
+// Eviction (item 19)
+// ---------------------------------------------------------------------------
+
+/// Counts the warnings about `maxmemory-policy` logged on this thread.
+struct EvictionWarnings(Arc<std::sync::atomic::AtomicUsize>);
+
+impl tracing::Subscriber for EvictionWarnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let meta = event.metadata();
+        if *meta.level() == tracing::Level::WARN && meta.fields().field("policy").is_some() {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn eviction_policies_that_may_evict_locks_are_reported_and_warned_once() {
+    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let _guard = tracing::subscriber::set_default(EvictionWarnings(warnings.clone()));
+    let count = || warnings.load(std::sync::atomic::Ordering::SeqCst);
+
+    let safe = server();
+    let locker = locker(manager(&safe).await, secs(10));
+    let policy = locker.check_eviction().await.unwrap();
+    assert_eq!(policy.name(), "noeviction");
+    assert!(!policy.may_evict_locks());
+    for i in 0..5 {
+        let _ = acquired(&locker, &format!("k{i}")).await;
+    }
+
+    for name in ["volatile-ttl", "volatile-lru", "allkeys-lru"] {
+        let evicting = lockgate::testing::RedisServer::builder()
+            .args(["--maxmemory-policy", name])
+            .start()
+            .unwrap();
+        let policy = locker_on(&evicting).await.check_eviction().await.unwrap();
+        assert_eq!(policy.name(), name);
+        assert!(policy.may_evict_locks(), "{name}");
+    }
+    assert_eq!(count(), 0, "no warning for noeviction");
+
+    // Warned once per locker configuration, on first use, not per call.
+    let evicting = lockgate::testing::RedisServer::builder()
+        .args(["--maxmemory-policy", "volatile-ttl"])
+        .start()
+        .unwrap();
+    let locker = locker_on(&evicting).await;
+    let clone = locker.clone();
+    for i in 0..10 {
+        let _ = acquired(if i % 2 == 0 { &locker } else { &clone }, &format!("k{i}")).await;
+    }
+    eventually("the eviction warning is logged", BOUNDED, async || {
+        done_if(count() == 1, count())
+    })
+    .await;
+    let other_config = locker.clone().ttl(secs(20)).unwrap();
+    for i in 10..20 {
+        let _ = acquired(&locker, &format!("k{i}")).await;
+        let _ = acquired(&other_config, &format!("o{i}")).await;
+    }
+    eventually("the second configuration warns too", BOUNDED, async || {
+        done_if(count() == 2, count())
+    })
+    .await;
+    sleep(ms(100)).await;
+    assert_eq!(count(), 2, "warned more than once per configuration");
+}
+
+async fn locker_on(server: &lockgate::testing::RedisServer) -> Locker<ConnectionManager> {
+    locker(manager(server).await, secs(10))
+}
