@@ -719,7 +719,7 @@ async fn acquire_lua(
     key: &str,
     token: &str,
     ttl: Duration,
-) -> (i64, i64) {
+) -> Vec<i64> {
     ACQUIRE_LUA
         .key(locker.lock_key(key))
         .key(locker.fence_key(key))
@@ -750,7 +750,8 @@ async fn resent_acquire_release_and_extend_are_idempotent() {
     let token = "0123456789abcdef0123456789abcdef";
 
     let first = acquire_lua(&locker, "k", token, secs(10)).await;
-    assert_eq!(first.0, 1, "the first copy acquires: {first:?}");
+    assert_eq!(first[0], 1, "the first copy acquires: {first:?}");
+    assert_eq!(first[2], 10_000, "{first:?}");
     // The resend finds the lock held by its own token: acquired, same fence.
     let resent = acquire_lua(&locker, "k", token, secs(10)).await;
     assert_eq!(
@@ -759,7 +760,7 @@ async fn resent_acquire_release_and_extend_are_idempotent() {
     );
     // Another token is still refused.
     let other = acquire_lua(&locker, "k", "ffffffffffffffffffffffffffffffff", secs(10)).await;
-    assert_eq!(other.0, 0, "{other:?}");
+    assert_eq!(other[0], 0, "{other:?}");
 
     // Extend twice: both confirm.
     for _ in 0..2 {
@@ -788,9 +789,9 @@ async fn resent_acquire_release_and_extend_are_idempotent() {
 
     // The next holder gets a higher fence, and the stale resends touch nothing.
     let next = acquired(&locker, "k").await;
-    assert!(next.fence() > first.1 as u64);
+    assert!(next.fence() > first[1] as u64);
     assert_eq!(release_lua(&locker, "k", token).await, 0);
-    assert_eq!(acquire_lua(&locker, "k", token, secs(10)).await.0, 0);
+    assert_eq!(acquire_lua(&locker, "k", token, secs(10)).await[0], 0);
     assert!(locker.release(&next).await.unwrap());
 }
 

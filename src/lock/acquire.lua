@@ -4,8 +4,9 @@
 --          (same hash slot; left by release.lua for a short grace period)
 -- ARGV[1]: holder token (random; identifies this holder)
 -- ARGV[2]: lock TTL in milliseconds
--- Returns {1, fence} when acquired (also when the lock is already held by
--- this very token: a resent acquire whose first copy ran), {0, pttl of the
+-- Returns {1, fence, ttl left in ms} when acquired (also when the lock is
+-- already held by this very token: a resent acquire whose first copy ran;
+-- then with that copy's fence and the TTL it has left), {0, pttl of the
 -- current holder} when not.
 --
 -- The fence is the server clock in microseconds, or one past the fence of
@@ -36,15 +37,16 @@ if not held then
   if tomb then
     redis.call('DEL', KEYS[2])
   end
-  return {1, fence}
+  return {1, fence, tonumber(ARGV[2])}
 end
 -- A resend of our own acquire whose first copy ran: the lock is ours, with
--- the fence that first copy handed out.
+-- the fence that first copy handed out, and only the TTL it has left (the
+-- caller's deadline must not outlive the server's).
 local n = #ARGV[1]
 if string.sub(held, 1, n + 1) == ARGV[1] .. ':' then
   local own = tonumber(string.sub(held, n + 2))
   if own then
-    return {1, own}
+    return {1, own, redis.call('PTTL', KEYS[1])}
   end
 end
 return {0, redis.call('PTTL', KEYS[1])}

@@ -603,16 +603,16 @@ where
             .arg(&ticket.token)
             .arg(millis(ttl));
         let attempted = || format!("acquiring lock `{key}`");
-        let (acquired, value): (i64, i64) = match self.config.durability {
+        let reply: Vec<i64> = match self.config.durability {
             None => script::run(&ACQUIRE, &cmd, &mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?,
             Some(durability) => {
-                let (reply, acked): ((i64, i64), u32) = self
+                let (reply, acked): (Vec<i64>, u32) = self
                     .run_and_wait(&ACQUIRE, &cmd, durability, attempted)
                     .await?;
                 // Only a write needs replicas: a contended attempt wrote nothing.
-                if reply.0 == 1 && acked < durability.replicas {
+                if reply.first() == Some(&1) && acked < durability.replicas {
                     return Err(self
                         .not_replicated(ticket, attempted(), durability, acked)
                         .await);
@@ -621,17 +621,29 @@ where
             }
         };
         self.check_eviction_once();
+        let (acquired, value, left) = match reply[..] {
+            [acquired, value] => (acquired, value, None),
+            [acquired, value, left] => (acquired, value, Some(left)),
+            _ => {
+                return Err(Error::reply(
+                    attempted(),
+                    format_args!("expected 2 or 3 integers, got {reply:?}"),
+                ));
+            }
+        };
         if acquired == 1 {
-            let fence = u64::try_from(value).map_err(|_| {
-                Error::reply(
-                    format_args!("acquiring lock `{key}`"),
-                    format_args!("negative fence {value}"),
-                )
-            })?;
+            let fence = u64::try_from(value)
+                .map_err(|_| Error::reply(attempted(), format_args!("negative fence {value}")))?;
+            // A resent acquire may find the lock its first copy took a while
+            // ago: then only the TTL it has left counts (measured on the
+            // server after `started`, so the deadline stays conservative).
+            let left = left
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map_or(ttl, |ms| ttl.min(Duration::from_millis(ms)));
             Ok(Acquisition::Acquired(Lease {
                 ticket: ticket.clone(),
                 fence,
-                expires_at: started + ttl,
+                expires_at: started + left,
             }))
         } else {
             // PTTL is -1 for a lock someone set without expiry, -2 if it
@@ -657,9 +669,13 @@ where
         Ok(u64::try_from(pttl).ok().map(Duration::from_millis))
     }
 
-    /// Releases a lock. Returns `true` if it was still held by `lease`, and
-    /// `false` (changing nothing) if it had expired or belongs to another
-    /// holder now.
+    /// Releases a lock. Returns `true` if it was still held by `lease` (or
+    /// was already released by it: releasing twice, or a resent release,
+    /// is not a lost lock), and `false` (changing nothing) if it had expired
+    /// or belongs to another holder now.
+    ///
+    /// The released lock's fence stays on record for [`FENCE_GRACE`] (see
+    /// the [module docs](self)).
     pub async fn release(&self, lease: &Lease) -> Result<bool> {
         self.release_ticket(&lease.ticket).await
     }
