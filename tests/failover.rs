@@ -317,3 +317,40 @@ async fn on_a_cluster_require_replicas_is_typed_and_wait_follows_the_key() {
         reset().await;
     }
 }
+
+// ---------------------------------------------------------------------------
+// Item 4: the harness itself
+// ---------------------------------------------------------------------------
+
+#[tokio::test]
+async fn replica_pair_syncs_cuts_off_promotes_and_kills_frozen_servers_on_drop() {
+    let mut pair = pair();
+    let primary = manager(pair.primary()).await;
+    raw::<()>(&primary, &["SET", "before", "1"]).await;
+    pair.wait_for_sync().unwrap();
+    let replica = manager(pair.replica()).await;
+    assert!(exists(&replica, "before").await);
+
+    // Cut off: the replica misses writes, also after it runs again, and it
+    // is not counted by WAIT.
+    pair.pause_replica().unwrap();
+    raw::<()>(&primary, &["SET", "after", "1"]).await;
+    let acked: i64 = raw(&primary, &["WAIT", "1", "100"]).await;
+    assert_eq!(acked, 0);
+    pair.kill_primary();
+    pair.resume_replica().unwrap();
+    pair.promote_replica().unwrap();
+    let promoted = manager(pair.replica()).await;
+    assert!(exists(&promoted, "before").await);
+    assert!(!exists(&promoted, "after").await);
+    raw::<()>(&promoted, &["SET", "new", "1"]).await; // takes writes now
+
+    // A frozen server is killed on drop, too.
+    pair.replica().pause().unwrap();
+    let pid = pair.replica().pid().unwrap();
+    drop(pair);
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "redis-server {pid} outlived its ReplicaPair"
+    );
+}
