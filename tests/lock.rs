@@ -429,7 +429,7 @@ async fn unusual_keys_are_independent_locks_in_one_slot() {
         assert_contended(&locker, lease.key(), ttl).await;
         assert_eq!(
             get(&conn, &locker.lock_key(lease.key())).await.as_deref(),
-            Some(value(&lease).as_str()),
+            Some(value(lease).as_str()),
             "lock of {:?} holds the wrong token",
             lease.key()
         );

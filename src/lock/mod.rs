@@ -22,21 +22,28 @@
 //! is held its key is the only one; after a release one tombstone lives 5 s;
 //! after an expiry nothing is left.
 //!
-//! **Guarantee.** Fences of a key strictly increase as long as the clock of
-//! the server that hands out a fence (after a failover: the new primary's)
-//! has not stepped back, relative to the clock that handed out the previous
-//! fence, by more than the time since that previous acquisition. That time
-//! is at least the TTL when the previous lock expired, at least
-//! [`FENCE_GRACE`] after its tombstone is gone, and the failover's duration
-//! (from the last acquisition on the old primary to the first on the new)
-//! after a failover or a restart that lost writes. In particular fences do
-//! not repeat after a restart from an older snapshot (RDB, or AOF with
-//! `appendfsync everysec`), after the promotion of a replica that missed the
-//! last acquisitions, or after the tombstone or the lock was deleted or
-//! evicted: no counter exists that could be rolled back. Within the grace
-//! period even a clock stepping back keeps fences increasing.
-//! Clocks of different primaries must agree to within the failover time
-//! (NTP keeps them within milliseconds; failovers take seconds).
+//! **Guarantee.** A new fence is higher than every earlier fence of its key
+//! unless the clock of the server handing it out (after a failover: the new
+//! primary's) reads *earlier* than the clock reading an earlier fence was
+//! made from, that is, unless the clock stepped back by more than the time
+//! since that earlier acquisition. While a tombstone exists, not even that
+//! can repeat a fence. So a clock step back of δ can only matter when δ
+//! exceeds
+//!
+//! * the TTL (plus any extensions), when the previous lock expired;
+//! * its hold time plus [`FENCE_GRACE`], when it was released;
+//! * the failover's duration (from the last acquisition on the old primary
+//!   to the first on the new one), when a failover or a restart lost the
+//!   latest acquisitions: the new primary's clock must not be behind the old
+//!   one's by more than that.
+//!
+//! In particular fences do not repeat after a restart from an older
+//! snapshot (RDB, or AOF with `appendfsync everysec`), after the promotion of
+//! a replica that missed the last acquisitions, or after the lock or its
+//! tombstone was deleted or evicted: there is no counter that could be
+//! rolled back. NTP keeps clocks within milliseconds; a failover takes
+//! seconds. (A fence made as `last + 1` counts with the clock reading of
+//! the fence it continues.)
 //!
 //! What a failover can still do, as for every Redis lock: a primary that
 //! dies before its replica received an acquisition lets a second holder take
@@ -168,6 +175,10 @@ impl<C> std::fmt::Debug for Locker<C> {
         f.debug_struct("Locker")
             .field("prefix", &self.config.prefix)
             .field("ttl", &self.config.ttl)
+            .field(
+                "required_replicas",
+                &self.config.durability.map(|d| (d.replicas, d.timeout)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -280,8 +291,10 @@ impl Lease {
     }
 
     /// The fencing token: strictly greater than the fence of every earlier
-    /// holder of this key. Hand it to the storage you write to, and have it
-    /// refuse writes carrying a lower fence than it has seen.
+    /// holder of this key (across restarts and failovers too, within the
+    /// clock bounds the [module docs](self#how-fences-are-made-and-what-they-guarantee)
+    /// state). Hand it to the storage you write to, and have it refuse
+    /// writes carrying a lower fence than it has seen.
     pub fn fence(&self) -> u64 {
         self.fence
     }
@@ -563,7 +576,13 @@ where
     /// Tries once to take the lock on `key`, in one round trip.
     ///
     /// Errors on an empty key or a Redis failure; a lock held by someone else
-    /// is not an error but [`Acquisition::Contended`].
+    /// is not an error but [`Acquisition::Contended`]. Under
+    /// [`require_replicas`](Self::require_replicas), a lock too few replicas
+    /// confirmed is released again and reported as [`Error::NotReplicated`].
+    ///
+    /// The first acquire of each `Locker` configuration also starts
+    /// [`check_eviction`](Self::check_eviction) in the background (it warns
+    /// once when the server may evict locks).
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
         self.acquire_ticket(&self.ticket(key)?).await
     }
@@ -698,6 +717,10 @@ where
     /// Renews a lock to live `ttl` from now. Returns `true` if it was still
     /// held by `lease` (and updates [`Lease::expires_at`]), `false` if it had
     /// expired or belongs to another holder, in which case nothing changes.
+    ///
+    /// Under [`require_replicas`](Self::require_replicas), a renewal too few
+    /// replicas confirmed releases the lock and returns
+    /// [`Error::NotReplicated`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<bool> {
         check_ttl(ttl)?;
         let started = Instant::now();
