@@ -55,8 +55,8 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use self::job::{DeadLetter, Job};
 pub(crate) use self::running::RunningJob;
+pub use self::job::{DeadLetter, Job};
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
