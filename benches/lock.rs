@@ -20,6 +20,10 @@ const TASKS: usize = 50;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
+    // `cargo bench --bench lock -- memory`: only the bytes-left measurement.
+    if std::env::args().any(|a| a == "memory") {
+        return bytes_left().await;
+    }
     let server = RedisServer::start()?;
     let conn = server.multiplexed().await?;
     let secs = if full_run() { 3.0 } else { 0.2 };
@@ -58,6 +62,107 @@ async fn main() -> Result<(), BoxError> {
     );
 
     hot_keys(conn, secs).await?;
+    bytes_left().await
+}
+
+/// What stays in Redis per distinct key once its lock is released, right
+/// away and after the fence grace period, and once a lock expired unreleased
+/// (`INFO memory` `used_memory` delta over the key count, on a fresh server).
+async fn bytes_left() -> Result<(), BoxError> {
+    let keys = size(100_000, 1_000);
+    let server = RedisServer::start()?;
+    let conn = server.multiplexed().await?;
+    let used = async || -> Result<(i64, i64), BoxError> {
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut conn.clone())
+            .await?;
+        let bytes = info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .ok_or("no used_memory in INFO")?
+            .trim()
+            .parse()?;
+        let count: i64 = redis::cmd("DBSIZE").query_async(&mut conn.clone()).await?;
+        Ok((bytes, count))
+    };
+    // Expired keys are removed by Redis' active expiry, a sampling process;
+    // poll until they are all gone (bounded).
+    let drained = async || -> Result<(i64, i64), BoxError> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (bytes, count) = used().await?;
+            if count == 0 || Instant::now() > deadline {
+                return Ok((bytes, count));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let per_key = |bytes: i64, base: i64| (bytes - base) as f64 / keys as f64;
+    let lockers = |ttl| -> Result<Locker<redis::aio::MultiplexedConnection>, BoxError> {
+        Ok(Locker::new(conn.clone()).ttl(ttl)?)
+    };
+    let run = async |locker: Locker<_>, release: bool| -> Result<(), BoxError> {
+        let handles: Vec<_> = (0..TASKS)
+            .map(|task| {
+                let locker = locker.clone();
+                tokio::spawn(async move {
+                    for i in (task..keys).step_by(TASKS) {
+                        let lease = locker.acquire(&format!("order-{i}")).await?.lease();
+                        let lease = lease.ok_or("distinct keys are never contended")?;
+                        if release {
+                            locker.release(&lease).await?;
+                        }
+                    }
+                    Ok::<_, BoxError>(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await??;
+        }
+        Ok(())
+    };
+
+    // Load the scripts (the script cache counts in used_memory) before the
+    // baseline, and leave no key behind.
+    let warm = lockers(Duration::from_secs(60))?;
+    let lease = warm.acquire("warm-up").await?.lease().ok_or("warm-up")?;
+    warm.release(&lease).await?;
+    redis::cmd("FLUSHALL").exec_async(&mut conn.clone()).await?;
+    let (base, _) = used().await?;
+    run(lockers(Duration::from_secs(60))?, true).await?;
+    let (released, released_keys) = used().await?;
+    let grace = lockgate::lock::FENCE_GRACE;
+    tokio::time::sleep(grace).await;
+    let (after_grace, grace_keys) = drained().await?;
+
+    // Long enough that none expires before all are taken and counted.
+    let ttl = Duration::from_millis(size(5_000, 500) as u64);
+    let (base2, _) = used().await?;
+    run(lockers(ttl)?, false).await?;
+    let (held, held_keys) = used().await?;
+    tokio::time::sleep(ttl).await;
+    let (expired, expired_keys) = drained().await?;
+
+    println!("## Redis memory left per distinct lock key ({keys} keys, used_memory delta / keys)");
+    println!("| moment | keys in Redis | bytes per key |\n|---|---|---|");
+    println!(
+        "| acquired and released, right after the release | {released_keys} | {:.1} |",
+        per_key(released, base)
+    );
+    println!(
+        "| acquired and released, after the fence grace ({grace:?}) | {grace_keys} | {:.1} |",
+        per_key(after_grace, base)
+    );
+    println!(
+        "| acquired, held (for comparison) | {held_keys} | {:.1} |",
+        per_key(held, base2)
+    );
+    println!(
+        "| acquired, never released, after the TTL ({ttl:?}) | {expired_keys} | {:.1} |",
+        per_key(expired, base2)
+    );
     Ok(())
 }
 

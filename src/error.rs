@@ -49,6 +49,38 @@ pub enum Error {
     #[error("the worker's service failed: {0}")]
     Service(#[source] crate::BoxError),
 
+    /// A [durable](crate::Locker::require_replicas) locker's write (an
+    /// acquire or an extend) reached fewer replicas than required within the
+    /// timeout, or (at start-up) fewer replicas than required confirmed.
+    /// Fail-closed: the lock was released (`released`). Retryable: replicas
+    /// that lag or reconnect may confirm the next attempt.
+    #[error(
+        "{attempted}: only {acked} of {wanted} replicas confirmed within {timeout:?}{}",
+        if *released { "; the lock was released" } else { "" }
+    )]
+    NotReplicated {
+        /// What lockgate was doing, for example "acquiring lock `order-7`".
+        attempted: String,
+        /// The replicas required.
+        wanted: u32,
+        /// The replicas that confirmed (`WAIT`'s reply).
+        acked: u32,
+        /// How long `WAIT` waited.
+        timeout: std::time::Duration,
+        /// Whether the lock was released because of it (false when there
+        /// was no lock, or the release failed and it expires with its TTL).
+        released: bool,
+    },
+
+    /// [`Locker::require_replicas`](crate::Locker::require_replicas) cannot
+    /// work with this server: it rejects `WAIT` (some managed services, a
+    /// read-only replica, a renamed command).
+    #[error("replication durability is unavailable: {detail}")]
+    DurabilityUnsupported {
+        /// What the server said.
+        detail: String,
+    },
+
     /// A message could not be serialized into JSON.
     #[error("could not encode message: {0}")]
     Encode(#[source] serde_json::Error),
@@ -58,7 +90,8 @@ impl Error {
     /// Whether the same operation may succeed if tried again later: true for
     /// connection loss, timeouts, cluster redirections and the transient
     /// states of a failover (`LOADING`, `READONLY`, `MASTERDOWN`,
-    /// `CLUSTERDOWN`, `TRYAGAIN`); false for bad
+    /// `CLUSTERDOWN`, `TRYAGAIN`), and a write too few replicas confirmed
+    /// ([`Error::NotReplicated`]); false for bad
     /// input, bad configuration and unexpected replies.
     pub fn is_retryable(&self) -> bool {
         match self {
@@ -79,6 +112,7 @@ impl Error {
                         )
                     )
             }
+            Error::NotReplicated { .. } => true,
             _ => false,
         }
     }

@@ -36,6 +36,11 @@ where
     }
 }
 
+/// What a held lock's key stores: `<token>:<fence>`.
+fn value(lease: &lockgate::Lease) -> String {
+    format!("{}:{}", lease.token(), lease.fence())
+}
+
 async fn get(conn: &ConnectionManager, key: &str) -> Option<String> {
     raw(conn, &["GET", key]).await
 }
@@ -177,7 +182,7 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
     );
     assert_eq!(
         get(&conn, &first.lock_key(key)).await.as_deref(),
-        Some(fresh.token())
+        Some(value(&fresh).as_str())
     );
     let pttl: i64 = raw(&conn, &["PTTL", &first.lock_key(key)]).await;
     assert!(
@@ -189,8 +194,10 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
     // The new holder still owns it.
     assert!(second.release(&fresh).await.unwrap());
     assert!(!exists(&conn, &first.lock_key(key)).await);
-    // Releasing twice is a no-op.
-    assert!(!second.release(&fresh).await.unwrap());
+    // Releasing twice changes nothing and reports released (a resent
+    // release must not look like a lost lock).
+    assert!(second.release(&fresh).await.unwrap());
+    assert!(!exists(&conn, &first.lock_key(key)).await);
 }
 
 #[tokio::test]
@@ -207,7 +214,7 @@ async fn released_lock_is_free_at_once_and_release_is_token_checked() {
     assert!(!locker.release(&lease).await.unwrap());
     assert_eq!(
         get(&conn, &locker.lock_key("k")).await.as_deref(),
-        Some(other.token())
+        Some(value(&other).as_str())
     );
     assert!(locker.release(&other).await.unwrap());
 }
@@ -271,7 +278,7 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
         assert!(locker.release(&lease).await.unwrap());
     }
 
-    // The fence counter is lost (deleted by hand, evicted, expired): fences
+    // The fence record is lost (deleted by hand, evicted, expired): fences
     // must still go up, also when it is lost again right away.
     for round in 0..5 {
         raw::<i64>(&conn, &["DEL", &a.fence_key(key)]).await;
@@ -279,8 +286,11 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
         let locker = if round % 2 == 0 { &a } else { &b };
         let lease = acquired(locker, key).await;
         check(lease.fence(), "after DEL of the fence key");
-        assert!(exists(&conn, &a.fence_key(key)).await);
+        // While held, the lock carries the fence: no second key.
+        assert!(!exists(&conn, &a.fence_key(key)).await);
         assert!(locker.release(&lease).await.unwrap());
+        // Released: the fence stays on record (the tombstone) for a while.
+        assert!(exists(&conn, &a.fence_key(key)).await);
     }
 
     // A holder whose lock expired does not stop the next fence from growing.
@@ -333,7 +343,7 @@ async fn extend_keeps_a_lock_past_its_original_ttl() {
     assert_contended(&rival, key, ttl).await;
     assert_eq!(
         get(&conn, &holder.lock_key(key)).await.as_deref(),
-        Some(lease.token())
+        Some(value(&lease).as_str())
     );
 
     // A longer extension is honoured by the server too.
@@ -419,7 +429,7 @@ async fn unusual_keys_are_independent_locks_in_one_slot() {
         assert_contended(&locker, lease.key(), ttl).await;
         assert_eq!(
             get(&conn, &locker.lock_key(lease.key())).await.as_deref(),
-            Some(lease.token()),
+            Some(value(lease).as_str()),
             "lock of {:?} holds the wrong token",
             lease.key()
         );
@@ -688,4 +698,245 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
     // server clock and still exceeds the pre-crash fence.
     assert!(after.fence() > before.fence());
     assert!(managed.release(&after).await.unwrap());
+}
+
+// ---------------------------------------------------------------------------
+// Resends (item 6): a request whose first copy ran is sent again, as
+// redis-rs' cluster connections do when a connection drops mid-request. The
+// scripts are run twice, exactly as such a resend runs them.
+// ---------------------------------------------------------------------------
+
+static ACQUIRE_LUA: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/acquire.lua")));
+static RELEASE_LUA: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/release.lua")));
+static EXTEND_LUA: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/extend.lua")));
+
+/// Runs acquire.lua for `token` as `Locker::acquire` sends it.
+async fn acquire_lua(
+    locker: &Locker<ConnectionManager>,
+    key: &str,
+    token: &str,
+    ttl: Duration,
+) -> Vec<i64> {
+    ACQUIRE_LUA
+        .key(locker.lock_key(key))
+        .key(locker.fence_key(key))
+        .arg(token)
+        .arg(ttl.as_millis() as u64)
+        .invoke_async(&mut locker.connection().clone())
+        .await
+        .expect("acquire.lua")
+}
+
+/// Runs release.lua for `token` as `Locker::release` sends it.
+async fn release_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> i64 {
+    RELEASE_LUA
+        .key(locker.lock_key(key))
+        .key(locker.fence_key(key))
+        .arg(token)
+        .arg(lockgate::lock::FENCE_GRACE.as_millis() as u64)
+        .invoke_async(&mut locker.connection().clone())
+        .await
+        .expect("release.lua")
+}
+
+#[tokio::test]
+async fn resent_acquire_release_and_extend_are_idempotent() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = locker(conn.clone(), secs(10));
+    let token = "0123456789abcdef0123456789abcdef";
+
+    let first = acquire_lua(&locker, "k", token, secs(10)).await;
+    assert_eq!(first[0], 1, "the first copy acquires: {first:?}");
+    assert_eq!(first[2], 10_000, "{first:?}");
+    // The resend finds the lock held by its own token: acquired, same fence.
+    let resent = acquire_lua(&locker, "k", token, secs(10)).await;
+    assert_eq!(
+        resent, first,
+        "a resent acquire must report the same acquisition"
+    );
+    // Another token is still refused.
+    let other = acquire_lua(&locker, "k", "ffffffffffffffffffffffffffffffff", secs(10)).await;
+    assert_eq!(other[0], 0, "{other:?}");
+
+    // Extend twice: both confirm.
+    for _ in 0..2 {
+        let extended: i64 = EXTEND_LUA
+            .key(locker.lock_key("k"))
+            .arg(token)
+            .arg(20_000)
+            .invoke_async(&mut conn.clone())
+            .await
+            .unwrap();
+        assert_eq!(extended, 1);
+    }
+
+    // Release twice: the resend of a release that ran is a success too.
+    assert_eq!(release_lua(&locker, "k", token).await, 1);
+    assert_eq!(
+        release_lua(&locker, "k", token).await,
+        1,
+        "a resent release whose first copy ran must report released"
+    );
+    // A token that never held it is not released.
+    assert_eq!(
+        release_lua(&locker, "k", "ffffffffffffffffffffffffffffffff").await,
+        0
+    );
+
+    // The next holder gets a higher fence, and the stale resends touch nothing.
+    let next = acquired(&locker, "k").await;
+    assert!(next.fence() > first[1] as u64);
+    assert_eq!(release_lua(&locker, "k", token).await, 0);
+    assert_eq!(acquire_lua(&locker, "k", token, secs(10)).await[0], 0);
+    assert!(locker.release(&next).await.unwrap());
+}
+
+// ---------------------------------------------------------------------------
+// What stays in Redis (item 3)
+// ---------------------------------------------------------------------------
+
+async fn keys(conn: &ConnectionManager) -> Vec<String> {
+    let mut keys: Vec<String> = raw(conn, &["KEYS", "*"]).await;
+    keys.sort();
+    keys
+}
+
+#[tokio::test]
+async fn released_or_expired_locks_leave_only_short_lived_tombstones() {
+    let server = server();
+    let conn = manager(&server).await;
+    let grace = lockgate::lock::FENCE_GRACE;
+    assert!(grace <= secs(10), "{grace:?}");
+    let n = 200;
+
+    // Held: one key per lock, nothing else.
+    let locker = locker(conn.clone(), secs(10));
+    let mut leases = Vec::new();
+    for i in 0..n {
+        leases.push(acquired(&locker, &format!("order-{i}")).await);
+    }
+    let held = keys(&conn).await;
+    assert_eq!(held.len(), n, "{:?}", &held[..3]);
+    assert!(held.iter().all(|k| k.starts_with("lockgate:lock:")));
+
+    // Released: a tombstone per key, living at most the grace period.
+    for lease in &leases {
+        assert!(locker.release(lease).await.unwrap());
+    }
+    let left = keys(&conn).await;
+    assert_eq!(left.len(), n);
+    for key in &left {
+        assert!(key.starts_with("lockgate:fence:"), "{key}");
+        let pttl: i64 = raw(&conn, &["PTTL", key]).await;
+        assert!(
+            pttl > 0 && pttl <= grace.as_millis() as i64,
+            "{key} lives {pttl} ms, longer than the grace of {grace:?}"
+        );
+    }
+    raw::<()>(&conn, &["FLUSHALL"]).await;
+
+    // Expired: nothing at all.
+    let short = locker_with_ttl(&conn, ms(50));
+    for i in 0..n {
+        let _ = acquired(&short, &format!("order-{i}")).await;
+    }
+    sleep(ms(120)).await;
+    let left = keys(&conn).await;
+    assert!(
+        left.is_empty(),
+        "{} keys left after expiry: {:?}",
+        left.len(),
+        &left[..3.min(left.len())]
+    );
+}
+
+fn locker_with_ttl(conn: &ConnectionManager, ttl: Duration) -> Locker<ConnectionManager> {
+    locker(conn.clone(), ttl)
+}
+
+// ---------------------------------------------------------------------------
+// Eviction (item 19)
+// ---------------------------------------------------------------------------
+
+/// Counts the warnings about `maxmemory-policy` logged on this thread.
+struct EvictionWarnings(Arc<std::sync::atomic::AtomicUsize>);
+
+impl tracing::Subscriber for EvictionWarnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let meta = event.metadata();
+        if *meta.level() == tracing::Level::WARN && meta.fields().field("policy").is_some() {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn eviction_policies_that_may_evict_locks_are_reported_and_warned_once() {
+    let warnings = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let _guard = tracing::subscriber::set_default(EvictionWarnings(warnings.clone()));
+    let count = || warnings.load(std::sync::atomic::Ordering::SeqCst);
+
+    let safe = server();
+    let locker = locker(manager(&safe).await, secs(10));
+    let policy = locker.check_eviction().await.unwrap();
+    assert_eq!(policy.name(), "noeviction");
+    assert!(!policy.may_evict_locks());
+    for i in 0..5 {
+        let _ = acquired(&locker, &format!("k{i}")).await;
+    }
+
+    for name in ["volatile-ttl", "volatile-lru", "allkeys-lru"] {
+        let evicting = lockgate::testing::RedisServer::builder()
+            .args(["--maxmemory-policy", name])
+            .start()
+            .unwrap();
+        let policy = locker_on(&evicting).await.check_eviction().await.unwrap();
+        assert_eq!(policy.name(), name);
+        assert!(policy.may_evict_locks(), "{name}");
+    }
+    assert_eq!(count(), 0, "no warning for noeviction");
+
+    // Warned once per locker configuration, on first use, not per call.
+    let evicting = lockgate::testing::RedisServer::builder()
+        .args(["--maxmemory-policy", "volatile-ttl"])
+        .start()
+        .unwrap();
+    let locker = locker_on(&evicting).await;
+    let clone = locker.clone();
+    for i in 0..10 {
+        let _ = acquired(if i % 2 == 0 { &locker } else { &clone }, &format!("k{i}")).await;
+    }
+    eventually("the eviction warning is logged", BOUNDED, async || {
+        done_if(count() == 1, count())
+    })
+    .await;
+    let other_config = locker.clone().ttl(secs(20)).unwrap();
+    for i in 10..20 {
+        let _ = acquired(&locker, &format!("k{i}")).await;
+        let _ = acquired(&other_config, &format!("o{i}")).await;
+    }
+    eventually("the second configuration warns too", BOUNDED, async || {
+        done_if(count() == 2, count())
+    })
+    .await;
+    sleep(ms(100)).await;
+    assert_eq!(count(), 2, "warned more than once per configuration");
+}
+
+async fn locker_on(server: &lockgate::testing::RedisServer) -> Locker<ConnectionManager> {
+    locker(manager(server).await, secs(10))
 }

@@ -17,7 +17,7 @@ commands:
   requeue <queue> <id> | --all           re-drive dead letters, due now
   remove <queue> <id>                    delete a scheduled or dead message
   push <queue> <json> [--after <ms>] [--id <id>]
-  lock <key>                             whether a lock is held, for how long, its last fence
+  lock <key>                             whether a lock is held, for how long, its fence
 
 Redis comes from REDIS_URL (default redis://127.0.0.1:6379/).";
 
@@ -122,17 +122,39 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
         "lock" => {
             let key = args.first().ok_or("missing <key>")?;
             let locker = Locker::new(conn.clone()).prefix(&prefix)?;
-            match locker.remaining(key).await? {
-                Some(ttl) => println!("{key}: held, expires in {ttl:?}"),
-                None => println!("{key}: free"),
-            }
-            let fence: Option<u64> = redis::cmd("GET")
-                .arg(locker.fence_key(key))
-                .query_async(&mut conn.clone())
-                .await?;
-            match fence {
-                Some(fence) => println!("last fence {fence}"),
-                None => println!("no fence counter (never locked, or idle for over an hour)"),
+            // A held lock stores `<token>:<fence>`; a released one leaves
+            // `<fence>:<token>` in its fence record for a few seconds.
+            let get = |redis_key: String| {
+                let mut conn = conn.clone();
+                async move {
+                    redis::cmd("GET")
+                        .arg(redis_key)
+                        .query_async::<Option<String>>(&mut conn)
+                        .await
+                }
+            };
+            let held = get(locker.lock_key(key)).await?;
+            let ttl = locker.remaining(key).await?;
+            match (held, ttl) {
+                (Some(value), ttl) => {
+                    let fence = value.rsplit_once(':').map_or("?", |(_, fence)| fence);
+                    match ttl {
+                        Some(ttl) => println!("{key}: held, expires in {ttl:?}, fence {fence}"),
+                        None => println!(
+                            "{key}: held without expiry (not set by lockgate), fence {fence}"
+                        ),
+                    }
+                }
+                (None, _) => match get(locker.fence_key(key)).await? {
+                    Some(record) => {
+                        let fence = record.split_once(':').map_or(record.as_str(), |(f, _)| f);
+                        println!("{key}: free; released recently, last fence {fence}");
+                    }
+                    None => println!(
+                        "{key}: free; no fence on record (never locked, expired, or released over {:?} ago)",
+                        lockgate::lock::FENCE_GRACE
+                    ),
+                },
             }
         }
         other => return Err(format!("unknown command `{other}`\n\n{USAGE}").into()),

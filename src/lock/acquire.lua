@@ -1,31 +1,52 @@
 -- Takes a lock when it is free and hands out the key's next fencing token.
--- KEYS[1]: lock key           <prefix>:lock:{<key>}
--- KEYS[2]: fence counter key  <prefix>:fence:{<key>}   (same hash slot)
+-- KEYS[1]: lock key                 <prefix>:lock:{<key>}    value <token>:<fence>
+-- KEYS[2]: fence record (tombstone) <prefix>:fence:{<key>}   value <fence>:<token>
+--          (same hash slot; left by release.lua for a short grace period)
 -- ARGV[1]: holder token (random; identifies this holder)
 -- ARGV[2]: lock TTL in milliseconds
--- ARGV[3]: lifetime of a freshly seeded fence counter, in milliseconds
--- Returns {1, fence} when acquired, {0, pttl of the current holder} when not.
+-- Returns {1, fence, ttl left in ms} when acquired (also when the lock is
+-- already held by this very token: a resent acquire whose first copy ran;
+-- then with that copy's fence and the TTL it has left), {0, pttl of the
+-- current holder} when not.
 --
--- Fences strictly increase per key. While the counter exists, INCR does it
--- (and keeps the counter's TTL). A missing counter (first use, expired, or
--- deleted) is seeded from the server clock in microseconds, which is past
--- any earlier value: an earlier counter was seeded at least its lifetime
--- (an hour or more) ago and cannot have been incremented a billion times
--- since. 2^53 microseconds is year 2255, so Lua numbers stay exact.
--- Usual cost: two commands (SET NX, INCR).
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {0, redis.call('PTTL', KEYS[1])}
+-- The fence is the server clock in microseconds, or one past the fence of
+-- the last release when that is still on record and not below the clock:
+--   fence = max(now, last + 1).
+-- No counter survives the lock: a held lock carries its fence in its value,
+-- a released one leaves its fence in the tombstone for the grace period, an
+-- expired one leaves nothing. Fences therefore increase as long as the
+-- clock (after a failover: the new primary's clock) does not step back by
+-- more than the time since the previous acquisition; a rolled-back counter
+-- cannot hand out an old number again, because there is none.
+-- 2^53 microseconds is year 2255: Lua numbers stay exact; %.0f prints them
+-- without an exponent.
+-- Usual cost: TIME, GET, SET NX GET (and DEL of a tombstone found).
+local t = redis.call('TIME')
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local tomb = redis.call('GET', KEYS[2])
+local last = tomb and tonumber(string.match(tomb, '^%d+'))
+if last and last >= fence then
+  fence = last + 1
 end
-local fence = redis.pcall('INCR', KEYS[2])
-if type(fence) == 'table' and fence.err then
-  -- A foreign value under our fence key: undo the lock rather than leave
-  -- it held by a caller that sees an error.
-  redis.call('DEL', KEYS[1])
-  return redis.error_reply('fence counter ' .. KEYS[2] .. ': ' .. fence.err)
+-- SET NX GET (Redis >= 7.0): sets and returns false when the key was free,
+-- else changes nothing and returns the holder's value.
+local held = redis.call('SET', KEYS[1], ARGV[1] .. ':' .. string.format('%.0f', fence),
+  'NX', 'PX', ARGV[2], 'GET')
+if not held then
+  -- The lock now carries the fence: while it is held it is the only key.
+  if tomb then
+    redis.call('DEL', KEYS[2])
+  end
+  return {1, fence, tonumber(ARGV[2])}
 end
-if fence == 1 then
-  local t = redis.call('TIME')
-  fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[3])
+-- A resend of our own acquire whose first copy ran: the lock is ours, with
+-- the fence that first copy handed out, and only the TTL it has left (the
+-- caller's deadline must not outlive the server's).
+local n = #ARGV[1]
+if string.sub(held, 1, n + 1) == ARGV[1] .. ':' then
+  local own = tonumber(string.sub(held, n + 2))
+  if own then
+    return {1, own, redis.call('PTTL', KEYS[1])}
+  end
 end
-return {1, fence}
+return {0, redis.call('PTTL', KEYS[1])}

@@ -1,17 +1,69 @@
 //! Distributed per-key locks with fencing tokens.
 //!
 //! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with
-//! `SET NX PX <ttl>` to a random token that identifies its holder. Release
-//! and renewal compare that token inside a Lua script, so a holder whose lock
-//! expired and was taken by someone else can never delete or extend the new
-//! holder's lock.
+//! `SET NX PX <ttl>` to `<token>:<fence>`: a random token that identifies its
+//! holder, and the holder's fencing token. Release and renewal compare the
+//! token inside a Lua script, so a holder whose lock expired and was taken by
+//! someone else can never delete or extend the new holder's lock.
 //!
-//! Each successful acquisition also returns a **fencing token**: a number that
-//! strictly increases for the key across holders, lockers and processes
-//! (it is kept in `<prefix>:fence:{<key>}`, in the same hash slot). A lock
-//! with a TTL cannot by itself stop a holder that paused past its TTL from
-//! writing late; passing the fence to the storage you write to, and having it
-//! refuse fences lower than the highest it has seen, can.
+//! Each successful acquisition also returns a **fencing token** (fence): a
+//! number that increases for the key across holders, lockers and processes.
+//! A lock with a TTL cannot by itself stop a holder that paused past its TTL
+//! from writing late; passing the fence to the storage you write to, and
+//! having it refuse fences lower than the highest it has seen, can.
+//!
+//! # How fences are made, and what they guarantee
+//!
+//! The fence is the Redis server's clock in microseconds (`TIME`), or one
+//! more than the last fence on record when that is not below the clock:
+//! `fence = max(now, last + 1)`. The only record is short-lived: a released
+//! lock leaves a tombstone `<prefix>:fence:{<key>}` = `<fence>:<token>` for
+//! [`FENCE_GRACE`] (5 s), and an expired lock leaves nothing. So while a lock
+//! is held its key is the only one; after a release one tombstone lives 5 s;
+//! after an expiry nothing is left.
+//!
+//! **Guarantee.** A new fence is higher than every earlier fence of its key
+//! unless the clock of the server handing it out (after a failover: the new
+//! primary's) reads *earlier* than the clock reading an earlier fence was
+//! made from, that is, unless the clock stepped back by more than the time
+//! since that earlier acquisition. While a tombstone exists, not even that
+//! can repeat a fence. So a clock step back of δ can only matter when δ
+//! exceeds
+//!
+//! * the TTL (plus any extensions), when the previous lock expired;
+//! * its hold time plus [`FENCE_GRACE`], when it was released;
+//! * the failover's duration (from the last acquisition on the old primary
+//!   to the first on the new one), when a failover or a restart lost the
+//!   latest acquisitions: the new primary's clock must not be behind the old
+//!   one's by more than that.
+//!
+//! In particular fences do not repeat after a restart from an older
+//! snapshot (RDB, or AOF with `appendfsync everysec`), after the promotion of
+//! a replica that missed the last acquisitions, or after the lock or its
+//! tombstone was deleted or evicted: there is no counter that could be
+//! rolled back. NTP keeps clocks within milliseconds; a failover takes
+//! seconds. (A fence made as `last + 1` counts with the clock reading of
+//! the fence it continues.)
+//!
+//! What a failover can still do, as for every Redis lock: a primary that
+//! dies before its replica received an acquisition lets a second holder take
+//! the same lock on the promoted replica while the first still believes it
+//! holds it. Its fence is higher, so fenced storage refuses the first
+//! holder's late writes. [`Locker::require_replicas`] narrows that window:
+//! an acquisition (and renewal) then succeeds only once `WAIT` confirmed that
+//! n replicas have it.
+//!
+//! Requires Redis (or Valkey) 7.0 or newer: the acquire script uses
+//! `SET ... NX GET`.
+//!
+//! # Resends
+//!
+//! A request may run twice when its reply is lost and the client sends it
+//! again (redis-rs' cluster connections do). All three scripts are
+//! idempotent: a resent acquire that finds the lock held by its own token
+//! reports it acquired, with the same fence; a resent release that finds the
+//! lock gone and its own tombstone reports it released; a resent extend
+//! extends again.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -31,6 +83,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -50,9 +103,11 @@ static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("ext
 pub const DEFAULT_PREFIX: &str = "lockgate";
 /// The lock TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// A fence counter lives this long after it was seeded (then it is seeded
-/// again from the clock; see acquire.lua).
-const FENCE_KEEP: Duration = Duration::from_secs(3600);
+/// How long a released lock's fence stays on record (the tombstone
+/// `<prefix>:fence:{<key>}`), so that the next holder's fence is higher even
+/// if the server's clock stepped back meanwhile. After an expiry nothing is
+/// kept: see the [module docs](self) for the guarantee this gives.
+pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
 /// Acquires, renews and releases per-key locks on Redis.
 ///
@@ -75,6 +130,44 @@ struct LockerConfig {
     prefix: String,
     /// TTL of a freshly acquired lock.
     ttl: Duration,
+    /// `WAIT` after every acquire and extend (see `require_replicas`).
+    durability: Option<Durability>,
+    /// Whether the eviction check of this configuration has been started:
+    /// it warns once per configuration, not once per call.
+    eviction_checked: AtomicBool,
+}
+
+/// How many replicas must confirm each write, and how long to wait for them.
+#[derive(Debug, Clone, Copy)]
+struct Durability {
+    /// `numreplicas` of `WAIT`.
+    replicas: u32,
+    /// `timeout` of `WAIT`.
+    timeout: Duration,
+}
+
+/// The server's `maxmemory-policy`, as read by [`Locker::check_eviction`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EvictionPolicy {
+    /// The policy's name, for example `noeviction` or `volatile-ttl`.
+    name: String,
+}
+
+impl EvictionPolicy {
+    /// The policy's name, as the server reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the server may evict lock keys under memory pressure, which
+    /// breaks mutual exclusion (an evicted lock is free for the next
+    /// caller). True for every policy but `noeviction`: `volatile-ttl`
+    /// evicts the keys closest to expiry, that is locks, first; the other
+    /// `volatile-*` policies pick among keys with a TTL, which every lock
+    /// has; `allkeys-*` pick among all keys.
+    pub fn may_evict_locks(&self) -> bool {
+        self.name != "noeviction"
+    }
 }
 
 impl<C> std::fmt::Debug for Locker<C> {
@@ -82,6 +175,10 @@ impl<C> std::fmt::Debug for Locker<C> {
         f.debug_struct("Locker")
             .field("prefix", &self.config.prefix)
             .field("ttl", &self.config.ttl)
+            .field(
+                "required_replicas",
+                &self.config.durability.map(|d| (d.replicas, d.timeout)),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -194,8 +291,10 @@ impl Lease {
     }
 
     /// The fencing token: strictly greater than the fence of every earlier
-    /// holder of this key. Hand it to the storage you write to, and have it
-    /// refuse writes carrying a lower fence than it has seen.
+    /// holder of this key (across restarts and failovers too, within the
+    /// clock bounds the [module docs](self#how-fences-are-made-and-what-they-guarantee)
+    /// state). Hand it to the storage you write to, and have it refuse
+    /// writes carrying a lower fence than it has seen.
     pub fn fence(&self) -> u64 {
         self.fence
     }
@@ -227,6 +326,8 @@ where
             config: Arc::new(LockerConfig {
                 prefix: DEFAULT_PREFIX.to_owned(),
                 ttl: DEFAULT_TTL,
+                durability: None,
+                eviction_checked: AtomicBool::new(false),
             }),
         }
     }
@@ -248,11 +349,206 @@ where
         let mut config = LockerConfig {
             prefix: self.config.prefix.clone(),
             ttl: self.config.ttl,
+            durability: self.config.durability,
+            eviction_checked: AtomicBool::new(false),
         };
         edit(&mut config);
         Self {
             conn: self.conn,
             config: Arc::new(config),
+        }
+    }
+
+    /// Makes every acquire and extend wait until `replicas` replicas have the
+    /// lock (`WAIT replicas timeout`), and fail closed when fewer confirm in
+    /// time: the lock is then released (token-checked) and the call returns
+    /// [`Error::NotReplicated`], which is retryable. Redisson's answer to
+    /// Redlock's problems is the same.
+    ///
+    /// Checks at once that the server accepts `WAIT` and that `replicas`
+    /// replicas confirm within `timeout` (on a cluster: for every primary):
+    /// a server that rejects `WAIT` (some managed services, a replica) gives
+    /// [`Error::DurabilityUnsupported`]; too few replicas give
+    /// [`Error::NotReplicated`]. Neither hangs: the check waits at most
+    /// `timeout`. `replicas` must be at least 1 and `timeout` between 1 ms
+    /// and one minute (`WAIT` with 0 would block for ever).
+    ///
+    /// ## Behavior
+    ///
+    /// * The script and the `WAIT` go out as one pipeline on one connection
+    ///   (`WAIT` counts the replicas that have the writes of the connection it
+    ///   runs on). On a cluster connection, redis-rs sends a pipeline to the
+    ///   node of its first keyed command, so the `WAIT` reaches the lock's
+    ///   node.
+    /// * `WAIT` holds its connection's replies for up to `timeout` when a
+    ///   replica lags: on a multiplexed connection every other command
+    ///   waits behind it. Give a durable `Locker` a connection of its own,
+    ///   with a response timeout above `timeout` (redis-rs' default is
+    ///   500 ms).
+    /// * A contended attempt writes nothing and needs no replica; it is
+    ///   reported as [`Acquisition::Contended`] whatever `WAIT` says.
+    /// * `WAIT` narrows, but cannot close, the window in which a failover
+    ///   loses a lock: Redis replication stays asynchronous, and a replica
+    ///   that confirmed may still not be the one promoted. Fences are what
+    ///   make a late writer harmless.
+    pub async fn require_replicas(self, replicas: u32, timeout: Duration) -> Result<Self> {
+        if replicas == 0 {
+            return Err(Error::config("require_replicas needs at least 1 replica"));
+        }
+        if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(60) {
+            return Err(Error::config(format_args!(
+                "require_replicas timeout must be between 1 ms and 60 s, got {timeout:?}"
+            )));
+        }
+        let attempted = "checking for replicas (require_replicas)";
+        let acked: redis::RedisResult<i64> = redis::cmd("WAIT")
+            .arg(replicas)
+            .arg(millis(timeout))
+            .query_async(&mut self.conn.clone())
+            .await;
+        let acked = match acked {
+            Ok(acked) => acked,
+            Err(e) => {
+                // A server that answered with a lasting error (unknown or
+                // renamed command, no permission, a replica) refuses WAIT
+                // itself; a connection failure or a failover state says
+                // nothing about WAIT and is reported as such (retryable).
+                let answered = matches!(
+                    e.kind(),
+                    redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+                );
+                let error = Error::redis(attempted)(e);
+                if !answered || error.is_retryable() {
+                    return Err(error);
+                }
+                return Err(Error::DurabilityUnsupported {
+                    detail: format!(
+                        "the server rejected `WAIT {replicas} {}`: {}",
+                        millis(timeout),
+                        error
+                            .redis_error()
+                            .map_or(String::new(), ToString::to_string)
+                    ),
+                });
+            }
+        };
+        let acked = u32::try_from(acked).unwrap_or(0);
+        if acked < replicas {
+            return Err(Error::NotReplicated {
+                attempted: attempted.into(),
+                wanted: replicas,
+                acked,
+                timeout,
+                released: false,
+            });
+        }
+        Ok(self.with_config(|c| c.durability = Some(Durability { replicas, timeout })))
+    }
+
+    /// The replicas every acquire and extend waits for, and for how long,
+    /// if [`require_replicas`](Self::require_replicas) was set.
+    pub fn required_replicas(&self) -> Option<(u32, Duration)> {
+        self.config.durability.map(|d| (d.replicas, d.timeout))
+    }
+
+    /// Reads the server's `maxmemory-policy` (`CONFIG GET`). Any policy but
+    /// `noeviction` lets Redis evict lock keys under memory pressure, which
+    /// breaks mutual exclusion: see [`EvictionPolicy::may_evict_locks`].
+    ///
+    /// Each `Locker` configuration also runs this once by itself, in the
+    /// background on its first acquire, and logs a warning (`tracing`) when
+    /// the policy may evict locks; servers that refuse `CONFIG` (some
+    /// managed services) are logged at debug level.
+    pub async fn check_eviction(&self) -> Result<EvictionPolicy> {
+        let attempted = "reading the server's maxmemory-policy";
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted))?;
+        match <[String; 2]>::try_from(reply) {
+            Ok([_, name]) => Ok(EvictionPolicy { name }),
+            Err(reply) => Err(Error::reply(attempted, format_args!("{reply:?}"))),
+        }
+    }
+
+    /// Starts [`check_eviction`](Self::check_eviction) in the background the
+    /// first time this configuration is used, so the acquire is not delayed.
+    fn check_eviction_once(&self) {
+        if self.config.eviction_checked.load(Ordering::Relaxed)
+            || self.config.eviction_checked.swap(true, Ordering::Relaxed)
+        {
+            return;
+        }
+        let locker = self.clone();
+        tokio::spawn(async move {
+            match locker.check_eviction().await {
+                Ok(policy) if policy.may_evict_locks() => tracing::warn!(
+                    policy = policy.name(),
+                    "the server's maxmemory-policy is not `noeviction`: under memory pressure \
+                     Redis may evict lock keys (volatile-ttl evicts them first; any volatile-* \
+                     or allkeys-* policy may), and an evicted lock is free for a second holder: \
+                     mutual exclusion breaks. Set `maxmemory-policy noeviction`."
+                ),
+                Ok(_) => {}
+                Err(error) => tracing::debug!(%error, "could not read maxmemory-policy"),
+            }
+        });
+    }
+
+    /// Sends a script and `WAIT` in one pipeline; returns the script's reply
+    /// and the number of replicas that acknowledged.
+    async fn run_and_wait<T: redis::FromRedisValue>(
+        &self,
+        script: &Script,
+        cmd: &redis::Cmd,
+        durability: Durability,
+        attempted: impl Fn() -> String,
+    ) -> Result<(T, u32)> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd.clone())
+            .cmd("WAIT")
+            .arg(durability.replicas)
+            .arg(millis(durability.timeout));
+        let mut conn = self.conn.clone();
+        let reply: redis::RedisResult<(T, i64)> = match pipe.query_async(&mut conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                script
+                    .prepare_invoke()
+                    .load_async(&mut conn)
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+                pipe.query_async(&mut conn).await
+            }
+            reply => reply,
+        };
+        let (reply, acked) = reply.map_err(Error::redis(attempted()))?;
+        Ok((reply, u32::try_from(acked).unwrap_or(0)))
+    }
+
+    /// Fails closed after a write that too few replicas confirmed: releases
+    /// the lock (token-checked) and says so.
+    async fn not_replicated(
+        &self,
+        ticket: &Ticket,
+        attempted: String,
+        durability: Durability,
+        acked: u32,
+    ) -> Error {
+        let released = match self.release_ticket(ticket).await {
+            Ok(released) => released,
+            Err(error) => {
+                tracing::warn!(%error, key = ticket.key, "could not release a lock that too few replicas confirmed; it expires with its TTL");
+                false
+            }
+        };
+        Error::NotReplicated {
+            attempted,
+            wanted: durability.replicas,
+            acked,
+            timeout: durability.timeout,
+            released,
         }
     }
 
@@ -271,7 +567,8 @@ where
         format!("{}:lock:{{{}}}", self.config.prefix, keys::tag(key))
     }
 
-    /// The Redis key of the fence counter of `key`.
+    /// The Redis key of the fence record (tombstone) of `key`: a released
+    /// lock leaves `<fence>:<token>` there for [`FENCE_GRACE`].
     pub fn fence_key(&self, key: &str) -> String {
         format!("{}:fence:{{{}}}", self.config.prefix, keys::tag(key))
     }
@@ -279,7 +576,13 @@ where
     /// Tries once to take the lock on `key`, in one round trip.
     ///
     /// Errors on an empty key or a Redis failure; a lock held by someone else
-    /// is not an error but [`Acquisition::Contended`].
+    /// is not an error but [`Acquisition::Contended`]. Under
+    /// [`require_replicas`](Self::require_replicas), a lock too few replicas
+    /// confirmed is released again and reported as [`Error::NotReplicated`].
+    ///
+    /// The first acquire of each `Locker` configuration also starts
+    /// [`check_eviction`](Self::check_eviction) in the background (it warns
+    /// once when the server may evict locks).
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
         self.acquire_ticket(&self.ticket(key)?).await
     }
@@ -317,22 +620,49 @@ where
         cmd.arg(ticket.lock_key())
             .arg(ticket.fence_key())
             .arg(&ticket.token)
-            .arg(millis(ttl))
-            .arg(millis(FENCE_KEEP.max(ttl.saturating_mul(2))));
-        let (acquired, value): (i64, i64) = script::run(&ACQUIRE, &cmd, &mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!("acquiring lock `{key}`")))?;
+            .arg(millis(ttl));
+        let attempted = || format!("acquiring lock `{key}`");
+        let reply: Vec<i64> = match self.config.durability {
+            None => script::run(&ACQUIRE, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?,
+            Some(durability) => {
+                let (reply, acked): (Vec<i64>, u32) = self
+                    .run_and_wait(&ACQUIRE, &cmd, durability, attempted)
+                    .await?;
+                // Only a write needs replicas: a contended attempt wrote nothing.
+                if reply.first() == Some(&1) && acked < durability.replicas {
+                    return Err(self
+                        .not_replicated(ticket, attempted(), durability, acked)
+                        .await);
+                }
+                reply
+            }
+        };
+        self.check_eviction_once();
+        let (acquired, value, left) = match reply[..] {
+            [acquired, value] => (acquired, value, None),
+            [acquired, value, left] => (acquired, value, Some(left)),
+            _ => {
+                return Err(Error::reply(
+                    attempted(),
+                    format_args!("expected 2 or 3 integers, got {reply:?}"),
+                ));
+            }
+        };
         if acquired == 1 {
-            let fence = u64::try_from(value).map_err(|_| {
-                Error::reply(
-                    format_args!("acquiring lock `{key}`"),
-                    format_args!("negative fence {value}"),
-                )
-            })?;
+            let fence = u64::try_from(value)
+                .map_err(|_| Error::reply(attempted(), format_args!("negative fence {value}")))?;
+            // A resent acquire may find the lock its first copy took a while
+            // ago: then only the TTL it has left counts (measured on the
+            // server after `started`, so the deadline stays conservative).
+            let left = left
+                .and_then(|ms| u64::try_from(ms).ok())
+                .map_or(ttl, |ms| ttl.min(Duration::from_millis(ms)));
             Ok(Acquisition::Acquired(Lease {
                 ticket: ticket.clone(),
                 fence,
-                expires_at: started + ttl,
+                expires_at: started + left,
             }))
         } else {
             // PTTL is -1 for a lock someone set without expiry, -2 if it
@@ -358,16 +688,23 @@ where
         Ok(u64::try_from(pttl).ok().map(Duration::from_millis))
     }
 
-    /// Releases a lock. Returns `true` if it was still held by `lease`, and
-    /// `false` (changing nothing) if it had expired or belongs to another
-    /// holder now.
+    /// Releases a lock. Returns `true` if it was still held by `lease` (or
+    /// was already released by it: releasing twice, or a resent release,
+    /// is not a lost lock), and `false` (changing nothing) if it had expired
+    /// or belongs to another holder now.
+    ///
+    /// The released lock's fence stays on record for [`FENCE_GRACE`] (see
+    /// the [module docs](self)).
     pub async fn release(&self, lease: &Lease) -> Result<bool> {
         self.release_ticket(&lease.ticket).await
     }
 
     pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<bool> {
-        let mut cmd = script::evalsha(&RELEASE, 1);
-        cmd.arg(ticket.lock_key()).arg(&ticket.token);
+        let mut cmd = script::evalsha(&RELEASE, 2);
+        cmd.arg(ticket.lock_key())
+            .arg(ticket.fence_key())
+            .arg(&ticket.token)
+            .arg(millis(FENCE_GRACE));
         let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -380,6 +717,10 @@ where
     /// Renews a lock to live `ttl` from now. Returns `true` if it was still
     /// held by `lease` (and updates [`Lease::expires_at`]), `false` if it had
     /// expired or belongs to another holder, in which case nothing changes.
+    ///
+    /// Under [`require_replicas`](Self::require_replicas), a renewal too few
+    /// replicas confirmed releases the lock and returns
+    /// [`Error::NotReplicated`].
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<bool> {
         check_ttl(ttl)?;
         let started = Instant::now();
@@ -395,12 +736,23 @@ where
         cmd.arg(ticket.lock_key())
             .arg(&ticket.token)
             .arg(millis(ttl));
-        let extended: i64 = script::run(&EXTEND, &cmd, &mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "extending lock `{}`",
-                ticket.key
-            )))?;
+        let attempted = || format!("extending lock `{}`", ticket.key);
+        let extended: i64 = match self.config.durability {
+            None => script::run(&EXTEND, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?,
+            Some(durability) => {
+                let (extended, acked): (i64, u32) = self
+                    .run_and_wait(&EXTEND, &cmd, durability, attempted)
+                    .await?;
+                if extended == 1 && acked < durability.replicas {
+                    return Err(self
+                        .not_replicated(ticket, attempted(), durability, acked)
+                        .await);
+                }
+                extended
+            }
+        };
         Ok(extended == 1)
     }
 }

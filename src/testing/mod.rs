@@ -30,6 +30,24 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`ReplicaPair`] is a primary with one replica, for failover tests: wait
+//! for the replica to catch up, cut it off so that it misses writes, kill
+//! the primary, promote the replica. A single server can also lose its most
+//! recent writes the way a crash does: [`RedisServer::snapshot`] (`SAVE`),
+//! more writes, then [`RedisServer::restart`], which loads the snapshot.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use lockgate::testing::RedisServer;
+//!
+//! let mut server = RedisServer::start()?;
+//! // ... writes that the restart keeps ...
+//! server.snapshot()?; // SAVE: dump.rdb in the server's own directory
+//! // ... writes that the restart loses ...
+//! server.restart()?; // SIGKILL, then start again on the same port and directory
+//! # Ok(()) }
+//! ```
+//!
 //! The `redis-server` binary is taken from `LOCKGATE_REDIS_SERVER` when set,
 //! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
 //! [`StartError::NotInstalled`], whose message says how to install it.
@@ -40,6 +58,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+mod replica;
+
+pub use replica::ReplicaPair;
 
 /// How long a fresh server may take to answer `PING`.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -201,7 +223,57 @@ impl RedisServer {
         self.child.as_ref().map(Child::id)
     }
 
-    /// Kills the server (SIGKILL: no chance to save or say goodbye). Its port
+    /// Writes the server's data to `dump.rdb` in its directory (`SAVE`), so
+    /// that the next [`restart`](Self::restart) starts from it: writes made
+    /// after the snapshot are lost on restart, as after a crash of a server
+    /// that saves periodically (or appends with `appendfsync everysec`).
+    /// Servers start with `--save ""`: only this call writes a snapshot.
+    pub fn snapshot(&self) -> redis::RedisResult<()> {
+        self.query(&redis::cmd("SAVE"))
+    }
+
+    /// Sends one command on a fresh blocking connection with a 5 s timeout
+    /// (for harness plumbing: `INFO`, `SAVE`, `REPLICAOF`, ...).
+    pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        let timeout = Duration::from_secs(5);
+        let mut conn = self.client().get_connection_with_timeout(timeout)?;
+        conn.set_read_timeout(Some(timeout))?;
+        conn.set_write_timeout(Some(timeout))?;
+        cmd.query(&mut conn)
+    }
+
+    /// Freezes the server process (SIGSTOP): it neither answers nor runs
+    /// timers until [`resume`](Self::resume); the kernel still accepts
+    /// connections and buffers what is sent to it. Dropping, [`stop`](Self::stop)
+    /// and [`restart`](Self::restart) kill a frozen server too.
+    pub fn pause(&self) -> std::io::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Lets a server frozen by [`pause`](Self::pause) run again (SIGCONT).
+    pub fn resume(&self) -> std::io::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, signal: &str) -> std::io::Result<()> {
+        let pid = self
+            .pid()
+            .ok_or_else(|| std::io::Error::other("the server is not running"))?;
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "kill {signal} {pid}: {status}"
+            )))
+        }
+    }
+
+    /// Kills the server (SIGKILL: no chance to save or say goodbye; this
+    /// also ends a server frozen by [`pause`](Self::pause)). Its port
     /// and directory are kept for [`restart`](Self::restart).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -210,7 +282,9 @@ impl RedisServer {
         }
     }
 
-    /// Starts the server again on the same port, killing it first if it runs.
+    /// Starts the server again on the same port and directory, killing it
+    /// first if it runs. It starts empty unless a [`snapshot`](Self::snapshot)
+    /// was taken: then it loads that (`dump.rdb` in its directory).
     pub fn restart(&mut self) -> Result<(), StartError> {
         self.stop();
         self.spawn()
