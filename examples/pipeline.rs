@@ -16,7 +16,7 @@
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
 //! example only touches keys under `lockgate:{pipeline-deferred}` and
-//! `lockgate:lock:`/`lockgate:fence:`.
+//! `lockgate:lock:`.
 
 use std::pin::pin;
 use std::sync::{Arc, Mutex};

@@ -14,7 +14,7 @@
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
 //! example only touches keys under `lockgate:{quickstart-orders}` and
-//! `lockgate:lock:`/`lockgate:fence:`.
+//! `lockgate:lock:`.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

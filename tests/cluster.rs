@@ -214,13 +214,8 @@ async fn locks_acquire_extend_release_and_fence_on_every_node() {
             .unwrap_or_else(|| panic!("{key:?} was free"));
         assert_eq!(lease.key(), key);
 
-        // The lock and its fence counter share one slot, hence one node,
-        // and sit where the cluster says.
+        // The lock sits where the cluster says.
         let node = node_of(&cluster, &conn, &locker.lock_key(&key)).await;
-        assert_eq!(
-            node,
-            node_of(&cluster, &conn, &locker.fence_key(&key)).await
-        );
         assert!(exists_on(&cluster, node, &locker.lock_key(&key)).await);
         nodes_used.insert(node);
 
@@ -238,9 +233,10 @@ async fn locks_acquire_extend_release_and_fence_on_every_node() {
         assert!(left > ttl, "extend did not reach the lock of {key:?}");
 
         assert!(locker.release(&lease).await.unwrap());
-        // The released lock's fence stays on record (its tombstone), on the
-        // lock's node.
-        assert!(exists_on(&cluster, node, &locker.fence_key(&key)).await);
+        // The released lock's fence stays on record (its key becomes a
+        // tombstone, which counts as free), on the lock's node.
+        assert!(exists_on(&cluster, node, &locker.lock_key(&key)).await);
+        assert_eq!(locker.remaining(&key).await.unwrap(), None);
         // A second release (a resend) is idempotent: reported released.
         assert!(locker.release(&lease).await.unwrap(), "a resent release");
         assert!(!locker.extend(&mut lease, ttl).await.unwrap());

@@ -111,8 +111,8 @@ async fn fences_increase_when_the_fence_record_or_the_lock_is_deleted() {
     let mut last = cycles(&locker, "k", 3, 0).await;
     for _ in 0..5 {
         // The released lock's fence record (tombstone) deleted.
-        raw::<i64>(&conn, &["DEL", &locker.fence_key("k")]).await;
-        assert!(!exists(&conn, &locker.fence_key("k")).await);
+        raw::<i64>(&conn, &["DEL", &locker.lock_key("k")]).await;
+        assert!(!exists(&conn, &locker.lock_key("k")).await);
         last = cycles(&locker, "k", 1, last).await;
         // A held lock deleted by hand: it carries the fence.
         let lease = acquired(&locker, "k").await;

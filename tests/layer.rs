@@ -27,7 +27,7 @@ use lockgate::{
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::{Deserialize, Serialize};
 use support::{
-    BOUNDED, acquired, backoff, done_if, eventually, exists, locker, manager, ms, raw, secs, server,
+    BOUNDED, acquired, backoff, done_if, eventually, held, locker, manager, ms, raw, secs, server,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, sleep, timeout};
@@ -53,12 +53,16 @@ where
     }
 }
 
-/// Polls until `key` is gone; panics after 2 s (far below the 30 s TTLs of
-/// the locks it waits for, so only a release explains a pass).
+/// Polls until the lock at `key` is released (a tombstone or nothing);
+/// panics after 2 s (far below the 30 s TTLs of the locks it waits for, so
+/// only a release explains a pass).
 async fn wait_gone(conn: &ConnectionManager, key: &str) {
-    eventually(&format!("{key} is gone"), secs(2), async || {
-        let pttl: i64 = raw(conn, &["PTTL", key]).await;
-        done_if(pttl == -2, format_args!("PTTL {pttl} ms"))
+    eventually(&format!("{key} is released"), secs(2), async || {
+        let value: Option<String> = raw(conn, &["GET", key]).await;
+        done_if(
+            value.as_deref().is_none_or(|v| v.starts_with('~')),
+            format_args!("{value:?}"),
+        )
     })
     .await;
 }
@@ -658,7 +662,7 @@ async fn released_when_the_handler_fails() {
         "handler failed"
     );
     assert!(
-        !exists(&conn, &lock_key).await,
+        !held(&conn, &lock_key).await,
         "released before the call returned"
     );
     let lease = acquired(&locker(conn, ms(300)), "k").await;
@@ -723,7 +727,7 @@ async fn released_when_the_response_future_is_dropped() {
     // Aborting the task that drives the call.
     let call = tokio::spawn(svc.clone().oneshot(msg("k", 1)));
     timeout(BOUNDED, started.notified()).await.unwrap();
-    assert!(exists(&conn, &lock_key).await);
+    assert!(held(&conn, &lock_key).await);
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
     wait_gone(&conn, &lock_key).await;
@@ -736,7 +740,7 @@ async fn released_when_the_response_future_is_dropped() {
         result = &mut call => panic!("a 60 s call finished: {result:?}"),
         () = started.notified() => {}
     }
-    assert!(exists(&conn, &lock_key).await);
+    assert!(held(&conn, &lock_key).await);
     drop(call);
     wait_gone(&conn, &lock_key).await;
     let lease = acquired(&other, "k").await;
@@ -937,7 +941,7 @@ async fn integer_keys() {
             async move {
                 let held = HeldLock::current().expect("inside a locked call");
                 assert_eq!(held.key(), n.to_string());
-                assert!(exists(&conn, &layer_locker.lock_key(&n.to_string())).await);
+                assert!(support::held(&conn, &layer_locker.lock_key(&n.to_string())).await);
                 Ok::<_, BoxError>(n)
             }
         }
@@ -1110,7 +1114,7 @@ async fn a_timeout_layer_releases_the_lock_of_a_timed_out_call_at_once() {
     let err = inside.oneshot(msg("k", 2)).await.unwrap_err();
     assert!(err.is::<tower::timeout::error::Elapsed>(), "{err:?}");
     assert!(
-        !exists(&conn, &lock_key).await,
+        !held(&conn, &lock_key).await,
         "released before the call returned"
     );
     let lease = acquired(&other, "k").await;
@@ -1309,7 +1313,7 @@ async fn dropped_during_acquire_does_not_leak_the_lock() {
     let call = tokio::spawn(svc.oneshot(msg("k", 1)));
     sleep(ms(150)).await; // the script has run on the server by now
     assert!(
-        exists(&conn, &lock_key).await,
+        held(&conn, &lock_key).await,
         "the acquire reached the server"
     );
     call.abort();

@@ -14,8 +14,8 @@ use futures_util::future::join_all;
 use lockgate::{Acquisition, Error, Locker};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use support::{
-    BOUNDED, acquired, done_if, eventually, exists, hash_tag, impatient_manager, locker, manager,
-    ms, raw, secs, server,
+    BOUNDED, acquired, done_if, eventually, hash_tag, held, impatient_manager, locker, manager, ms,
+    raw, secs, server,
 };
 use tokio::time::{Instant, sleep, timeout};
 
@@ -193,11 +193,11 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
 
     // The new holder still owns it.
     assert!(second.release(&fresh).await.unwrap());
-    assert!(!exists(&conn, &first.lock_key(key)).await);
+    assert!(!held(&conn, &first.lock_key(key)).await);
     // Releasing twice changes nothing and reports released (a resent
     // release must not look like a lost lock).
     assert!(second.release(&fresh).await.unwrap());
-    assert!(!exists(&conn, &first.lock_key(key)).await);
+    assert!(!held(&conn, &first.lock_key(key)).await);
 }
 
 #[tokio::test]
@@ -278,19 +278,18 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
         assert!(locker.release(&lease).await.unwrap());
     }
 
-    // The fence record is lost (deleted by hand, evicted, expired): fences
-    // must still go up, also when it is lost again right away.
+    // The fence record is lost (the tombstone deleted by hand, evicted,
+    // expired): fences must still go up, also when it is lost again right away.
     for round in 0..5 {
-        raw::<i64>(&conn, &["DEL", &a.fence_key(key)]).await;
-        assert!(!exists(&conn, &a.fence_key(key)).await);
+        raw::<i64>(&conn, &["DEL", &a.lock_key(key)]).await;
+        assert!(!held(&conn, &a.lock_key(key)).await);
         let locker = if round % 2 == 0 { &a } else { &b };
         let lease = acquired(locker, key).await;
-        check(lease.fence(), "after DEL of the fence key");
-        // While held, the lock carries the fence: no second key.
-        assert!(!exists(&conn, &a.fence_key(key)).await);
+        check(lease.fence(), "after DEL of the tombstone");
         assert!(locker.release(&lease).await.unwrap());
         // Released: the fence stays on record (the tombstone) for a while.
-        assert!(exists(&conn, &a.fence_key(key)).await);
+        let tomb: String = raw(&conn, &["GET", &a.lock_key(key)]).await;
+        assert!(tomb.starts_with(&format!("~{}:", lease.fence())), "{tomb}");
     }
 
     // A holder whose lock expired does not stop the next fence from growing.
@@ -359,7 +358,7 @@ async fn extend_keeps_a_lock_past_its_original_ttl() {
     let before = lease.expires_at();
     assert!(!holder.extend(&mut lease, ttl).await.unwrap());
     assert_eq!(lease.expires_at(), before);
-    assert!(!exists(&conn, &holder.lock_key(key)).await);
+    assert!(!held(&conn, &holder.lock_key(key)).await);
 }
 
 async fn sleep_until_past(instant: Instant) {
@@ -400,17 +399,8 @@ async fn unusual_keys_are_independent_locks_in_one_slot() {
 
     for key in &keys {
         let lock_key = locker.lock_key(key);
-        let fence_key = locker.fence_key(key);
-        assert_ne!(lock_key, fence_key);
-        let (lock_tag, fence_tag) = (hash_tag(&lock_key), hash_tag(&fence_key));
-        assert_eq!(
-            lock_tag, fence_tag,
-            "lock and fence keys of {key:?} hash apart: {lock_key:?} / {fence_key:?}"
-        );
-        assert_ne!(
-            lock_tag, lock_key,
-            "no hash tag in {lock_key:?}; it would not share a slot with its fence key"
-        );
+        let lock_tag = hash_tag(&lock_key);
+        assert_ne!(lock_tag, lock_key, "no hash tag in {lock_key:?}");
     }
     // Distinct user keys map to distinct Redis keys.
     let mut lock_keys: Vec<String> = keys.iter().map(|k| locker.lock_key(k)).collect();
@@ -437,9 +427,9 @@ async fn unusual_keys_are_independent_locks_in_one_slot() {
     // Releasing one leaves the others held.
     for (i, lease) in leases.iter().enumerate() {
         assert!(locker.release(lease).await.unwrap(), "{:?}", lease.key());
-        assert!(!exists(&conn, &locker.lock_key(lease.key())).await);
+        assert!(!held(&conn, &locker.lock_key(lease.key())).await);
         for later in &leases[i + 1..] {
-            assert!(exists(&conn, &locker.lock_key(later.key())).await);
+            assert!(held(&conn, &locker.lock_key(later.key())).await);
         }
     }
 }
@@ -500,7 +490,7 @@ async fn bad_configuration_is_rejected_when_set() {
         ));
     }
     assert_eq!(lease, before);
-    assert!(exists(&conn, &locker.lock_key("k")).await);
+    assert!(held(&conn, &locker.lock_key("k")).await);
     assert!(locker.release(&lease).await.unwrap());
 }
 
@@ -512,7 +502,6 @@ async fn custom_prefix_is_used_and_separates_lock_spaces() {
     let custom = Locker::new(conn.clone()).prefix("app:locks").unwrap();
     assert!(default.lock_key("k").starts_with("lockgate:"));
     assert!(custom.lock_key("k").starts_with("app:locks:"));
-    assert!(custom.fence_key("k").starts_with("app:locks:"));
     assert_eq!(hash_tag(&custom.lock_key("k")), "k");
 
     // Builder order does not matter and neither call resets the other.
@@ -532,8 +521,8 @@ async fn custom_prefix_is_used_and_separates_lock_spaces() {
     assert_eq!(both.lock_key("k"), custom.lock_key("k"));
 
     let lease = acquired(&both, "k").await;
-    assert!(exists(&conn, &custom.lock_key("k")).await);
-    assert!(!exists(&conn, &default.lock_key("k")).await);
+    assert!(held(&conn, &custom.lock_key("k")).await);
+    assert!(!held(&conn, &default.lock_key("k")).await);
     // Another prefix is another lock space.
     let other = acquired(&default, "k").await;
     assert_contended(&custom, "k", ms(400)).await;
@@ -722,7 +711,6 @@ async fn acquire_lua(
 ) -> Vec<i64> {
     ACQUIRE_LUA
         .key(locker.lock_key(key))
-        .key(locker.fence_key(key))
         .arg(token)
         .arg(ttl.as_millis() as u64)
         .invoke_async(&mut locker.connection().clone())
@@ -734,7 +722,6 @@ async fn acquire_lua(
 async fn release_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> i64 {
     RELEASE_LUA
         .key(locker.lock_key(key))
-        .key(locker.fence_key(key))
         .arg(token)
         .arg(lockgate::lock::FENCE_GRACE.as_millis() as u64)
         .invoke_async(&mut locker.connection().clone())
@@ -823,14 +810,25 @@ async fn released_or_expired_locks_leave_only_short_lived_tombstones() {
     assert_eq!(held.len(), n, "{:?}", &held[..3]);
     assert!(held.iter().all(|k| k.starts_with("lockgate:lock:")));
 
-    // Released: a tombstone per key, living at most the grace period.
+    // Released: the key becomes a tombstone, living at most the grace period.
     for lease in &leases {
         assert!(locker.release(lease).await.unwrap());
     }
     let left = keys(&conn).await;
     assert_eq!(left.len(), n);
     for key in &left {
-        assert!(key.starts_with("lockgate:fence:"), "{key}");
+        let value: String = raw(&conn, &["GET", key]).await;
+        assert!(value.starts_with('~'), "{key} = {value}: not a tombstone");
+        assert_eq!(
+            locker
+                .remaining(
+                    key.trim_start_matches("lockgate:lock:{")
+                        .trim_end_matches('}')
+                )
+                .await
+                .unwrap(),
+            None
+        );
         let pttl: i64 = raw(&conn, &["PTTL", key]).await;
         assert!(
             pttl > 0 && pttl <= grace.as_millis() as i64,

@@ -122,39 +122,34 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
         "lock" => {
             let key = args.first().ok_or("missing <key>")?;
             let locker = Locker::new(conn.clone()).prefix(&prefix)?;
-            // A held lock stores `<token>:<fence>`; a released one leaves
-            // `<fence>:<token>` in its fence record for a few seconds.
-            let get = |redis_key: String| {
-                let mut conn = conn.clone();
-                async move {
-                    redis::cmd("GET")
-                        .arg(redis_key)
-                        .query_async::<Option<String>>(&mut conn)
-                        .await
-                }
-            };
-            let held = get(locker.lock_key(key)).await?;
-            let ttl = locker.remaining(key).await?;
-            match (held, ttl) {
-                (Some(value), ttl) => {
-                    let fence = value.rsplit_once(':').map_or("?", |(_, fence)| fence);
-                    match ttl {
+            // A held lock stores `<token>:<fence>`; a released one is a
+            // tombstone `~<fence>:<token>` for a few seconds.
+            match locker.inspect(key).await? {
+                Some(holder) => {
+                    let fence = holder.fence.map_or("?".to_owned(), |f| f.to_string());
+                    match holder.remaining {
                         Some(ttl) => println!("{key}: held, expires in {ttl:?}, fence {fence}"),
                         None => println!(
                             "{key}: held without expiry (not set by lockgate), fence {fence}"
                         ),
                     }
                 }
-                (None, _) => match get(locker.fence_key(key)).await? {
-                    Some(record) => {
-                        let fence = record.split_once(':').map_or(record.as_str(), |(f, _)| f);
-                        println!("{key}: free; released recently, last fence {fence}");
+                None => {
+                    let value: Option<String> = redis::cmd("GET")
+                        .arg(locker.lock_key(key))
+                        .query_async(&mut conn.clone())
+                        .await?;
+                    match value.as_deref().and_then(|v| v.strip_prefix('~')) {
+                        Some(tomb) => {
+                            let fence = tomb.split_once(':').map_or(tomb, |(f, _)| f);
+                            println!("{key}: free; released recently, last fence {fence}");
+                        }
+                        None => println!(
+                            "{key}: free; no fence on record (never locked, expired, or released over {:?} ago)",
+                            lockgate::lock::FENCE_GRACE
+                        ),
                     }
-                    None => println!(
-                        "{key}: free; no fence on record (never locked, expired, or released over {:?} ago)",
-                        lockgate::lock::FENCE_GRACE
-                    ),
-                },
+                }
             }
         }
         other => return Err(format!("unknown command `{other}`\n\n{USAGE}").into()),

@@ -1,5 +1,6 @@
 -- Renews a lock's TTL, but only for the holder whose token it still stores.
--- KEYS[1]: lock key      value <token>:<fence>
+-- KEYS[1]: lock key      value "<token>:<fence>" (or a tombstone "~...", which
+--                        no token matches)
 -- ARGV[1]: holder token
 -- ARGV[2]: new TTL in milliseconds
 -- Returns 1 when extended (a resend does the same again), 0 when the lock

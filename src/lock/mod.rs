@@ -1,8 +1,8 @@
 //! Distributed per-key locks with fencing tokens.
 //!
-//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with
-//! `SET NX PX <ttl>` to `<token>:<fence>`: a random token that identifies its
-//! holder, and the holder's fencing token. Release and renewal compare the
+//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with a TTL to
+//! `<token>:<fence>`: a random token that identifies its holder, and the
+//! holder's fencing token. Release and renewal compare the
 //! token inside a Lua script, so a holder whose lock expired and was taken by
 //! someone else can never delete or extend the new holder's lock.
 //!
@@ -16,11 +16,13 @@
 //!
 //! The fence is the Redis server's clock in microseconds (`TIME`), or one
 //! more than the last fence on record when that is not below the clock:
-//! `fence = max(now, last + 1)`. The only record is short-lived: a released
-//! lock leaves a tombstone `<prefix>:fence:{<key>}` = `<fence>:<token>` for
-//! [`FENCE_GRACE`] (5 s), and an expired lock leaves nothing. So while a lock
-//! is held its key is the only one; after a release one tombstone lives 5 s;
-//! after an expiry nothing is left.
+//! `fence = max(now, last + 1)`. The only record is short-lived: releasing
+//! a lock turns its key into a tombstone, `~<fence>:<token>`, that counts as
+//! free and lives [`FENCE_GRACE`] (5 s); an expired lock leaves nothing. So a
+//! key has one Redis key while it is held and for 5 s after a release, and
+//! none after an expiry. (A tombstone in the lock's own key, rather than a
+//! key beside it, costs one write per release instead of a delete and a
+//! write, and nothing at all on acquire.)
 //!
 //! **Guarantee.** A new fence is higher than every earlier fence of its key
 //! unless the clock of the server handing it out (after a failover: the new
@@ -53,17 +55,13 @@
 //! an acquisition (and renewal) then succeeds only once `WAIT` confirmed that
 //! n replicas have it.
 //!
-//! Requires Redis (or Valkey) 7.0 or newer: the acquire script uses
-//! `SET ... NX GET`.
-//!
 //! # Resends
 //!
 //! A request may run twice when its reply is lost and the client sends it
 //! again (redis-rs' cluster connections do). All three scripts are
 //! idempotent: a resent acquire that finds the lock held by its own token
-//! reports it acquired, with the same fence; a resent release that finds the
-//! lock gone and its own tombstone reports it released; a resent extend
-//! extends again.
+//! reports it acquired, with the same fence; a resent release that finds its
+//! own tombstone reports it released; a resent extend extends again.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -103,9 +101,10 @@ static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("ext
 pub const DEFAULT_PREFIX: &str = "lockgate";
 /// The lock TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// How long a released lock's fence stays on record (the tombstone
-/// `<prefix>:fence:{<key>}`), so that the next holder's fence is higher even
-/// if the server's clock stepped back meanwhile. After an expiry nothing is
+/// How long a released lock's fence stays on record (its key holds the
+/// tombstone `~<fence>:<token>` meanwhile, which counts as free), so that
+/// the next holder's fence is higher even if the server's clock stepped back,
+/// and a resent release can tell it was its own. After an expiry nothing is
 /// kept: see the [module docs](self) for the guarantee this gives.
 pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
@@ -144,6 +143,19 @@ struct Durability {
     replicas: u32,
     /// `timeout` of `WAIT`.
     timeout: Duration,
+}
+
+/// The holder of a lock, as read by [`Locker::inspect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Holder {
+    /// The holder's random token.
+    pub token: String,
+    /// The holder's fencing token (`None` for a value lockgate did not write).
+    pub fence: Option<u64>,
+    /// How long the lock still lives (`None` if it has no expiry, which
+    /// lockgate never sets).
+    pub remaining: Option<Duration>,
 }
 
 /// The server's `maxmemory-policy`, as read by [`Locker::check_eviction`].
@@ -257,10 +269,8 @@ pub struct Lease {
 pub(crate) struct Ticket {
     /// The user's key.
     key: String,
-    /// The lock's Redis key followed by its fence key, in one allocation.
-    keys: String,
-    /// Where the fence key starts in `keys`.
-    split: usize,
+    /// The lock's Redis key.
+    lock_key: String,
     /// Random token proving ownership: 32 hex digits.
     token: String,
 }
@@ -271,11 +281,7 @@ impl Ticket {
     }
 
     fn lock_key(&self) -> &str {
-        &self.keys[..self.split]
-    }
-
-    fn fence_key(&self) -> &str {
-        &self.keys[self.split..]
+        &self.lock_key
     }
 }
 
@@ -567,12 +573,6 @@ where
         format!("{}:lock:{{{}}}", self.config.prefix, keys::tag(key))
     }
 
-    /// The Redis key of the fence record (tombstone) of `key`: a released
-    /// lock leaves `<fence>:<token>` there for [`FENCE_GRACE`].
-    pub fn fence_key(&self, key: &str) -> String {
-        format!("{}:fence:{{{}}}", self.config.prefix, keys::tag(key))
-    }
-
     /// Tries once to take the lock on `key`, in one round trip.
     ///
     /// Errors on an empty key or a Redis failure; a lock held by someone else
@@ -592,21 +592,9 @@ where
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
-        let (prefix, tag) = (&self.config.prefix, keys::tag(key));
-        let mut keys = String::with_capacity(2 * (prefix.len() + tag.len()) + 16);
-        for kind in ["lock", "fence"] {
-            keys.push_str(prefix);
-            keys.push(':');
-            keys.push_str(kind);
-            keys.push_str(":{");
-            keys.push_str(&tag);
-            keys.push('}');
-        }
-        let split = prefix.len() + tag.len() + 8;
         Ok(Arc::new(Ticket {
             key: key.to_owned(),
-            keys,
-            split,
+            lock_key: self.lock_key(key),
             token: random_token(),
         }))
     }
@@ -616,9 +604,8 @@ where
         let key = &ticket.key;
         let ttl = self.config.ttl;
         let started = Instant::now();
-        let mut cmd = script::evalsha(&ACQUIRE, 2);
+        let mut cmd = script::evalsha(&ACQUIRE, 1);
         cmd.arg(ticket.lock_key())
-            .arg(ticket.fence_key())
             .arg(&ticket.token)
             .arg(millis(ttl));
         let attempted = || format!("acquiring lock `{key}`");
@@ -678,14 +665,31 @@ where
     /// How long the lock on `key` still lives: `None` when it is free (or
     /// held without expiry, which lockgate never does).
     pub async fn remaining(&self, key: &str) -> Result<Option<Duration>> {
-        let pttl: i64 = redis::cmd("PTTL")
-            .arg(self.lock_key(key))
+        Ok(self.inspect(key).await?.and_then(|held| held.remaining))
+    }
+
+    /// Who holds the lock on `key`, with what fence, for how long: `None`
+    /// when it is free. One round trip (`GET` and `PTTL` in a pipeline).
+    pub async fn inspect(&self, key: &str) -> Result<Option<Holder>> {
+        let lock_key = self.lock_key(key);
+        let (value, pttl): (Option<String>, i64) = redis::pipe()
+            .get(&lock_key)
+            .pttl(&lock_key)
             .query_async(&mut self.conn.clone())
             .await
-            .map_err(Error::redis(format_args!(
-                "reading the TTL of lock `{key}`"
-            )))?;
-        Ok(u64::try_from(pttl).ok().map(Duration::from_millis))
+            .map_err(Error::redis(format_args!("reading lock `{key}`")))?;
+        // A tombstone (`~<fence>:<token>`) is a released lock: free.
+        let Some((token, fence)) = value.as_deref().and_then(|v| v.split_once(':')) else {
+            return Ok(None);
+        };
+        if token.starts_with('~') {
+            return Ok(None);
+        }
+        Ok(Some(Holder {
+            token: token.to_owned(),
+            fence: fence.parse().ok(),
+            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+        }))
     }
 
     /// Releases a lock. Returns `true` if it was still held by `lease` (or
@@ -700,9 +704,8 @@ where
     }
 
     pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<bool> {
-        let mut cmd = script::evalsha(&RELEASE, 2);
+        let mut cmd = script::evalsha(&RELEASE, 1);
         cmd.arg(ticket.lock_key())
-            .arg(ticket.fence_key())
             .arg(&ticket.token)
             .arg(millis(FENCE_GRACE));
         let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
