@@ -61,7 +61,18 @@
 //! again (redis-rs' cluster connections do). All three scripts are
 //! idempotent: a resent acquire that finds the lock held by its own token
 //! reports it acquired, with the same fence; a resent release that finds its
-//! own tombstone reports it released; a resent extend extends again.
+//! own tombstone reports it released; a resent extend extends again. One
+//! case stays ambiguous: a resent release that arrives after the next holder
+//! took the lock finds that holder's token, and reports `false` (the lock is
+//! not ours) although the first copy did release it.
+//!
+//! # Upgrading
+//!
+//! Versions before 0.2 kept the fence in a counter key beside the lock and
+//! deleted released locks. Their acquire does not know the tombstone: for
+//! [`FENCE_GRACE`] after a release by this version, an old process sees
+//! the key as held. Mutual exclusion holds either way; stop old processes
+//! before starting new ones to avoid those few seconds of contention.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -163,6 +174,8 @@ pub struct Holder {
 pub struct EvictionPolicy {
     /// The policy's name, for example `noeviction` or `volatile-ttl`.
     name: String,
+    /// Whether `maxmemory` is set: without a limit nothing is evicted.
+    limited: bool,
 }
 
 impl EvictionPolicy {
@@ -173,12 +186,13 @@ impl EvictionPolicy {
 
     /// Whether the server may evict lock keys under memory pressure, which
     /// breaks mutual exclusion (an evicted lock is free for the next
-    /// caller). True for every policy but `noeviction`: `volatile-ttl`
+    /// caller). False without a memory limit (`maxmemory 0`). With one, true
+    /// for every policy but `noeviction`: `volatile-ttl`
     /// evicts the keys closest to expiry, that is locks, first; the other
     /// `volatile-*` policies pick among keys with a TTL, which every lock
     /// has; `allkeys-*` pick among all keys.
     pub fn may_evict_locks(&self) -> bool {
-        self.name != "noeviction"
+        self.limited && self.name != "noeviction"
     }
 }
 
@@ -341,6 +355,9 @@ where
     /// Sets the TTL of acquired locks. Errors on a TTL under one millisecond.
     pub fn ttl(self, ttl: Duration) -> Result<Self> {
         check_ttl(ttl)?;
+        if let Some(durability) = self.config.durability {
+            check_wait_fits(ttl, durability.timeout)?;
+        }
         Ok(self.with_config(|c| c.ttl = ttl))
     }
 
@@ -392,7 +409,14 @@ where
     ///   with a response timeout above `timeout` (redis-rs' default is
     ///   500 ms).
     /// * A contended attempt writes nothing and needs no replica; it is
-    ///   reported as [`Acquisition::Contended`] whatever `WAIT` says.
+    ///   reported as [`Acquisition::Contended`] whatever `WAIT` says, but the
+    ///   `WAIT` in its pipeline still waits (up to `timeout` while a replica
+    ///   lags), which slows retries on a busy key.
+    /// * `timeout` must be at most a third of the lock TTL (checked here and
+    ///   by [`ttl`](Self::ttl)): a confirmation must leave the lease most of
+    ///   its life.
+    /// * If the pipeline fails after the script may have run, the lock is
+    ///   released (token-checked) before the error is returned.
     /// * `WAIT` narrows, but cannot close, the window in which a failover
     ///   loses a lock: Redis replication stays asynchronous, and a replica
     ///   that confirmed may still not be the one promoted. Fences are what
@@ -406,6 +430,7 @@ where
                 "require_replicas timeout must be between 1 ms and 60 s, got {timeout:?}"
             )));
         }
+        check_wait_fits(self.config.ttl, timeout)?;
         let attempted = "checking for replicas (require_replicas)";
         let acked: redis::RedisResult<i64> = redis::cmd("WAIT")
             .arg(replicas)
@@ -469,14 +494,26 @@ where
         let attempted = "reading the server's maxmemory-policy";
         let reply: Vec<String> = redis::cmd("CONFIG")
             .arg("GET")
-            .arg("maxmemory-policy")
+            .arg("maxmemory*")
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(attempted))?;
-        match <[String; 2]>::try_from(reply) {
-            Ok([_, name]) => Ok(EvictionPolicy { name }),
-            Err(reply) => Err(Error::reply(attempted, format_args!("{reply:?}"))),
-        }
+        // Pairs of name and value, in no promised order.
+        let value = |name: &str| {
+            reply
+                .chunks(2)
+                .find(|pair| pair[0] == name)
+                .and_then(|pair| pair.get(1))
+        };
+        let Some(name) = value("maxmemory-policy") else {
+            return Err(Error::reply(attempted, format_args!("{reply:?}")));
+        };
+        Ok(EvictionPolicy {
+            name: name.clone(),
+            // Without a memory limit (`maxmemory 0`, the default) nothing is
+            // ever evicted, whatever the policy says.
+            limited: value("maxmemory").is_some_and(|m| m != "0"),
+        })
     }
 
     /// Starts [`check_eviction`](Self::check_eviction) in the background the
@@ -487,8 +524,13 @@ where
         {
             return;
         }
+        // Outside a tokio runtime (a caller driving the future elsewhere)
+        // there is nothing to run the check on: it is skipped, not a panic.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let locker = self.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             match locker.check_eviction().await {
                 Ok(policy) if policy.may_evict_locks() => tracing::warn!(
                     policy = policy.name(),
@@ -614,9 +656,23 @@ where
                 .await
                 .map_err(Error::redis(attempted()))?,
             Some(durability) => {
-                let (reply, acked): (Vec<i64>, u32) = self
+                let (reply, acked): (Vec<i64>, u32) = match self
                     .run_and_wait(&ACQUIRE, &cmd, durability, attempted)
-                    .await?;
+                    .await
+                {
+                    Ok(replied) => replied,
+                    Err(error) => {
+                        // The script may have run although the pipeline
+                        // failed (the client gave up during WAIT, WAIT was
+                        // refused, the connection dropped): the lock may be
+                        // ours, and only we know the token. Release it
+                        // (token-checked: a no-op if it is not ours).
+                        if let Err(release) = self.release_ticket(ticket).await {
+                            tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
+                        }
+                        return Err(error);
+                    }
+                };
                 // Only a write needs replicas: a contended attempt wrote nothing.
                 if reply.first() == Some(&1) && acked < durability.replicas {
                     return Err(self
@@ -774,6 +830,18 @@ fn random_token() -> String {
 /// The longest TTL accepted: ten years. Longer is almost surely a unit
 /// mistake, and it keeps every deadline computation far from overflow.
 pub const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// A lock must outlive the `WAIT` that confirms it by a wide margin: a
+/// confirmation that arrives after (or just before) the lock expired would
+/// hand the caller a lease that is already over.
+fn check_wait_fits(ttl: Duration, timeout: Duration) -> Result<()> {
+    if timeout.saturating_mul(3) > ttl {
+        return Err(Error::config(format_args!(
+            "the require_replicas timeout ({timeout:?}) must be at most a third of the lock TTL ({ttl:?})"
+        )));
+    }
+    Ok(())
+}
 
 fn check_ttl(ttl: Duration) -> Result<()> {
     if ttl < Duration::from_millis(1) || ttl > MAX_TTL {
