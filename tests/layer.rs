@@ -1558,14 +1558,17 @@ async fn slow_renewal_replies_do_not_make_the_lock_count_as_lost() {
     let server = server();
     let conn = manager(&server).await;
     load_lock_scripts(&conn).await;
-    let ttl = ms(500);
+    // Each reply takes 400 ms: renewing a third of the TTL after the last
+    // reply came (400 + 333 + 400 ms) would confirm too late; renewing from
+    // the lease confirms every 400 ms, 200 ms before the lease runs out.
+    let ttl = secs(1);
     let slow = Delayed::new(manager(&server).await);
-    *slow.after.lock().unwrap() = ttl * 2 / 5; // each reply takes 200 ms
+    *slow.after.lock().unwrap() = ttl * 2 / 5;
     let svc = LockLayer::new(locker(slow, ttl), key_of)
         .on_lost(OnLost::Cancel)
         .layer(service_fn(|_m: Msg| async move {
             let held = HeldLock::current().expect("inside a locked call");
-            sleep(ms(2500)).await;
+            sleep(secs(3)).await;
             Ok::<_, BoxError>(held.is_lost())
         }));
     let outcome = timeout(BOUNDED, svc.oneshot(msg("k", 1)))
