@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 /// The n-th wait (counting from 0) is drawn uniformly from
 /// `0..=min(max, base * 2^n)` ("full jitter"), so that contenders spread out
 /// instead of retrying in lock step. A backoff stops after `max_attempts`
-/// tries in all, or once `max_elapsed` of waiting would be exceeded, or both.
+/// tries in all, or once `max_elapsed` has passed, whichever comes first.
 ///
 /// ```
 /// use std::time::Duration;
@@ -60,7 +60,10 @@ impl Backoff {
         self
     }
 
-    /// Stops when the waits would add up to more than `d`.
+    /// Stops once `d` has passed: [`next`](Self::next) answers `None` when
+    /// `waited` has reached `d`, and shortens the last wait to end at `d`.
+    /// A [`LockLayer`](crate::LockLayer) counts the whole call in `waited`:
+    /// time in its local queue, the waits, and the round trips.
     pub fn max_elapsed(mut self, d: Duration) -> Self {
         self.max_elapsed = Some(d);
         self
@@ -85,15 +88,58 @@ impl Backoff {
         cap.mul_f64(rand::random::<f64>())
     }
 
-    /// The longest all waits together may take: `max_elapsed` if set, else
-    /// the sum of the caps of the waits `max_attempts` allows; `None` when
-    /// neither bounds it.
+    /// The longest all waits together may take: the smaller of
+    /// `max_elapsed` and the sum of the caps of the waits `max_attempts`
+    /// allows (whichever are set); `None` when neither bounds it.
+    ///
+    /// Computed in constant time (caps stop changing after 31 doublings),
+    /// saturating at `Duration::MAX`.
     pub fn budget(&self) -> Option<Duration> {
-        if let Some(limit) = self.max_elapsed {
-            return Some(limit);
+        let by_attempts = self
+            .max_attempts
+            .map(|max| self.sum_of_caps(max.saturating_sub(1)));
+        match (by_attempts, self.max_elapsed) {
+            (Some(a), Some(e)) => Some(a.min(e)),
+            (a, e) => a.or(e),
         }
-        let attempts = self.max_attempts?;
-        Some((0..attempts.saturating_sub(1)).map(|n| self.cap(n)).sum())
+    }
+
+    /// The sum of the caps of the first `waits` waits, saturating.
+    fn sum_of_caps(&self, waits: u32) -> Duration {
+        // cap(n) = cap(DOUBLINGS) for every n >= DOUBLINGS (see `cap`).
+        const DOUBLINGS: u32 = 31;
+        let growing = waits.min(DOUBLINGS);
+        let head = (0..growing).fold(Duration::ZERO, |sum, n| sum.saturating_add(self.cap(n)));
+        head.saturating_add(self.cap(DOUBLINGS).saturating_mul(waits - growing))
+    }
+
+    /// How many tries a wait of `waited` stands for: the fewest `k >= 1`
+    /// whose first `k` waits' caps add up to at least `waited` (a wait of
+    /// zero stands for none). Used to charge time spent waiting elsewhere
+    /// (the layer's local queue) against `max_attempts`.
+    pub(crate) fn tries_covered(&self, waited: Duration) -> u32 {
+        if waited.is_zero() {
+            return 0;
+        }
+        // sum_of_caps is monotone in its argument: binary search, 32 steps.
+        let (mut lo, mut hi) = (1u32, u32::MAX);
+        if self.sum_of_caps(hi) < waited {
+            return hi;
+        }
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.sum_of_caps(mid) >= waited {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        lo
+    }
+
+    /// The most tries allowed, when limited.
+    pub(crate) fn attempts_limit(&self) -> Option<u32> {
+        self.max_attempts
     }
 
     /// The wait before try `tried + 1`, having tried `tried` times and waited
@@ -150,5 +196,83 @@ mod tests {
                 .next(1, Duration::ZERO),
             None
         );
+    }
+
+    /// Runs `f` on a thread and fails if it has not returned within `bound`
+    /// (a budget computed in a loop of 4·10⁹ steps would hang the test).
+    fn within<T: Send + 'static>(bound: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(bound)
+            .unwrap_or_else(|e| panic!("did not return within {bound:?}: {e}"))
+    }
+
+    #[test]
+    fn budget_of_u32_max_attempts_returns_at_once() {
+        let budget = within(Duration::from_secs(1), || {
+            Backoff::exponential(MS, MS * 4)
+                .unwrap()
+                .max_attempts(u32::MAX)
+                .budget()
+        });
+        // 1 + 2 + 4, then 4 ms for each of the other u32::MAX - 4 waits.
+        let expected = MS * 7 + (MS * 4).saturating_mul(u32::MAX - 4);
+        assert_eq!(budget, Some(expected));
+    }
+
+    #[test]
+    fn budget_matches_the_sum_of_the_caps() {
+        for (base, max) in [(1, 1), (1, 4), (10, 500), (3, 1 << 30)] {
+            let b = Backoff::exponential(MS * base, MS * max).unwrap();
+            for attempts in [1, 2, 3, 7, 31, 32, 33, 40, 100] {
+                let b = b.max_attempts(attempts);
+                let sum: Duration = (0..attempts - 1).map(|n| b.cap(n)).sum();
+                assert_eq!(b.budget(), Some(sum), "{base} {max} {attempts}");
+            }
+        }
+    }
+
+    #[test]
+    fn huge_durations_saturate_instead_of_panicking() {
+        let huge = within(Duration::from_secs(1), || {
+            std::panic::catch_unwind(|| {
+                let b = Backoff::exponential(Duration::MAX / 4, Duration::MAX)
+                    .unwrap()
+                    .max_attempts(u32::MAX);
+                (b.cap(5), b.delay(5), b.budget(), b.next(3, Duration::MAX))
+            })
+        });
+        let (cap, delay, budget, next) = huge.expect("no panic");
+        assert_eq!(cap, Duration::MAX);
+        assert!(delay <= Duration::MAX);
+        assert_eq!(budget, Some(Duration::MAX));
+        assert!(next.is_some());
+    }
+
+    #[test]
+    fn budget_is_the_smaller_of_both_limits() {
+        let b = Backoff::exponential(MS, MS)
+            .unwrap()
+            .max_attempts(3)
+            .max_elapsed(Duration::from_secs(1));
+        assert_eq!(b.budget(), Some(MS * 2));
+        let b = b.max_elapsed(MS);
+        assert_eq!(b.budget(), Some(MS));
+    }
+
+    #[test]
+    fn a_wait_is_charged_as_the_tries_whose_waits_it_covers() {
+        let b = Backoff::exponential(MS * 10, MS * 40).unwrap(); // 10, 20, 40, 40, ...
+        assert_eq!(b.tries_covered(Duration::ZERO), 0);
+        assert_eq!(b.tries_covered(Duration::from_nanos(1)), 1);
+        assert_eq!(b.tries_covered(MS * 10), 1);
+        assert_eq!(b.tries_covered(MS * 11), 2);
+        assert_eq!(b.tries_covered(MS * 30), 2);
+        assert_eq!(b.tries_covered(MS * 70), 3);
+        assert_eq!(b.tries_covered(MS * 71), 4);
+        assert_eq!(b.tries_covered(MS * 110), 4);
+        assert_eq!(b.tries_covered(Duration::MAX), u32::MAX);
     }
 }

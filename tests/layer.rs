@@ -1250,6 +1250,9 @@ struct Delayed {
     inner: ConnectionManager,
     before: Arc<Mutex<Duration>>,
     after: Arc<Mutex<Duration>>,
+    /// When set, each reply is replaced by a timeout error (after `after`),
+    /// although the server ran the command: a lost reply.
+    lose_replies: Arc<AtomicBool>,
 }
 
 impl Delayed {
@@ -1258,6 +1261,7 @@ impl Delayed {
             inner,
             before: Arc::default(),
             after: Arc::default(),
+            lose_replies: Arc::default(),
         }
     }
 }
@@ -1273,6 +1277,10 @@ impl ConnectionLike for Delayed {
             let reply = self.inner.req_packed_command(cmd).await;
             let after = *self.after.lock().unwrap();
             sleep(after).await;
+            if self.lose_replies.load(Ordering::SeqCst) {
+                let lost = std::io::Error::new(std::io::ErrorKind::TimedOut, "reply lost (test)");
+                return Err(lost.into());
+            }
             reply
         })
     }
@@ -1426,4 +1434,299 @@ async fn a_lock_lost_while_the_handler_blocked_is_reported() {
     assert!(lost.completed);
     // The rival's lock is untouched.
     assert!(rival.release(&lease).await.unwrap());
+}
+
+// ---------------------------------------------------------------------------
+// The watchdog's local deadline, renewal faults (issue 8, items 7 and 9)
+// ---------------------------------------------------------------------------
+
+/// A multiplexed connection whose requests fail after `response_timeout`
+/// (`None`: wait for ever, as cluster connections do by default).
+async fn multiplexed(
+    server: &RedisServer,
+    response_timeout: Option<Duration>,
+) -> redis::aio::MultiplexedConnection {
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(response_timeout);
+    server
+        .client()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .expect("multiplexed connection to the test server")
+}
+
+/// Loads the acquire, extend and release scripts, so that later calls are
+/// plain EVALSHAs (which a `CLIENT PAUSE ... WRITE` holds back).
+async fn load_lock_scripts(conn: &ConnectionManager) {
+    let warm = locker(conn.clone(), ms(300));
+    let mut lease = acquired(&warm, "warm-up").await;
+    assert!(warm.extend(&mut lease, ms(300)).await.unwrap());
+    assert!(warm.release(&lease).await.unwrap());
+}
+
+/// Holds back every write and script on the server for `pause` (expiry is
+/// paused too); reads still go through.
+async fn pause_writes(conn: &ConnectionManager, pause: Duration) -> Instant {
+    let millis = pause.as_millis().to_string();
+    let _: () = raw(conn, &["CLIENT", "PAUSE", &millis, "WRITE"]).await;
+    Instant::now()
+}
+
+/// Item 9: a renewal that hangs (no response timeout) must not keep the
+/// lock "held" past its lease: once the lease's expiry passes without a
+/// confirmed renewal, `HeldLock::lost()` fires.
+#[tokio::test]
+async fn a_hung_renewal_signals_the_loss_when_the_lease_runs_out() {
+    let server = server();
+    let conn = manager(&server).await;
+    load_lock_scripts(&conn).await;
+    let ttl = ms(300);
+    let pause = secs(3);
+    let layer_locker = locker(multiplexed(&server, None).await, ttl);
+    let started = Arc::new(tokio::sync::Notify::new());
+    let svc = LockLayer::new(layer_locker, key_of).layer(service_fn({
+        let started = started.clone();
+        move |_m: Msg| {
+            let started = started.clone();
+            async move {
+                let held = HeldLock::current().expect("inside a locked call");
+                started.notify_one();
+                // Returns when the loss is signalled (or never, as before).
+                timeout(pause + secs(2), held.lost())
+                    .await
+                    .map_err(|_| BoxError::from("lost() did not fire while the renewal hung"))?;
+                Ok::<_, BoxError>(Instant::now())
+            }
+        }
+    }));
+    let called = Instant::now();
+    let call = tokio::spawn(svc.oneshot(msg("k", 1)));
+    timeout(BOUNDED, started.notified()).await.unwrap();
+    // The first renewal (a third of the TTL in) hangs until the pause ends.
+    let paused = pause_writes(&conn, pause).await;
+
+    let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
+    let ended = Instant::now();
+    let lost = downcast::<LockLost>(&err);
+    assert_eq!((&*lost.key, lost.completed), ("k", true));
+    assert!(
+        ended < paused + pause,
+        "the loss was reported only {:?} after the pause began",
+        ended - paused
+    );
+    assert!(
+        ended >= called + ttl,
+        "the loss was reported {:?} after the call began, before the lease could run out",
+        ended - called
+    );
+}
+
+/// Item 9: under `OnLost::Cancel`, a hung renewal cancels the handler near
+/// the lease's expiry, not whenever the renewal's reply comes.
+#[tokio::test]
+async fn on_lost_cancel_cancels_when_a_hung_renewal_outlives_the_lease() {
+    let server = server();
+    let conn = manager(&server).await;
+    load_lock_scripts(&conn).await;
+    let ttl = ms(300);
+    let pause = secs(3);
+    let layer_locker = locker(multiplexed(&server, None).await, ttl);
+    let started = Arc::new(tokio::sync::Notify::new());
+    let svc = LockLayer::new(layer_locker, key_of)
+        .on_lost(OnLost::Cancel)
+        .layer(slow_handler(started.clone(), secs(30)));
+    let called = Instant::now();
+    let call = tokio::spawn(svc.oneshot(msg("k", 1)));
+    timeout(BOUNDED, started.notified()).await.unwrap();
+    let paused = pause_writes(&conn, pause).await;
+
+    let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
+    let ended = Instant::now();
+    let lost = downcast::<LockLost>(&err);
+    assert_eq!((&*lost.key, lost.completed), ("k", false));
+    assert!(
+        ended < paused + pause,
+        "cancelled only {:?} after the pause began",
+        ended - paused
+    );
+    assert!(
+        ended >= called + ttl,
+        "cancelled before the lease could run out"
+    );
+}
+
+/// Item 9, the other side of the local deadline: renewals are scheduled from
+/// the lease (a third of the TTL after the last confirmed one was sent), so
+/// replies that are slow but keep coming never let the deadline pass.
+#[tokio::test]
+async fn slow_renewal_replies_do_not_make_the_lock_count_as_lost() {
+    let server = server();
+    let conn = manager(&server).await;
+    load_lock_scripts(&conn).await;
+    // Each reply takes 400 ms: renewing a third of the TTL after the last
+    // reply came (400 + 333 + 400 ms) would confirm too late; renewing from
+    // the lease confirms every 400 ms, 200 ms before the lease runs out.
+    let ttl = secs(1);
+    let slow = Delayed::new(manager(&server).await);
+    *slow.after.lock().unwrap() = ttl * 2 / 5;
+    let svc = LockLayer::new(locker(slow, ttl), key_of)
+        .on_lost(OnLost::Cancel)
+        .layer(service_fn(|_m: Msg| async move {
+            let held = HeldLock::current().expect("inside a locked call");
+            sleep(secs(3)).await;
+            Ok::<_, BoxError>(held.is_lost())
+        }));
+    let outcome = timeout(BOUNDED, svc.oneshot(msg("k", 1)))
+        .await
+        .unwrap()
+        .expect("the lock was kept");
+    assert_eq!(outcome, Outcome::Done(false));
+}
+
+/// Item 9: an acquire whose reply arrives after the lease it grants has run
+/// out must not start the handler: the lock is released and the try counts
+/// as a failed one (here, under `fail()`: `Contended`, retry at once).
+#[tokio::test]
+async fn a_lease_expired_on_arrival_does_not_start_the_handler() {
+    let server = server();
+    let conn = manager(&server).await;
+    load_lock_scripts(&conn).await;
+    let layer_locker = locker(multiplexed(&server, None).await, ms(500));
+    let lock_key = layer_locker.lock_key("k");
+    let counter = Counter::default();
+    let svc = LockLayer::new(layer_locker, key_of).layer(counter.clone());
+    // The acquire is held back for longer than its TTL.
+    pause_writes(&conn, secs(1)).await;
+    let err = timeout(BOUNDED, svc.oneshot(msg("k", 1)))
+        .await
+        .unwrap()
+        .expect_err("no handler runs on an expired lease");
+    assert_eq!(counter.calls(), 0, "the handler ran on an expired lease");
+    let busy = downcast::<Contended>(&err);
+    assert_eq!((busy.key(), busy.retry_after()), ("k", Duration::ZERO));
+    // Released, not left to its TTL (500 ms from the end of the pause).
+    assert!(!exists(&conn, &lock_key).await, "the late lock was kept");
+}
+
+/// Item 7: a renewal that fails with a transport error (not a confirmed
+/// loss) must not strand the lock. Here every renewal runs on the server
+/// (renewing the lock for a whole TTL) but its reply is lost; when the call
+/// gives the lock up as lost, it must still release it (token-checked)
+/// instead of leaving it a full TTL with nobody owning it.
+#[tokio::test]
+async fn a_renewal_whose_reply_is_lost_still_releases_the_lock() {
+    let server = server();
+    let conn = manager(&server).await;
+    load_lock_scripts(&conn).await;
+    let ttl = ms(1500);
+    let lossy = Delayed::new(manager(&server).await);
+    let layer_locker = locker(lossy.clone(), ttl);
+    let lock_key = layer_locker.lock_key("k");
+    let started = Arc::new(tokio::sync::Notify::new());
+    let svc = LockLayer::new(layer_locker, key_of)
+        .on_lost(OnLost::Cancel)
+        .layer(slow_handler(started.clone(), secs(30)));
+    let call = tokio::spawn(svc.oneshot(msg("k", 1)));
+    timeout(BOUNDED, started.notified()).await.unwrap();
+    // From now on the server runs each command, and its reply is lost
+    // 50 ms later (as with a response timeout).
+    *lossy.after.lock().unwrap() = ms(50);
+    lossy.lose_replies.store(true, Ordering::SeqCst);
+
+    let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
+    assert!(!downcast::<LockLost>(&err).completed);
+    // The last renewal ran shortly before the lease ran out and renewed the
+    // lock for 1.5 s: only a release explains it gone within 500 ms.
+    eventually("the lock is released", ms(500), async || {
+        let pttl: i64 = raw(&conn, &["PTTL", &lock_key]).await;
+        done_if(pttl == -2, format_args!("PTTL {pttl} ms"))
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Retry budget (issue 8, item 18)
+// ---------------------------------------------------------------------------
+
+/// Item 18: time in the local FIFO counts against the retry budget: a call
+/// that waited behind a local holder for most of its `max_attempts` budget
+/// does not then get all its tries again.
+#[tokio::test]
+async fn waiting_behind_local_holders_counts_against_max_attempts() {
+    let server = server();
+    let conn = manager(&server).await;
+    let layer_locker = locker(manager(&server).await, secs(30));
+    let lock_key = layer_locker.lock_key("hot");
+    // 100 waits of at most 40 ms: a budget of 4 s.
+    let retry = backoff(40, 40).max_attempts(101);
+    let budget = retry.budget().unwrap();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let go_rx = Arc::new(Mutex::new(Some(go_rx)));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let svc = LockLayer::new(layer_locker, key_of)
+        .on_conflict(OnConflict::retry(retry).then_fail())
+        .layer(service_fn({
+            let (conn, lock_key, started) = (conn.clone(), lock_key.clone(), started.clone());
+            move |m: Msg| {
+                let (conn, lock_key, started) = (conn.clone(), lock_key.clone(), started.clone());
+                let go = go_rx.lock().unwrap().take();
+                async move {
+                    if let Some(go) = go {
+                        started.notify_one();
+                        go.await.expect("go");
+                        // Another process takes the key as this one leaves:
+                        // the next local caller finds it busy for good.
+                        let _: () = raw(&conn, &["SET", &lock_key, "rival:1", "PX", "30000"]).await;
+                    }
+                    Ok::<_, BoxError>(m.n)
+                }
+            }
+        }));
+    let first = tokio::spawn(svc.clone().oneshot(msg("hot", 1)));
+    timeout(BOUNDED, started.notified()).await.unwrap();
+    let began = Instant::now();
+    let second = tokio::spawn(svc.oneshot(msg("hot", 2)));
+    // The second call waits in the local queue for 80% of its budget.
+    sleep(budget * 4 / 5).await;
+    go_tx.send(()).unwrap();
+    let _ = timeout(BOUNDED, first).await.unwrap().unwrap();
+    let err = timeout(BOUNDED, second)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    let took = began.elapsed();
+    assert_eq!(downcast::<Contended>(&err).key(), "hot");
+    // Sanity margin for round trips; before, it took the queue wait plus a
+    // whole budget of tries (about 5.2 s).
+    assert!(
+        took < budget + ms(500),
+        "gave up after {took:?}, budget {budget:?}"
+    );
+}
+
+/// Item 18: `max_elapsed` bounds the whole call, round trips included.
+#[tokio::test]
+async fn max_elapsed_counts_round_trips() {
+    let server = server();
+    let holder = locker(manager(&server).await, secs(30));
+    let lease = acquired(&holder, "hot").await; // also loads the scripts
+    let delayed = Delayed::new(manager(&server).await);
+    *delayed.before.lock().unwrap() = ms(100); // every round trip: 100 ms
+    let limit = ms(300);
+    let svc = LockLayer::new(locker(delayed, secs(30)), key_of)
+        .on_conflict(OnConflict::retry(
+            backoff(5, 20).unlimited_attempts().max_elapsed(limit),
+        ))
+        .layer(Counter::default());
+    let began = Instant::now();
+    let err = timeout(BOUNDED, svc.oneshot(msg("hot", 1)))
+        .await
+        .unwrap()
+        .unwrap_err();
+    let took = began.elapsed();
+    assert_eq!(downcast::<Contended>(&err).key(), "hot");
+    // The limit, plus the try in flight at the deadline, plus margin;
+    // before, ~30 tries of 100 ms each (about 3 s).
+    assert!(took < limit + ms(600), "gave up after {took:?}");
+    holder.release(&lease).await.unwrap();
 }

@@ -36,7 +36,7 @@ struct State {
     ticket: Arc<Ticket>,
     /// The lease's fencing token.
     fence: u64,
-    /// Set once a renewal finds the lock gone.
+    /// Set once the lock counts as lost (see [`HeldLock::lost`]).
     lost: AtomicBool,
     /// Wakes [`HeldLock::lost`] waiters.
     notify: Notify,
@@ -69,13 +69,20 @@ impl HeldLock {
         self.0.fence
     }
 
-    /// Whether the lock was found lost (expired, or taken by another holder).
+    /// Whether the lock counts as lost (see [`lost`](Self::lost)).
     pub fn is_lost(&self) -> bool {
         self.0.lost.load(Ordering::Acquire)
     }
 
-    /// Completes when the lock is found lost: select on it to stop work that
-    /// must not continue without the lock.
+    /// Completes when the lock counts as lost: select on it to stop work
+    /// that must not continue without the lock.
+    ///
+    /// The lock is lost when Redis answers a renewal that it is not this
+    /// call's any more (it expired, or another holder has it), or when the
+    /// lease's conservative expiry (the time the last confirmed acquire or
+    /// renewal was sent, plus the TTL) passes without a confirmed renewal,
+    /// also while a renewal is still waiting for its reply. From that moment
+    /// another process may hold the key. Lost is final.
     pub async fn lost(&self) {
         loop {
             let notified = self.0.notify.notified();

@@ -2,8 +2,10 @@
 //! `BoxError`. A busy key under `fail()` is [`Contended`](crate::Contended).
 
 /// The lock was lost while the handler ran: a renewal found it expired or
-/// taken by another holder. Writes the handler made after that moment may
-/// race with the next holder's; fencing tokens make them detectable.
+/// taken by another holder, the lease ran out without a confirmed renewal
+/// (see [`HeldLock::lost`](crate::HeldLock::lost)), or the release at the
+/// end found it gone. Writes the handler made after that moment may race
+/// with the next holder's; fencing tokens make them detectable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("lost lock `{key}` (fence {fence}) while the handler ran{}", if *.completed { "; the handler completed" } else { "; the handler was cancelled" })]
 #[non_exhaustive]

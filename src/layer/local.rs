@@ -27,6 +27,8 @@ pub(crate) struct Turn {
     key: String,
     queue: Option<Arc<tokio::sync::Mutex<()>>>,
     guard: Option<OwnedMutexGuard<()>>,
+    /// Whether the turn had to wait for earlier tasks of this process.
+    waited: bool,
 }
 
 impl LocalQueues {
@@ -44,9 +46,26 @@ impl LocalQueues {
             key: key.to_owned(),
             queue: Some(queue.clone()),
             guard: None,
+            waited: false,
         };
-        turn.guard = Some(queue.lock_owned().await);
+        // A free key is taken without waiting (tokio hands a released mutex
+        // straight to its first waiter, so this never jumps the queue).
+        turn.guard = Some(match queue.clone().try_lock_owned() {
+            Ok(guard) => guard,
+            Err(_) => {
+                turn.waited = true;
+                queue.lock_owned().await
+            }
+        });
         turn
+    }
+}
+
+impl Turn {
+    /// Whether this task found earlier tasks of this process in the queue
+    /// (and waited for them) before its turn came.
+    pub(crate) fn waited(&self) -> bool {
+        self.waited
     }
 }
 
@@ -74,12 +93,14 @@ mod tests {
     async fn turns_are_fifo_and_queues_are_removed_when_empty() {
         let queues = Arc::new(LocalQueues::default());
         let first = queues.turn("k").await;
+        assert!(!first.waited());
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut waiters = Vec::new();
         for i in 0..5 {
             let (queues, order) = (queues.clone(), order.clone());
             waiters.push(tokio::spawn(async move {
-                let _turn = queues.turn("k").await;
+                let turn = queues.turn("k").await;
+                assert!(turn.waited());
                 order.lock().unwrap().push(i);
             }));
             // Let each waiter enqueue before the next one.

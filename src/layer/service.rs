@@ -132,17 +132,22 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
+    let retry = config.on_conflict.retry;
+    // One budget for the whole call, from its start: the wait in the local
+    // queue, the tries and their round trips, and the waits between them.
     let started = Instant::now();
+    let mut tries: u32 = 0;
     // Under `retry`, wait behind this process's earlier calls for the key
     // (FIFO), within the retry budget; only the head asks Redis.
-    let _turn = match config.on_conflict.retry {
+    let _turn = match retry {
         None => None,
         Some(backoff) => {
             let turn = config.local.turn(&key);
-            match backoff.budget() {
-                None => Some(turn.await),
-                Some(budget) => match tokio::time::timeout(budget, turn).await {
-                    Ok(turn) => Some(turn),
+            let deadline = backoff.budget().and_then(|b| started.checked_add(b));
+            let turn = match deadline {
+                None => turn.await,
+                Some(deadline) => match tokio::time::timeout_at(deadline, turn).await {
+                    Ok(turn) => turn,
                     Err(_) => {
                         tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
                         let retry_after = locker.remaining(&key).await?.unwrap_or_default();
@@ -154,7 +159,18 @@ where
                         return Ok(Outcome::Deferred { id, due });
                     }
                 },
+            };
+            // Waiting behind local callers stands for the tries they made
+            // meanwhile: it uses up the tries whose backoff waits it covers
+            // (at least one), so that queue and tries together stay within
+            // the waits `max_attempts` allows. One try is always left: the
+            // key was just handed over, it is likely free.
+            if turn.waited() {
+                let covered = backoff.tries_covered(started.elapsed());
+                let left_one = backoff.attempts_limit().map_or(u32::MAX, |n| n - 1);
+                tries = covered.min(left_one);
             }
+            Some(turn)
         }
     };
     // Armed before the first acquire is sent: if this future is dropped
@@ -164,42 +180,65 @@ where
         locker: locker.clone(),
         ticket: Some(locker.ticket(&key)?),
     };
-    let mut tries = 0;
-    let mut waited = started.elapsed();
     let lease = loop {
-        tries += 1;
-        let Some(ticket) = guard.ticket.as_ref() else {
+        tries = tries.saturating_add(1);
+        let Some(ticket) = guard.ticket.clone() else {
             return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
         };
-        match locker.acquire_ticket(ticket).await? {
-            Acquisition::Acquired(lease) => break lease,
-            Acquisition::Contended(busy) => {
-                if let Some(delay) = config.on_conflict.retry.and_then(|b| b.next(tries, waited)) {
-                    tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
-                    tokio::time::sleep(delay).await;
-                    waited += delay;
-                    continue;
+        // Whether the lock is known not to be ours after this try.
+        let mut not_ours = true;
+        let busy = match locker.acquire_ticket(&ticket).await? {
+            Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
+            Acquisition::Acquired(lease) => {
+                // The reply came after the lease it grants had run out (a
+                // slow or paused server, a long stall): another process may
+                // hold the key by now, so the handler must not start. The
+                // try counts as a failed one, as if the key had been busy:
+                // the handler has not run, so the strategy's answer (retry,
+                // fail with `Contended`, defer) fits, and no error is
+                // charged to a message that never reached its handler.
+                tracing::warn!(%key, fence = lease.fence(), "lock acquired after its lease had run out; releasing it");
+                match locker.release_ticket(&ticket).await {
+                    Ok(_) => {}
+                    Err(error) => {
+                        // Maybe still ours: the guard (or the next try, which
+                        // reclaims it with the same token) takes care of it.
+                        not_ours = false;
+                        tracing::warn!(%key, %error, "could not release a lock acquired too late");
+                    }
                 }
-                // Known not to be ours: nothing to release.
-                guard.ticket = None;
-                tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
-                let give_up =
-                    RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
-                let (id, due) = give_up.await?;
-                return Ok(Outcome::Deferred { id, due });
+                crate::Contended::new(key.clone(), Duration::ZERO)
             }
+            Acquisition::Contended(busy) => busy,
+        };
+        // Everything since the call started counts against `max_elapsed`.
+        if let Some(delay) = retry.and_then(|b| b.next(tries, started.elapsed())) {
+            tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
+            tokio::time::sleep(delay).await;
+            continue;
         }
+        if not_ours {
+            guard.ticket = None;
+        }
+        tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
+        let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
+        let (id, due) = give_up.await?;
+        return Ok(Outcome::Deferred { id, due });
     };
     tracing::debug!(%key, fence = lease.fence(), "lock acquired");
     hold(locker, config.on_lost, inner, req, lease, guard).await
 }
 
-/// Runs the call while renewing the lease every third of its TTL; releases
-/// it afterwards, or (through the guard) when the future is dropped or the
-/// handler panics.
+/// Runs the call while renewing the lease; releases it afterwards, or
+/// (through the guard) when the future is dropped or the handler panics.
 ///
-/// Renewal runs beside the call, as its own branch: a slow renewal never
-/// holds back a handler that has finished.
+/// The watchdog keeps the lease's conservative expiry: the time the last
+/// confirmed acquire or renewal was *sent*, plus the TTL. It renews when a
+/// third of the TTL has passed since then, and when that expiry passes
+/// without a confirmed renewal the lock counts as lost, even while a
+/// renewal is still in flight (a hung connection, a partition): another
+/// process may hold the key by then. Renewal runs beside the call, as its
+/// own branch: a slow renewal never holds back a handler that has finished.
 async fn hold<S, C, Req>(
     locker: &Locker<C>,
     on_lost: OnLost,
@@ -214,7 +253,9 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     let ttl = locker.lease_ttl();
-    let period = ttl / 3;
+    // Renew this long before the lease runs out: once a third of it is used.
+    let ahead = ttl - ttl / 3;
+    let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
     let held = HeldLock::new(lease.ticket().clone(), lease.fence());
     let mut expires_at = lease.expires_at();
     let call = held
@@ -223,8 +264,11 @@ where
     tokio::pin!(call);
     // A handler that finishes without waiting needs no renewal timer.
     let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
-    let mut renew_at = Instant::now() + period;
+    let mut renew_at = renew_time(expires_at);
     let mut renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>> = None;
+    // Set when Redis said the lock is not ours any more (a renewal answered
+    // `false`): only then is there nothing to release.
+    let mut confirmed_lost = false;
     let result = if let Poll::Ready(result) = first {
         Some(result)
     } else {
@@ -232,7 +276,7 @@ where
             tokio::select! {
                 biased;
                 result = &mut call => break Some(result),
-                (renewed, started) = async {
+                (renewed, sent) = async {
                     match renewal.as_mut() {
                         Some(renewal) => renewal.await,
                         None => std::future::pending().await,
@@ -241,19 +285,21 @@ where
                     renewal = None;
                     match renewed {
                         Ok(true) => {
-                            expires_at = started + ttl;
-                            renew_at = Instant::now() + period;
+                            // The server ran it at `sent` or later: its TTL
+                            // runs out no earlier than this. (If that is past
+                            // already, the deadline branch fires next.)
+                            expires_at = sent + ttl;
+                            renew_at = renew_time(expires_at);
                         }
                         Ok(false) => {
                             tracing::warn!(key = %held.key(), fence = held.fence(), "lock lost while the handler ran");
-                            held.mark_lost();
-                        }
-                        Err(error) if Instant::now() >= expires_at => {
-                            tracing::warn!(key = %held.key(), fence = held.fence(), %error, "lock expired: could not renew it in time");
+                            confirmed_lost = true;
                             held.mark_lost();
                         }
                         Err(error) => {
-                            // Try again soon, well before the lease runs out.
+                            // Not a verdict: the renewal may have run or not.
+                            // Try again soon, well before the lease runs out;
+                            // the deadline decides when it is lost.
                             tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
                             let left = expires_at.saturating_duration_since(Instant::now());
                             renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
@@ -263,11 +309,22 @@ where
                         break None;
                     }
                 }
+                () = tokio::time::sleep_until(expires_at), if !held.is_lost() => {
+                    // The local deadline: no renewal was confirmed in time.
+                    tracing::warn!(key = %held.key(), fence = held.fence(), renewing = renewal.is_some(), "lock lease ran out without a confirmed renewal; the lock counts as lost");
+                    // A late answer would change nothing: lost is final.
+                    renewal = None;
+                    held.mark_lost();
+                    if on_lost == OnLost::Cancel {
+                        break None;
+                    }
+                }
                 () = tokio::time::sleep_until(renew_at), if renewal.is_none() && !held.is_lost() => {
                     let (locker, ticket) = (locker.clone(), lease.ticket().clone());
                     renewal = Some(Box::pin(async move {
-                        let started = Instant::now();
-                        (locker.extend_ticket(&ticket, ttl).await, started)
+                        // Taken before the request leaves: conservative.
+                        let sent = Instant::now();
+                        (locker.extend_ticket(&ticket, ttl).await, sent)
                     }));
                 }
             }
@@ -290,8 +347,15 @@ where
             result.map(Outcome::Done)
         }
         completed => {
-            // Not ours any more: a release would be refused anyway.
-            guard.ticket = None;
+            if confirmed_lost {
+                // Redis said it is not ours: a release would be refused.
+                guard.ticket = None;
+            }
+            // Otherwise the lock may still be ours on the server (a renewal
+            // whose reply was lost ran, or is still queued): the guard's drop
+            // releases it in the background (token-checked, a no-op if it
+            // is gone), so that a hung connection does not delay the report.
+            drop(guard);
             Err(LockLost {
                 key: held.key().to_owned(),
                 fence: held.fence(),
