@@ -37,7 +37,7 @@ fn pair() -> ReplicaPair {
 #[tokio::test]
 async fn fences_increase_across_a_restart_from_an_older_snapshot() {
     let mut server = RedisServer::start().unwrap();
-    let ttl = secs(10);
+    let ttl = secs(60);
     let conn = manager(&server).await;
     let before = locker(conn.clone(), ttl);
     let mut last = cycles(&before, "k", 5, 0).await;
@@ -73,7 +73,7 @@ async fn fences_increase_across_a_restart_from_an_older_snapshot() {
 #[tokio::test]
 async fn fences_increase_across_the_promotion_of_a_lagging_replica() {
     let mut pair = pair();
-    let ttl = secs(10);
+    let ttl = secs(60);
     let conn = manager(pair.primary()).await;
     let old = locker(conn.clone(), ttl);
     let mut last = cycles(&old, "k", 5, 0).await;
@@ -128,9 +128,21 @@ async fn fences_increase_when_the_fence_record_or_the_lock_is_deleted() {
 // Item 5: opt-in durability with WAIT
 // ---------------------------------------------------------------------------
 
-/// `WAIT` times out after this long in these tests (below redis-rs' default
-/// response timeout of 500 ms).
-const WAIT: std::time::Duration = ms(200);
+/// `WAIT` times out after this long in these tests: long enough for a
+/// replica on a loaded 2-core machine to confirm, and below the response
+/// timeout of the durable connection (`durable_manager`).
+const WAIT: std::time::Duration = ms(1000);
+
+/// A connection of its own for a durable locker, whose response timeout
+/// outlasts `WAIT` (redis-rs' default, 500 ms, would not).
+async fn durable_manager(server: &RedisServer) -> ConnectionManager {
+    let config = redis::aio::ConnectionManagerConfig::new().set_response_timeout(Some(secs(5)));
+    server
+        .client()
+        .get_connection_manager_with_config(config)
+        .await
+        .expect("connection manager")
+}
 
 fn not_replicated(error: &Error) -> (u32, u32, bool) {
     match error {
@@ -153,14 +165,14 @@ fn not_replicated(error: &Error) -> (u32, u32, bool) {
 async fn durable_locks_reach_the_replica_or_are_released_and_refused() {
     let pair = pair();
     // A connection of its own for the durable locker: WAIT holds it.
-    let conn = manager(pair.primary()).await;
+    let conn = durable_manager(pair.primary()).await;
     let durable = locker(conn.clone(), secs(10))
         .require_replicas(1, WAIT)
         .await
         .unwrap();
     assert_eq!(durable.required_replicas(), Some((1, WAIT)));
-    let plain = locker(manager(pair.primary()).await, secs(10));
-    let on_replica = manager(pair.replica()).await;
+    let plain = locker(durable_manager(pair.primary()).await, secs(10));
+    let on_replica = durable_manager(pair.replica()).await;
 
     // Replica up: acquire returns once the replica has the lock.
     let mut lease = acquired(&durable, "k").await;
@@ -209,7 +221,7 @@ async fn durable_locks_reach_the_replica_or_are_released_and_refused() {
 async fn require_replicas_refuses_missing_replicas_and_servers_without_wait_at_once() {
     // No replica at all: a typed error after the WAIT timeout, not a hang.
     let server = RedisServer::start().unwrap();
-    let conn = manager(&server).await;
+    let conn = durable_manager(&server).await;
     let started = std::time::Instant::now();
     let error = locker(conn.clone(), secs(10))
         .require_replicas(1, WAIT)
@@ -229,13 +241,13 @@ async fn require_replicas_refuses_missing_replicas_and_servers_without_wait_at_o
 
     // One replica where two are wanted.
     let pair = pair();
-    let error = locker(manager(pair.primary()).await, secs(10))
+    let error = locker(durable_manager(pair.primary()).await, secs(10))
         .require_replicas(2, WAIT)
         .await
         .unwrap_err();
     assert_eq!(not_replicated(&error), (2, 1, false), "{error}");
     // A replica (read-only) does not accept WAIT.
-    let error = locker(manager(pair.replica()).await, secs(10))
+    let error = locker(durable_manager(pair.replica()).await, secs(10))
         .require_replicas(1, WAIT)
         .await
         .unwrap_err();
@@ -250,7 +262,7 @@ async fn require_replicas_refuses_missing_replicas_and_servers_without_wait_at_o
         .args(["--rename-command", "WAIT", ""])
         .start()
         .unwrap();
-    let error = locker(manager(&no_wait).await, secs(10))
+    let error = locker(durable_manager(&no_wait).await, secs(10))
         .require_replicas(1, WAIT)
         .await
         .unwrap_err();
@@ -325,10 +337,10 @@ async fn on_a_cluster_require_replicas_is_typed_and_wait_follows_the_key() {
 #[tokio::test]
 async fn replica_pair_syncs_cuts_off_promotes_and_kills_frozen_servers_on_drop() {
     let mut pair = pair();
-    let primary = manager(pair.primary()).await;
+    let primary = durable_manager(pair.primary()).await;
     raw::<()>(&primary, &["SET", "before", "1"]).await;
     pair.wait_for_sync().unwrap();
-    let replica = manager(pair.replica()).await;
+    let replica = durable_manager(pair.replica()).await;
     assert!(exists(&replica, "before").await);
 
     // Cut off: the replica misses writes, also after it runs again, and it
@@ -340,7 +352,7 @@ async fn replica_pair_syncs_cuts_off_promotes_and_kills_frozen_servers_on_drop()
     pair.kill_primary();
     pair.resume_replica().unwrap();
     pair.promote_replica().unwrap();
-    let promoted = manager(pair.replica()).await;
+    let promoted = durable_manager(pair.replica()).await;
     assert!(exists(&promoted, "before").await);
     assert!(!exists(&promoted, "after").await);
     raw::<()>(&promoted, &["SET", "new", "1"]).await; // takes writes now

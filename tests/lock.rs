@@ -742,9 +742,12 @@ async fn resent_acquire_release_and_extend_are_idempotent() {
     // The resend finds the lock held by its own token: acquired, same fence.
     let resent = acquire_lua(&locker, "k", token, secs(10)).await;
     assert_eq!(
-        resent, first,
+        resent[..2],
+        first[..2],
         "a resent acquire must report the same acquisition"
     );
+    // ... with the TTL the lock has left, never more than it was given.
+    assert!(resent[2] > 9_000 && resent[2] <= 10_000, "{resent:?}");
     // Another token is still refused.
     let other = acquire_lua(&locker, "k", "ffffffffffffffffffffffffffffffff", secs(10)).await;
     assert_eq!(other[0], 0, "{other:?}");
@@ -899,18 +902,25 @@ async fn eviction_policies_that_may_evict_locks_are_reported_and_warned_once() {
 
     for name in ["volatile-ttl", "volatile-lru", "allkeys-lru"] {
         let evicting = lockgate::testing::RedisServer::builder()
-            .args(["--maxmemory-policy", name])
+            .args(["--maxmemory-policy", name, "--maxmemory", "1gb"])
             .start()
             .unwrap();
         let policy = locker_on(&evicting).await.check_eviction().await.unwrap();
         assert_eq!(policy.name(), name);
         assert!(policy.may_evict_locks(), "{name}");
     }
+    // Without a memory limit nothing is evicted, whatever the policy.
+    let unlimited = lockgate::testing::RedisServer::builder()
+        .args(["--maxmemory-policy", "volatile-ttl"])
+        .start()
+        .unwrap();
+    let policy = locker_on(&unlimited).await.check_eviction().await.unwrap();
+    assert!(!policy.may_evict_locks());
     assert_eq!(count(), 0, "no warning for noeviction");
 
     // Warned once per locker configuration, on first use, not per call.
     let evicting = lockgate::testing::RedisServer::builder()
-        .args(["--maxmemory-policy", "volatile-ttl"])
+        .args(["--maxmemory-policy", "volatile-ttl", "--maxmemory", "1gb"])
         .start()
         .unwrap();
     let locker = locker_on(&evicting).await;
@@ -937,4 +947,28 @@ async fn eviction_policies_that_may_evict_locks_are_reported_and_warned_once() {
 
 async fn locker_on(server: &lockgate::testing::RedisServer) -> Locker<ConnectionManager> {
     locker(manager(server).await, secs(10))
+}
+
+/// `fence = max(now, last + 1)`: a tombstone whose fence is ahead of the
+/// server's clock (a clock that stepped back since, or a burst of holders
+/// within one microsecond) is continued, not undercut.
+#[tokio::test]
+async fn a_tombstone_ahead_of_the_clock_is_continued() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = locker(conn.clone(), secs(10));
+    let ahead: u64 = 4_000_000_000_000_000; // 2096, in microseconds
+    let tomb = format!("~{ahead}:ffffffffffffffffffffffffffffffff");
+    raw::<()>(&conn, &["SET", &locker.lock_key("k"), &tomb, "PX", "5000"]).await;
+    assert_eq!(
+        locker.remaining("k").await.unwrap(),
+        None,
+        "a tombstone is free"
+    );
+    let lease = acquired(&locker, "k").await;
+    assert_eq!(lease.fence(), ahead + 1);
+    assert!(locker.release(&lease).await.unwrap());
+    let next = acquired(&locker, "k").await;
+    assert_eq!(next.fence(), ahead + 2);
+    assert!(locker.release(&next).await.unwrap());
 }

@@ -296,6 +296,14 @@ where
                             confirmed_lost = true;
                             held.mark_lost();
                         }
+                        Err(crate::Error::NotReplicated { released: true, .. }) => {
+                            // A durable locker gave the lock up itself: too
+                            // few replicas confirmed the renewal, so it was
+                            // released (fail-closed). Free in Redis now.
+                            tracing::warn!(key = %held.key(), fence = held.fence(), "lock released: too few replicas confirmed its renewal");
+                            confirmed_lost = true;
+                            held.mark_lost();
+                        }
                         Err(error) => {
                             // Not a verdict: the renewal may have run or not.
                             // Try again soon, well before the lease runs out;
