@@ -465,7 +465,7 @@ async fn an_expired_lease_is_redelivered_and_the_stale_holder_is_refused() {
     assert!(!q.bury(&stale, "x").await.unwrap());
     assert_eq!(q.extend([&stale], LONG).await.unwrap(), [false]);
     assert_counts(stats(&q).await, 0, 0, 1, 0);
-    assert!(q.dead_letters(0, -1).await.unwrap().is_empty());
+    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
     assert_eq!(
         raw::<Option<String>>(
             q.connection(),
@@ -585,7 +585,7 @@ async fn retry_counts_failures_records_errors_and_respects_its_delay() {
         Some("boom 3")
     );
     assert!(q.bury(&job, "boom 4, giving up").await.unwrap());
-    let dead = q.dead_letters(0, -1).await.unwrap();
+    let dead = q.dead_letters(0, 100).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, id);
     // Three retries and the final failure that buried it.
@@ -655,7 +655,7 @@ async fn recover_buries_after_max_attempts() {
     assert_counts(stats(&q).await, 0, 0, 0, 1);
     assert!(!q.ack(&job).await.unwrap());
 
-    let dead = q.dead_letters(0, -1).await.unwrap();
+    let dead = q.dead_letters(0, 100).await.unwrap();
     assert_eq!(dead.len(), 1);
     let letter = &dead[0];
     assert_eq!(letter.id, id);
@@ -698,7 +698,7 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_counts(s, 0, 1, 1, 2);
     assert_eq!(s.oldest_due_age, None);
 
-    let dead = q.dead_letters(0, -1).await.unwrap();
+    let dead = q.dead_letters(0, 100).await.unwrap();
     let listed: Vec<(&str, u32, Option<&str>)> = dead
         .iter()
         .map(|d| (d.id.as_str(), d.failures, d.error.as_deref()))
@@ -714,8 +714,8 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(0));
     assert_eq!(dead[1].decode::<Email>().unwrap(), email(1));
     assert!(dead[0].buried_at <= dead[1].buried_at);
-    assert_eq!(q.dead_letters(0, 0).await.unwrap(), dead[..1]);
-    assert_eq!(q.dead_letters(-1, -1).await.unwrap(), dead[1..]);
+    assert_eq!(q.dead_letters(0, 1).await.unwrap(), dead[..1]);
+    assert_eq!(q.dead_letters(1, 1).await.unwrap(), dead[1..]);
     assert!(q.dead_letters(5, 10).await.unwrap().is_empty());
 
     // Re-drive one: due now, attempts reset.
@@ -741,7 +741,7 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_eq!((b.id(), b.attempt()), ("b", 1));
     assert!(q.ack(&b).await.unwrap());
     assert!(q.ack(&jobs[2]).await.unwrap());
-    assert!(q.dead_letters(0, -1).await.unwrap().is_empty());
+    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
     assert_counts(stats(&q).await, 0, 1, 0, 0);
 }
 
@@ -782,7 +782,7 @@ async fn bulk_operations_cross_batch_boundaries() {
     assert_eq!((r.requeued, r.buried), (0, MESSAGES as usize));
     assert_counts(stats(&q).await, 0, 0, 0, MESSAGES);
     assert_eq!(
-        q.dead_letters(0, -1).await.unwrap().len(),
+        q.dead_letters(0, 100).await.unwrap().len(),
         MESSAGES as usize
     );
 
@@ -874,7 +874,7 @@ async fn caller_ids_deduplicate_in_every_state() {
         .await
         .unwrap();
     assert_eq!((again.created, again.due), (false, None));
-    let dead = q.dead_letters(0, -1).await.unwrap();
+    let dead = q.dead_letters(0, 100).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(1));
     assert_counts(stats(&q).await, 0, 0, 1, 1);
@@ -949,7 +949,7 @@ async fn remove_and_purge() {
     let job = claim_one(&q, LONG).await;
     assert!(q.bury(&job, "bad").await.unwrap());
     assert!(q.remove("d").await.unwrap());
-    assert!(q.dead_letters(0, -1).await.unwrap().is_empty());
+    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
     assert_eq!(stats(&q).await, Stats::default());
     assert_eq!(raw::<u64>(&conn, &["HLEN", &key("rm", "errors")]).await, 0);
 
@@ -1027,7 +1027,7 @@ async fn malformed_records_are_buried_and_the_rest_is_delivered() {
     assert_counts(stats(&q).await, 0, 0, 2, 3);
 
     let dead: BTreeMap<String, _> = q
-        .dead_letters(0, -1)
+        .dead_letters(0, 100)
         .await
         .unwrap()
         .into_iter()
@@ -1449,7 +1449,7 @@ async fn claims_from_before_a_purge_cannot_touch_new_messages() {
     assert!(!q.bury(&old, "too late").await.unwrap());
     sleep(ms(60)).await;
     assert_eq!(q.recover(1).await.unwrap(), Default::default());
-    assert!(q.dead_letters(0, -1).await.unwrap().is_empty());
+    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
     let job = claim_one(&q, LONG).await;
     assert_eq!(*job, 2);
 }

@@ -63,8 +63,9 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
             }
         }
         "dead" => {
-            let count: isize = args.get(1).map(|c| c.parse()).transpose()?.unwrap_or(20);
-            let dead = queue(&args)?.dead_letters(0, count.max(1) - 1).await?;
+            let count: usize = args.get(1).map(|c| c.parse()).transpose()?.unwrap_or(20);
+            let count = count.clamp(1, lockgate::queue::MAX_BATCH);
+            let dead = queue(&args)?.dead_letters(0, count).await?;
             if dead.is_empty() {
                 println!("no dead letters");
             }
