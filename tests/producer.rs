@@ -73,7 +73,10 @@ async fn a_python_producer_using_the_shipped_script_cannot_make_a_message_claima
     .await;
     let replies = results[0].as_array().unwrap();
     assert_eq!(replies.len(), N as usize + 1);
-    assert!(replies[..N as usize].iter().all(|r| r[0] == 1), "{replies:?}");
+    assert!(
+        replies[..N as usize].iter().all(|r| r[0] == 1),
+        "{replies:?}"
+    );
     assert_eq!(replies[N as usize][0], 0, "the duplicate was added");
     assert_eq!(results[1][0][0], 0, "the re-push was added");
     assert_eq!(results[2][0][0], 1);
@@ -118,7 +121,12 @@ async fn a_python_producer_using_the_shipped_script_cannot_make_a_message_claima
     assert_eq!((s.due, s.later, s.active, s.dead), (0, 1, 0, 0));
 
     // Bad arguments come back as a clear error, and nothing is written.
-    let results = python(&server, "py", json!([[["bad", "5s", {"order": 1, "note": ""}]]])).await;
+    let results = python(
+        &server,
+        "py",
+        json!([[["bad", "5s", {"order": 1, "note": ""}]]]),
+    )
+    .await;
     let error = results[0]["error"].as_str().expect("an error reply");
     assert!(error.contains("lockgate push"), "{error}");
     let s = stats(&q).await;

@@ -519,10 +519,7 @@ async fn extending_a_lease_keeps_recover_away() {
         assert!(q.ack(job).await.unwrap());
     }
     let control = claim_one(&q, LONG).await;
-    assert_eq!(
-        (*control, control.attempt(), control.stalls()),
-        (3, 1, 1)
-    );
+    assert_eq!((*control, control.attempt(), control.stalls()), (3, 1, 1));
     assert!(q.ack(&control).await.unwrap());
 
     // Extending a claim that was lost to recovery fails.
@@ -1078,8 +1075,11 @@ async fn malformed_records_are_buried_and_the_rest_is_delivered() {
     assert_eq!((job.id(), job.n), ("bad", 4));
 }
 
-/// Documents the contract for producers written in other languages: the
-/// key layout of `src/queue/lua/prelude.lua`, with plain Redis commands.
+/// The key layout of `src/queue/lua/prelude.lua` with plain Redis commands.
+/// (Producers in other languages call `scripts/push.lua` instead, see
+/// tests/producer.rs: a hand-written HSETNX + ZADD puts an existing id back
+/// on the schedule. This record is in the older three-counter form, which
+/// must still be read.)
 #[tokio::test]
 async fn a_producer_in_another_language_can_enqueue_with_raw_commands() {
     let server = server();

@@ -104,7 +104,11 @@ async fn a_lease_expiry_is_not_a_failed_attempt() {
     let r = q.recover(3).await.unwrap();
     assert_eq!((r.requeued, r.buried), (1, 0));
     let again = claim_one(&q, LONG).await;
-    assert_eq!(again.attempt(), 1, "a stall was charged as a failed attempt");
+    assert_eq!(
+        again.attempt(),
+        1,
+        "a stall was charged as a failed attempt"
+    );
     assert_eq!(again.stalls(), 1);
     // A handler failure still counts as one.
     q.retry(&again, Duration::ZERO, "handler failed")
@@ -188,7 +192,11 @@ async fn records_in_the_three_counter_form_are_still_read() {
 const PUSH_LUA: &str = include_str!("../scripts/push.lua");
 
 /// EVALs the push script the way another producer would.
-async fn eval_push(conn: &ConnectionManager, name: &str, argv: &[&str]) -> redis::RedisResult<redis::Value> {
+async fn eval_push(
+    conn: &ConnectionManager,
+    name: &str,
+    argv: &[&str],
+) -> redis::RedisResult<redis::Value> {
     redis::cmd("EVAL")
         .arg(PUSH_LUA)
         .arg(3)
@@ -220,17 +228,27 @@ async fn push_rejects_bad_arguments_before_any_write() {
             .await
             .expect_err(&format!("{argv:?} was accepted"));
         let text = err.to_string();
-        assert!(text.contains("lockgate push"), "{argv:?}: unclear error {text}");
+        assert!(
+            text.contains("lockgate push"),
+            "{argv:?}: unclear error {text}"
+        );
         for part in ["data", "schedule", "bell"] {
             let n: i64 = raw(&conn, &["EXISTS", &key("bad", part)]).await;
             assert_eq!(n, 0, "{argv:?} left `{part}` behind");
         }
     }
     // The same script takes good arguments.
-    let ok = eval_push(&conn, "bad", &["a", "0", "1", "b", "@0", "2", "c", "-5", "3"])
-        .await
-        .unwrap();
-    assert!(matches!(ok, redis::Value::Array(ref v) if v.len() == 6), "{ok:?}");
+    let ok = eval_push(
+        &conn,
+        "bad",
+        &["a", "0", "1", "b", "@0", "2", "c", "-5", "3"],
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(ok, redis::Value::Array(ref v) if v.len() == 6),
+        "{ok:?}"
+    );
     let q = queue(conn, "bad");
     assert_eq!(stats(&q).await.due, 3);
 }
@@ -330,7 +348,10 @@ async fn dead_letters_are_paged() {
     assert_eq!(all, (0..(max as u64 + 5)).collect::<Vec<_>>());
     assert!(q.dead_letters(max + 5, 10).await.unwrap().is_empty());
     assert!(q.dead_letters(0, 0).await.unwrap().is_empty());
-    assert!(q.dead_letters(0, max + 1).await.is_err(), "more than MAX_BATCH");
+    assert!(
+        q.dead_letters(0, max + 1).await.is_err(),
+        "more than MAX_BATCH"
+    );
 }
 
 /// `extend` renews any number of leases, at most `MAX_BATCH` per script call.
@@ -389,7 +410,11 @@ async fn dead_letter_retention_trims_by_count_and_age() {
     assert_eq!(kept, [2, 3, 4], "the newest three are kept");
     let records: i64 = raw(&conn, &["HLEN", &key("retain", "data")]).await;
     let errors: i64 = raw(&conn, &["HLEN", &key("retain", "errors")]).await;
-    assert_eq!((records, errors), (3, 3), "trimmed letters left data behind");
+    assert_eq!(
+        (records, errors),
+        (3, 3),
+        "trimmed letters left data behind"
+    );
 
     // By age, through recover's burials too.
     let q = queue(conn.clone(), "retain-age").dead_retention(None, Some(ms(100)));

@@ -71,10 +71,11 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
             }
             for d in dead {
                 println!(
-                    "{}  failures {}  deferrals {}  error: {}\n    {}",
+                    "{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
                     d.id,
                     d.failures,
                     d.deferrals,
+                    d.stalls,
                     d.error.as_deref().unwrap_or("-"),
                     String::from_utf8_lossy(&d.payload)
                 );

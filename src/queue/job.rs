@@ -91,7 +91,7 @@ impl<T: DeserializeOwned> Job<T> {
         due_ms: i64,
         record: &[u8],
         queue: &Arc<QueueKeys>,
-    ) -> Result<Self, (Job<()>, String)> {
+    ) -> Result<Self, Box<(Job<()>, String)>> {
         let parsed = split_record(record);
         let Record {
             enqueued,
@@ -119,14 +119,14 @@ impl<T: DeserializeOwned> Job<T> {
             raw: Arc::from(payload),
         };
         if parsed.is_none() {
-            return Err((
+            return Err(Box::new((
                 job,
                 "malformed record: no `<enqueued>:<failures>:<deferrals>:<stalls>:` header".into(),
-            ));
+            )));
         }
         match serde_json::from_slice(payload) {
             Ok(payload) => Ok(job.map(|()| payload)),
-            Err(e) => Err((job, format!("could not decode payload: {e}"))),
+            Err(e) => Err(Box::new((job, format!("could not decode payload: {e}")))),
         }
     }
 }
@@ -311,8 +311,11 @@ impl DeadLetter {
 
 /// A fresh message id: a UUIDv7 written as 26 characters of Crockford's
 /// base32. Ids generated in one process sort in generation order (the
-/// schedule breaks ties in due time by id), and are 10 bytes shorter than
-/// the hyphenated UUID, which Redis stores twice per waiting message.
+/// schedule breaks ties in due time by id; `Uuid::now_v7` guarantees the
+/// order within a process, and the fixed-length base32 keeps it byte-wise);
+/// ids from different processes sort by their clocks' millisecond, then
+/// arbitrarily. They are 10 bytes shorter than the hyphenated UUID, which
+/// Redis stores twice per waiting message.
 pub(crate) fn new_id() -> String {
     const ALPHABET: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
     let mut n = uuid::Uuid::now_v7().as_u128();

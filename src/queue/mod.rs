@@ -37,6 +37,44 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Order
+//!
+//! Messages are claimed in ascending order of (due time in whole
+//! milliseconds, message id compared byte-wise): the schedule is a sorted set
+//! scored by due time, and Redis orders equal scores by member. So among
+//! messages due in the same millisecond:
+//!
+//! * those pushed by **one process** with generated ids come in the order
+//!   that process generated their ids, which is the order of its `push*`
+//!   calls (and the order within one [`push_many`](Queue::push_many)): ids
+//!   are UUIDv7 values, ordered by creation within a process, written in an
+//!   order-preserving base32;
+//! * those from **different processes** are ordered by each producer's wall
+//!   clock when it generated the id (the UUIDv7's millisecond), then
+//!   arbitrarily: not by their arrival at the server;
+//! * caller-chosen ids ([`PushOptions::id`], producers in other languages)
+//!   order by their bytes, whatever the push order.
+//!
+//! A retried, deferred or recovered message keeps its id and gets a new due
+//! time. The claim order is the order handlers *start* in only with one
+//! worker running one handler at a time.
+//!
+//! # Claims, attempts and stalls
+//!
+//! A claim number is the larger of the last one + 1 and the server's time in
+//! microseconds, so claim numbers never repeat, also after the server lost
+//! recent writes (a restart from an older snapshot, a promoted replica that
+//! lagged): a worker holding a claim from before such a rollback cannot
+//! settle the message once another worker claimed it again, unless the
+//! server's clock was stepped back by more than the writes it lost.
+//!
+//! Each message counts failed attempts (handler errors:
+//! [`Job::attempt`]), deferrals for lock contention ([`Job::deferrals`]) and
+//! stalls, leases that ran out because its worker died or stalled
+//! ([`Job::stalls`], counted by [`recover`](Queue::recover), which buries
+//! after `max_stalls`). A stall is not a failed attempt: the handler may
+//! never have started.
+//!
 //! Waiting for work without polling is [`Waiter`]'s job; driving a tower
 //! service from a queue is the [`Worker`](crate::Worker)'s.
 
@@ -55,8 +93,8 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub(crate) use self::running::RunningJob;
 pub use self::job::{DeadLetter, Job};
+pub(crate) use self::running::RunningJob;
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
@@ -469,7 +507,8 @@ where
             };
             match Job::decode(id, claim, due as i64, &record, &self.keys) {
                 Ok(job) => claimed.jobs.push(job),
-                Err((job, error)) => {
+                Err(bad) => {
+                    let (job, error) = *bad;
                     tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
                     // A failed bury must not strand the good jobs of this
                     // batch: the bad one comes back after its lease and is

@@ -65,4 +65,3 @@ impl RunningJob {
         RUNNING.sync_scope(RefCell::new(job), f)
     }
 }
-

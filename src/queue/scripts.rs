@@ -37,21 +37,19 @@ fn push_source() -> String {
 
 impl Scripts {
     pub(crate) fn get() -> &'static Scripts {
-        static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
-            Scripts {
-                push: Script::new(&push_source()),
-                claim: load(include_str!("lua/claim.lua")),
-                ack: load(include_str!("lua/ack.lua")),
-                ack_many: load(include_str!("lua/ack_many.lua")),
-                reschedule: load(include_str!("lua/reschedule.lua")),
-                bury: load(include_str!("lua/bury.lua")),
-                extend: load(include_str!("lua/extend.lua")),
-                recover: load(include_str!("lua/recover.lua")),
-                requeue_dead: load(include_str!("lua/requeue_dead.lua")),
-                remove: load(include_str!("lua/remove.lua")),
-                stats: load(include_str!("lua/stats.lua")),
-                dead: load(include_str!("lua/dead.lua")),
-            }
+        static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+            push: Script::new(&push_source()),
+            claim: load(include_str!("lua/claim.lua")),
+            ack: load(include_str!("lua/ack.lua")),
+            ack_many: load(include_str!("lua/ack_many.lua")),
+            reschedule: load(include_str!("lua/reschedule.lua")),
+            bury: load(include_str!("lua/bury.lua")),
+            extend: load(include_str!("lua/extend.lua")),
+            recover: load(include_str!("lua/recover.lua")),
+            requeue_dead: load(include_str!("lua/requeue_dead.lua")),
+            remove: load(include_str!("lua/remove.lua")),
+            stats: load(include_str!("lua/stats.lua")),
+            dead: load(include_str!("lua/dead.lua")),
         });
         &SCRIPTS
     }
