@@ -433,3 +433,61 @@ async fn dead_letter_retention_trims_by_count_and_age() {
     let records: i64 = raw(&conn, &["HLEN", &key("retain-age", "data")]).await;
     assert_eq!(records, 1);
 }
+
+/// The worker passes its `max_stalls` to `recover`: a message whose holders
+/// all died (simulated: claimed under a short lease and never settled) is
+/// buried by a live worker after `max_stalls` expiries, never handled, and
+/// never charged a failed attempt.
+#[tokio::test]
+async fn the_worker_buries_after_max_stalls() {
+    use tower::service_fn;
+    let server = server();
+    let q = queue(manager(&server).await, "worker-stalls");
+    q.push(3).await.unwrap();
+    // Two workers died holding it.
+    for _ in 0..2 {
+        claim_one(&q, ms(20)).await;
+        sleep(ms(40)).await;
+        assert_eq!(q.recover(10).await.unwrap().requeued, 1);
+    }
+    // The third dies too; a live worker with max_stalls(3) recovers it.
+    claim_one(&q, ms(20)).await;
+    let handled = Arc::new(AtomicBool::new(false));
+    let flag = handled.clone();
+    let service = service_fn(move |_job: lockgate::Job<u64>| {
+        flag.store(true, Ordering::SeqCst);
+        async { Ok::<_, std::convert::Infallible>(()) }
+    });
+    assert!(
+        lockgate::Worker::new(server.client(), q.clone(), service.clone())
+            .max_stalls(0)
+            .is_err()
+    );
+    let worker = lockgate::Worker::new(server.client(), q.clone(), service)
+        .lease(ms(150))
+        .unwrap()
+        .max_stalls(3)
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move {
+        let _ = stop_rx.await;
+    }));
+    support::eventually("the worker buries the message", BOUNDED, async || {
+        let s = stats(&q).await;
+        support::done_if(s.dead == 1, s)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    assert!(!handled.load(Ordering::SeqCst), "a dead letter was handled");
+    let letter = q.dead_letters(0, 1).await.unwrap().remove(0);
+    assert_eq!((letter.failures, letter.stalls), (0, 3));
+    assert!(
+        letter
+            .error
+            .as_deref()
+            .unwrap()
+            .starts_with("lease expired 3 times (limit 3)"),
+        "{letter:?}"
+    );
+}
