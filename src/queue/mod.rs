@@ -889,8 +889,9 @@ where
     /// records and errors with them; each burial removes at most about a
     /// hundred letters, so a large backlog (or a limit lowered later) is
     /// trimmed over the next burials, never in one long call. Nothing is
-    /// trimmed while nothing is buried. Every process that buries should use
-    /// the same setting.
+    /// trimmed while nothing is buried. `Some(0)` as the count keeps no dead
+    /// letters at all (a burial deletes the message). Every process that
+    /// buries (workers, and `bury` callers) should use the same setting.
     pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
         Self {
             retention: Retention { max_count, max_age },
