@@ -65,3 +65,4 @@ impl RunningJob {
         RUNNING.sync_scope(RefCell::new(job), f)
     }
 }
+
