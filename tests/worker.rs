@@ -169,7 +169,7 @@ async fn deferring_a_mapped_payload_reschedules_the_running_job_in_place() {
     }
     stop_tx.send(()).unwrap();
     run.await.unwrap().unwrap();
-    let dead = queue.dead_letters(0, -1).await.unwrap();
+    let dead = queue.dead_letters(0, 100).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(
         dead[0].id, pushed.id,
@@ -312,7 +312,7 @@ async fn a_backlog_wakes_every_idle_worker() {
         stats(&queue).await.dead,
         0,
         "{:?}",
-        queue.dead_letters(0, -1).await
+        queue.dead_letters(0, 100).await
     );
 }
 

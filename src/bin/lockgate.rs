@@ -63,17 +63,19 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
             }
         }
         "dead" => {
-            let count: isize = args.get(1).map(|c| c.parse()).transpose()?.unwrap_or(20);
-            let dead = queue(&args)?.dead_letters(0, count.max(1) - 1).await?;
+            let count: usize = args.get(1).map(|c| c.parse()).transpose()?.unwrap_or(20);
+            let count = count.clamp(1, lockgate::queue::MAX_BATCH);
+            let dead = queue(&args)?.dead_letters(0, count).await?;
             if dead.is_empty() {
                 println!("no dead letters");
             }
             for d in dead {
                 println!(
-                    "{}  failures {}  deferrals {}  error: {}\n    {}",
+                    "{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
                     d.id,
                     d.failures,
                     d.deferrals,
+                    d.stalls,
                     d.error.as_deref().unwrap_or("-"),
                     String::from_utf8_lossy(&d.payload)
                 );

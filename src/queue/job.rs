@@ -22,6 +22,8 @@ pub struct Job<T> {
     failures: u32,
     /// Times it was deferred because its lock was busy.
     deferrals: u32,
+    /// Times a lease on it ran out (its worker died or stalled).
+    stalls: u32,
     /// When it was first pushed (server clock).
     enqueued_at: SystemTime,
     /// When it was due (server clock).
@@ -32,14 +34,52 @@ pub struct Job<T> {
     raw: Arc<[u8]>,
 }
 
-/// A record's header fields and payload: `<enqueued_ms>:<failures>:<deferrals>:<payload>`.
-pub(crate) fn split_record(record: &[u8]) -> Option<(i64, u32, u32, &[u8])> {
+/// A record's header fields and payload:
+/// `<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>`.
+///
+/// Records written before the stall counter existed have three counters
+/// (`<enqueued_ms>:<failures>:<deferrals>:<payload>`) and read as 0 stalls.
+/// The four-counter form is tried first; it matches an old record only if
+/// that record's payload starts with `<digits>:`, which no JSON text does (a
+/// JSON number is never followed by `:`), so the forms cannot be confused.
+pub(crate) fn split_record(record: &[u8]) -> Option<Record<'_>> {
+    fn num(part: &[u8]) -> Option<u64> {
+        // Digits only, as the scripts' `%d+` patterns: no sign, no spaces.
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(part).ok()?.parse().ok()
+    }
     let mut parts = record.splitn(4, |b| *b == b':');
-    let mut num = || std::str::from_utf8(parts.next()?).ok()?.parse::<i64>().ok();
-    let enqueued = num()?;
-    let failures = u32::try_from(num()?).ok()?;
-    let deferrals = u32::try_from(num()?).ok()?;
-    Some((enqueued, failures, deferrals, parts.next()?))
+    let enqueued = i64::try_from(num(parts.next()?)?).ok()?;
+    let failures = u32::try_from(num(parts.next()?)?).ok()?;
+    let deferrals = u32::try_from(num(parts.next()?)?).ok()?;
+    let rest = parts.next()?;
+    let (stalls, payload) = match rest.iter().position(|b| *b == b':') {
+        Some(colon) => match num(&rest[..colon]).and_then(|s| u32::try_from(s).ok()) {
+            Some(stalls) => (stalls, &rest[colon + 1..]),
+            None => (0, rest),
+        },
+        // The three-counter form.
+        None => (0, rest),
+    };
+    Some(Record {
+        enqueued,
+        failures,
+        deferrals,
+        stalls,
+        payload,
+    })
+}
+
+/// The parts of a stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Record<'a> {
+    pub(crate) enqueued: i64,
+    pub(crate) failures: u32,
+    pub(crate) deferrals: u32,
+    pub(crate) stalls: u32,
+    pub(crate) payload: &'a [u8],
 }
 
 impl<T: DeserializeOwned> Job<T> {
@@ -51,29 +91,42 @@ impl<T: DeserializeOwned> Job<T> {
         due_ms: i64,
         record: &[u8],
         queue: &Arc<QueueKeys>,
-    ) -> Result<Self, (Job<()>, String)> {
+    ) -> Result<Self, Box<(Job<()>, String)>> {
         let parsed = split_record(record);
-        let (enqueued, failures, deferrals, payload) = parsed.unwrap_or((0, 0, 0, record));
+        let Record {
+            enqueued,
+            failures,
+            deferrals,
+            stalls,
+            payload,
+        } = parsed.unwrap_or(Record {
+            enqueued: 0,
+            failures: 0,
+            deferrals: 0,
+            stalls: 0,
+            payload: record,
+        });
         let job = Job {
             id,
             payload: (),
             claim,
             failures,
             deferrals,
+            stalls,
             enqueued_at: from_unix_ms(enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
             raw: Arc::from(payload),
         };
         if parsed.is_none() {
-            return Err((
+            return Err(Box::new((
                 job,
-                "malformed record: no `<enqueued>:<failures>:<deferrals>:` header".into(),
-            ));
+                "malformed record: no `<enqueued>:<failures>:<deferrals>:<stalls>:` header".into(),
+            )));
         }
         match serde_json::from_slice(payload) {
             Ok(payload) => Ok(job.map(|()| payload)),
-            Err(e) => Err((job, format!("could not decode payload: {e}"))),
+            Err(e) => Err(Box::new((job, format!("could not decode payload: {e}")))),
         }
     }
 }
@@ -99,9 +152,9 @@ impl<T> Job<T> {
         self.payload
     }
 
-    /// Which attempt this delivery is: 1 for the first, 2 after one failure
-    /// (a handler error, or a lease that ran out), and so on. Deferrals for
-    /// lock contention do not count.
+    /// Which attempt this delivery is: 1 for the first, 2 after one failed
+    /// attempt (a handler error), and so on. Deferrals for lock contention
+    /// and leases that ran out ([`stalls`](Self::stalls)) do not count.
     pub fn attempt(&self) -> u32 {
         self.failures.saturating_add(1)
     }
@@ -109,6 +162,12 @@ impl<T> Job<T> {
     /// How many times the message was deferred because its lock was busy.
     pub fn deferrals(&self) -> u32 {
         self.deferrals
+    }
+
+    /// How many times a lease on the message ran out before this delivery
+    /// (its worker died or stalled). Counted apart from failed attempts.
+    pub fn stalls(&self) -> u32 {
+        self.stalls
     }
 
     /// When the message was first pushed (server clock).
@@ -149,6 +208,7 @@ impl<T> Job<T> {
             claim: self.claim,
             failures: self.failures,
             deferrals: self.deferrals,
+            stalls: self.stalls,
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
@@ -175,6 +235,7 @@ impl<T> Claim for Job<T> {
             id: &self.id,
             claim: self.claim,
             failures: self.failures,
+            stalls: self.stalls,
         }
     }
 }
@@ -208,10 +269,13 @@ pub struct DeadLetter {
     pub buried_at: SystemTime,
     /// The last error recorded for it.
     pub error: Option<String>,
-    /// Failed attempts.
+    /// Failed attempts (handler errors, and the burial itself when
+    /// [`Queue::bury`](super::Queue::bury) ended a delivery).
     pub failures: u32,
     /// Deferrals for lock contention.
     pub deferrals: u32,
+    /// Lease expiries (its worker died or stalled).
+    pub stalls: u32,
     /// The raw payload bytes (JSON, unless it was malformed).
     pub payload: Vec<u8>,
 }
@@ -224,9 +288,9 @@ impl DeadLetter {
         error: Option<String>,
     ) -> Self {
         let record = record.unwrap_or_default();
-        let (failures, deferrals, payload) = match split_record(&record) {
-            Some((_, f, d, p)) => (f, d, p.to_vec()),
-            None => (0, 0, record),
+        let (failures, deferrals, stalls, payload) = match split_record(&record) {
+            Some(r) => (r.failures, r.deferrals, r.stalls, r.payload.to_vec()),
+            None => (0, 0, 0, record),
         };
         Self {
             id,
@@ -234,6 +298,7 @@ impl DeadLetter {
             error,
             failures,
             deferrals,
+            stalls,
             payload,
         }
     }
@@ -246,8 +311,11 @@ impl DeadLetter {
 
 /// A fresh message id: a UUIDv7 written as 26 characters of Crockford's
 /// base32. Ids generated in one process sort in generation order (the
-/// schedule breaks ties in due time by id), and are 10 bytes shorter than
-/// the hyphenated UUID, which Redis stores twice per waiting message.
+/// schedule breaks ties in due time by id; `Uuid::now_v7` guarantees the
+/// order within a process, and the fixed-length base32 keeps it byte-wise);
+/// ids from different processes sort by their clocks' millisecond, then
+/// arbitrarily. They are 10 bytes shorter than the hyphenated UUID, which
+/// Redis stores twice per waiting message.
 pub(crate) fn new_id() -> String {
     const ALPHABET: &[u8; 32] = b"0123456789ABCDEFGHJKMNPQRSTVWXYZ";
     let mut n = uuid::Uuid::now_v7().as_u128();
@@ -272,12 +340,31 @@ mod tests {
 
     #[test]
     fn records_split() {
+        let r = |enqueued, failures, deferrals, stalls, payload| {
+            Some(Record {
+                enqueued,
+                failures,
+                deferrals,
+                stalls,
+                payload,
+            })
+        };
+        assert_eq!(
+            split_record(b"17:1:2:3:{\"a\":1}"),
+            r(17, 1, 2, 3, &b"{\"a\":1}"[..])
+        );
+        assert_eq!(split_record(b"17:1:2:3:a:b"), r(17, 1, 2, 3, &b"a:b"[..]));
+        // The three-counter form of records written before stalls existed.
         assert_eq!(
             split_record(b"17:1:2:{\"a\":1}"),
-            Some((17, 1, 2, &b"{\"a\":1}"[..]))
+            r(17, 1, 2, 0, &b"{\"a\":1}"[..])
         );
-        assert_eq!(split_record(b"17:1:2:a:b"), Some((17, 1, 2, &b"a:b"[..])));
+        assert_eq!(split_record(b"17:1:2:12"), r(17, 1, 2, 0, &b"12"[..]));
+        assert_eq!(split_record(b"17:1:2:"), r(17, 1, 2, 0, &b""[..]));
+        assert_eq!(split_record(b"17:1:2:3:"), r(17, 1, 2, 3, &b""[..]));
         assert_eq!(split_record(b"{\"a\":1}"), None);
         assert_eq!(split_record(b"1:x:2:p"), None);
+        assert_eq!(split_record(b"1:+2:2:p"), None);
+        assert_eq!(split_record(b"1:2:3"), None);
     }
 }

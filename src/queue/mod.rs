@@ -37,6 +37,44 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Order
+//!
+//! Messages are claimed in ascending order of (due time in whole
+//! milliseconds, message id compared byte-wise): the schedule is a sorted set
+//! scored by due time, and Redis orders equal scores by member. So among
+//! messages due in the same millisecond:
+//!
+//! * those pushed by **one process** with generated ids come in the order
+//!   that process generated their ids, which is the order of its `push*`
+//!   calls (and the order within one [`push_many`](Queue::push_many)): ids
+//!   are UUIDv7 values, ordered by creation within a process, written in an
+//!   order-preserving base32;
+//! * those from **different processes** are ordered by each producer's wall
+//!   clock when it generated the id (the UUIDv7's millisecond), then
+//!   arbitrarily: not by their arrival at the server;
+//! * caller-chosen ids ([`PushOptions::id`], producers in other languages)
+//!   order by their bytes, whatever the push order.
+//!
+//! A retried, deferred or recovered message keeps its id and gets a new due
+//! time. The claim order is the order handlers *start* in only with one
+//! worker running one handler at a time.
+//!
+//! # Claims, attempts and stalls
+//!
+//! A claim number is the larger of the last one + 1 and the server's time in
+//! microseconds, so claim numbers never repeat, also after the server lost
+//! recent writes (a restart from an older snapshot, a promoted replica that
+//! lagged): a worker holding a claim from before such a rollback cannot
+//! settle the message once another worker claimed it again, unless the
+//! server's clock was stepped back by more than the writes it lost.
+//!
+//! Each message counts failed attempts (handler errors:
+//! [`Job::attempt`]), deferrals for lock contention ([`Job::deferrals`]) and
+//! stalls, leases that ran out because its worker died or stalled
+//! ([`Job::stalls`], counted by [`recover`](Queue::recover), which buries
+//! after `max_stalls`). A stall is not a failed attempt: the handler may
+//! never have started.
+//!
 //! Waiting for work without polling is [`Waiter`]'s job; driving a tower
 //! service from a queue is the [`Worker`](crate::Worker)'s.
 
@@ -79,6 +117,8 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
     conn: C,
     /// Names of the queue's Redis keys.
     keys: Arc<QueueKeys>,
+    /// How many dead letters, and for how long, burials keep.
+    retention: Retention,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
     _message: PhantomData<fn(T) -> T>,
 }
@@ -88,8 +128,30 @@ impl<T, C: Clone> Clone for Queue<T, C> {
         Self {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
+            retention: self.retention,
             _message: PhantomData,
         }
+    }
+}
+
+/// Dead-letter retention, applied by the scripts that bury.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Retention {
+    /// Keep at most this many dead letters (the newest).
+    max_count: Option<usize>,
+    /// Keep dead letters at most this long after they were buried.
+    max_age: Option<Duration>,
+}
+
+impl Retention {
+    /// The two script arguments ("" for no limit).
+    fn args(&self) -> (String, String) {
+        (
+            self.max_count.map(|n| n.to_string()).unwrap_or_default(),
+            self.max_age
+                .map(|d| millis(d).to_string())
+                .unwrap_or_default(),
+        )
     }
 }
 
@@ -98,6 +160,7 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
         f.debug_struct("Queue")
             .field("name", &self.keys.name)
             .field("prefix", &self.keys.prefix)
+            .field("retention", &self.retention)
             .finish_non_exhaustive()
     }
 }
@@ -235,7 +298,7 @@ pub struct Claimed<T> {
 pub struct Recovered {
     /// Messages whose lease ran out, put back on the schedule, due now.
     pub requeued: usize,
-    /// Messages whose lease ran out and that had used up their attempts.
+    /// Messages whose lease ran out for the `max_stalls`-th time.
     pub buried: usize,
 }
 
@@ -270,6 +333,7 @@ where
         Ok(Self {
             conn,
             keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
+            retention: Retention::default(),
             _message: PhantomData,
         })
     }
@@ -443,7 +507,8 @@ where
             };
             match Job::decode(id, claim, due as i64, &record, &self.keys) {
                 Ok(job) => claimed.jobs.push(job),
-                Err((job, error)) => {
+                Err(bad) => {
+                    let (job, error) = *bad;
                     tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
                     // A failed bury must not strand the good jobs of this
                     // batch: the bad one comes back after its lease and is
@@ -599,6 +664,7 @@ where
         failed: bool,
     ) -> Result<bool> {
         let job = job.claim_ref();
+        let (max_count, max_age) = self.retention.args();
         let buried: i64 = Scripts::get()
             .bury
             .key(&self.keys.active)
@@ -609,6 +675,8 @@ where
             .arg(job.id())
             .arg(error)
             .arg(if failed { "1" } else { "0" })
+            .arg(max_count)
+            .arg(max_age)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("burying message `{}`", job.id())))?;
@@ -616,39 +684,50 @@ where
     }
 
     /// Renews the leases of claimed messages to run `lease` from now, in one
-    /// round trip. Returns, per message, whether its claim was still held.
+    /// round trip per [`MAX_BATCH`] messages. Returns, per message, whether
+    /// its claim was still held.
     pub async fn extend<'a, J, I>(&self, jobs: I, lease: Duration) -> Result<Vec<bool>>
     where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
     {
         check_lease(lease)?;
-        let mut call = Scripts::get().extend.prepare_invoke();
-        call.key(&self.keys.active).arg(millis(lease));
-        let mut count = 0;
-        for job in jobs {
-            call.arg(job.claim_ref().member());
-            count += 1;
+        let members: Vec<String> = jobs.into_iter().map(|j| j.claim_ref().member()).collect();
+        let mut out = Vec::with_capacity(members.len());
+        // Bounded script calls: one call never keeps the server busy for long.
+        for batch in members.chunks(MAX_BATCH) {
+            let mut call = Scripts::get().extend.prepare_invoke();
+            call.key(&self.keys.active).arg(millis(lease)).arg(batch);
+            let held: Vec<i64> =
+                call.invoke_async(&mut self.conn.clone())
+                    .await
+                    .map_err(Error::redis(format_args!(
+                        "extending leases in queue `{}`",
+                        self.name()
+                    )))?;
+            if held.len() != batch.len() {
+                return Err(Error::reply(
+                    format_args!("extending leases in queue `{}`", self.name()),
+                    format_args!("{} values for {} leases", held.len(), batch.len()),
+                ));
+            }
+            out.extend(held.into_iter().map(|h| h == 1));
         }
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        let held: Vec<i64> =
-            call.invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "extending leases in queue `{}`",
-                    self.name()
-                )))?;
-        Ok(held.into_iter().map(|h| h == 1).collect())
+        Ok(out)
     }
 
     /// Hands messages whose lease ran out back to the schedule, due now,
-    /// counting a failed attempt; a message that has failed `max_attempts`
-    /// times is buried instead. Handles up to [`MAX_BATCH`] messages per call
-    /// and loops until none is left. Safe to run from many processes at once.
-    pub async fn recover(&self, max_attempts: u32) -> Result<Recovered> {
+    /// counting a *stall*, not a failed attempt: the handler may never have
+    /// started (a dead worker's prefetched messages, a claim whose reply was
+    /// lost), so [`Job::attempt`] does not move. A message whose lease has
+    /// run out `max_stalls` times (at least 1) is buried instead, with the
+    /// error `lease expired N times (limit N): …`: a message that kills its
+    /// worker every time still ends as a dead letter. Handles up to
+    /// [`MAX_BATCH`] messages per script call and loops until none is left.
+    /// Safe to run from many processes at once.
+    pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
+        let (max_count, max_age) = self.retention.args();
         loop {
             let (requeued, buried, examined): (usize, usize, usize) = Scripts::get()
                 .recover
@@ -658,8 +737,10 @@ where
                 .key(&self.keys.dead)
                 .key(&self.keys.errors)
                 .key(&self.keys.bell)
-                .arg(max_attempts.max(1))
+                .arg(max_stalls.max(1))
                 .arg(MAX_BATCH)
+                .arg(&max_count)
+                .arg(&max_age)
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(format_args!(
@@ -701,9 +782,22 @@ where
         })
     }
 
-    /// Lists dead letters, oldest first: `start..=stop` by position, where
-    /// negative positions count from the end (`0, -1` lists all).
-    pub async fn dead_letters(&self, start: isize, stop: isize) -> Result<Vec<DeadLetter>> {
+    /// Lists a page of dead letters, oldest first: up to `limit` (at most
+    /// [`MAX_BATCH`]) from position `offset`. The next page starts at
+    /// `offset + limit`; a page shorter than `limit` is the last. (Positions
+    /// shift when letters are re-driven, removed or trimmed meanwhile: a
+    /// listing taken while the dead set changes may skip or repeat letters.)
+    /// Errors when `limit` exceeds [`MAX_BATCH`].
+    pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
+        if limit > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "a dead-letter page holds at most {MAX_BATCH} letters, got {limit}"
+            )));
+        }
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let (start, stop) = (offset, offset.saturating_add(limit - 1));
         let reply: Vec<Value> = Scripts::get()
             .dead
             .key(&self.keys.data)
@@ -738,21 +832,25 @@ where
         Ok(out)
     }
 
-    /// Re-drives one dead letter: due now, attempts reset. Returns whether it
-    /// was dead.
+    /// Re-drives one dead letter: due now, attempts, deferrals and stalls
+    /// reset. Returns whether it was dead.
     pub async fn requeue_dead(&self, id: &str) -> Result<bool> {
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        Ok(self.requeue_dead_batch(id).await?.0 == 1)
+        Ok(self.requeue_dead_batch(id, None).await?.0 == 1)
     }
 
-    /// Re-drives every dead letter (in batches of [`MAX_BATCH`]); returns how
-    /// many.
+    /// Re-drives the dead letters buried up to the moment this call started
+    /// (by the server's clock), in batches of [`MAX_BATCH`]; returns how
+    /// many. Letters buried again while it runs (a poison message that fails
+    /// at once) are left dead, so the call ends.
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
+        let mut cutoff = None;
         loop {
-            let (requeued, examined) = self.requeue_dead_batch("").await?;
+            let (requeued, examined, started) = self.requeue_dead_batch("", cutoff).await?;
+            cutoff = Some(started);
             total += requeued;
             if examined < MAX_BATCH {
                 return Ok(total);
@@ -760,7 +858,11 @@ where
         }
     }
 
-    async fn requeue_dead_batch(&self, id: &str) -> Result<(usize, usize)> {
+    async fn requeue_dead_batch(
+        &self,
+        id: &str,
+        cutoff: Option<i64>,
+    ) -> Result<(usize, usize, i64)> {
         Scripts::get()
             .requeue_dead
             .key(&self.keys.data)
@@ -770,12 +872,31 @@ where
             .key(&self.keys.bell)
             .arg(id)
             .arg(MAX_BATCH)
+            .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "re-driving dead letters of queue `{}`",
                 self.name()
             )))
+    }
+
+    /// Dead-letter retention: keep at most `max_count` dead letters (the
+    /// newest) and none buried more than `max_age` ago (`None`: no limit;
+    /// the default is no limit on either). Applied by the scripts that bury
+    /// ([`bury`](Self::bury), [`recover`](Self::recover), the worker's
+    /// burials) to the queue's whole dead set, deleting trimmed letters'
+    /// records and errors with them; each burial removes at most about a
+    /// hundred letters, so a large backlog (or a limit lowered later) is
+    /// trimmed over the next burials, never in one long call. Nothing is
+    /// trimmed while nothing is buried. `Some(0)` as the count keeps no dead
+    /// letters at all (a burial deletes the message). Every process that
+    /// buries (workers, and `bury` callers) should use the same setting.
+    pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
+        Self {
+            retention: Retention { max_count, max_age },
+            ..self
+        }
     }
 
     /// Deletes a scheduled or dead message; returns whether it did. A message
@@ -797,9 +918,11 @@ where
 
     /// Deletes the whole queue: every message in every state. (The claim
     /// counter stays, so that a worker's claim from before the purge can
-    /// never match a new message pushed under the same id.)
+    /// never match a new message pushed under the same id.) The memory is
+    /// freed in the background (`UNLINK`), so a large queue does not block
+    /// the server.
     pub async fn purge(&self) -> Result<()> {
-        redis::cmd("DEL")
+        redis::cmd("UNLINK")
             .arg(&self.keys.all()[..])
             .exec_async(&mut self.conn.clone())
             .await
@@ -832,6 +955,7 @@ pub struct ClaimToken {
     id: String,
     claim: u64,
     failures: u32,
+    stalls: u32,
 }
 
 impl ClaimToken {
@@ -852,6 +976,7 @@ impl Claim for ClaimToken {
             id: &self.id,
             claim: self.claim,
             failures: self.failures,
+            stalls: self.stalls,
         }
     }
 }
@@ -862,6 +987,7 @@ pub struct ClaimRef<'a> {
     id: &'a str,
     claim: u64,
     failures: u32,
+    stalls: u32,
 }
 
 impl ClaimRef<'_> {
@@ -871,14 +997,18 @@ impl ClaimRef<'_> {
             id: self.id.to_owned(),
             claim: self.claim,
             failures: self.failures,
+            stalls: self.stalls,
         }
     }
 
     fn id(&self) -> &str {
         self.id
     }
+    /// Non-zero when the message may have an error entry (`ack` then
+    /// deletes it): after a failed attempt, and after a lease expiry, which
+    /// `recover` records as an error too.
     fn failures(&self) -> u32 {
-        self.failures
+        self.failures.saturating_add(self.stalls)
     }
     fn member(&self) -> String {
         format!("{}:{}", self.id, self.claim)

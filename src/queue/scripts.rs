@@ -20,26 +20,59 @@ pub(crate) struct Scripts {
     pub(crate) dead: Script,
 }
 
+/// A script's source as loaded: the shared prelude, a newline, the script.
+fn load(body: &str) -> Script {
+    Script::new(&with_prelude(body))
+}
+
+fn with_prelude(body: &str) -> String {
+    format!("{}\n{body}", include_str!("lua/prelude.lua"))
+}
+
+/// The push script as the library loads it; `scripts/push.lua` (for
+/// producers in other languages) must be exactly this.
+fn push_source() -> String {
+    with_prelude(include_str!("lua/push.lua"))
+}
+
 impl Scripts {
     pub(crate) fn get() -> &'static Scripts {
-        static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| {
-            let load =
-                |body: &str| Script::new(&format!("{}\n{body}", include_str!("lua/prelude.lua")));
-            Scripts {
-                push: load(include_str!("lua/push.lua")),
-                claim: load(include_str!("lua/claim.lua")),
-                ack: load(include_str!("lua/ack.lua")),
-                ack_many: load(include_str!("lua/ack_many.lua")),
-                reschedule: load(include_str!("lua/reschedule.lua")),
-                bury: load(include_str!("lua/bury.lua")),
-                extend: load(include_str!("lua/extend.lua")),
-                recover: load(include_str!("lua/recover.lua")),
-                requeue_dead: load(include_str!("lua/requeue_dead.lua")),
-                remove: load(include_str!("lua/remove.lua")),
-                stats: load(include_str!("lua/stats.lua")),
-                dead: load(include_str!("lua/dead.lua")),
-            }
+        static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+            push: Script::new(&push_source()),
+            claim: load(include_str!("lua/claim.lua")),
+            ack: load(include_str!("lua/ack.lua")),
+            ack_many: load(include_str!("lua/ack_many.lua")),
+            reschedule: load(include_str!("lua/reschedule.lua")),
+            bury: load(include_str!("lua/bury.lua")),
+            extend: load(include_str!("lua/extend.lua")),
+            recover: load(include_str!("lua/recover.lua")),
+            requeue_dead: load(include_str!("lua/requeue_dead.lua")),
+            remove: load(include_str!("lua/remove.lua")),
+            stats: load(include_str!("lua/stats.lua")),
+            dead: load(include_str!("lua/dead.lua")),
         });
         &SCRIPTS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `scripts/push.lua` is what producers in other languages load; it must
+    /// never drift from the script the library runs. To regenerate it after
+    /// changing `prelude.lua` or `push.lua`, run this test with
+    /// `LOCKGATE_WRITE_SCRIPTS=1`.
+    #[test]
+    fn the_shipped_push_script_is_the_one_the_library_loads() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/push.lua");
+        let expected = super::push_source();
+        if std::env::var_os("LOCKGATE_WRITE_SCRIPTS").is_some() {
+            std::fs::write(path, &expected).expect("write scripts/push.lua");
+        }
+        let shipped = std::fs::read_to_string(path).expect("read scripts/push.lua");
+        assert!(
+            shipped == expected,
+            "scripts/push.lua differs from prelude.lua + push.lua: \
+             regenerate it with LOCKGATE_WRITE_SCRIPTS=1 cargo test shipped_push_script"
+        );
     }
 }

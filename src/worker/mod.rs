@@ -153,6 +153,8 @@ struct Config {
     prefetch: Option<usize>,
     /// Tries per message before it is buried.
     max_attempts: u32,
+    /// Lease expiries per message before it is buried.
+    max_stalls: u32,
     /// Deferrals per message before it is buried; `None` for no limit.
     max_deferrals: Option<u32>,
     /// Wait before retrying a failed message.
@@ -168,6 +170,7 @@ impl Default for Config {
             prefetch: None,
             lease: Duration::from_secs(30),
             max_attempts: 5,
+            max_stalls: 3,
             max_deferrals: None,
             retry: Backoff::exponential(Duration::from_secs(1), Duration::from_secs(300))
                 .expect("constant arguments are valid")
@@ -255,6 +258,23 @@ where
             return Err(Error::config("max_attempts must be at least 1"));
         }
         self.config.max_attempts = n;
+        Ok(self)
+    }
+
+    /// Lease expiries per message (its worker died or stalled while it held
+    /// the message) before it becomes a dead letter, counted apart from
+    /// failed attempts: a message whose handler never started (it sat in a
+    /// dead worker's prefetch buffer) is not charged an attempt, and a
+    /// message that kills its worker every time still ends as a dead letter.
+    /// Default 3 (BullMQ's `maxStalledCount` is 1): one crash or redeploy
+    /// expires the leases of every message the worker held, most of them
+    /// innocent, so a single expiry is too little evidence; 3 bounds what a
+    /// poison message costs to 3 worker crashes. Errors on zero.
+    pub fn max_stalls(mut self, n: u32) -> Result<Self> {
+        if n == 0 {
+            return Err(Error::config("max_stalls must be at least 1"));
+        }
+        self.config.max_stalls = n;
         Ok(self)
     }
 
@@ -762,7 +782,7 @@ where
                 }
             }
         }
-        match shared.queue.recover(shared.config.max_attempts).await {
+        match shared.queue.recover(shared.config.max_stalls).await {
             Ok(recovered) => shared
                 .metrics
                 .add_recovered((recovered.requeued + recovered.buried) as u64),

@@ -1,18 +1,23 @@
--- Moves a claimed message to the dead letters with its error.
+-- Moves a claimed message to the dead letters with its error, then applies
+-- the dead-letter retention (bounded work, see trim_dead).
 -- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors   KEYS[4]: data
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
 -- ARGV[4]: "1" to count this delivery as a failed attempt
+-- ARGV[5]: keep at most this many dead letters ("" for no limit)
+-- ARGV[6]: keep dead letters at most this many ms ("" for no limit)
 -- Returns 1, or 0 when the claim is no longer held, or when its record is
 -- gone (the queue was purged); then only the stale lease entry is dropped.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 local record = redis.call('HGET', KEYS[4], ARGV[2])
 if not record then return 0 end
 if ARGV[4] == '1' then
-  local enq, failures, deferrals, payload = parse(record)
+  local enq, failures, deferrals, stalls, payload = parse(record)
   if enq then
-    redis.call('HSET', KEYS[4], ARGV[2], enq .. ':' .. (failures + 1) .. ':' .. deferrals .. ':' .. payload)
+    redis.call('HSET', KEYS[4], ARGV[2], make_record(enq, failures + 1, deferrals, stalls, payload))
   end
 end
-redis.call('ZADD', KEYS[2], now_ms(), ARGV[2])
+local now = now_ms()
+redis.call('ZADD', KEYS[2], now, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+trim_dead(KEYS[2], KEYS[4], KEYS[3], now, ARGV[5], ARGV[6], 100)
 return 1

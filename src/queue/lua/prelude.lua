@@ -1,19 +1,41 @@
 -- Shared by every queue script; prepended to each at load time, so each
--- script stays a single atomic unit.
+-- script stays a single atomic unit. (scripts/push.lua, the file producers
+-- in other languages load, is this prelude followed by push.lua.)
 --
 -- Keys of queue <q> under prefix <p> (all in hash slot {q}):
---   <p>:{q}:data      hash   id -> record "<enqueued_ms>:<failures>:<deferrals>:<payload>"
+--   <p>:{q}:data      hash   id -> record
+--                            "<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>"
 --   <p>:{q}:schedule  zset   id -> due time (ms); due-now messages are simply due
 --   <p>:{q}:active    zset   "<id>:<claim>" -> lease deadline (ms)
 --   <p>:{q}:dead      zset   id -> time it was buried (ms)
 --   <p>:{q}:errors    hash   id -> last error text
---   <p>:{q}:claims    string claim counter (one INCR per claimed batch)
+--   <p>:{q}:claims    string last claim number (one per claimed batch): never
+--                            reused, also after the server rolled back
 --   <p>:{q}:bell      list   doorbell; at most one element
 
--- Server time in milliseconds: producers' and workers' clocks never matter.
-local function now_ms()
+-- Server time in milliseconds and in microseconds, from one TIME call:
+-- producers' and workers' clocks never matter. (Lua numbers are doubles,
+-- exact below 2^53: microseconds since 1970 stay exact until the year 2255.)
+local function server_time()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + math.floor(us / 1000), s * 1000000 + us
+end
+
+-- Server time in milliseconds.
+local function now_ms()
+  return (server_time())
+end
+
+-- Parses a due time: a delay in ms from `now`, or "@<unix ms>" for an
+-- absolute time. Returns nil for anything else: tonumber alone would also
+-- take "inf" and "nan", which are no time at all.
+local function parse_when(now, when)
+  local absolute = string.byte(when, 1) == 64
+  local n = tonumber(absolute and string.sub(when, 2) or when)
+  if not n or n ~= n or n == math.huge or n == -math.huge then return nil end
+  if absolute then return n end
+  return now + n
 end
 
 -- Due time of the schedule's head, or nil when the schedule is empty.
@@ -33,10 +55,57 @@ local function ring(bell)
 end
 
 -- Splits a record into its header fields and payload; nil if malformed.
+-- Records written before the stall counter existed have three counters
+-- ("<enqueued>:<failures>:<deferrals>:<payload>") and read as 0 stalls. The
+-- two forms cannot be confused: the four-counter pattern is tried first, and
+-- it matches an old record only if its payload starts with "<digits>:",
+-- which no JSON text does (a JSON number is never followed by ':').
 local function parse(record)
-  local enq, failures, deferrals, payload = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
+  local enq, failures, deferrals, stalls, payload =
+    string.match(record, '^(%d+):(%d+):(%d+):(%d+):(.*)$')
+  if enq then
+    return enq, tonumber(failures), tonumber(deferrals), tonumber(stalls), payload
+  end
+  enq, failures, deferrals, payload = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
   if not enq then return nil end
-  return enq, tonumber(failures), tonumber(deferrals), payload
+  return enq, tonumber(failures), tonumber(deferrals), 0, payload
+end
+
+-- Like parse, but keeps a malformed record whole as the payload (cannot
+-- happen for records written by lockgate; the message is kept anyway).
+local function parse_or_keep(record)
+  local enq, failures, deferrals, stalls, payload = parse(record)
+  if not enq then return '0', 0, 0, 0, record end
+  return enq, failures, deferrals, stalls, payload
+end
+
+-- Builds a record; always the four-counter form.
+local function make_record(enq, failures, deferrals, stalls, payload)
+  return enq .. ':' .. failures .. ':' .. deferrals .. ':' .. stalls .. ':' .. payload
+end
+
+-- Dead-letter retention: deletes, oldest first, dead letters buried more
+-- than `max_age` ms before `now` and those beyond the newest `max_count`
+-- (either "" for no limit), with their records and errors; at most `budget`
+-- of them per call, so a call's work stays bounded (each burial adds one
+-- letter and a call may remove many, so the set converges to its limits).
+local function trim_dead(dead, data, errors, now, max_count, max_age, budget)
+  local function forget(ids)
+    if #ids == 0 then return end
+    redis.call('ZREM', dead, unpack(ids))
+    redis.call('HDEL', data, unpack(ids))
+    redis.call('HDEL', errors, unpack(ids))
+    budget = budget - #ids
+  end
+  local age = tonumber(max_age)
+  if age and budget > 0 then
+    forget(redis.call('ZRANGEBYSCORE', dead, '-inf', '(' .. (now - age), 'LIMIT', 0, budget))
+  end
+  local count = tonumber(max_count)
+  if count and budget > 0 then
+    local excess = math.min(redis.call('ZCARD', dead) - count, budget)
+    if excess > 0 then forget(redis.call('ZRANGE', dead, 0, excess - 1)) end
+  end
 end
 
 -- Puts an id (back) on the schedule at `due`, ringing the bell when it is now

@@ -1,34 +1,39 @@
 -- Returns messages whose lease ran out (their worker died or stalled) to the
--- schedule, due now, counting a failed attempt; buries those that used up
--- their attempts. Safe to run from any number of processes at once.
+-- schedule, due now, counting a stall (not a failed attempt: the handler may
+-- never have started, e.g. a dead worker's prefetched messages); buries
+-- those whose lease ran out ARGV[1] times (a message that kills its worker
+-- every time), then applies the dead-letter retention. Safe to run from any
+-- number of processes at once.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: dead
 -- KEYS[5]: errors   KEYS[6]: bell
--- ARGV[1]: max attempts   ARGV[2]: how many at most in this call
+-- ARGV[1]: max stalls   ARGV[2]: how many at most in this call
+-- ARGV[3]: keep at most this many dead letters ("" for no limit)
+-- ARGV[4]: keep dead letters at most this many ms ("" for no limit)
 -- Returns {requeued, buried, examined}: a caller loops while examined is the
 -- batch size (entries without a record are dropped and not counted otherwise).
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-local max_attempts = tonumber(ARGV[1])
+local max_stalls = tonumber(ARGV[1])
 local requeued, buried = 0, 0
 for _, member in ipairs(expired) do
   redis.call('ZREM', KEYS[3], member)
   local id = member_id(member)
   local record = id and redis.call('HGET', KEYS[1], id)
   if record then
-    local enq, failures, deferrals, payload = parse(record)
-    if not enq then
-      enq, failures, deferrals, payload = '0', 0, 0, record
-    end
-    failures = failures + 1
-    redis.call('HSET', KEYS[1], id, enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload)
-    redis.call('HSET', KEYS[5], id, 'lease expired: the worker died or stalled')
-    if failures >= max_attempts then
+    local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+    stalls = stalls + 1
+    redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload))
+    if stalls >= max_stalls then
+      redis.call('HSET', KEYS[5], id, 'lease expired ' .. stalls .. ' times (limit '
+        .. max_stalls .. '): its worker died or stalled every time it held the message')
       redis.call('ZADD', KEYS[4], now, id)
       buried = buried + 1
     else
+      redis.call('HSET', KEYS[5], id, 'lease expired: the worker died or stalled')
       schedule_at(KEYS[2], KEYS[6], id, now)
       requeued = requeued + 1
     end
   end
 end
+if buried > 0 then trim_dead(KEYS[4], KEYS[1], KEYS[5], now, ARGV[3], ARGV[4], 100 + buried) end
 return {requeued, buried, #expired}

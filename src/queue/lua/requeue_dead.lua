@@ -1,27 +1,32 @@
--- Re-drives dead letters: due now, attempt and deferral counts reset.
+-- Re-drives dead letters: due now, attempt, deferral and stall counts reset.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors   KEYS[5]: bell
--- ARGV[1]: an id, or "" for the oldest ARGV[2] dead letters
+-- ARGV[1]: an id, or "" for the oldest ARGV[2] dead letters buried at or
+--          before ARGV[3]
 -- ARGV[2]: how many at most when ARGV[1] is ""
--- Returns {re-driven, examined}; a dead entry without a record is dropped.
+-- ARGV[3]: a time in ms (when the caller's re-drive started), or "" for now
+-- Returns {re-driven, examined, the cutoff time used}; a dead entry without a
+-- record is dropped. A caller that re-drives everything passes the cutoff of
+-- its first call to the next ones: letters buried again meanwhile (a poison
+-- message fails at once) score later and are left, so the loop ends.
+local now = now_ms()
+local cutoff = tonumber(ARGV[3]) or now
 local ids
 if ARGV[1] ~= '' then
   ids = {ARGV[1]}
 else
-  ids = redis.call('ZRANGE', KEYS[3], 0, tonumber(ARGV[2]) - 1)
+  ids = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[2]))
 end
-local now = now_ms()
 local count = 0
 for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[3], id) == 1 then
     local record = redis.call('HGET', KEYS[1], id)
     redis.call('HDEL', KEYS[4], id)
     if record then
-      local enq, _, _, payload = parse(record)
-      if not enq then enq, payload = '0', record end
-      redis.call('HSET', KEYS[1], id, enq .. ':0:0:' .. payload)
+      local enq, _, _, _, payload = parse_or_keep(record)
+      redis.call('HSET', KEYS[1], id, make_record(enq, 0, 0, 0, payload))
       schedule_at(KEYS[2], KEYS[5], id, now)
       count = count + 1
     end
   end
 end
-return {count, #ids}
+return {count, #ids, cutoff}

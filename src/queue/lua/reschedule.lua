@@ -6,25 +6,21 @@
 -- ARGV[4]: "failure", "deferral" or "release": which counter to bump
 -- ARGV[5]: error text to record ("" for none)
 -- Returns the new due time in ms, or -1 when the claim is no longer held.
+-- Validated before any write (the caller is lockgate, but a bad argument must
+-- never leave a message off every structure).
+local due = parse_when(now_ms(), ARGV[3])
+if not due then
+  return redis.error_reply('ERR lockgate reschedule: bad `when` "' .. ARGV[3] .. '"')
+end
 if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then return -1 end
 local id = ARGV[2]
 local record = redis.call('HGET', KEYS[1], id)
 if not record then return -1 end
-local enq, failures, deferrals, payload = parse(record)
-if not enq then
-  -- Cannot happen for records written by lockgate; keep the message anyway.
-  enq, failures, deferrals, payload = '0', 0, 0, record
-end
+local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
 if ARGV[4] ~= 'release' then
   if ARGV[4] == 'failure' then failures = failures + 1 else deferrals = deferrals + 1 end
-  redis.call('HSET', KEYS[1], id, enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload)
+  redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload))
 end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[4], id, ARGV[5]) end
-local due
-if string.byte(ARGV[3], 1) == 64 then
-  due = tonumber(string.sub(ARGV[3], 2))
-else
-  due = now_ms() + tonumber(ARGV[3])
-end
 schedule_at(KEYS[2], KEYS[5], id, due)
 return due

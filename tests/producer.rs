@@ -1,0 +1,134 @@
+//! A producer in another language (Python, standard library only) pushes
+//! through the shipped `scripts/push.lua`, as the README tells it to; the
+//! Rust side claims. Every message is claimed exactly once, and pushing an
+//! id again (a duplicate, a retried push, or after a worker claimed it)
+//! never puts it back on the schedule.
+
+mod support;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use lockgate::Queue;
+use lockgate::testing::RedisServer;
+use serde_json::{Value, json};
+use support::{manager, secs, server, stats};
+
+const LONG: Duration = secs(60);
+
+/// Runs `tests/python/producer.py` with `calls` (a list of lists of
+/// `[id, when, payload]`) and returns its per-call results.
+async fn python(server: &RedisServer, queue: &str, calls: Value) -> Vec<Value> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let port = server.port().to_string();
+    let queue = queue.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut child = Command::new("python3")
+            .arg(format!("{root}/tests/python/producer.py"))
+            .args([&port, &queue, &format!("{root}/scripts/push.lua")])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 must be installed to run this test");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(calls.to_string().as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "producer.py failed: {:?}", out.status);
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("producer.py output")
+    })
+    .await
+    .unwrap()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Order {
+    order: u64,
+    note: String,
+}
+
+#[tokio::test]
+async fn a_python_producer_using_the_shipped_script_cannot_make_a_message_claimable_twice() {
+    const N: u64 = 50;
+    let server = server();
+    let q: Queue<Order> = Queue::new(manager(&server).await, "py").unwrap();
+    let msg = |n: u64| json!([format!("order-{n}"), "0", {"order": n, "note": "from python"}]);
+
+    // One call with every message, and order-0 twice in it; a second call
+    // repeats order-1 (a retried push whose reply was lost); a third is due
+    // in a minute.
+    let mut first: Vec<Value> = (0..N).map(msg).collect();
+    first.push(msg(0));
+    let results = python(
+        &server,
+        "py",
+        json!([first, [msg(1)], [["later", "60000", {"order": 99, "note": "later"}]]]),
+    )
+    .await;
+    let replies = results[0].as_array().unwrap();
+    assert_eq!(replies.len(), N as usize + 1);
+    assert!(
+        replies[..N as usize].iter().all(|r| r[0] == 1),
+        "{replies:?}"
+    );
+    assert_eq!(replies[N as usize][0], 0, "the duplicate was added");
+    assert_eq!(results[1][0][0], 0, "the re-push was added");
+    assert_eq!(results[2][0][0], 1);
+    let s = stats(&q).await;
+    assert_eq!((s.due, s.later), (N, 1));
+
+    // A worker claims everything due.
+    let mut jobs = Vec::new();
+    loop {
+        let batch = q.claim(16, LONG).await.unwrap();
+        assert_eq!(batch.buried, 0, "a Python payload did not decode");
+        if batch.jobs.is_empty() {
+            break;
+        }
+        jobs.extend(batch.jobs);
+    }
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for job in &jobs {
+        *seen.entry(job.id().to_owned()).or_default() += 1;
+        assert_eq!(job.id(), format!("order-{}", job.order));
+        assert_eq!(job.note, "from python");
+        assert_eq!(job.attempt(), 1);
+    }
+    assert_eq!(seen.len(), N as usize);
+    assert!(seen.values().all(|&n| n == 1), "claimed twice: {seen:?}");
+
+    // The producer pushes every id again while the worker holds them: each
+    // is reported as existing and not scheduled, and none becomes claimable.
+    let again: Vec<Value> = (0..N).map(msg).collect();
+    let results = python(&server, "py", json!([again])).await;
+    for reply in results[0].as_array().unwrap() {
+        assert_eq!(reply, &json!([0, -1]), "a claimed id was pushed again");
+    }
+    let s = stats(&q).await;
+    assert_eq!((s.due, s.later, s.active), (0, 1, N));
+    assert!(q.claim(16, LONG).await.unwrap().jobs.is_empty());
+
+    for job in &jobs {
+        assert!(q.ack(job).await.unwrap());
+    }
+    let s = stats(&q).await;
+    assert_eq!((s.due, s.later, s.active, s.dead), (0, 1, 0, 0));
+
+    // Bad arguments come back as a clear error, and nothing is written.
+    let results = python(
+        &server,
+        "py",
+        json!([[["bad", "5s", {"order": 1, "note": ""}]]]),
+    )
+    .await;
+    let error = results[0]["error"].as_str().expect("an error reply");
+    assert!(error.contains("lockgate push"), "{error}");
+    let s = stats(&q).await;
+    assert_eq!((s.due, s.later, s.active, s.dead), (0, 1, 0, 0));
+}
