@@ -28,8 +28,6 @@ pub struct Job<T> {
     due_at: SystemTime,
     /// The queue it was claimed from.
     queue: Arc<QueueKeys>,
-    /// The payload as stored (see [`RunningJob`]).
-    raw: Arc<[u8]>,
 }
 
 /// A record's header fields and payload: `<enqueued_ms>:<failures>:<deferrals>:<payload>`.
@@ -63,7 +61,6 @@ impl<T: DeserializeOwned> Job<T> {
             enqueued_at: from_unix_ms(enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
-            raw: Arc::from(payload),
         };
         if parsed.is_none() {
             return Err((
@@ -135,11 +132,6 @@ impl<T> Job<T> {
         &self.queue
     }
 
-    /// The payload as stored.
-    pub(crate) fn raw(&self) -> &Arc<[u8]> {
-        &self.raw
-    }
-
     /// Replaces the payload, keeping the claim (for adapters that map a
     /// job's payload type).
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Job<U> {
@@ -152,7 +144,6 @@ impl<T> Job<T> {
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
-            raw: self.raw,
         }
     }
 }
