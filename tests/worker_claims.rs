@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::SystemTime;
 
+use lockgate::queue::Wake;
 use lockgate::{BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
@@ -322,6 +323,40 @@ async fn a_burst_reaches_every_idle_worker_without_the_safety_timer() {
         "every idle worker takes part: {per_worker:?} (burst took {took:?})"
     );
     assert!(took < secs(1) + ms(500), "burst took {took:?}");
+}
+
+/// Item 13, at the waiter: a waiter that returns on its deadline has ended
+/// its own `BLPOP` before the caller's next command goes out, so a ring that
+/// command passes on (a claim leaving due messages, here a push) reaches
+/// another idle waiter, not the returning one's own connection.
+/// `current_thread`: a background task runs only when the test task yields,
+/// which makes the old order (ring first, poke later) deterministic.
+#[tokio::test(flavor = "current_thread")]
+async fn a_waiter_woken_by_its_deadline_passes_a_ring_on() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "handoff").unwrap();
+    // Loads the push script, so that the push below is one command.
+    let warm_up: Queue<Msg> = Queue::new(conn, "warm-up").unwrap();
+    warm_up.push(Msg { a: 0, b: "k".into() }).await.unwrap();
+    let mut first = queue.waiter(server.client());
+    let mut second = queue.waiter(server.client());
+    // `first` blocks before `second`: it is the longest blocked, the one
+    // Redis hands a ring to while its BLPOP is still in flight.
+    let first_queue = queue.clone();
+    let first = tokio::spawn(async move {
+        let woke = first.wait(Some(Instant::now() + ms(300))).await.unwrap();
+        // At once, over the queue's shared connection: rings the bell.
+        first_queue.push(Msg { a: 1, b: "k".into() }).await.unwrap();
+        (woke, first)
+    });
+    tokio::time::sleep(ms(100)).await;
+    let started = Instant::now();
+    let woke = second.wait(Some(started + secs(2))).await.unwrap();
+    let waited = started.elapsed();
+    let (first_woke, _first) = first.await.unwrap();
+    assert_eq!(first_woke, Wake::Deadline);
+    assert_eq!(woke, Wake::Rung, "the ring reached the other waiter (after {waited:?})");
 }
 
 /// Item 14: a handler that finished while shutdown waits gets its
