@@ -297,16 +297,7 @@ async fn a_burst_reaches_every_idle_worker_without_the_safety_timer() {
     let due = SystemTime::now() + ms(1700);
     let due_instant = Instant::now() + ms(1700);
     for a in 0..total {
-        queue
-            .push_at(
-                Msg {
-                    a,
-                    b: "k".into(),
-                },
-                due,
-            )
-            .await
-            .unwrap();
+        queue.push_at(Msg { a, b: "k".into() }, due).await.unwrap();
     }
     eventually("the burst is handled", secs(10), async || {
         let n: usize = handled.iter().map(|c| c.load(Ordering::SeqCst)).sum();
@@ -338,7 +329,13 @@ async fn a_waiter_woken_by_its_deadline_passes_a_ring_on() {
     let queue: Queue<Msg> = Queue::new(conn.clone(), "handoff").unwrap();
     // Loads the push script, so that the push below is one command.
     let warm_up: Queue<Msg> = Queue::new(conn, "warm-up").unwrap();
-    warm_up.push(Msg { a: 0, b: "k".into() }).await.unwrap();
+    warm_up
+        .push(Msg {
+            a: 0,
+            b: "k".into(),
+        })
+        .await
+        .unwrap();
     let mut first = queue.waiter(server.client());
     let mut second = queue.waiter(server.client());
     // `first` blocks before `second`: it is the longest blocked, the one
@@ -347,7 +344,13 @@ async fn a_waiter_woken_by_its_deadline_passes_a_ring_on() {
     let first = tokio::spawn(async move {
         let woke = first.wait(Some(Instant::now() + ms(300))).await.unwrap();
         // At once, over the queue's shared connection: rings the bell.
-        first_queue.push(Msg { a: 1, b: "k".into() }).await.unwrap();
+        first_queue
+            .push(Msg {
+                a: 1,
+                b: "k".into(),
+            })
+            .await
+            .unwrap();
         (woke, first)
     });
     tokio::time::sleep(ms(100)).await;
@@ -356,7 +359,11 @@ async fn a_waiter_woken_by_its_deadline_passes_a_ring_on() {
     let waited = started.elapsed();
     let (first_woke, _first) = first.await.unwrap();
     assert_eq!(first_woke, Wake::Deadline);
-    assert_eq!(woke, Wake::Rung, "the ring reached the other waiter (after {waited:?})");
+    assert_eq!(
+        woke,
+        Wake::Rung,
+        "the ring reached the other waiter (after {waited:?})"
+    );
 }
 
 /// Item 14: a handler that finished while shutdown waits gets its

@@ -71,9 +71,7 @@ use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{
-    Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob,
-};
+use crate::queue::{Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
 
 /// The most handlers one worker runs at once.
 pub const MAX_CONCURRENCY: usize = 100_000;
@@ -383,12 +381,13 @@ where
                         "deferred {} times (limit {max}): its lock stayed busy",
                         job.deferrals()
                     );
-                    shared.in_flight().remove(&seq);
-                    let shared = shared.clone();
-                    tasks.spawn(async move {
-                        shared.settle(&token, Settlement::BuryDeferred(error)).await;
-                        drop(permit);
-                    });
+                    shared.spawn_settle(
+                        &mut tasks,
+                        seq,
+                        token,
+                        Settlement::BuryDeferred(error),
+                        permit,
+                    );
                     continue;
                 }
                 let ready = tokio::select! {
@@ -421,12 +420,7 @@ where
                     Err(panic) => {
                         let error = format!("service call panicked: {}", panic_message(&*panic));
                         let settlement = failure(&shared.config, &token, error);
-                        shared.in_flight().remove(&seq);
-                        let shared = shared.clone();
-                        tasks.spawn(async move {
-                            shared.settle(&token, settlement).await;
-                            drop(permit);
-                        });
+                        shared.spawn_settle(&mut tasks, seq, token, settlement, permit);
                     }
                 }
             }
@@ -618,6 +612,24 @@ where
         }
     }
 
+    /// Settles a message that is not passed to the handler, in a task of
+    /// its own that holds the handler slot until it is done.
+    fn spawn_settle(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<()>,
+        seq: u64,
+        token: ClaimToken,
+        settlement: Settlement,
+        permit: OwnedSemaphorePermit,
+    ) {
+        self.in_flight().remove(&seq);
+        let shared = self.clone();
+        tasks.spawn(async move {
+            shared.settle(&token, settlement).await;
+            drop(permit);
+        });
+    }
+
     /// Hands a claim back at shutdown, due now; logs a failure (the message
     /// then comes back after its lease).
     async fn release(&self, token: &ClaimToken) -> bool {
@@ -659,17 +671,14 @@ where
         // Each task drops its handler call and hands its message back.
         self.cancel.send_replace(true);
         let grace = self.config.lease + Duration::from_secs(1);
-        let settled = tokio::time::timeout(grace, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
+        let settled =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
         if settled.is_err() {
             tasks.abort_all();
             while tasks.join_next().await.is_some() {}
         }
         // Claims of tasks aborted before they reached their settlement.
-        let unfinished: Vec<ClaimToken> =
-            self.in_flight().drain().map(|(_, f)| f.token).collect();
+        let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, f)| f.token).collect();
         for token in &unfinished {
             self.release(token).await;
         }
