@@ -16,6 +16,15 @@
 //! layer holds the right to reschedule that claim; a deferral uses it only
 //! for a queue with the job's own keys (a `Defer` into another queue pushes
 //! a new message).
+//!
+//! The worker offers it only while it *calls* the service (synchronously):
+//! the first `LockLayer` whose `call` runs inside that call (the request
+//! passing through `map_request` and similar layers) takes it. Calls a
+//! handler makes from its future, through other `LockLayer`s, come later,
+//! find nothing, and push their requests as the new messages they are. A
+//! layer that calls its inner service only later, from its own future (a
+//! `Buffer`, say), hides the claim: such a deferral pushes a copy under a
+//! new id, and the worker acknowledges the original.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -24,7 +33,7 @@ use super::job::Job;
 use super::{Claim, ClaimToken, QueueKeys};
 
 tokio::task_local! {
-    /// The claim of the job a [`Worker`](crate::Worker) is running the
+    /// The claim of the job a [`Worker`](crate::Worker) is calling the
     /// service for, until the first `LockLayer` on the way takes it: that
     /// layer reschedules the job in place when it defers into the job's own
     /// queue, instead of pushing a copy. Layers further down (a handler's
@@ -61,11 +70,6 @@ impl RunningJob {
             .try_with(|slot| slot.borrow_mut().take())
             .ok()
             .flatten()
-    }
-
-    /// Runs `f` (a future) with `self` available to [`RunningJob::take`].
-    pub(crate) async fn scope<F: std::future::Future>(self, f: F) -> F::Output {
-        RUNNING.scope(RefCell::new(Some(self)), f).await
     }
 
     /// Calls `f` with `job` (if any) available to [`RunningJob::take`].

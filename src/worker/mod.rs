@@ -407,12 +407,15 @@ where
                 // `call` itself may panic (code before a service_fn's async
                 // block, a key function): that fails this message, not the
                 // worker.
-                // The job is visible to a deferral of its plain payload
-                // further down the stack (see `RunningJob`).
+                // The job's claim is offered to the first LockLayer whose
+                // `call` runs inside this one (see `RunningJob`), so that a
+                // deferral of its request reschedules it in place.
                 let running = RunningJob::of(&job);
-                match std::panic::catch_unwind(AssertUnwindSafe(|| self.service.call(job))) {
+                let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    RunningJob::provide(Some(running), || self.service.call(job))
+                }));
+                match call {
                     Ok(call) => {
-                        let call = running.scope(call);
                         let handled =
                             handle(shared.clone(), acks.clone(), seq, token, call, permit);
                         tasks.spawn(handled.instrument(span));
