@@ -420,3 +420,64 @@ async fn shutdown_lets_a_settlement_in_progress_finish() {
     assert_eq!(st.active, 0, "not left in the active set: {st:?}");
     assert_eq!(st.due + st.later, 1, "retried: {st:?}");
 }
+
+/// Item 11: a handler (with no lock layer of its own) that forwards a new
+/// message, byte for byte equal to the job it runs, through a `LockLayer`
+/// deferring into the same queue: the forwarded message is pushed under an
+/// id of its own, and the running job is acknowledged. (Matching by bytes
+/// took the forwarded request for the running job.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_forwarded_twin_is_a_new_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "twin").unwrap();
+    let locker = Locker::new(conn.clone()).ttl(secs(60)).unwrap();
+    let _held = acquired(&locker, "busy").await;
+    async fn sub_handler(_: Msg) -> Result<(), BoxError> {
+        Ok(())
+    }
+    let forward = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.b.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), secs(60))),
+        )
+        .service_fn(sub_handler);
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let forward = forward.clone();
+        async move {
+            let twin = job.payload().clone();
+            let outcome = tower::ServiceExt::oneshot(forward, twin)
+                .await
+                .expect("the forward call");
+            assert!(outcome.is_deferred());
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move {
+        let _ = stop_rx.await;
+    }));
+    let outer = queue
+        .push(Msg {
+            a: 1,
+            b: "busy".into(),
+        })
+        .await
+        .unwrap();
+    eventually("the running job is acknowledged", secs(10), async || {
+        let s = metrics.snapshot();
+        done_if(s.done + s.lost_leases + s.deferred >= 1, s)
+    })
+    .await;
+    stop(stop_tx, run).await;
+    let s = metrics.snapshot();
+    assert_eq!((s.done, s.deferred), (1, 0), "{s:?}");
+    let ids: Vec<String> = raw(&conn, &["HKEYS", "lockgate:{twin}:data"]).await;
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_ne!(
+        ids[0], outer.id,
+        "the forwarded message has an id of its own"
+    );
+}
