@@ -12,9 +12,28 @@
 //!   [`Outcome::Deferred`] leaves it where the [`LockLayer`](crate::LockLayer)
 //!   put it; `Err`, or a panic, retries it with backoff, and buries it as a
 //!   dead letter with the error text after `max_attempts`.
+//! * **In-place deferral.** While the worker calls the service, it offers
+//!   the job's claim (id and claim number) to the first `LockLayer` whose
+//!   `call` runs inside that call (through `map_request(|job: Job<T>|
+//!   job.into_payload())`, say). When that layer defers into the job's own
+//!   queue, it reschedules that claim in place: same id, same stored bytes,
+//!   one more deferral (so `max_deferrals` applies). The payload's bytes play
+//!   no part. Calls the handler makes later, from its future, through other
+//!   `LockLayer`s are new messages, pushed under ids of their own.
 //! * **Leases.** In-flight messages are leased; one timer renews all their
 //!   leases every third of the lease, and recovers messages whose worker
-//!   died (their lease ran out) so another worker takes them.
+//!   died (their lease ran out) so another worker takes them. A renewal that
+//!   finds a claim gone only marks it; when the handler returns, an in-place
+//!   deferral of that claim means nothing was lost (the deferral ended the
+//!   claim); otherwise the lease is counted lost once and no settlement is
+//!   attempted.
+//! * **Metrics.** `lost_leases` counts claims the server confirmed were no
+//!   longer this worker's. `unconfirmed` counts retries and burials whose
+//!   first attempt failed in transport and whose resend was refused: the
+//!   first attempt may have been applied, its reply lost. An acknowledgement
+//!   is decided exactly: a message that is gone after a lost reply was
+//!   completed by the earlier attempt (counted done), one that still exists
+//!   under another claim is a lost lease.
 //! * **Idle.** With nothing due, the worker sleeps on a tokio timer until the
 //!   next due time, and is woken early by the queue's doorbell when a
 //!   producer adds an earlier message (see [`Waiter`](crate::queue::Waiter)).
@@ -26,9 +45,13 @@
 //!   by itself. Nothing is lost: a message whose settlement could not be
 //!   written comes back after its lease.
 //! * **Shutdown.** When the shutdown future completes, the worker stops
-//!   claiming, waits up to `shutdown_timeout` for running handlers, then
-//!   cancels the rest and hands their messages back, due now, without
-//!   counting an attempt.
+//!   claiming and hands back the claimed messages it has not started. It
+//!   waits up to `shutdown_timeout` for running handlers; then it cancels
+//!   the handlers still running and hands their messages back, due now,
+//!   without counting an attempt. Settlements already under way (a handler
+//!   that returned) are not cancelled: they finish, within about a lease
+//!   (the time a settlement retries Redis errors for). A hand-back that
+//!   fails is logged; that message comes back after its lease.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), lockgate::BoxError> {
@@ -274,7 +297,9 @@ where
     }
 
     /// How long shutdown waits for running handlers before cancelling them
-    /// and handing their messages back.
+    /// and handing their messages back. Settlements already under way are
+    /// not cancelled: they finish (within about a lease) before `run_until`
+    /// returns.
     pub fn shutdown_timeout(mut self, d: Duration) -> Self {
         self.config.shutdown_timeout = d;
         self
