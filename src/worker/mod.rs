@@ -361,21 +361,11 @@ where
                 let max = room.min(MAX_BATCH);
                 // Not raced against shutdown: a claim cancelled after the
                 // server ran it would strand its jobs until their lease ran out.
-                match self.queue.claim(max, self.config.lease).await {
-                    Ok(claimed) => {
+                match shared.claim(max, &mut buffer, &mut next_seq).await {
+                    Ok((full, due)) => {
                         failures = 0;
-                        let claimed_at = Instant::now();
-                        maybe_due = claimed.jobs.len() == max;
-                        next_due = claimed.next_due.map(|d| claimed_at + d);
-                        self.metrics.add_claimed(claimed.jobs.len() as u64);
-                        self.metrics.add_dead(claimed.buried as u64);
-                        let mut in_flight = shared.in_flight();
-                        for job in claimed.jobs {
-                            let seq = next_seq;
-                            next_seq += 1;
-                            in_flight.insert(seq, InFlight::new(job.claim_ref().to_token()));
-                            buffer.push_back((seq, job));
-                        }
+                        maybe_due = full;
+                        next_due = due;
                     }
                     Err(error) => {
                         self.metrics.count_error();
@@ -638,6 +628,30 @@ where
                 }
             }
         }
+    }
+
+    /// Claims up to `max` due messages into `buffer`, leased and tracked
+    /// under sequence numbers from `next_seq`; returns whether the batch
+    /// came back full (more may be due) and when the next message is due.
+    async fn claim(
+        &self,
+        max: usize,
+        buffer: &mut VecDeque<(u64, Job<T>)>,
+        next_seq: &mut u64,
+    ) -> Result<(bool, Option<Instant>)> {
+        let claimed = self.queue.claim(max, self.config.lease).await?;
+        let claimed_at = Instant::now();
+        self.metrics.add_claimed(claimed.jobs.len() as u64);
+        self.metrics.add_dead(claimed.buried as u64);
+        let full = claimed.jobs.len() == max;
+        let mut in_flight = self.in_flight();
+        for job in claimed.jobs {
+            let seq = *next_seq;
+            *next_seq += 1;
+            in_flight.insert(seq, InFlight::new(job.claim_ref().to_token()));
+            buffer.push_back((seq, job));
+        }
+        Ok((full, claimed.next_due.map(|d| claimed_at + d)))
     }
 
     /// Settles a message that is not passed to the handler, in a task of
