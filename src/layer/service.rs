@@ -95,11 +95,12 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let key = (self.config.key_fn)(&req).into_lock_key();
         let config = self.config.clone();
+        // A worker's running job belongs to the first lock layer its request
+        // passes, taken here in `call` (the worker offers it only while it
+        // calls the service): calls a handler makes from its future through
+        // other layers must not be mistaken for it.
+        let running = RunningJob::take();
         ResponseFuture::new(Box::pin(async move {
-            // A worker's running job belongs to the first lock layer its
-            // payload passes: calls the handler makes through other layers
-            // must not be mistaken for it.
-            let running = RunningJob::take();
             match key {
                 None => call_ready(inner, req).await,
                 Some(key) => locked_call(config, inner, key, req, running).await,

@@ -85,11 +85,14 @@ impl OnConflict<Fail> {
     /// on that queue, running the same service, brings it back.
     ///
     /// When the request is a [`Job`] claimed from `queue` itself, or the
-    /// payload of a job that a `Worker` on `queue` is running (its jobs
-    /// mapped with `Job::into_payload` before this layer), that job is
-    /// rescheduled in place: one script, same id, and it counts a deferral,
-    /// not a failed attempt. Any other request is pushed as a new message,
-    /// which needs `Req: Serialize`.
+    /// request of a job that a `Worker` on `queue` is running (its jobs
+    /// mapped, say with `Job::into_payload`, before this layer), that job is
+    /// rescheduled in place: one script, same id, same stored bytes, and it
+    /// counts a deferral, not a failed attempt. The running job is known by
+    /// its claim, which the worker hands to the first `LockLayer` its request
+    /// passes, not by the request's bytes. Any other request (a handler's own
+    /// calls through another `LockLayer`, a `Defer` into another queue) is
+    /// pushed as a new message, which needs `Req: Serialize`.
     pub fn defer<T, C>(
         queue: Queue<T, C>,
         delay: impl Into<DeferDelay>,
@@ -228,13 +231,13 @@ where
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
-        // The job a Worker on this very queue is running, when this request
-        // is its payload (mapped before this layer): reschedule that job in
-        // place, as for a Job<T>. Anything else (say, a new message the
-        // handler forwards) is pushed as what it is.
-        let running = RunningJob::take().filter(|job| {
-            &job.queue == queue.keys() && serde_json::to_vec(&req).is_ok_and(|req| job.is(&req))
-        });
+        // The job a Worker is running, handed to this layer by its claim
+        // (see `RunningJob`): when it was claimed from this very queue, this
+        // request is its payload (mapped before this layer), and the job is
+        // rescheduled in place: same id, counts and stored bytes. Identity is
+        // the claim, never the payload's bytes, which another producer may
+        // have written differently. Anything else is pushed as a new message.
+        let running = RunningJob::take().filter(|job| &job.queue == queue.keys());
         Box::pin(async move {
             match running {
                 Some(job) => {

@@ -30,8 +30,6 @@ pub struct Job<T> {
     due_at: SystemTime,
     /// The queue it was claimed from.
     queue: Arc<QueueKeys>,
-    /// The payload as stored (see [`RunningJob`]).
-    raw: Arc<[u8]>,
 }
 
 /// A record's header fields and payload:
@@ -116,7 +114,6 @@ impl<T: DeserializeOwned> Job<T> {
             enqueued_at: from_unix_ms(enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
-            raw: Arc::from(payload),
         };
         if parsed.is_none() {
             return Err(Box::new((
@@ -194,11 +191,6 @@ impl<T> Job<T> {
         &self.queue
     }
 
-    /// The payload as stored.
-    pub(crate) fn raw(&self) -> &Arc<[u8]> {
-        &self.raw
-    }
-
     /// Replaces the payload, keeping the claim (for adapters that map a
     /// job's payload type).
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Job<U> {
@@ -212,7 +204,6 @@ impl<T> Job<T> {
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
-            raw: self.raw,
         }
     }
 }

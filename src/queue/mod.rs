@@ -318,6 +318,19 @@ pub struct Stats {
     pub oldest_due_age: Option<Duration>,
 }
 
+/// What an acknowledgement found for one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Acked {
+    /// Acknowledged now: the message is deleted.
+    Done,
+    /// The claim is no longer held, and the message still exists (its lease
+    /// ran out): a lost lease.
+    NotHeld,
+    /// The message is gone already: completed (say, by an earlier copy of
+    /// this acknowledgement whose reply was lost) or removed.
+    Gone,
+}
+
 impl<T, C> Queue<T, C>
 where
     T: Serialize + DeserializeOwned,
@@ -528,7 +541,8 @@ where
 
     /// Completes a claimed message: it is deleted. Returns `false`, changing
     /// nothing, when the claim is no longer held (its lease ran out and the
-    /// message went back to the schedule or to another worker).
+    /// message went back to the schedule or to another worker), or when the
+    /// message is gone already (completed or removed).
     pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
         let job = job.claim_ref();
         let acked: i64 = Scripts::get()
@@ -552,6 +566,18 @@ where
     /// [`MAX_BATCH`] per call). Returns, per message, whether its claim was
     /// still held.
     pub async fn ack_many<'a, J, I>(&self, jobs: I) -> Result<Vec<bool>>
+    where
+        J: Claim + 'a,
+        I: IntoIterator<Item = &'a J>,
+    {
+        let acked = self.ack_claims(jobs).await?;
+        Ok(acked.into_iter().map(|a| a == Acked::Done).collect())
+    }
+
+    /// [`ack_many`](Self::ack_many), telling apart a claim lost to a lease
+    /// that ran out from a message that is gone already (which, after a
+    /// transport error, means an earlier copy of the call ran).
+    pub(crate) async fn ack_claims<'a, J, I>(&self, jobs: I) -> Result<Vec<Acked>>
     where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
@@ -583,7 +609,14 @@ where
                     "acknowledging messages in queue `{}`",
                     self.name()
                 )))?;
-        Ok(acked.into_iter().map(|a| a == 1).collect())
+        Ok(acked
+            .into_iter()
+            .map(|a| match a {
+                1 => Acked::Done,
+                0 => Acked::NotHeld,
+                _ => Acked::Gone,
+            })
+            .collect())
     }
 
     /// Puts a claimed message back on the schedule after a failure, due

@@ -1,34 +1,57 @@
-//! The claimed job a [`Worker`](crate::Worker) is running, made available
-//! to the first [`LockLayer`](crate::LockLayer) its request passes.
+//! The claim of the job a [`Worker`](crate::Worker) is running, handed to
+//! the first [`LockLayer`](crate::LockLayer) its request passes.
+//!
+//! A handler often sees only the payload (`map_request(|job: Job<T>|
+//! job.into_payload())` before the lock layer), so the layer cannot read the
+//! claim off the request. The worker hands the claim over beside the request
+//! instead, and the layer identifies "the running job" by that claim alone,
+//! never by comparing payload bytes: a producer's JSON may differ byte-wise
+//! from what `T` serializes to (spacing, field order, unknown fields,
+//! escapes), and the job must still be deferred in place, under its own id,
+//! with its counts and its stored bytes kept.
+//!
+//! The types say who may reschedule what: a [`RunningJob`] is made only by
+//! the worker (from the [`Job`] it claimed), it is not `Clone`, and
+//! [`RunningJob::take`] hands it out once per handler call, so exactly one
+//! layer holds the right to reschedule that claim; a deferral uses it only
+//! for a queue with the job's own keys (a `Defer` into another queue pushes
+//! a new message).
+//!
+//! The worker offers it only while it *calls* the service (synchronously):
+//! the first `LockLayer` whose `call` runs inside that call (the request
+//! passing through `map_request` and similar layers) takes it. Calls a
+//! handler makes from its future, through other `LockLayer`s, come later,
+//! find nothing, and push their requests as the new messages they are. A
+//! layer that calls its inner service only later, from its own future (a
+//! `Buffer`, say), hides the claim: such a deferral pushes a copy under a
+//! new id, and the worker acknowledges the original.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::job::Job;
-use super::{Claim, QueueKeys};
+use super::{Claim, ClaimToken, QueueKeys};
 
 tokio::task_local! {
-    /// The claimed job a [`Worker`](crate::Worker) is running the service
-    /// for, until the first `LockLayer` on the way takes it: that layer may
-    /// reschedule the job in place when it defers the plain payload, instead
-    /// of pushing a copy. Layers further down (a handler's own calls through
-    /// another `LockLayer`) find the slot empty and treat their requests as
-    /// the new messages they are.
+    /// The claim of the job a [`Worker`](crate::Worker) is calling the
+    /// service for, until the first `LockLayer` on the way takes it: that
+    /// layer reschedules the job in place when it defers into the job's own
+    /// queue, instead of pushing a copy. Layers further down (a handler's
+    /// own calls through another `LockLayer`) find the slot empty and treat
+    /// their requests as the new messages they are.
     static RUNNING: RefCell<Option<RunningJob>>;
 }
 
-/// What a deferral needs to know of the job the worker is running.
-#[derive(Debug, Clone)]
+/// The right to reschedule the claim a worker is running: what an in-place
+/// deferral needs to know of the job. Made only by the worker, taken once.
+#[derive(Debug)]
 pub(crate) struct RunningJob {
     /// The queue it was claimed from.
     pub(crate) queue: Arc<QueueKeys>,
-    /// Its claim.
-    pub(crate) token: super::ClaimToken,
+    /// Its claim (id and claim number): the job's identity.
+    pub(crate) token: ClaimToken,
     /// Deferrals before this delivery.
     pub(crate) deferrals: u32,
-    /// Its payload as stored: a deferred request is this job only if it
-    /// encodes to the same bytes.
-    pub(crate) raw: Arc<[u8]>,
 }
 
 impl RunningJob {
@@ -37,13 +60,7 @@ impl RunningJob {
             queue: job.queue_keys().clone(),
             token: job.claim_ref().to_token(),
             deferrals: job.deferrals(),
-            raw: job.raw().clone(),
         }
-    }
-
-    /// Whether `encoded` is this job's payload.
-    pub(crate) fn is(&self, encoded: &[u8]) -> bool {
-        *self.raw == *encoded
     }
 
     /// Takes the job the current task's worker is running, if no one took
@@ -53,11 +70,6 @@ impl RunningJob {
             .try_with(|slot| slot.borrow_mut().take())
             .ok()
             .flatten()
-    }
-
-    /// Runs `f` (a future) with `self` available to [`RunningJob::take`].
-    pub(crate) async fn scope<F: std::future::Future>(self, f: F) -> F::Output {
-        RUNNING.scope(RefCell::new(Some(self)), f).await
     }
 
     /// Calls `f` with `job` (if any) available to [`RunningJob::take`].

@@ -19,12 +19,16 @@
 //! busy, or it would take a ring an idle worker was waiting for. Each waiter
 //! therefore blocks on two lists: the bell, and a "poke" list of its own
 //! (`<prefix>:{<queue>}:poke:<uuid>`, in the bell's hash slot). When `wait`
-//! returns on its deadline, it pushes to its poke list over the queue's
-//! shared connection (in the background, so the deadline is not delayed),
-//! which ends its own `BLPOP` and no one else's; the answer (the poke, or a
-//! ring that arrived in between) is collected by the next `wait`, so a ring
-//! is never lost. Both lists are addressed by key, so this works the same on
-//! a Redis Cluster. A poke left over expires after ten seconds.
+//! returns on its deadline, it first pushes to its poke list over the queue's
+//! shared connection, which ends its own `BLPOP` and no one else's; the
+//! answer (the poke, or a ring that arrived in between) is collected by the
+//! next `wait`, so a ring is never lost. The poke is confirmed before `wait`
+//! returns (one round trip): the caller's next command (a claim, which rings
+//! again when due messages remain) must not pass its ring on to this very
+//! waiter's `BLPOP`, the longest blocked one when it was the only waiter that
+//! knew the due time; other idle waiters would then sleep until their safety
+//! timer. Both lists are addressed by key, so this works the same on a Redis
+//! Cluster. A poke left over expires after ten seconds.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -156,7 +160,9 @@ where
                     biased;
                     answer = pending => answer,
                     () = tokio::time::sleep_until(deadline) => {
-                        self.unblock();
+                        // Not `&self` across the await: the waiter is not
+                        // `Sync` (its pending BLPOP is not).
+                        unblock(self.control.clone(), &self.poke).await;
                         return Ok(Wake::Deadline);
                     }
                 },
@@ -177,21 +183,6 @@ where
                 }
             }
         }
-    }
-
-    /// Ends the in-flight `BLPOP` early, without waiting for the answer.
-    fn unblock(&self) {
-        let mut control = self.control.clone();
-        let mut poke = redis::pipe();
-        poke.lpush(&self.poke, 1)
-            .ignore()
-            .pexpire(&self.poke, 10_000)
-            .ignore();
-        tokio::spawn(async move {
-            if let Err(error) = poke.exec_async(&mut control).await {
-                tracing::debug!(%error, "could not poke the waiter's BLPOP");
-            }
-        });
     }
 
     /// Starts a `BLPOP` on the dedicated connection, opening it if needed.
@@ -227,5 +218,23 @@ where
                 .into()),
             }
         }))
+    }
+}
+
+/// Ends the in-flight `BLPOP` early: returns once the server ran the
+/// poke (so the server serves it to our `BLPOP` before it runs any
+/// command the caller sends next), without waiting for the `BLPOP`'s
+/// answer. Bounded by [`MARGIN`]: a poke that fails or hangs only means
+/// our `BLPOP` ends on its own, within [`BLOCK`], as it would anyway.
+async fn unblock<C: ConnectionLike + Send>(mut control: C, poke_key: &str) {
+    let mut poke = redis::pipe();
+    poke.lpush(poke_key, 1)
+        .ignore()
+        .pexpire(poke_key, 10_000)
+        .ignore();
+    match tokio::time::timeout(MARGIN, poke.exec_async(&mut control)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::debug!(%error, "could not poke the waiter's BLPOP"),
+        Err(_) => tracing::debug!("no answer to the poke of the waiter's BLPOP in time"),
     }
 }

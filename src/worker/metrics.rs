@@ -15,6 +15,7 @@ struct Counters {
     deferred: AtomicU64,
     dead: AtomicU64,
     lost_leases: AtomicU64,
+    unconfirmed: AtomicU64,
     recovered: AtomicU64,
     redis_errors: AtomicU64,
 }
@@ -34,8 +35,18 @@ pub struct MetricsSnapshot {
     /// Messages moved to the dead letters (failed for the last time, too
     /// many deferrals, or undecodable).
     pub dead: u64,
-    /// Messages whose lease ran out while this worker held them.
+    /// Messages whose lease ran out while this worker held them: the
+    /// server confirmed that the claim was no longer this worker's (the
+    /// message went back to the schedule, or to another worker), so the
+    /// message is (or was) handled again.
     pub lost_leases: u64,
+    /// Settlements (retry, dead letter) whose first attempt failed in
+    /// transport and whose resend the server refused: the earlier attempt
+    /// may have been applied (its reply was lost), or the lease ran out in
+    /// between. Not counted as lost leases. An ack in that situation is
+    /// decided exactly (the message is gone: done; still there under another
+    /// claim: a lost lease).
+    pub unconfirmed: u64,
     /// Messages of dead workers recovered (requeued or buried) by this one.
     pub recovered: u64,
     /// Redis errors met (each followed by a pause or a retry).
@@ -53,6 +64,7 @@ impl Metrics {
             deferred: c.deferred.load(Relaxed),
             dead: c.dead.load(Relaxed),
             lost_leases: c.lost_leases.load(Relaxed),
+            unconfirmed: c.unconfirmed.load(Relaxed),
             recovered: c.recovered.load(Relaxed),
             redis_errors: c.redis_errors.load(Relaxed),
         }
@@ -75,6 +87,9 @@ impl Metrics {
     }
     pub(crate) fn count_lost_lease(&self) {
         self.0.lost_leases.fetch_add(1, Relaxed);
+    }
+    pub(crate) fn count_unconfirmed(&self) {
+        self.0.unconfirmed.fetch_add(1, Relaxed);
     }
     pub(crate) fn add_recovered(&self, n: u64) {
         self.0.recovered.fetch_add(n, Relaxed);

@@ -12,9 +12,28 @@
 //!   [`Outcome::Deferred`] leaves it where the [`LockLayer`](crate::LockLayer)
 //!   put it; `Err`, or a panic, retries it with backoff, and buries it as a
 //!   dead letter with the error text after `max_attempts`.
+//! * **In-place deferral.** While the worker calls the service, it offers
+//!   the job's claim (id and claim number) to the first `LockLayer` whose
+//!   `call` runs inside that call (through `map_request(|job: Job<T>|
+//!   job.into_payload())`, say). When that layer defers into the job's own
+//!   queue, it reschedules that claim in place: same id, same stored bytes,
+//!   one more deferral (so `max_deferrals` applies). The payload's bytes play
+//!   no part. Calls the handler makes later, from its future, through other
+//!   `LockLayer`s are new messages, pushed under ids of their own.
 //! * **Leases.** In-flight messages are leased; one timer renews all their
 //!   leases every third of the lease, and recovers messages whose worker
-//!   died (their lease ran out) so another worker takes them.
+//!   died (their lease ran out) so another worker takes them. A renewal that
+//!   finds a claim gone only marks it; when the handler returns, an in-place
+//!   deferral of that claim means nothing was lost (the deferral ended the
+//!   claim); otherwise the lease is counted lost once and no settlement is
+//!   attempted.
+//! * **Metrics.** `lost_leases` counts claims the server confirmed were no
+//!   longer this worker's. `unconfirmed` counts retries and burials whose
+//!   first attempt failed in transport and whose resend was refused: the
+//!   first attempt may have been applied, its reply lost. An acknowledgement
+//!   is decided exactly: a message that is gone after a lost reply was
+//!   completed by the earlier attempt (counted done), one that still exists
+//!   under another claim is a lost lease.
 //! * **Idle.** With nothing due, the worker sleeps on a tokio timer until the
 //!   next due time, and is woken early by the queue's doorbell when a
 //!   producer adds an earlier message (see [`Waiter`](crate::queue::Waiter)).
@@ -26,9 +45,13 @@
 //!   by itself. Nothing is lost: a message whose settlement could not be
 //!   written comes back after its lease.
 //! * **Shutdown.** When the shutdown future completes, the worker stops
-//!   claiming, waits up to `shutdown_timeout` for running handlers, then
-//!   cancels the rest and hands their messages back, due now, without
-//!   counting an attempt.
+//!   claiming and hands back the claimed messages it has not started. It
+//!   waits up to `shutdown_timeout` for running handlers; then it cancels
+//!   the handlers still running and hands their messages back, due now,
+//!   without counting an attempt. Settlements already under way (a handler
+//!   that returned) are not cancelled: they finish, within about a lease
+//!   (the time a settlement retries Redis errors for). A hand-back that
+//!   fails is logged; that message comes back after its lease.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), lockgate::BoxError> {
@@ -60,7 +83,7 @@ use futures_util::FutureExt;
 use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
@@ -71,7 +94,7 @@ use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
+use crate::queue::{Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
 
 /// The most handlers one worker runs at once.
 pub const MAX_CONCURRENCY: usize = 100_000;
@@ -294,7 +317,9 @@ where
     }
 
     /// How long shutdown waits for running handlers before cancelling them
-    /// and handing their messages back.
+    /// and handing their messages back. Settlements already under way are
+    /// not cancelled: they finish (within about a lease) before `run_until`
+    /// returns.
     pub fn shutdown_timeout(mut self, d: Duration) -> Self {
         self.config.shutdown_timeout = d;
         self
@@ -317,6 +342,7 @@ where
             config: self.config.clone(),
             metrics: self.metrics.clone(),
             in_flight: Mutex::new(HashMap::new()),
+            cancel: watch::Sender::new(false),
         });
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
@@ -355,21 +381,11 @@ where
                 let max = room.min(MAX_BATCH);
                 // Not raced against shutdown: a claim cancelled after the
                 // server ran it would strand its jobs until their lease ran out.
-                match self.queue.claim(max, self.config.lease).await {
-                    Ok(claimed) => {
+                match shared.claim(max, &mut buffer, &mut next_seq).await {
+                    Ok((full, due)) => {
                         failures = 0;
-                        let claimed_at = Instant::now();
-                        maybe_due = claimed.jobs.len() == max;
-                        next_due = claimed.next_due.map(|d| claimed_at + d);
-                        self.metrics.add_claimed(claimed.jobs.len() as u64);
-                        self.metrics.add_dead(claimed.buried as u64);
-                        let mut in_flight = shared.in_flight();
-                        for job in claimed.jobs {
-                            let seq = next_seq;
-                            next_seq += 1;
-                            in_flight.insert(seq, job.claim_ref().to_token());
-                            buffer.push_back((seq, job));
-                        }
+                        maybe_due = full;
+                        next_due = due;
                     }
                     Err(error) => {
                         self.metrics.count_error();
@@ -388,6 +404,9 @@ where
                     break;
                 };
                 let token = job.claim_ref().to_token();
+                if shared.lost_while_buffered(seq, &token) {
+                    continue;
+                }
                 if let Some(max) = self
                     .config
                     .max_deferrals
@@ -397,12 +416,13 @@ where
                         "deferred {} times (limit {max}): its lock stayed busy",
                         job.deferrals()
                     );
-                    shared.in_flight().remove(&seq);
-                    let shared = shared.clone();
-                    tasks.spawn(async move {
-                        shared.settle(&token, Settlement::BuryDeferred(error)).await;
-                        drop(permit);
-                    });
+                    shared.spawn_settle(
+                        &mut tasks,
+                        seq,
+                        token,
+                        Settlement::BuryDeferred(error),
+                        permit,
+                    );
                     continue;
                 }
                 let ready = tokio::select! {
@@ -422,12 +442,15 @@ where
                 // `call` itself may panic (code before a service_fn's async
                 // block, a key function): that fails this message, not the
                 // worker.
-                // The job is visible to a deferral of its plain payload
-                // further down the stack (see `RunningJob`).
+                // The job's claim is offered to the first LockLayer whose
+                // `call` runs inside this one (see `RunningJob`), so that a
+                // deferral of its request reschedules it in place.
                 let running = RunningJob::of(&job);
-                match std::panic::catch_unwind(AssertUnwindSafe(|| self.service.call(job))) {
+                let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    RunningJob::provide(Some(running), || self.service.call(job))
+                }));
+                match call {
                     Ok(call) => {
-                        let call = running.scope(call);
                         let handled =
                             handle(shared.clone(), acks.clone(), seq, token, call, permit);
                         tasks.spawn(handled.instrument(span));
@@ -435,12 +458,7 @@ where
                     Err(panic) => {
                         let error = format!("service call panicked: {}", panic_message(&*panic));
                         let settlement = failure(&shared.config, &token, error);
-                        shared.in_flight().remove(&seq);
-                        let shared = shared.clone();
-                        tasks.spawn(async move {
-                            shared.settle(&token, settlement).await;
-                            drop(permit);
-                        });
+                        shared.spawn_settle(&mut tasks, seq, token, settlement, permit);
                     }
                 }
             }
@@ -485,7 +503,7 @@ where
 
         // Hand back what was claimed but never started.
         for (seq, job) in buffer {
-            let _ = self.queue.release(&job).await;
+            shared.release(&job.claim_ref().to_token()).await;
             shared.in_flight().remove(&seq);
         }
         shared.drain(tasks).await;
@@ -511,8 +529,33 @@ struct Shared<T, C> {
     queue: Queue<T, C>,
     config: Config,
     metrics: Metrics,
-    /// Claims of messages being handled, by task sequence number.
-    in_flight: Mutex<HashMap<u64, ClaimToken>>,
+    /// Claims of messages being handled (or buffered), by task sequence
+    /// number.
+    in_flight: Mutex<HashMap<u64, InFlight>>,
+    /// Set at shutdown, once the shutdown timeout has passed: handlers still
+    /// running are cancelled (their messages handed back); settlements under
+    /// way are not.
+    cancel: watch::Sender<bool>,
+}
+
+/// A claim being handled, as housekeeping sees it.
+struct InFlight {
+    /// The claim.
+    token: ClaimToken,
+    /// A renewal found the claim gone. Housekeeping only marks it: the
+    /// handler's task decides, once the call returns, whether anything was
+    /// lost (a deferral in place of this very claim also ends it, and may
+    /// have raced the renewal).
+    refused: bool,
+}
+
+impl InFlight {
+    fn new(token: ClaimToken) -> Self {
+        Self {
+            token,
+            refused: false,
+        }
+    }
 }
 
 /// What to write back for a handled message.
@@ -530,7 +573,7 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<u64, ClaimToken>> {
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<u64, InFlight>> {
         // A panic while holding this lock cannot leave the map inconsistent
         // (every operation is a single insert/remove/clone), so poisoning is
         // ignored.
@@ -542,21 +585,36 @@ where
     async fn settle(&self, token: &ClaimToken, settlement: Settlement) {
         let mut pause = Duration::from_millis(50);
         let give_up = Instant::now() + self.config.lease;
+        // Whether an earlier attempt failed in transport: the server may have
+        // run it all the same (its reply was lost), so a refusal now is no
+        // proof of a lost lease.
+        let mut resent = false;
         loop {
             let written = match &settlement {
-                Settlement::Ack => self.queue.ack(token).await,
+                Settlement::Ack => self.queue.ack_claims([token]).await.map(|acked| {
+                    match acked.first() {
+                        Some(Acked::Done) => Some(true),
+                        // Gone after a lost reply: the earlier copy completed
+                        // it. Gone without one: removed by hand, or completed
+                        // elsewhere after our lease ran out.
+                        Some(Acked::Gone) if resent => None,
+                        _ => Some(false),
+                    }
+                }),
                 Settlement::Retry(error) => {
                     let delay = self.config.retry.delay(token.attempt() - 1);
                     self.queue
                         .retry(token, delay, error)
                         .await
-                        .map(|due| due.is_some())
+                        .map(|due| Some(due.is_some()))
                 }
-                Settlement::Bury(error) => self.queue.bury(token, error).await,
-                Settlement::BuryDeferred(error) => self.queue.bury_with(token, error, false).await,
+                Settlement::Bury(error) => self.queue.bury(token, error).await.map(Some),
+                Settlement::BuryDeferred(error) => {
+                    self.queue.bury_with(token, error, false).await.map(Some)
+                }
             };
             match written {
-                Ok(true) => {
+                Ok(Some(true)) | Ok(None) => {
                     match settlement {
                         Settlement::Ack => self.metrics.count_done(),
                         Settlement::Retry(_) => self.metrics.count_retried(),
@@ -566,12 +624,18 @@ where
                     }
                     return;
                 }
-                Ok(false) => {
+                Ok(Some(false)) if resent => {
+                    self.metrics.count_unconfirmed();
+                    tracing::info!(id = %token.id(), "settlement refused after an earlier attempt's reply was lost: it may have been applied by the earlier attempt, or the lease ran out in between");
+                    return;
+                }
+                Ok(Some(false)) => {
                     self.metrics.count_lost_lease();
                     tracing::warn!(id = %token.id(), "lease ran out before the message was settled; it is handled again elsewhere");
                     return;
                 }
                 Err(error) if Instant::now() + pause < give_up => {
+                    resent = true;
                     self.metrics.count_error();
                     tracing::warn!(id = %token.id(), %error, "could not settle message; retrying");
                     tokio::time::sleep(pause).await;
@@ -586,8 +650,78 @@ where
         }
     }
 
-    /// Waits for running handlers up to the shutdown timeout; cancels the
-    /// rest and hands their messages back.
+    /// Claims up to `max` due messages into `buffer`, leased and tracked
+    /// under sequence numbers from `next_seq`; returns whether the batch
+    /// came back full (more may be due) and when the next message is due.
+    async fn claim(
+        &self,
+        max: usize,
+        buffer: &mut VecDeque<(u64, Job<T>)>,
+        next_seq: &mut u64,
+    ) -> Result<(bool, Option<Instant>)> {
+        let claimed = self.queue.claim(max, self.config.lease).await?;
+        let claimed_at = Instant::now();
+        self.metrics.add_claimed(claimed.jobs.len() as u64);
+        self.metrics.add_dead(claimed.buried as u64);
+        let full = claimed.jobs.len() == max;
+        let mut in_flight = self.in_flight();
+        for job in claimed.jobs {
+            let seq = *next_seq;
+            *next_seq += 1;
+            in_flight.insert(seq, InFlight::new(job.claim_ref().to_token()));
+            buffer.push_back((seq, job));
+        }
+        Ok((full, claimed.next_due.map(|d| claimed_at + d)))
+    }
+
+    /// Settles a message that is not passed to the handler, in a task of
+    /// its own that holds the handler slot until it is done.
+    fn spawn_settle(
+        self: &Arc<Self>,
+        tasks: &mut JoinSet<()>,
+        seq: u64,
+        token: ClaimToken,
+        settlement: Settlement,
+        permit: OwnedSemaphorePermit,
+    ) {
+        self.in_flight().remove(&seq);
+        let shared = self.clone();
+        tasks.spawn(async move {
+            shared.settle(&token, settlement).await;
+            drop(permit);
+        });
+    }
+
+    /// Hands a claim back at shutdown, due now; logs a failure (the message
+    /// then comes back after its lease).
+    async fn release(&self, token: &ClaimToken) -> bool {
+        match self.queue.release(token).await {
+            Ok(released) => released,
+            Err(error) => {
+                self.metrics.count_error();
+                tracing::warn!(id = %token.id(), %error, "shutdown: could not hand a message back; it comes back after its lease");
+                false
+            }
+        }
+    }
+
+    /// Whether a buffered job's lease ran out before it could start (a
+    /// renewal found its claim gone): then it is not started, and counted.
+    fn lost_while_buffered(&self, seq: u64, token: &ClaimToken) -> bool {
+        let mut in_flight = self.in_flight();
+        if !in_flight.get(&seq).is_some_and(|f| f.refused) {
+            return false;
+        }
+        in_flight.remove(&seq);
+        self.metrics.count_lost_lease();
+        tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
+        true
+    }
+
+    /// Waits for running handlers up to the shutdown timeout; then cancels
+    /// the handlers still running and hands their messages back, while
+    /// settlements already under way finish (within about a lease, the time
+    /// a settlement retries for).
     async fn drain(&self, mut tasks: JoinSet<()>) {
         let drained = tokio::time::timeout(self.config.shutdown_timeout, async {
             while tasks.join_next().await.is_some() {}
@@ -596,16 +730,21 @@ where
         if drained.is_ok() {
             return;
         }
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
-        let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, t)| t).collect();
-        let mut handed_back = 0;
-        for token in &unfinished {
-            if let Ok(true) = self.queue.release(token).await {
-                handed_back += 1;
-            }
+        // Each task drops its handler call and hands its message back.
+        self.cancel.send_replace(true);
+        let grace = self.config.lease + Duration::from_secs(1);
+        let settled =
+            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if settled.is_err() {
+            tasks.abort_all();
+            while tasks.join_next().await.is_some() {}
         }
-        tracing::info!(queue = %self.queue.name(), handed_back, "shutdown: cancelled handlers that outlived the shutdown timeout");
+        // Claims of tasks aborted before they reached their settlement.
+        let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, f)| f.token).collect();
+        for token in &unfinished {
+            self.release(token).await;
+        }
+        tracing::info!(queue = %self.queue.name(), "shutdown: cancelled handlers that outlived the shutdown timeout");
     }
 }
 
@@ -626,26 +765,44 @@ async fn acker<T, C>(
     while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
         let mut pause = Duration::from_millis(50);
         let give_up = Instant::now() + shared.config.lease;
+        // Whether an earlier attempt failed in transport (it may have run).
+        let mut resent = false;
         loop {
             match shared
                 .queue
-                .ack_many(batch.iter().map(|(token, _)| token))
+                .ack_claims(batch.iter().map(|(token, _)| token))
                 .await
             {
-                Ok(held) => {
-                    for ((token, done), held) in batch.iter().zip(held) {
-                        if held {
-                            if *done {
-                                shared.metrics.count_done();
+                Ok(acked) => {
+                    for ((token, done), acked) in batch.iter().zip(acked) {
+                        match acked {
+                            Acked::Done => {
+                                if *done {
+                                    shared.metrics.count_done();
+                                }
                             }
-                        } else {
-                            shared.metrics.count_lost_lease();
-                            tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+                            // An earlier copy of this batch ran, and its
+                            // reply was lost: completed, not lost.
+                            Acked::Gone if resent => {
+                                tracing::debug!(id = %token.id(), "acknowledged by an earlier attempt whose reply was lost");
+                                if *done {
+                                    shared.metrics.count_done();
+                                }
+                            }
+                            Acked::Gone => {
+                                shared.metrics.count_lost_lease();
+                                tracing::warn!(id = %token.id(), "the message was gone before it was acknowledged (removed, or handled elsewhere after its lease ran out)");
+                            }
+                            Acked::NotHeld => {
+                                shared.metrics.count_lost_lease();
+                                tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+                            }
                         }
                     }
                     break;
                 }
                 Err(error) if Instant::now() + pause < give_up => {
+                    resent = true;
                     shared.metrics.count_error();
                     tracing::warn!(%error, "could not acknowledge messages; retrying");
                     tokio::time::sleep(pause).await;
@@ -676,13 +833,29 @@ async fn handle<T, C, R, E>(
     R: WorkerResponse,
     E: Into<BoxError>,
 {
-    let outcome = AssertUnwindSafe(call).catch_unwind().await;
-    // Settling starts: stop renewing the lease (a renewal that finds it gone
-    // from now on is not a lost lease).
-    shared.in_flight().remove(&seq);
+    let mut cancel = shared.cancel.subscribe();
+    let outcome = tokio::select! {
+        biased;
+        outcome = AssertUnwindSafe(call).catch_unwind() => outcome,
+        // Shutdown outlived its timeout: drop the call, hand the message back.
+        () = async { drop(cancel.wait_for(|cancelled| *cancelled).await) } => {
+            shared.release(&token).await;
+            shared.in_flight().remove(&seq);
+            return;
+        }
+    };
+    // Settling starts: stop renewing the lease. A renewal that found the
+    // claim gone while the handler ran left a mark; what it means depends
+    // on the outcome.
+    let refused = shared
+        .in_flight()
+        .remove(&seq)
+        .is_some_and(|flight| flight.refused);
     let settlement = match outcome {
         Ok(Ok(response)) => match response.deferred_as() {
-            // Rescheduled in place by the LockLayer: nothing left to do.
+            // Rescheduled in place by the LockLayer: nothing left to do. That
+            // deferral ended the claim, so a renewal racing it was refused:
+            // nothing was lost (the deferral's script proved the claim ours).
             Some(id) if id == token.id() => {
                 shared.metrics.count_deferred();
                 None
@@ -703,6 +876,13 @@ async fn handle<T, C, R, E>(
             Some((failure(&shared.config, &token, error), false))
         }
     };
+    if refused && settlement.is_some() {
+        // The claim is gone for good (claim numbers never repeat), so any
+        // settlement would be refused: count the loss once, write nothing.
+        shared.metrics.count_lost_lease();
+        tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
+        return;
+    }
     match settlement {
         Some((Settlement::Ack, done)) => {
             if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
@@ -759,7 +939,8 @@ where
         let in_flight: Vec<(u64, ClaimToken)> = shared
             .in_flight()
             .iter()
-            .map(|(seq, t)| (*seq, t.clone()))
+            .filter(|(_, f)| !f.refused)
+            .map(|(seq, f)| (*seq, f.token.clone()))
             .collect();
         for batch in in_flight.chunks(MAX_BATCH) {
             match shared
@@ -768,11 +949,12 @@ where
                 .await
             {
                 Ok(held) => {
-                    for ((seq, token), held) in batch.iter().zip(held) {
-                        // Settled since the snapshot: not lost, just done.
-                        if !held && shared.in_flight().contains_key(seq) {
-                            shared.metrics.count_lost_lease();
-                            tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
+                    for ((seq, _), held) in batch.iter().zip(held) {
+                        // Only marked: settled since the snapshot is not
+                        // lost, nor is a claim the handler deferred in place
+                        // (the handler's task decides when its call returns).
+                        if !held && let Some(flight) = shared.in_flight().get_mut(seq) {
+                            flight.refused = true;
                         }
                     }
                 }
