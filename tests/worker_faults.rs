@@ -173,6 +173,10 @@ async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
         error.contains("payment gateway said no to 7 on attempt 3"),
         "the dead letter must carry the handler's last error, got {error:?}"
     );
+    assert!(
+        error.starts_with("failed 3 times (max_attempts 3): "),
+        "the dead letter must say which limit it hit, got {error:?}"
+    );
     assert_eq!(letter.deferrals, 0);
 }
 

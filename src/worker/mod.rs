@@ -905,7 +905,13 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
     if token.attempt() >= config.max_attempts {
         tracing::warn!(id = %token.id(), attempt = token.attempt(), %error, "message failed for the last time; burying it");
-        Settlement::Bury(error)
+        // The dead letter says which limit it hit (recover's says
+        // "lease expired N times (limit N)", a deferral cap "deferred N times").
+        Settlement::Bury(format!(
+            "failed {} times (max_attempts {}): {error}",
+            token.attempt(),
+            config.max_attempts
+        ))
     } else {
         tracing::info!(id = %token.id(), attempt = token.attempt(), %error, "message failed; retrying later");
         Settlement::Retry(error)
