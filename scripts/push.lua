@@ -27,14 +27,18 @@ local function now_ms()
   return (server_time())
 end
 
--- Parses a due time: a delay in ms from `now`, or "@<unix ms>" for an
--- absolute time. Returns nil for anything else: tonumber alone would also
--- take "inf" and "nan", which are no time at all.
+-- Parses a due time: a delay in whole ms from `now` ("0" is now; a
+-- negative delay is due now too), or "@<unix ms>" for an absolute time (no
+-- sign: a negative due time would read as the "not scheduled" marker -1).
+-- Returns nil for anything else: tonumber alone would also take " 5",
+-- "0x10", "1e3", "1.5", "inf" and "nan". At most 15 digits, so the due time
+-- stays an exact Lua number far beyond any real date.
 local function parse_when(now, when)
-  local absolute = string.byte(when, 1) == 64
-  local n = tonumber(absolute and string.sub(when, 2) or when)
-  if not n or n ~= n or n == math.huge or n == -math.huge then return nil end
-  if absolute then return n end
+  local at, sign, digits = string.match(when, '^(@?)(%-?)(%d+)$')
+  if not digits or #digits > 15 or (at == '@' and sign == '-') then return nil end
+  local n = tonumber(digits)
+  if at == '@' then return n end
+  if sign == '-' then n = -n end
   return now + n
 end
 
@@ -79,8 +83,14 @@ local function parse_or_keep(record)
   return enq, failures, deferrals, stalls, payload
 end
 
--- Builds a record; always the four-counter form.
+-- Builds a record: the three-counter form while the message has not
+-- stalled (what lockgate 0.1 wrote and reads, so old and new workers can
+-- share a queue during an upgrade, and 2 bytes less per message), the
+-- four-counter form once it has.
 local function make_record(enq, failures, deferrals, stalls, payload)
+  if stalls == 0 then
+    return enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload
+  end
   return enq .. ':' .. failures .. ':' .. deferrals .. ':' .. stalls .. ':' .. payload
 end
 
@@ -158,7 +168,7 @@ local wake = false
 local out = {}
 for i = 1, #ARGV, 3 do
   local id, due = ARGV[i], dues[(i + 2) / 3]
-  if redis.call('HSETNX', KEYS[1], id, now .. ':0:0:0:' .. ARGV[i + 2]) == 1 then
+  if redis.call('HSETNX', KEYS[1], id, now .. ':0:0:' .. ARGV[i + 2]) == 1 then
     redis.call('ZADD', KEYS[2], due, id)
     if head == nil or due < head then
       head = due

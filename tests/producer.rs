@@ -14,7 +14,7 @@ use std::time::Duration;
 use lockgate::Queue;
 use lockgate::testing::RedisServer;
 use serde_json::{Value, json};
-use support::{manager, secs, server, stats};
+use support::{manager, raw, secs, server, stats};
 
 const LONG: Duration = secs(60);
 
@@ -129,6 +129,8 @@ async fn a_python_producer_using_the_shipped_script_cannot_make_a_message_claima
     .await;
     let error = results[0]["error"].as_str().expect("an error reply");
     assert!(error.contains("lockgate push"), "{error}");
+    let orphan: i64 = raw(q.connection(), &["HEXISTS", "lockgate:{py}:data", "bad"]).await;
+    assert_eq!(orphan, 0, "a refused push left a record behind");
     let s = stats(&q).await;
     assert_eq!((s.due, s.later, s.active, s.dead), (0, 1, 0, 0));
 }

@@ -212,7 +212,7 @@ async fn eval_push(
 async fn push_rejects_bad_arguments_before_any_write() {
     let server = server();
     let conn = manager(&server).await;
-    let bad: [&[&str]; 8] = [
+    let bad: [&[&str]; 15] = [
         &["a", "5s", "1"],
         &["a", "@", "1"],
         &["a", "@5s", "1"],
@@ -220,6 +220,16 @@ async fn push_rejects_bad_arguments_before_any_write() {
         &["", "0", "1"],
         &["a", "0"],
         &["a", "nan", "1"],
+        // Forms tonumber would take, but no whole number of ms: a fraction
+        // would be a score between milliseconds, 1e300 a message never due.
+        &["a", "1.5", "1"],
+        &["a", " 5", "1"],
+        &["a", "0x10", "1"],
+        &["a", "1e3", "1"],
+        &["a", "@1e300", "1"],
+        &["a", "@1234567890123456", "1"],
+        // An absolute time before 1970 would read as "not scheduled" (-1).
+        &["a", "@-1", "1"],
         // A good message first: nothing at all is written either.
         &["good", "0", "1", "b", "5s", "2"],
     ];
@@ -249,6 +259,11 @@ async fn push_rejects_bad_arguments_before_any_write() {
         matches!(ok, redis::Value::Array(ref v) if v.len() == 6),
         "{ok:?}"
     );
+    // A fresh record is in the three-counter form lockgate 0.1 reads, so
+    // old and new workers can share a queue during an upgrade.
+    let record: String = raw(&conn, &["HGET", &key("bad", "data"), "a"]).await;
+    let header: Vec<&str> = record.splitn(4, ':').collect();
+    assert_eq!(&header[1..], ["0", "0", "1"], "{record}");
     let q = queue(conn, "bad");
     assert_eq!(stats(&q).await.due, 3);
 }

@@ -35,7 +35,7 @@ local wake = false
 local out = {}
 for i = 1, #ARGV, 3 do
   local id, due = ARGV[i], dues[(i + 2) / 3]
-  if redis.call('HSETNX', KEYS[1], id, now .. ':0:0:0:' .. ARGV[i + 2]) == 1 then
+  if redis.call('HSETNX', KEYS[1], id, now .. ':0:0:' .. ARGV[i + 2]) == 1 then
     redis.call('ZADD', KEYS[2], due, id)
     if head == nil or due < head then
       head = due

@@ -35,5 +35,8 @@ for _, member in ipairs(expired) do
     end
   end
 end
-if buried > 0 then trim_dead(KEYS[4], KEYS[1], KEYS[5], now, ARGV[3], ARGV[4], 100 + buried) end
+-- Retention runs on every call, not only when something was buried: the
+-- workers call recover periodically, so old letters of a queue that stopped
+-- failing still go (an idle trim is one range query and one ZCARD).
+trim_dead(KEYS[4], KEYS[1], KEYS[5], now, ARGV[3], ARGV[4], 100 + buried)
 return {requeued, buried, #expired}
