@@ -186,8 +186,6 @@ where
         let Some(ticket) = guard.ticket.clone() else {
             return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
         };
-        // Whether the lock is known not to be ours after this try.
-        let mut not_ours = true;
         let busy = match locker.acquire_ticket(&ticket).await? {
             Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
             Acquisition::Acquired(lease) => {
@@ -199,14 +197,16 @@ where
                 // fail with `Contended`, defer) fits, and no error is
                 // charged to a message that never reached its handler.
                 tracing::warn!(%key, fence = lease.fence(), "lock acquired after its lease had run out; releasing it");
-                match locker.release_ticket(&ticket).await {
-                    Ok(_) => {}
-                    Err(error) => {
-                        // Maybe still ours: the guard (or the next try, which
-                        // reclaims it with the same token) takes care of it.
-                        not_ours = false;
-                        tracing::warn!(%key, %error, "could not release a lock acquired too late");
-                    }
+                if let Err(error) = locker.release_ticket(&ticket).await {
+                    // Maybe still ours. Its token is retired: a release of it
+                    // that lands late must never meet a lock this call takes
+                    // again, so the next try gets a fresh ticket, and the old
+                    // one is released in the background (the guard's drop).
+                    tracing::warn!(%key, %error, "could not release a lock acquired too late; releasing it in the background");
+                    drop(ReleaseGuard {
+                        locker: locker.clone(),
+                        ticket: guard.ticket.replace(locker.ticket(&key)?),
+                    });
                 }
                 crate::Contended::new(key.clone(), Duration::ZERO)
             }
@@ -218,9 +218,9 @@ where
             tokio::time::sleep(delay).await;
             continue;
         }
-        if not_ours {
-            guard.ticket = None;
-        }
+        // Known not to be ours (a ticket whose release failed was handed
+        // to a background release above): nothing to release.
+        guard.ticket = None;
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
         let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
         let (id, due) = give_up.await?;
