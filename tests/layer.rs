@@ -1562,17 +1562,18 @@ async fn slow_renewal_replies_do_not_make_the_lock_count_as_lost() {
     let server = server();
     let conn = manager(&server).await;
     load_lock_scripts(&conn).await;
-    // Each reply takes 400 ms: renewing a third of the TTL after the last
-    // reply came (400 + 333 + 400 ms) would confirm too late; renewing from
-    // the lease confirms every 400 ms, 200 ms before the lease runs out.
-    let ttl = secs(1);
+    // Each reply takes 800 ms: renewing a third of the TTL after the last
+    // reply came (800 + 667 + 800 ms) would confirm too late for a 2 s TTL;
+    // renewing from the lease confirms 1,467 ms into each lease, over 500 ms
+    // before it runs out (slack for a loaded machine).
+    let ttl = secs(2);
     let slow = Delayed::new(manager(&server).await);
     *slow.after.lock().unwrap() = ttl * 2 / 5;
     let svc = LockLayer::new(locker(slow, ttl), key_of)
         .on_lost(OnLost::Cancel)
         .layer(service_fn(|_m: Msg| async move {
             let held = HeldLock::current().expect("inside a locked call");
-            sleep(secs(3)).await;
+            sleep(secs(5)).await;
             Ok::<_, BoxError>(held.is_lost())
         }));
     let outcome = timeout(BOUNDED, svc.oneshot(msg("k", 1)))

@@ -294,9 +294,10 @@ async fn requeue_all_dead_ends_while_letters_are_reburied() {
     // Workers that bury every message as soon as it is due, as a poison
     // message makes them do (one script: claim and bury at once).
     let stop = Arc::new(AtomicBool::new(false));
+    let reburied = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let reburier = {
         let conn = manager(&server).await;
-        let stop = stop.clone();
+        let (stop, reburied) = (stop.clone(), reburied.clone());
         tokio::spawn(async move {
             let script = redis::Script::new(
                 "local t = redis.call('TIME')
@@ -308,7 +309,6 @@ async fn requeue_all_dead_ends_while_letters_are_reburied() {
                  end
                  return #due",
             );
-            let mut reburied = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let n: u64 = script
                     .key(key("poison-loop", "schedule"))
@@ -316,22 +316,30 @@ async fn requeue_all_dead_ends_while_letters_are_reburied() {
                     .invoke_async(&mut conn.clone())
                     .await
                     .unwrap();
-                reburied += n;
+                reburied.fetch_add(n, Ordering::Relaxed);
                 if n == 0 {
                     tokio::task::yield_now().await;
                 }
             }
-            reburied
         })
     };
     let requeued = timeout(BOUNDED, q.requeue_all_dead()).await;
+    // The re-burier takes part (whatever was re-driven last is due): wait
+    // for it before stopping it, so the check below cannot race it.
+    let deadline = tokio::time::Instant::now() + BOUNDED;
+    while reburied.load(Ordering::Relaxed) == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     stop.store(true, Ordering::Relaxed);
-    let reburied = reburier.await.unwrap();
+    reburier.await.unwrap();
     let requeued = requeued
         .expect("requeue_all_dead did not end while letters were re-buried")
         .unwrap();
     assert!(requeued >= LETTERS as usize, "{requeued}");
-    assert!(reburied > 0, "the re-burier never ran");
+    assert!(
+        reburied.load(Ordering::Relaxed) > 0,
+        "the re-burier never ran"
+    );
 }
 
 /// Dead letters are listed a page at a time, at most `MAX_BATCH` per call.
