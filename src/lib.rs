@@ -14,7 +14,8 @@
 //!   claims, settles, renews leases, recovers, reconnects, shuts down.
 //! * [`error`]: the crate's [`Error`] type.
 //! * `testing` (feature `test-util`): throwaway `redis-server` processes for
-//!   tests, benches and examples.
+//!   tests, benches and examples: single servers (restartable from their own
+//!   snapshot), clusters, and primary + replica pairs for failover tests.
 //!
 //! Every Redis operation that changes more than one key is a Lua script kept
 //! next to the module that uses it (`*.lua`, loaded with `include_str!`).
