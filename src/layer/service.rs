@@ -99,7 +99,9 @@ where
         // passes, taken here in `call` (the worker offers it only while it
         // calls the service): calls a handler makes from its future through
         // other layers must not be mistaken for it.
-        let running = RunningJob::take();
+        // A layer that needs no lock for this request leaves it for the
+        // next one.
+        let running = key.as_ref().and_then(|_| RunningJob::take());
         ResponseFuture::new(Box::pin(async move {
             match key {
                 None => call_ready(inner, req).await,

@@ -140,6 +140,11 @@ where
     /// Waits until the doorbell rings or `deadline` passes (forever, for a
     /// ring, when `None`).
     ///
+    /// Returning on the deadline first ends this waiter's own `BLPOP` (the
+    /// poke) and waits for that to reach the server, so that a claim sent
+    /// next cannot have its passed-on ring taken by our own blocked
+    /// connection: on a hung server that adds at most 1.5 s to the deadline.
+    ///
     /// A Redis failure (connection lost, server gone, no answer in time)
     /// returns an error after dropping the connection; the next call opens a
     /// new one. Backing off between failures is the caller's choice.
@@ -149,6 +154,12 @@ where
             // A connection that sat unused may have been closed by the
             // server's idle `timeout`; its first failure is retried once.
             let reused = self.pending.is_none() && self.conn.is_some();
+            // A deadline already past needs no BLPOP: one sent now could reach
+            // the server after the caller's next claim and take the ring that
+            // claim passes on to another waiter.
+            if self.pending.is_none() && deadline.is_some_and(|d| d <= Instant::now()) {
+                return Ok(Wake::Deadline);
+            }
             if self.pending.is_none() {
                 self.pending = Some(self.block().await?);
             }

@@ -44,8 +44,9 @@ pub struct MetricsSnapshot {
     /// transport and whose resend the server refused: the earlier attempt
     /// may have been applied (its reply was lost), or the lease ran out in
     /// between. Not counted as lost leases. An ack in that situation is
-    /// decided exactly (the message is gone: done; still there under another
-    /// claim: a lost lease).
+    /// decided by what the server holds (the message is gone: done, unless
+    /// the outage outlasted the lease and another worker completed it; still
+    /// there under another claim: a lost lease).
     pub unconfirmed: u64,
     /// Messages of dead workers recovered (requeued or buried) by this one.
     pub recovered: u64,

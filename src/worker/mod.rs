@@ -31,9 +31,11 @@
 //!   longer this worker's. `unconfirmed` counts retries and burials whose
 //!   first attempt failed in transport and whose resend was refused: the
 //!   first attempt may have been applied, its reply lost. An acknowledgement
-//!   is decided exactly: a message that is gone after a lost reply was
-//!   completed by the earlier attempt (counted done), one that still exists
-//!   under another claim is a lost lease.
+//!   is decided by what the server holds: a message that is gone after a
+//!   lost reply was completed by the earlier attempt (counted done; or, if
+//!   the outage outlasted the lease, by another worker), one that still
+//!   exists under another claim is a lost lease. Only an error without an
+//!   answer (timeout, dropped connection) counts as a possibly lost reply.
 //! * **Idle.** With nothing due, the worker sleeps on a tokio timer until the
 //!   next due time, and is woken early by the queue's doorbell when a
 //!   producer adds an earlier message (see [`Waiter`](crate::queue::Waiter)).
@@ -635,7 +637,7 @@ where
                     return;
                 }
                 Err(error) if Instant::now() + pause < give_up => {
-                    resent = true;
+                    resent |= may_have_run(&error);
                     self.metrics.count_error();
                     tracing::warn!(id = %token.id(), %error, "could not settle message; retrying");
                     tokio::time::sleep(pause).await;
@@ -802,7 +804,7 @@ async fn acker<T, C>(
                     break;
                 }
                 Err(error) if Instant::now() + pause < give_up => {
-                    resent = true;
+                    resent |= may_have_run(&error);
                     shared.metrics.count_error();
                     tracing::warn!(%error, "could not acknowledge messages; retrying");
                     tokio::time::sleep(pause).await;
@@ -892,6 +894,18 @@ async fn handle<T, C, R, E>(
         Some((settlement, _)) => shared.settle(&token, settlement).await,
         None => {}
     }
+}
+
+/// Whether a failed settlement may have run on the server all the same:
+/// only when no answer came (a timeout, a dropped connection, an I/O
+/// error). An error reply (`READONLY`, `LOADING`, `NOPERM`, `OOM`, ...) or a
+/// refused connection says the script did not run, so a later refusal is a
+/// real lost lease, not a reply lost on the way.
+fn may_have_run(error: &Error) -> bool {
+    error.redis_error().is_some_and(|e| {
+        (e.is_timeout() || e.is_io_error() || e.is_connection_dropped())
+            && !e.is_connection_refusal()
+    })
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
