@@ -481,3 +481,46 @@ async fn a_handlers_forwarded_twin_is_a_new_message() {
         "the forwarded message has an id of its own"
     );
 }
+
+/// Shutdown ends even when the server stops answering while messages are
+/// handed back (a frozen server, a partition; a connection without response
+/// timeout hangs rather than fails): the messages not handed back come back
+/// after their lease.
+#[tokio::test]
+async fn shutdown_ends_when_the_hand_back_hangs() {
+    let server = server();
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    let conn = server
+        .client()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap();
+    let queue: Queue<u32, MultiplexedConnection> = Queue::new(conn, "hang").unwrap();
+    queue.push(1).await.unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let service = tower::service_fn({
+        let started = started.clone();
+        move |_job: Job<u32>| {
+            let started = started.clone();
+            async move {
+                started.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, BoxError>(())
+            }
+        }
+    });
+    let worker = Worker::new(server.client(), queue, service)
+        .lease(secs(1))
+        .unwrap()
+        .shutdown_timeout(ms(100));
+    let (tx, rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move {
+        let _ = rx.await;
+    }));
+    started.notified().await;
+    server.pause().unwrap(); // SIGSTOP: every command now hangs
+    let _ = tx.send(());
+    let ended = tokio::time::timeout(secs(15), run).await;
+    server.resume().unwrap();
+    assert!(ended.is_ok(), "run_until did not end while the server hung");
+}

@@ -345,6 +345,7 @@ where
             metrics: self.metrics.clone(),
             in_flight: Mutex::new(HashMap::new()),
             cancel: watch::Sender::new(false),
+            hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
         });
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
@@ -538,7 +539,15 @@ struct Shared<T, C> {
     /// running are cancelled (their messages handed back); settlements under
     /// way are not.
     cancel: watch::Sender<bool>,
+    /// A hand-back at shutdown got no answer in time: the connection hangs,
+    /// so the rest are not tried (they come back after their lease) and
+    /// shutdown still ends.
+    hand_back_stalled: std::sync::atomic::AtomicBool,
 }
+
+/// How long one hand-back at shutdown may take before the connection is
+/// taken as hung.
+const HAND_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A claim being handled, as housekeeping sees it.
 struct InFlight {
@@ -697,7 +706,18 @@ where
     /// Hands a claim back at shutdown, due now; logs a failure (the message
     /// then comes back after its lease).
     async fn release(&self, token: &ClaimToken) -> bool {
-        match self.queue.release(token).await {
+        use std::sync::atomic::Ordering;
+        if self.hand_back_stalled.load(Ordering::Relaxed) {
+            return false;
+        }
+        let released = tokio::time::timeout(HAND_BACK_TIMEOUT, self.queue.release(token)).await;
+        let Ok(released) = released else {
+            self.hand_back_stalled.store(true, Ordering::Relaxed);
+            self.metrics.count_error();
+            tracing::warn!(id = %token.id(), "shutdown: no answer to a hand-back within {HAND_BACK_TIMEOUT:?}; the messages not handed back come back after their lease");
+            return false;
+        };
+        match released {
             Ok(released) => released,
             Err(error) => {
                 self.metrics.count_error();
