@@ -179,6 +179,34 @@ pub struct EvictionPolicy {
 }
 
 impl EvictionPolicy {
+    /// Reads the server's policy and memory limit (`CONFIG GET maxmemory*`).
+    /// Shared by the `Locker` and the `Worker`, which both warn on it.
+    pub(crate) async fn read(conn: &mut (impl ConnectionLike + Send)) -> Result<Self> {
+        let attempted = "reading the server's maxmemory-policy";
+        let reply: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory*")
+            .query_async(conn)
+            .await
+            .map_err(Error::redis(attempted))?;
+        // Pairs of name and value, in no promised order.
+        let value = |name: &str| {
+            reply
+                .chunks(2)
+                .find(|pair| pair[0] == name)
+                .and_then(|pair| pair.get(1))
+        };
+        let Some(name) = value("maxmemory-policy") else {
+            return Err(Error::reply(attempted, format_args!("{reply:?}")));
+        };
+        Ok(EvictionPolicy {
+            name: name.clone(),
+            // Without a memory limit (`maxmemory 0`, the default) nothing is
+            // ever evicted, whatever the policy says.
+            limited: value("maxmemory").is_some_and(|m| m != "0"),
+        })
+    }
+
     /// The policy's name, as the server reports it.
     pub fn name(&self) -> &str {
         &self.name
@@ -491,29 +519,7 @@ where
     /// the policy may evict locks; servers that refuse `CONFIG` (some
     /// managed services) are logged at debug level.
     pub async fn check_eviction(&self) -> Result<EvictionPolicy> {
-        let attempted = "reading the server's maxmemory-policy";
-        let reply: Vec<String> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory*")
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(attempted))?;
-        // Pairs of name and value, in no promised order.
-        let value = |name: &str| {
-            reply
-                .chunks(2)
-                .find(|pair| pair[0] == name)
-                .and_then(|pair| pair.get(1))
-        };
-        let Some(name) = value("maxmemory-policy") else {
-            return Err(Error::reply(attempted, format_args!("{reply:?}")));
-        };
-        Ok(EvictionPolicy {
-            name: name.clone(),
-            // Without a memory limit (`maxmemory 0`, the default) nothing is
-            // ever evicted, whatever the policy says.
-            limited: value("maxmemory").is_some_and(|m| m != "0"),
-        })
+        EvictionPolicy::read(&mut self.conn.clone()).await
     }
 
     /// Starts [`check_eviction`](Self::check_eviction) in the background the

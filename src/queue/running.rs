@@ -24,7 +24,11 @@
 //! find nothing, and push their requests as the new messages they are. A
 //! layer that calls its inner service only later, from its own future (a
 //! `Buffer`, say), hides the claim: such a deferral pushes a copy under a
-//! new id, and the worker acknowledges the original.
+//! new id, and the worker acknowledges the original. The one case the claim
+//! cannot tell apart: a service whose own `call` (not its future) first
+//! calls another `LockLayer` that needs a lock, for another message, hands
+//! the claim to that layer. Make such calls from the future. (A layer whose
+//! key function returns `None` leaves the claim for the next one.)
 
 use std::cell::RefCell;
 use std::sync::Arc;

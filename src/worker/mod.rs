@@ -1043,15 +1043,10 @@ where
     T: Serialize + DeserializeOwned,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async(&mut queue.connection().clone())
-        .await;
-    match reply.as_deref() {
-        Ok([_, policy]) if policy != "noeviction" => tracing::warn!(
-            %policy,
-            "the server's maxmemory-policy is not `noeviction`: under memory pressure Redis may evict queue keys and lose messages"
+    match crate::lock::EvictionPolicy::read(&mut queue.connection().clone()).await {
+        Ok(policy) if policy.may_evict_locks() => tracing::warn!(
+            policy = policy.name(),
+            "the server's maxmemory-policy is not `noeviction` and maxmemory is set: under memory pressure Redis may evict queue keys and lose messages"
         ),
         Ok(_) => {}
         Err(error) => tracing::debug!(%error, "could not read maxmemory-policy"),
