@@ -491,10 +491,8 @@ async fn the_worker_buries_after_max_stalls() {
         .unwrap()
         .max_stalls(3)
         .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     support::eventually("the worker buries the message", BOUNDED, async || {
         let s = stats(&q).await;
         support::done_if(s.dead == 1, s)

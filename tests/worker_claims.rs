@@ -73,10 +73,8 @@ async fn deferral_by_claim_keeps_id_count_and_foreign_bytes() {
     let worker = Worker::new(server.client(), queue.clone(), service)
         .max_attempts(1)
         .unwrap();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
 
     eventually("both messages are dead letters", secs(10), async || {
         let n = stats(&queue).await.dead;
@@ -130,10 +128,8 @@ async fn renewal_racing_a_deferral_is_no_lost_lease() {
         .lease(ms(30))
         .unwrap();
     let metrics = worker.metrics();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     eventually("many deferrals", secs(20), async || {
         let n = metrics.snapshot().deferred;
         done_if(n >= 2000, format_args!("{n} deferred"))
@@ -180,10 +176,8 @@ async fn ack_whose_reply_was_lost_is_no_lost_lease() {
         .lease(secs(20))
         .unwrap();
     let metrics = worker.metrics();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     eventually("both messages are settled", secs(10), async || {
         let s = metrics.snapshot();
         done_if(s.done + s.lost_leases + s.unconfirmed >= 2, s)
@@ -239,10 +233,8 @@ async fn retry_whose_reply_was_lost_is_unconfirmed_not_lost() {
         .unwrap()
         .retry_backoff(support::backoff(10, 10));
     let metrics = worker.metrics();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     eventually("the message is settled", secs(10), async || {
         let s = metrics.snapshot();
         done_if(s.done == 1, s)
@@ -281,10 +273,8 @@ async fn a_burst_reaches_every_idle_worker_without_the_safety_timer() {
             .concurrency(1)
             .unwrap()
             .prefetch(0);
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let run = tokio::spawn(worker.run_until(async move {
-            let _ = stop_rx.await;
-        }));
+        let (stop_tx, shutdown) = support::shutdown_signal();
+        let run = tokio::spawn(worker.run_until(shutdown));
         runs.push((stop_tx, run));
     }
     // Every worker is idle, blocked on the doorbell. The first push rings
@@ -403,10 +393,8 @@ async fn shutdown_lets_a_settlement_in_progress_finish() {
         .lease(secs(10))
         .unwrap()
         .shutdown_timeout(ms(100));
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     done_rx.await.unwrap();
     let _ = stop_tx.send(());
     tokio::time::sleep(ms(400)).await;
@@ -455,10 +443,8 @@ async fn a_handlers_forwarded_twin_is_a_new_message() {
     });
     let worker = Worker::new(server.client(), queue.clone(), service);
     let metrics = worker.metrics();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = stop_rx.await;
-    }));
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     let outer = queue
         .push(Msg {
             a: 1,
@@ -513,10 +499,8 @@ async fn shutdown_ends_when_the_hand_back_hangs() {
         .lease(secs(1))
         .unwrap()
         .shutdown_timeout(ms(100));
-    let (tx, rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move {
-        let _ = rx.await;
-    }));
+    let (tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
     started.notified().await;
     server.pause().unwrap(); // SIGSTOP: every command now hangs
     let _ = tx.send(());

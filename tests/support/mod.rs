@@ -204,6 +204,18 @@ where
 
 /// Triggers a worker's graceful shutdown and waits (bounded) for `run_until`
 /// to return; panics unless it returned `Ok`.
+/// A shutdown signal for `Worker::run_until`: send on the sender (or hand
+/// it to [`stop`]) to end the worker.
+pub fn shutdown_signal() -> (
+    oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
+
 pub async fn stop(stop: oneshot::Sender<()>, run: JoinHandle<lockgate::Result<()>>) {
     let _ = stop.send(());
     match timeout(secs(20), run).await {
