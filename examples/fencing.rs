@@ -114,12 +114,12 @@ async fn run() -> Result<(), BoxError> {
                 async move {
                     let lock = HeldLock::current().ok_or("called outside a LockLayer")?;
                     let balance = store.read() + deposit.amount;
+                    let fence = lock.fence().await?;
                     println!(
-                        "[B] holds `{}` with fence {}; writes balance {balance}",
+                        "[B] holds `{}` with fence {fence}; writes balance {balance}",
                         lock.key(),
-                        lock.fence()
                     );
-                    store.write(lock.fence(), balance)?;
+                    store.write(fence, balance)?;
                     println!("[B] write accepted");
                     Ok::<_, BoxError>(balance)
                 }
@@ -136,10 +136,11 @@ async fn run() -> Result<(), BoxError> {
                 Acquisition::Acquired(lease) => lease,
                 Acquisition::Contended(busy) => return Err(BoxError::from(busy)),
             };
+            // The fence is issued while A holds the lock (on first use).
+            let fence = locker.fence(&lease).await?;
             let balance = store.read() + 100;
             println!(
-                "[A] holds `{KEY}` with fence {} (TTL {ttl:?}); computed balance {balance}",
-                lease.fence()
+                "[A] holds `{KEY}` with fence {fence} (TTL {ttl:?}); computed balance {balance}"
             );
             println!("[A] ... stalls (think: a long GC pause) ...");
             // Stall past the TTL, and (to keep the story in order) until B
@@ -149,7 +150,7 @@ async fn run() -> Result<(), BoxError> {
                 "[A] wakes up; its lease expired {:?} ago, but A does not know",
                 tokio::time::Instant::now().saturating_duration_since(lease.expires_at())
             );
-            match store.write(lease.fence(), balance) {
+            match store.write(fence, balance) {
                 Ok(()) => println!("[A] late write accepted (this must not happen!)"),
                 Err(refused) => println!("[A] late write {refused}"),
             }

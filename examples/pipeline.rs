@@ -198,7 +198,10 @@ async fn run() -> Result<(), BoxError> {
 /// The business logic, the same from the stream and from the worker: runs
 /// while its device's lock is held.
 async fn handle(m: Msg, handled: Handled, started: Instant) -> Result<i64, BoxError> {
-    let fence = HeldLock::current().map_or(0, |lock| lock.fence());
+    let fence = match HeldLock::current() {
+        Some(lock) => lock.fence().await?,
+        None => 0,
+    };
     sleep(Duration::from_millis(50)).await; // work that must not overlap per device
     println!(
         "{:>4} ms  [handler] msg {} ({}) reading {}, fence {fence}",

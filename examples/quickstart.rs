@@ -117,7 +117,10 @@ async fn run() -> Result<(), BoxError> {
 
 /// The business logic: runs while its account's lock is held.
 async fn handle(job: Job<Order>, log: Log, started: Instant) -> Result<(), BoxError> {
-    let fence = HeldLock::current().map_or(0, |lock| lock.fence());
+    let fence = match HeldLock::current() {
+        Some(lock) => lock.fence().await?,
+        None => 0,
+    };
     let at = started.elapsed().as_millis();
     // Work that must not overlap with other work on the same account.
     tokio::time::sleep(Duration::from_millis(150)).await;

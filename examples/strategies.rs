@@ -93,7 +93,7 @@ async fn run() -> Result<(), BoxError> {
     };
     println!(
         "[holder] took `{KEY}` (fence {}) for ~300 ms",
-        lease.fence()
+        holder.fence(&lease).await?
     );
     let releasing = tokio::spawn({
         let holder = holder.clone();

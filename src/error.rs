@@ -81,6 +81,17 @@ pub enum Error {
         detail: String,
     },
 
+    /// A fence was asked for a lease that no longer holds its lock (it
+    /// expired, or another holder took it): none is issued, since it could
+    /// be higher than the next holder's.
+    #[error(
+        "lock `{key}` is not held by this lease any more (it expired or was taken); no fence issued"
+    )]
+    NotHeld {
+        /// The user's key.
+        key: String,
+    },
+
     /// A message could not be serialized into JSON.
     #[error("could not encode message: {0}")]
     Encode(#[source] serde_json::Error),

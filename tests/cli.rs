@@ -72,9 +72,10 @@ async fn operates_queues_and_reads_locks() {
 
     let locker = Locker::new(server.connection_manager().await.unwrap());
     let lease = locker.acquire("acc-1").await.unwrap().lease().unwrap();
+    let fence = locker.fence(&lease).await.unwrap();
     let lock = stdout(&lockgate(&server, &["lock", "acc-1"]));
     assert!(
-        lock.contains("held") && lock.contains(&lease.fence().to_string()),
+        lock.contains("held") && lock.contains(&fence.to_string()),
         "{lock}"
     );
 

@@ -213,6 +213,8 @@ async fn locks_acquire_extend_release_and_fence_on_every_node() {
             .lease()
             .unwrap_or_else(|| panic!("{key:?} was free"));
         assert_eq!(lease.key(), key);
+        // The fence (and its record) are made on the lock's node.
+        let fence = locker.fence(&lease).await.unwrap();
 
         // The lock sits where the cluster says.
         let node = node_of(&cluster, &conn, &locker.lock_key(&key)).await;
@@ -233,9 +235,12 @@ async fn locks_acquire_extend_release_and_fence_on_every_node() {
         assert!(left > ttl, "extend did not reach the lock of {key:?}");
 
         assert!(locker.release(&lease).await.unwrap());
-        // The released lock's fence stays on record (its key becomes a
-        // tombstone, which counts as free), on the lock's node.
-        assert!(exists_on(&cluster, node, &locker.lock_key(&key)).await);
+        // The released lock is gone; its fence stays on record, on the
+        // lock's node.
+        assert!(!exists_on(&cluster, node, &locker.lock_key(&key)).await);
+        let record = locker.fence_key(&key);
+        assert_eq!(node_of(&cluster, &conn, &record).await, node);
+        assert!(exists_on(&cluster, node, &record).await);
         assert_eq!(locker.remaining(&key).await.unwrap(), None);
         // A second release (a resend) is idempotent: reported released.
         assert!(locker.release(&lease).await.unwrap(), "a resent release");
@@ -249,11 +254,10 @@ async fn locks_acquire_extend_release_and_fence_on_every_node() {
             .unwrap()
             .lease()
             .unwrap_or_else(|| panic!("{key:?} was released"));
+        let next_fence = rival.fence(&next).await.unwrap();
         assert!(
-            next.fence() > lease.fence(),
-            "fence of {key:?} went from {} to {}",
-            lease.fence(),
-            next.fence()
+            next_fence > fence,
+            "fence of {key:?} went from {fence} to {next_fence}"
         );
         // The old lease can neither release nor extend the new holder's lock.
         assert!(!locker.release(&lease).await.unwrap());
@@ -289,6 +293,7 @@ async fn concurrent_lockers_exclude_each_other_per_key() {
                         Acquisition::Contended(_) => tokio::time::sleep(ms(1)).await,
                     }
                 };
+                let fence = locker.fence(&lease).await.unwrap();
                 let inside = holders[key].fetch_add(1, Ordering::SeqCst);
                 assert_eq!(inside, 0, "two holders of {key:?} at once");
                 fences
@@ -296,7 +301,7 @@ async fn concurrent_lockers_exclude_each_other_per_key() {
                     .unwrap()
                     .entry(key.to_owned())
                     .or_default()
-                    .push(lease.fence());
+                    .push(fence);
                 tokio::time::sleep(ms(2)).await;
                 holders[key].fetch_sub(1, Ordering::SeqCst);
                 assert!(locker.release(&lease).await.unwrap());

@@ -15,12 +15,9 @@ use support::{acquired, exists, locker, manager, ms, raw, secs};
 async fn cycles(locker: &Locker<ConnectionManager>, key: &str, n: usize, mut last: u64) -> u64 {
     for _ in 0..n {
         let lease = acquired(locker, key).await;
-        assert!(
-            lease.fence() > last,
-            "fence of {key:?} went from {last} to {}",
-            lease.fence()
-        );
-        last = lease.fence();
+        let fence = locker.fence(&lease).await.unwrap();
+        assert!(fence > last, "fence of {key:?} went from {last} to {fence}");
+        last = fence;
         assert!(locker.release(&lease).await.unwrap());
     }
     last
@@ -44,7 +41,7 @@ async fn fences_increase_across_a_restart_from_an_older_snapshot() {
     // A lock held at the snapshot, released after it: the restart brings it
     // back, held, until its TTL.
     let held = acquired(&before, "held").await;
-    let mut last_held = held.fence();
+    let mut last_held = before.fence(&held).await.unwrap();
     server.snapshot().unwrap();
 
     // Acquisitions the snapshot does not have.
@@ -86,8 +83,9 @@ async fn fences_increase_across_the_promotion_of_a_lagging_replica() {
     last_expired = cycles(&old, "expired", 3, last_expired).await;
     let short = locker(conn.clone(), ms(50));
     let lost = acquired(&short, "expired").await; // expires, never released
-    assert!(lost.fence() > last_expired);
-    last_expired = lost.fence();
+    let lost = short.fence(&lost).await.unwrap();
+    assert!(lost > last_expired);
+    last_expired = lost;
     drop((old, short, conn));
 
     pair.kill_primary();
@@ -109,17 +107,21 @@ async fn fences_increase_when_the_fence_record_or_the_lock_is_deleted() {
     let conn = manager(&server).await;
     let locker = locker(conn.clone(), secs(10));
     let mut last = cycles(&locker, "k", 3, 0).await;
+    let record = "lockgate:fence:{k}";
+    assert!(exists(&conn, record).await);
     for _ in 0..5 {
-        // The released lock's fence record (tombstone) deleted.
-        raw::<i64>(&conn, &["DEL", &locker.lock_key("k")]).await;
-        assert!(!exists(&conn, &locker.lock_key("k")).await);
+        // The last fence's record deleted.
+        raw::<i64>(&conn, &["DEL", record]).await;
         last = cycles(&locker, "k", 1, last).await;
         // A held lock deleted by hand: it carries the fence.
         let lease = acquired(&locker, "k").await;
-        assert!(lease.fence() > last);
-        last = lease.fence();
-        raw::<i64>(&conn, &["DEL", &locker.lock_key("k")]).await;
-        assert!(!locker.release(&lease).await.unwrap());
+        let fence = locker.fence(&lease).await.unwrap();
+        assert!(fence > last);
+        last = fence;
+        raw::<i64>(&conn, &["DEL", &locker.lock_key("k"), record]).await;
+        // Gone before its TTL: the release cannot tell a deletion by hand
+        // from its own earlier copy, and reports it released.
+        assert!(locker.release(&lease).await.unwrap());
     }
     cycles(&locker, "k", 3, last).await;
 }
@@ -176,7 +178,7 @@ async fn durable_locks_reach_the_replica_or_are_released_and_refused() {
 
     // Replica up: acquire returns once the replica has the lock.
     let mut lease = acquired(&durable, "k").await;
-    let value = format!("{}:{}", lease.token(), lease.fence());
+    let value = lease.token().to_owned();
     let replicated: Option<String> = raw(&on_replica, &["GET", &durable.lock_key("k")]).await;
     assert_eq!(replicated.as_deref(), Some(value.as_str()));
     assert!(durable.extend(&mut lease, secs(20)).await.unwrap());

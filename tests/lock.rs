@@ -36,9 +36,12 @@ where
     }
 }
 
-/// What a held lock's key stores: `<token>:<fence>`.
+/// What a held lock's key stores: `<token>`, and `:<fence>` once issued.
 fn value(lease: &lockgate::Lease) -> String {
-    format!("{}:{}", lease.token(), lease.fence())
+    match lease.issued_fence() {
+        Some(fence) => format!("{}:{fence}", lease.token()),
+        None => lease.token().to_owned(),
+    }
 }
 
 async fn get(conn: &ConnectionManager, key: &str) -> Option<String> {
@@ -66,6 +69,7 @@ async fn contend<C>(
         match locker.acquire(key).await.expect("acquire") {
             Acquisition::Acquired(lease) => {
                 let start = Instant::now();
+                let fence = locker.fence(&lease).await.expect("fence");
                 sleep(ms(1 + (i % 2) as u64)).await;
                 let end = Instant::now();
                 assert!(
@@ -77,7 +81,7 @@ async fn contend<C>(
                     .unwrap()
                     .entry(key)
                     .or_default()
-                    .push((lease.fence(), start, end));
+                    .push((fence, start, end));
             }
             Acquisition::Contended(c) => {
                 assert_eq!(c.key(), key);
@@ -153,6 +157,7 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
     let key = "expiring";
 
     let mut stale = acquired(&first, key).await;
+    let stale_fence = first.fence(&stale).await.unwrap();
     // While it lives, nobody else gets it.
     assert_contended(&second, key, ttl).await;
 
@@ -168,7 +173,9 @@ async fn expired_lock_passes_to_next_holder_and_stale_holder_cannot_touch_it() {
         }
     };
     assert!(stale.is_expired());
-    assert!(fresh.fence() > stale.fence());
+    assert!(second.fence(&fresh).await.unwrap() > stale_fence);
+    // A fence issued once stays the lease's (no round trip).
+    assert_eq!(first.fence(&stale).await.unwrap(), stale_fence);
     assert_ne!(fresh.token(), stale.token());
 
     // The stale holder can neither release nor extend the new holder's lock.
@@ -274,40 +281,88 @@ async fn fences_strictly_increase_across_holders_lockers_and_counter_loss() {
     for i in 0..50 {
         let locker = if i % 3 == 0 { &a } else { &b };
         let lease = acquired(locker, key).await;
-        check(lease.fence(), "sequential holders");
+        check(locker.fence(&lease).await.unwrap(), "sequential holders");
         assert!(locker.release(&lease).await.unwrap());
+        // Holders that never ask for a fence in between change nothing.
+        let quiet = acquired(locker, key).await;
+        assert!(locker.release(&quiet).await.unwrap());
     }
 
-    // The fence record is lost (the tombstone deleted by hand, evicted,
-    // expired): fences must still go up, also when it is lost again right away.
+    // The fence record is lost (deleted by hand, evicted, expired): fences
+    // must still go up, also when it is lost again right away.
+    let record = format!("lockgate:fence:{{{key}}}");
     for round in 0..5 {
-        raw::<i64>(&conn, &["DEL", &a.lock_key(key)]).await;
-        assert!(!held(&conn, &a.lock_key(key)).await);
         let locker = if round % 2 == 0 { &a } else { &b };
         let lease = acquired(locker, key).await;
-        check(lease.fence(), "after DEL of the tombstone");
+        assert!(held(&conn, &record).await, "no fence record");
+        raw::<i64>(&conn, &["DEL", &record]).await;
+        check(
+            locker.fence(&lease).await.unwrap(),
+            "after DEL of the record",
+        );
+        // The record lives as long as the lock, plus the grace period.
+        let pttl: i64 = raw(&conn, &["PTTL", &record]).await;
+        let most = (ttl + lockgate::lock::FENCE_GRACE).as_millis() as i64;
+        assert!(pttl > 0 && pttl <= most, "record lives {pttl} ms");
         assert!(locker.release(&lease).await.unwrap());
-        // Released: the fence stays on record (the tombstone) for a while.
-        let tomb: String = raw(&conn, &["GET", &a.lock_key(key)]).await;
-        assert!(tomb.starts_with(&format!("~{}:", lease.fence())), "{tomb}");
     }
 
     // A holder whose lock expired does not stop the next fence from growing.
     let expired = acquired(&a, key).await;
-    check(expired.fence(), "before expiry");
+    check(a.fence(&expired).await.unwrap(), "before expiry");
     sleep(ttl + ms(50)).await;
     let next = acquired(&b, key).await;
-    check(next.fence(), "after expiry");
+    check(b.fence(&next).await.unwrap(), "after expiry");
     assert!(b.release(&next).await.unwrap());
 
-    // Keys have independent counters, but also strictly increasing ones.
+    // Keys have independent records, but also strictly increasing fences.
     let mut last_other = 0;
     for _ in 0..10 {
         let lease = acquired(&b, "other").await;
-        assert!(lease.fence() > last_other);
-        last_other = lease.fence();
+        let fence = b.fence(&lease).await.unwrap();
+        assert!(fence > last_other);
+        last_other = fence;
         assert!(b.release(&lease).await.unwrap());
     }
+}
+
+/// A fence is issued only while the lease holds the lock: a holder that
+/// paused past its TTL and asks for its first fence after the next holder
+/// took the key must not get one (it would outrank the next holder's).
+#[tokio::test]
+async fn no_fence_is_issued_to_a_lease_that_lost_its_lock() {
+    let server = server();
+    let conn = manager(&server).await;
+    let ttl = ms(100);
+    let (a, b) = (locker(conn.clone(), ttl), locker(conn.clone(), secs(10)));
+    let stale = acquired(&a, "k").await;
+    sleep(ttl + ms(50)).await;
+    let next = acquired(&b, "k").await;
+    let err = a.fence(&stale).await.expect_err("a fence for a lost lock");
+    assert!(
+        matches!(err, lockgate::Error::NotHeld { ref key } if key == "k"),
+        "{err}"
+    );
+    assert!(!err.is_retryable());
+    // The holder's fence is unaffected, and issued once: same value again,
+    // and the lock's value carries it.
+    let fence = b.fence(&next).await.unwrap();
+    assert_eq!(b.fence(&next).await.unwrap(), fence);
+    assert_eq!(next.issued_fence(), Some(fence));
+    assert_eq!(
+        get(&conn, &b.lock_key("k")).await.as_deref(),
+        Some(value(&next).as_str())
+    );
+    let holder = b.inspect("k").await.unwrap().expect("held");
+    assert_eq!(
+        (holder.token.as_str(), holder.fence),
+        (next.token(), Some(fence))
+    );
+    // Gone with the lock: no fence for a released lease either.
+    assert!(b.release(&next).await.unwrap());
+    let fresh = acquired(&b, "k").await;
+    assert!(b.fence(&fresh).await.unwrap() > fence);
+    assert!(b.release(&fresh).await.unwrap());
 }
 
 // ---------------------------------------------------------------------------
@@ -662,6 +717,7 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
     let mut server = server();
     let managed = locker(impatient_manager(&server).await, ms(200));
     let before = acquired(&managed, "k").await;
+    let before_fence = managed.fence(&before).await.unwrap();
     assert!(managed.release(&before).await.unwrap());
     server.stop();
     let err = timeout(BOUNDED, managed.acquire("k"))
@@ -685,7 +741,7 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
     };
     // The server lost all data (no persistence): the fence restarts from the
     // server clock and still exceeds the pre-crash fence.
-    assert!(after.fence() > before.fence());
+    assert!(managed.fence(&after).await.unwrap() > before_fence);
     assert!(managed.release(&after).await.unwrap());
 }
 
@@ -695,27 +751,42 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
 // scripts are run twice, exactly as such a resend runs them.
 // ---------------------------------------------------------------------------
 
-static ACQUIRE_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/acquire.lua")));
+static CONTEND_LUA: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/contend.lua")));
 static RELEASE_LUA: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/release.lua")));
 static EXTEND_LUA: std::sync::LazyLock<redis::Script> =
     std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/extend.lua")));
+static FENCE_LUA: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/fence.lua")));
 
-/// Runs acquire.lua for `token` as `Locker::acquire` sends it.
-async fn acquire_lua(
-    locker: &Locker<ConnectionManager>,
-    key: &str,
-    token: &str,
-    ttl: Duration,
-) -> Vec<i64> {
-    ACQUIRE_LUA
+/// Sends the acquire command for `token` as `Locker::acquire` sends it.
+async fn set_nx(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> Option<String> {
+    raw(
+        locker.connection(),
+        &[
+            "SET",
+            &locker.lock_key(key),
+            token,
+            "NX",
+            "PX",
+            "10000",
+            "GET",
+        ],
+    )
+    .await
+}
+
+/// Runs contend.lua for `token` as `Locker::acquire` sends it when busy.
+async fn contend_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> Vec<i64> {
+    CONTEND_LUA
         .key(locker.lock_key(key))
         .arg(token)
-        .arg(ttl.as_millis() as u64)
+        .arg(10_000)
+        .arg(0)
         .invoke_async(&mut locker.connection().clone())
         .await
-        .expect("acquire.lua")
+        .expect("contend.lua")
 }
 
 /// Runs release.lua for `token` as `Locker::release` sends it.
@@ -723,34 +794,54 @@ async fn release_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str)
     RELEASE_LUA
         .key(locker.lock_key(key))
         .arg(token)
-        .arg(lockgate::lock::FENCE_GRACE.as_millis() as u64)
+        .arg("PUBLISH")
         .invoke_async(&mut locker.connection().clone())
         .await
         .expect("release.lua")
 }
 
+/// Runs fence.lua for `token` as `Locker::fence` sends it.
+async fn fence_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> i64 {
+    FENCE_LUA
+        .key(locker.lock_key(key))
+        .key(format!("lockgate:fence:{{{key}}}"))
+        .arg(token)
+        .arg(lockgate::lock::FENCE_GRACE.as_millis() as u64)
+        .invoke_async(&mut locker.connection().clone())
+        .await
+        .expect("fence.lua")
+}
+
 #[tokio::test]
-async fn resent_acquire_release_and_extend_are_idempotent() {
+async fn resent_acquire_release_extend_and_fence_are_idempotent() {
     let server = server();
     let conn = manager(&server).await;
     let locker = locker(conn.clone(), secs(10));
     let token = "0123456789abcdef0123456789abcdef";
+    let other = "ffffffffffffffffffffffffffffffff";
 
-    let first = acquire_lua(&locker, "k", token, secs(10)).await;
-    assert_eq!(first[0], 1, "the first copy acquires: {first:?}");
-    assert_eq!(first[2], 10_000, "{first:?}");
-    // The resend finds the lock held by its own token: acquired, same fence.
-    let resent = acquire_lua(&locker, "k", token, secs(10)).await;
     assert_eq!(
-        resent[..2],
-        first[..2],
-        "a resent acquire must report the same acquisition"
+        set_nx(&locker, "k", token).await,
+        None,
+        "the first copy acquires"
     );
-    // ... with the TTL the lock has left, never more than it was given.
-    assert!(resent[2] > 9_000 && resent[2] <= 10_000, "{resent:?}");
-    // Another token is still refused.
-    let other = acquire_lua(&locker, "k", "ffffffffffffffffffffffffffffffff", secs(10)).await;
-    assert_eq!(other[0], 0, "{other:?}");
+    // The resend finds the lock holding its own token, which `Locker` takes
+    // as acquired; the contend script says so too, with the TTL left.
+    assert_eq!(set_nx(&locker, "k", token).await.as_deref(), Some(token));
+    let resent = contend_lua(&locker, "k", token).await;
+    assert_eq!(resent[0], 1, "{resent:?}");
+    assert!(resent[1] > 9_000 && resent[1] <= 10_000, "{resent:?}");
+    // Another token is still refused, by both.
+    assert_eq!(set_nx(&locker, "k", other).await.as_deref(), Some(token));
+    assert_eq!(contend_lua(&locker, "k", other).await[0], 0);
+
+    // A fence asked twice is the same fence; other tokens get none.
+    let fence = fence_lua(&locker, "k", token).await;
+    assert!(fence > 0);
+    assert_eq!(fence_lua(&locker, "k", token).await, fence);
+    assert_eq!(fence_lua(&locker, "k", other).await, -1);
+    // With its fence in the value, the lock is still the token's.
+    assert_eq!(contend_lua(&locker, "k", token).await[0], 1);
 
     // Extend twice: both confirm.
     for _ in 0..2 {
@@ -764,25 +855,24 @@ async fn resent_acquire_release_and_extend_are_idempotent() {
         assert_eq!(extended, 1);
     }
 
-    // Release twice: the resend of a release that ran is a success too.
+    // A token that never held it releases nothing.
+    assert_eq!(release_lua(&locker, "k", other).await, -1);
+    // Release twice: the resend finds the lock gone (0), which `Locker`
+    // reports as released while the lease has not run out.
     assert_eq!(release_lua(&locker, "k", token).await, 1);
-    assert_eq!(
-        release_lua(&locker, "k", token).await,
-        1,
-        "a resent release whose first copy ran must report released"
-    );
-    // A token that never held it is not released.
-    assert_eq!(
-        release_lua(&locker, "k", "ffffffffffffffffffffffffffffffff").await,
-        0
-    );
+    assert_eq!(release_lua(&locker, "k", token).await, 0);
 
     // The next holder gets a higher fence, and the stale resends touch nothing.
     let next = acquired(&locker, "k").await;
-    assert!(next.fence() > first[1] as u64);
-    assert_eq!(release_lua(&locker, "k", token).await, 0);
-    assert_eq!(acquire_lua(&locker, "k", token, secs(10)).await[0], 0);
+    assert!(locker.fence(&next).await.unwrap() > fence as u64);
+    assert_eq!(release_lua(&locker, "k", token).await, -1);
+    assert_eq!(contend_lua(&locker, "k", token).await[0], 0);
+    assert_eq!(fence_lua(&locker, "k", token).await, -1);
     assert!(locker.release(&next).await.unwrap());
+    // Released twice through the Locker: both report released.
+    let again = acquired(&locker, "k").await;
+    assert!(locker.release(&again).await.unwrap());
+    assert!(locker.release(&again).await.unwrap());
 }
 
 // ---------------------------------------------------------------------------
@@ -796,15 +886,15 @@ async fn keys(conn: &ConnectionManager) -> Vec<String> {
 }
 
 #[tokio::test]
-async fn released_or_expired_locks_leave_only_short_lived_tombstones() {
+async fn released_or_expired_locks_leave_nothing_but_short_lived_fence_records() {
     let server = server();
     let conn = manager(&server).await;
     let grace = lockgate::lock::FENCE_GRACE;
-    assert!(grace <= secs(10), "{grace:?}");
+    let ttl = secs(10);
     let n = 200;
 
     // Held: one key per lock, nothing else.
-    let locker = locker(conn.clone(), secs(10));
+    let locker = locker(conn.clone(), ttl);
     let mut leases = Vec::new();
     for i in 0..n {
         leases.push(acquired(&locker, &format!("order-{i}")).await);
@@ -813,29 +903,32 @@ async fn released_or_expired_locks_leave_only_short_lived_tombstones() {
     assert_eq!(held.len(), n, "{:?}", &held[..3]);
     assert!(held.iter().all(|k| k.starts_with("lockgate:lock:")));
 
-    // Released: the key becomes a tombstone, living at most the grace period.
+    // Released without a fence: nothing left.
     for lease in &leases {
         assert!(locker.release(lease).await.unwrap());
     }
     let left = keys(&conn).await;
+    assert!(
+        left.is_empty(),
+        "{} keys left: {:?}",
+        left.len(),
+        &left[..3.min(left.len())]
+    );
+
+    // With a fence: its record, living at most the lock's TTL plus the grace.
+    for i in 0..n {
+        let lease = acquired(&locker, &format!("order-{i}")).await;
+        locker.fence(&lease).await.unwrap();
+        assert!(locker.release(&lease).await.unwrap());
+    }
+    let left = keys(&conn).await;
     assert_eq!(left.len(), n);
     for key in &left {
-        let value: String = raw(&conn, &["GET", key]).await;
-        assert!(value.starts_with('~'), "{key} = {value}: not a tombstone");
-        assert_eq!(
-            locker
-                .remaining(
-                    key.trim_start_matches("lockgate:lock:{")
-                        .trim_end_matches('}')
-                )
-                .await
-                .unwrap(),
-            None
-        );
+        assert!(key.starts_with("lockgate:fence:"), "{key}");
         let pttl: i64 = raw(&conn, &["PTTL", key]).await;
         assert!(
-            pttl > 0 && pttl <= grace.as_millis() as i64,
-            "{key} lives {pttl} ms, longer than the grace of {grace:?}"
+            pttl > 0 && pttl <= (ttl + grace).as_millis() as i64,
+            "{key} lives {pttl} ms, longer than TTL + grace"
         );
     }
     raw::<()>(&conn, &["FLUSHALL"]).await;
@@ -949,26 +1042,30 @@ async fn locker_on(server: &lockgate::testing::RedisServer) -> Locker<Connection
     locker(manager(server).await, secs(10))
 }
 
-/// `fence = max(now, last + 1)`: a tombstone whose fence is ahead of the
-/// server's clock (a clock that stepped back since, or a burst of holders
-/// within one microsecond) is continued, not undercut.
+/// `fence = max(now, last + 1)`: a fence record ahead of the server's clock
+/// (a clock that stepped back since, or a burst of holders within one
+/// microsecond) is continued, not undercut.
 #[tokio::test]
-async fn a_tombstone_ahead_of_the_clock_is_continued() {
+async fn a_fence_record_ahead_of_the_clock_is_continued() {
     let server = server();
     let conn = manager(&server).await;
     let locker = locker(conn.clone(), secs(10));
     let ahead: u64 = 4_000_000_000_000_000; // 2096, in microseconds
-    let tomb = format!("~{ahead}:ffffffffffffffffffffffffffffffff");
-    raw::<()>(&conn, &["SET", &locker.lock_key("k"), &tomb, "PX", "5000"]).await;
-    assert_eq!(
-        locker.remaining("k").await.unwrap(),
-        None,
-        "a tombstone is free"
-    );
+    raw::<()>(
+        &conn,
+        &[
+            "SET",
+            "lockgate:fence:{k}",
+            &ahead.to_string(),
+            "PX",
+            "5000",
+        ],
+    )
+    .await;
     let lease = acquired(&locker, "k").await;
-    assert_eq!(lease.fence(), ahead + 1);
+    assert_eq!(locker.fence(&lease).await.unwrap(), ahead + 1);
     assert!(locker.release(&lease).await.unwrap());
     let next = acquired(&locker, "k").await;
-    assert_eq!(next.fence(), ahead + 2);
+    assert_eq!(locker.fence(&next).await.unwrap(), ahead + 2);
     assert!(locker.release(&next).await.unwrap());
 }

@@ -124,11 +124,13 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
         "lock" => {
             let key = args.first().ok_or("missing <key>")?;
             let locker = Locker::new(conn.clone()).prefix(&prefix)?;
-            // A held lock stores `<token>:<fence>`; a released one is a
-            // tombstone `~<fence>:<token>` for a few seconds.
+            // A held lock stores `<token>[:<fence>][!]`; the last fence
+            // issued for the key stays on record a while after the lock.
             match locker.inspect(key).await? {
                 Some(holder) => {
-                    let fence = holder.fence.map_or("?".to_owned(), |f| f.to_string());
+                    let fence = holder
+                        .fence
+                        .map_or("none issued yet".to_owned(), |f| f.to_string());
                     match holder.remaining {
                         Some(ttl) => println!("{key}: held, expires in {ttl:?}, fence {fence}"),
                         None => println!(
@@ -137,17 +139,14 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
                     }
                 }
                 None => {
-                    let value: Option<String> = redis::cmd("GET")
-                        .arg(locker.lock_key(key))
+                    let last: Option<u64> = redis::cmd("GET")
+                        .arg(locker.fence_key(key))
                         .query_async(&mut conn.clone())
                         .await?;
-                    match value.as_deref().and_then(|v| v.strip_prefix('~')) {
-                        Some(tomb) => {
-                            let fence = tomb.split_once(':').map_or(tomb, |(f, _)| f);
-                            println!("{key}: free; released recently, last fence {fence}");
-                        }
+                    match last {
+                        Some(fence) => println!("{key}: free; last fence {fence}"),
                         None => println!(
-                            "{key}: free; no fence on record (never locked, expired, or released over {:?} ago)",
+                            "{key}: free; no fence on record (none issued, or over {:?} ago)",
                             lockgate::lock::FENCE_GRACE
                         ),
                     }

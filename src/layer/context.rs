@@ -3,9 +3,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
 use crate::lock::Ticket;
+
+/// Issues the fence of a ticket (a `Locker::fence_ticket`, with the
+/// locker's connection type erased).
+pub(crate) type IssueFence =
+    Arc<dyn Fn(Arc<Ticket>) -> BoxFuture<'static, crate::Result<u64>> + Send + Sync>;
 
 tokio::task_local! {
     static CURRENT: HeldLock;
@@ -23,19 +29,28 @@ tokio::task_local! {
 ///     // Hand the fence to the storage, which refuses fences older than the
 ///     // newest it has seen: a holder that paused past its TTL cannot
 ///     // overwrite the next holder's work.
-///     store(&order, lock.fence()).await;
+///     store(&order, lock.fence().await?).await;
 ///     Ok(())
 /// }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct HeldLock(Arc<State>);
 
-#[derive(Debug)]
+impl std::fmt::Debug for HeldLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldLock")
+            .field("key", &self.key())
+            .field("fence", &self.issued_fence())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
 struct State {
-    /// The user's key, with the lock's Redis key and token.
+    /// The user's key, with the lock's Redis key, token and fence.
     ticket: Arc<Ticket>,
-    /// The lease's fencing token.
-    fence: u64,
+    /// Issues the fence on first use.
+    issue_fence: IssueFence,
     /// Set once the lock counts as lost (see [`HeldLock::lost`]).
     lost: AtomicBool,
     /// Wakes [`HeldLock::lost`] waiters.
@@ -43,10 +58,10 @@ struct State {
 }
 
 impl HeldLock {
-    pub(crate) fn new(ticket: Arc<Ticket>, fence: u64) -> Self {
+    pub(crate) fn new(ticket: Arc<Ticket>, issue_fence: IssueFence) -> Self {
         Self(Arc::new(State {
             ticket,
-            fence,
+            issue_fence,
             lost: AtomicBool::new(false),
             notify: Notify::new(),
         }))
@@ -64,9 +79,21 @@ impl HeldLock {
         self.0.ticket.key()
     }
 
-    /// The fencing token: strictly greater than any earlier holder's.
-    pub fn fence(&self) -> u64 {
-        self.0.fence
+    /// The fencing token: strictly greater than any earlier holder's (see
+    /// [`Locker::fence`](crate::Locker::fence)). Issued on first use, which
+    /// takes one round trip; later calls return it at once. Errors with
+    /// [`Error::NotHeld`](crate::Error::NotHeld) when the lock was lost
+    /// before a fence was issued.
+    pub async fn fence(&self) -> crate::Result<u64> {
+        match self.issued_fence() {
+            Some(fence) => Ok(fence),
+            None => (self.0.issue_fence)(self.0.ticket.clone()).await,
+        }
+    }
+
+    /// The fencing token, if one was issued (by [`fence`](Self::fence)).
+    pub fn issued_fence(&self) -> Option<u64> {
+        self.0.ticket.issued_fence()
     }
 
     /// Whether the lock counts as lost (see [`lost`](Self::lost)).

@@ -7,13 +7,13 @@
 /// end found it gone. Writes the handler made after that moment may race
 /// with the next holder's; fencing tokens make them detectable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("lost lock `{key}` (fence {fence}) while the handler ran{}", if *.completed { "; the handler completed" } else { "; the handler was cancelled" })]
+#[error("lost lock `{key}`{} while the handler ran{}", .fence.map_or(String::new(), |f| format!(" (fence {f})")), if *.completed { "; the handler completed" } else { "; the handler was cancelled" })]
 #[non_exhaustive]
 pub struct LockLost {
     /// The user's key.
     pub key: String,
-    /// The fence of the lost lease.
-    pub fence: u64,
+    /// The fence of the lost lease, if the handler asked for one.
+    pub fence: Option<u64>,
     /// Whether the handler ran to completion (`OnLost::Report`) or was
     /// cancelled (`OnLost::Cancel`).
     pub completed: bool,

@@ -15,7 +15,7 @@ use super::future::ResponseFuture;
 use super::strategy::GiveUp;
 use super::{Config, LockKey, OnLost};
 use crate::BoxError;
-use crate::lock::{Acquisition, Lease, Locker, Ticket};
+use crate::lock::{Acquisition, Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::RunningJob;
 use futures_util::future::BoxFuture;
@@ -188,9 +188,19 @@ where
         let Some(ticket) = guard.ticket.clone() else {
             return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
         };
-        let busy = match locker.acquire_ticket(&ticket).await? {
+        // The first try is the plain `SET NX PX GET`; a busy key (and
+        // every later try) runs the contend script, which tries again and
+        // reads how long the holder still has.
+        let acquisition = match tries {
+            1 => match locker.try_set(&ticket).await? {
+                Some(acquired) => acquired,
+                None => locker.contend(&ticket, false).await?,
+            },
+            _ => locker.contend(&ticket, false).await?,
+        };
+        let busy = match acquisition {
             Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
-            Acquisition::Acquired(lease) => {
+            Acquisition::Acquired(_) => {
                 // The reply came after the lease it grants had run out (a
                 // slow or paused server, a long stall): another process may
                 // hold the key by now, so the handler must not start. The
@@ -198,7 +208,7 @@ where
                 // the handler has not run, so the strategy's answer (retry,
                 // fail with `Contended`, defer) fits, and no error is
                 // charged to a message that never reached its handler.
-                tracing::warn!(%key, fence = lease.fence(), "lock acquired after its lease had run out; releasing it");
+                tracing::warn!(%key, "lock acquired after its lease had run out; releasing it");
                 if let Err(error) = locker.release_ticket(&ticket).await {
                     // Maybe still ours. Its token is retired: a release of it
                     // that lands late must never meet a lock this call takes
@@ -228,7 +238,7 @@ where
         let (id, due) = give_up.await?;
         return Ok(Outcome::Deferred { id, due });
     };
-    tracing::debug!(%key, fence = lease.fence(), "lock acquired");
+    tracing::debug!(%key, "lock acquired");
     hold(locker, config.on_lost, inner, req, lease, guard).await
 }
 
@@ -259,7 +269,14 @@ where
     // Renew this long before the lease runs out: once a third of it is used.
     let ahead = ttl - ttl / 3;
     let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
-    let held = HeldLock::new(lease.ticket().clone(), lease.fence());
+    let issue_fence: super::context::IssueFence = {
+        let locker = locker.clone();
+        Arc::new(move |ticket| {
+            let locker = locker.clone();
+            Box::pin(async move { locker.fence_ticket(&ticket).await })
+        })
+    };
+    let held = HeldLock::new(lease.ticket().clone(), issue_fence);
     let mut expires_at = lease.expires_at();
     let call = held
         .clone()
@@ -295,7 +312,7 @@ where
                             renew_at = renew_time(expires_at);
                         }
                         Ok(false) => {
-                            tracing::warn!(key = %held.key(), fence = held.fence(), "lock lost while the handler ran");
+                            tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock lost while the handler ran");
                             confirmed_lost = true;
                             held.mark_lost();
                         }
@@ -303,7 +320,7 @@ where
                             // A durable locker gave the lock up itself: too
                             // few replicas confirmed the renewal, so it was
                             // released (fail-closed). Free in Redis now.
-                            tracing::warn!(key = %held.key(), fence = held.fence(), "lock released: too few replicas confirmed its renewal");
+                            tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock released: too few replicas confirmed its renewal");
                             confirmed_lost = true;
                             held.mark_lost();
                         }
@@ -322,7 +339,7 @@ where
                 }
                 () = tokio::time::sleep_until(expires_at), if !held.is_lost() => {
                     // The local deadline: no renewal was confirmed in time.
-                    tracing::warn!(key = %held.key(), fence = held.fence(), renewing = renewal.is_some(), "lock lease ran out without a confirmed renewal; the lock counts as lost");
+                    tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), renewing = renewal.is_some(), "lock lease ran out without a confirmed renewal; the lock counts as lost");
                     // A late answer would change nothing: lost is final.
                     renewal = None;
                     held.mark_lost();
@@ -346,11 +363,11 @@ where
             // A release that finds the lock gone means it ran out while the
             // handler held the thread (no renewal could run): the handler
             // worked without it for a while, which the caller must know.
-            if guard.release().await == Some(false) {
+            if guard.release(Some(expires_at)).await == Some(false) {
                 held.mark_lost();
                 return Err(LockLost {
                     key: held.key().to_owned(),
-                    fence: held.fence(),
+                    fence: held.issued_fence(),
                     completed: true,
                 }
                 .into());
@@ -369,7 +386,7 @@ where
             drop(guard);
             Err(LockLost {
                 key: held.key().to_owned(),
-                fence: held.fence(),
+                fence: held.issued_fence(),
                 completed: completed.is_some(),
             }
             .into())
@@ -388,9 +405,21 @@ struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
     /// Releases the lock: `Some(true)` if it was still ours, `Some(false)`
     /// if it had expired or was taken, `None` if Redis could not be asked.
-    async fn release(&mut self) -> Option<bool> {
+    /// A lock found gone counts as ours when the release was sent before
+    /// `deadline`, the lease's conservative expiry: only our own release (a
+    /// resend whose first copy ran) or a deletion by hand removes it earlier.
+    async fn release(&mut self, deadline: Option<Instant>) -> Option<bool> {
         let ticket = self.ticket.as_ref()?;
-        let released = self.locker.release_ticket(ticket).await;
+        let sent = Instant::now();
+        let released = self
+            .locker
+            .release_ticket(ticket)
+            .await
+            .map(|released| match released {
+                Released::Now => true,
+                Released::Gone => deadline.is_some_and(|deadline| sent < deadline),
+                Released::Other => false,
+            });
         // Disarmed only now: if this future is dropped while the release is
         // in flight, the guard's drop sends it again (a no-op if it landed).
         let ticket = self.ticket.take();
@@ -420,7 +449,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C>
                     locker,
                     ticket: Some(ticket),
                 };
-                let _ = guard.release().await;
+                let _ = guard.release(None).await;
             });
         }
     }

@@ -1,51 +1,58 @@
 //! Distributed per-key locks with fencing tokens.
 //!
-//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with a TTL to
-//! `<token>:<fence>`: a random token that identifies its holder, and the
-//! holder's fencing token. Release and renewal compare the
-//! token inside a Lua script, so a holder whose lock expired and was taken by
-//! someone else can never delete or extend the new holder's lock.
+//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with
+//! `SET key token NX PX ttl`: a random token identifies its holder. Release
+//! and renewal compare the token inside a Lua script, so a holder whose lock
+//! expired and was taken by someone else can never delete or extend the new
+//! holder's lock.
 //!
-//! Each successful acquisition also returns a **fencing token** (fence): a
-//! number that increases for the key across holders, lockers and processes.
-//! A lock with a TTL cannot by itself stop a holder that paused past its TTL
-//! from writing late; passing the fence to the storage you write to, and
-//! having it refuse fences lower than the highest it has seen, can.
+//! # The lock cycle
 //!
-//! # How fences are made, and what they guarantee
+//! An uncontended cycle is what the bare Redis recipe costs: one
+//! `SET NX PX GET` command to acquire and one compare-and-delete script to
+//! release. Only contention costs more: when the `SET` finds the key held, a
+//! second script (`contend.lua`) tries again and reads the holder's remaining
+//! TTL, and a waiter that wants to be woken (see
+//! [`LockLayer`](crate::LockLayer)'s retry) marks the lock as waited for by
+//! a `!` at the end of its value. The release of a marked lock publishes on
+//! the lock key's own channel (`SPUBLISH` on a cluster, which routes by the
+//! key's hash slot; `PUBLISH` on a single server), so waiters in every
+//! process learn of it within a round trip; an unmarked release publishes
+//! nothing.
 //!
-//! The fence is the Redis server's clock in microseconds (`TIME`), or one
-//! more than the last fence on record when that is not below the clock:
-//! `fence = max(now, last + 1)`. The only record is short-lived: releasing
-//! a lock turns its key into a tombstone, `~<fence>:<token>`, that counts as
-//! free and lives [`FENCE_GRACE`] (5 s); an expired lock leaves nothing. So a
-//! key has one Redis key while it is held and for 5 s after a release, and
-//! none after an expiry. (A tombstone in the lock's own key, rather than a
-//! key beside it, costs one write per release instead of a delete and a
-//! write, and nothing at all on acquire.)
+//! # Fencing tokens, and what they guarantee
+//!
+//! A **fencing token** (fence) is a number that increases for the key across
+//! holders, lockers and processes. A lock with a TTL cannot by itself stop a
+//! holder that paused past its TTL from writing late; passing the fence to
+//! the storage you write to, and having it refuse fences lower than the
+//! highest it has seen, can.
+//!
+//! A fence is issued on first use ([`Locker::fence`],
+//! [`HeldLock::fence`](crate::HeldLock::fence)), by a script that runs only
+//! while the caller's token still holds the lock: holders follow one another
+//! in time, so fences issued this way increase in holder order, and a
+//! handler that never reads one pays nothing for it. The fence is
+//! `max(server clock in µs, last fence on record + 1)`; it is written into
+//! the lock's value (asking again returns it) and into a record,
+//! `<prefix>:fence:{<key>}`, that lives as long as the lock plus
+//! [`FENCE_GRACE`] (5 s).
 //!
 //! **Guarantee.** A new fence is higher than every earlier fence of its key
-//! unless the clock of the server handing it out (after a failover: the new
+//! unless the clock of the server issuing it (after a failover: the new
 //! primary's) reads *earlier* than the clock reading an earlier fence was
 //! made from, that is, unless the clock stepped back by more than the time
-//! since that earlier acquisition. While a tombstone exists, not even that
-//! can repeat a fence. So a clock step back of δ can only matter when δ
-//! exceeds
-//!
-//! * the TTL (plus any extensions), when the previous lock expired;
-//! * its hold time plus [`FENCE_GRACE`], when it was released;
-//! * the failover's duration (from the last acquisition on the old primary
-//!   to the first on the new one), when a failover or a restart lost the
-//!   latest acquisitions: the new primary's clock must not be behind the old
-//!   one's by more than that.
-//!
-//! In particular fences do not repeat after a restart from an older
-//! snapshot (RDB, or AOF with `appendfsync everysec`), after the promotion of
-//! a replica that missed the last acquisitions, or after the lock or its
-//! tombstone was deleted or evicted: there is no counter that could be
+//! since that earlier fence was issued. While the record exists, not even
+//! that can repeat a fence. So a clock step back of δ can only matter when δ
+//! exceeds the time from the earlier fence to the end of its lock plus
+//! [`FENCE_GRACE`], or, when a failover or a restart lost the latest fences,
+//! the failover's duration (from the last fence on the old primary to the
+//! first on the new one). In particular fences do not repeat after a restart
+//! from an older snapshot (RDB, or AOF with `appendfsync everysec`), after
+//! the promotion of a replica that missed the last fences, or after the lock
+//! or its record was deleted or evicted: there is no counter that could be
 //! rolled back. NTP keeps clocks within milliseconds; a failover takes
-//! seconds. (A fence made as `last + 1` counts with the clock reading of
-//! the fence it continues.)
+//! seconds.
 //!
 //! What a failover can still do, as for every Redis lock: a primary that
 //! dies before its replica received an acquisition lets a second holder take
@@ -58,21 +65,22 @@
 //! # Resends
 //!
 //! A request may run twice when its reply is lost and the client sends it
-//! again (redis-rs' cluster connections do). All three scripts are
-//! idempotent: a resent acquire that finds the lock held by its own token
-//! reports it acquired, with the same fence; a resent release that finds its
-//! own tombstone reports it released; a resent extend extends again. One
-//! case stays ambiguous: a resent release that arrives after the next holder
-//! took the lock finds that holder's token, and reports `false` (the lock is
-//! not ours) although the first copy did release it.
+//! again (redis-rs' cluster connections do). Every command is safe to run
+//! twice: a resent acquire that finds the lock holding its own token reports
+//! it acquired; a resent release finds the lock gone, which
+//! [`Locker::release`] reports as released when it was sent before the
+//! lease's expiry (nothing but this lease's own release, or a deletion by
+//! hand, removes a lock before its TTL); a resent extend extends again; a
+//! resent fence request returns the fence the first one issued.
 //!
 //! # Upgrading
 //!
-//! Versions before 0.2 kept the fence in a counter key beside the lock and
-//! deleted released locks. Their acquire does not know the tombstone: for
-//! [`FENCE_GRACE`] after a release by this version, an old process sees
-//! the key as held. Mutual exclusion holds either way; stop old processes
-//! before starting new ones to avoid those few seconds of contention.
+//! Older versions kept the fence in a counter key or in a tombstone left in
+//! the lock's key after a release. Mutual exclusion holds across versions
+//! (all of them take the lock with a write that fails when the key exists),
+//! but an old process sees this version's marks and fences as held, and this
+//! version sees an old tombstone (`~...`) as held for its 5 s: stop old
+//! processes before starting new ones.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -82,7 +90,8 @@
 //! let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
 //! match locker.acquire("account-42").await? {
 //!     Acquisition::Acquired(lease) => {
-//!         // ... write, passing lease.fence() along ...
+//!         let fence = locker.fence(&lease).await?;
+//!         // ... write, passing `fence` along ...
 //!         locker.release(&lease).await?;
 //!     }
 //!     Acquisition::Contended(busy) => {
@@ -93,7 +102,7 @@
 //! ```
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use redis::Script;
@@ -104,19 +113,20 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::script;
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
+static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
 static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
+static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fence.lua")));
 
 /// The key prefix used when none is configured.
 pub const DEFAULT_PREFIX: &str = "lockgate";
 /// The lock TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// How long a released lock's fence stays on record (its key holds the
-/// tombstone `~<fence>:<token>` meanwhile, which counts as free), so that
-/// the next holder's fence is higher even if the server's clock stepped back,
-/// and a resent release can tell it was its own. After an expiry nothing is
-/// kept: see the [module docs](self) for the guarantee this gives.
+/// How long a key's last fence stays on record after its lock ends (the
+/// record `<prefix>:fence:{<key>}` lives as long as the lock that issued it,
+/// plus this), so that the next holder's fence is higher even if the
+/// server's clock stepped back: see the [module docs](self) for the
+/// guarantee this gives.
 pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
 /// Acquires, renews and releases per-key locks on Redis.
@@ -145,6 +155,9 @@ struct LockerConfig {
     /// Whether the eviction check of this configuration has been started:
     /// it warns once per configuration, not once per call.
     eviction_checked: AtomicBool,
+    /// How a release tells waiters (`PUBLISH` on a single server,
+    /// `SPUBLISH` on a cluster), found out on the first release.
+    publish: tokio::sync::OnceCell<&'static str>,
 }
 
 /// How many replicas must confirm each write, and how long to wait for them.
@@ -294,10 +307,9 @@ impl Contended {
 /// [`LockLayer`](crate::LockLayer) releases for you.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// Key, Redis key and token (shared with the layer's release guard).
+    /// Key, Redis key, token and fence once issued (shared with the
+    /// layer's release guard and `HeldLock`).
     ticket: Arc<Ticket>,
-    /// Fencing token: strictly increasing per key across holders.
-    fence: u64,
     /// When the lock runs out by the caller's clock (conservative: measured
     /// from before the acquire command was sent).
     expires_at: Instant,
@@ -315,11 +327,25 @@ pub(crate) struct Ticket {
     lock_key: String,
     /// Random token proving ownership: 32 hex digits.
     token: String,
+    /// The fencing token, once issued (see `Locker::fence`).
+    fence: OnceLock<u64>,
 }
 
 impl Ticket {
     pub(crate) fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The fence, if one was issued to this holder.
+    pub(crate) fn issued_fence(&self) -> Option<u64> {
+        self.fence.get().copied()
+    }
+
+    /// Whether a lock value (`<token>[:<fence>][!]`) names this token.
+    fn owns(&self, value: &str) -> bool {
+        value
+            .strip_prefix(self.token.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([':', '!']))
     }
 
     fn lock_key(&self) -> &str {
@@ -338,13 +364,10 @@ impl Lease {
         &self.ticket.token
     }
 
-    /// The fencing token: strictly greater than the fence of every earlier
-    /// holder of this key (across restarts and failovers too, within the
-    /// clock bounds the [module docs](self#how-fences-are-made-and-what-they-guarantee)
-    /// state). Hand it to the storage you write to, and have it refuse
-    /// writes carrying a lower fence than it has seen.
-    pub fn fence(&self) -> u64 {
-        self.fence
+    /// The fencing token, if one was issued to this lease: fences are
+    /// issued on first use, by [`Locker::fence`].
+    pub fn issued_fence(&self) -> Option<u64> {
+        self.ticket.issued_fence()
     }
 
     /// When the lock expires by this process's clock, measured conservatively
@@ -376,6 +399,7 @@ where
                 ttl: DEFAULT_TTL,
                 durability: None,
                 eviction_checked: AtomicBool::new(false),
+                publish: tokio::sync::OnceCell::new(),
             }),
         }
     }
@@ -402,6 +426,7 @@ where
             ttl: self.config.ttl,
             durability: self.config.durability,
             eviction_checked: AtomicBool::new(false),
+            publish: tokio::sync::OnceCell::new_with(self.config.publish.get().copied()),
         };
         edit(&mut config);
         Self {
@@ -551,11 +576,12 @@ where
         });
     }
 
-    /// Sends a script and `WAIT` in one pipeline; returns the script's reply
-    /// and the number of replicas that acknowledged.
+    /// Sends a command (a script's `EVALSHA`, or a plain command when
+    /// `script` is `None`) and `WAIT` in one pipeline; returns the command's
+    /// reply and the number of replicas that acknowledged.
     async fn run_and_wait<T: redis::FromRedisValue>(
         &self,
-        script: &Script,
+        script: Option<&Script>,
         cmd: &redis::Cmd,
         durability: Durability,
         attempted: impl Fn() -> String,
@@ -568,17 +594,67 @@ where
         let mut conn = self.conn.clone();
         let reply: redis::RedisResult<(T, i64)> = match pipe.query_async(&mut conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                script
-                    .prepare_invoke()
-                    .load_async(&mut conn)
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                if let Some(script) = script {
+                    script
+                        .prepare_invoke()
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(Error::redis(attempted()))?;
+                }
                 pipe.query_async(&mut conn).await
             }
             reply => reply,
         };
         let (reply, acked) = reply.map_err(Error::redis(attempted()))?;
         Ok((reply, u32::try_from(acked).unwrap_or(0)))
+    }
+
+    /// Sends a command that may take the lock: directly, or under
+    /// `require_replicas` with `WAIT`, failing closed when too few replicas
+    /// confirm a reply that `took` says took the lock. If a durable pipeline
+    /// fails after the command may have run, the lock is released
+    /// (token-checked) before the error is returned: only we know the token.
+    async fn send_acquire<T: redis::FromRedisValue>(
+        &self,
+        script: Option<&Script>,
+        cmd: &redis::Cmd,
+        ticket: &Ticket,
+        took: impl Fn(&T) -> bool,
+    ) -> Result<T> {
+        let attempted = || format!("acquiring lock `{}`", ticket.key);
+        let reply = match self.config.durability {
+            None => match script {
+                Some(script) => script::run(script, cmd, &mut self.conn.clone()).await,
+                None => cmd.query_async(&mut self.conn.clone()).await,
+            }
+            .map_err(Error::redis(attempted()))?,
+            Some(durability) => {
+                let (reply, acked) = match self
+                    .run_and_wait::<T>(script, cmd, durability, attempted)
+                    .await
+                {
+                    Ok(replied) => replied,
+                    Err(error) => {
+                        // The command may have run although the pipeline
+                        // failed (the client gave up during WAIT, WAIT was
+                        // refused, the connection dropped).
+                        if let Err(release) = self.release_ticket(ticket).await {
+                            tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
+                        }
+                        return Err(error);
+                    }
+                };
+                // Only a write needs replicas: a contended attempt wrote nothing.
+                if took(&reply) && acked < durability.replicas {
+                    return Err(self
+                        .not_replicated(ticket, attempted(), durability, acked)
+                        .await);
+                }
+                reply
+            }
+        };
+        self.check_eviction_once();
+        Ok(reply)
     }
 
     /// Fails closed after a write that too few replicas confirmed: releases
@@ -591,7 +667,7 @@ where
         acked: u32,
     ) -> Error {
         let released = match self.release_ticket(ticket).await {
-            Ok(released) => released,
+            Ok(released) => released == Released::Now,
             Err(error) => {
                 tracing::warn!(%error, key = ticket.key, "could not release a lock that too few replicas confirmed; it expires with its TTL");
                 false
@@ -621,8 +697,10 @@ where
         format!("{}:lock:{{{}}}", self.config.prefix, keys::tag(key))
     }
 
-    /// Tries once to take the lock on `key`, in one round trip.
+    /// Tries once to take the lock on `key`.
     ///
+    /// One round trip (`SET key token NX PX ttl GET`) when the lock is free;
+    /// a second one, to read how long the holder still has, when it is not.
     /// Errors on an empty key or a Redis failure; a lock held by someone else
     /// is not an error but [`Acquisition::Contended`]. Under
     /// [`require_replicas`](Self::require_replicas), a lock too few replicas
@@ -632,7 +710,11 @@ where
     /// [`check_eviction`](Self::check_eviction) in the background (it warns
     /// once when the server may evict locks).
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
-        self.acquire_ticket(&self.ticket(key)?).await
+        let ticket = self.ticket(key)?;
+        match self.try_set(&ticket).await? {
+            Some(acquired) => Ok(acquired),
+            None => self.contend(&ticket, false).await,
+        }
     }
 
     /// Prepares an attempt at the lock on `key`.
@@ -644,84 +726,89 @@ where
             key: key.to_owned(),
             lock_key: self.lock_key(key),
             token: random_token(),
+            fence: OnceLock::new(),
         }))
     }
 
-    /// Tries once to take the lock with a prepared ticket.
-    pub(crate) async fn acquire_ticket(&self, ticket: &Arc<Ticket>) -> Result<Acquisition> {
-        let key = &ticket.key;
+    /// The fast path: one `SET NX PX GET`. `Some` when the lock is ours (it
+    /// was free, or holds our token: a resent acquire whose first copy ran,
+    /// then with the TTL it has left), `None` when someone else holds it.
+    pub(crate) async fn try_set(&self, ticket: &Arc<Ticket>) -> Result<Option<Acquisition>> {
+        // Found out before the first lock is taken, so that its release
+        // does not depend on one more round trip.
+        self.publish_command()
+            .await
+            .map_err(Error::redis(format_args!(
+                "acquiring lock `{}`",
+                ticket.key
+            )))?;
         let ttl = self.config.ttl;
         let started = Instant::now();
-        let mut cmd = script::evalsha(&ACQUIRE, 1);
+        let mut cmd = redis::cmd("SET");
         cmd.arg(ticket.lock_key())
             .arg(&ticket.token)
-            .arg(millis(ttl));
-        let attempted = || format!("acquiring lock `{key}`");
-        let reply: Vec<i64> = match self.config.durability {
-            None => script::run(&ACQUIRE, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?,
-            Some(durability) => {
-                let (reply, acked): (Vec<i64>, u32) = match self
-                    .run_and_wait(&ACQUIRE, &cmd, durability, attempted)
-                    .await
-                {
-                    Ok(replied) => replied,
-                    Err(error) => {
-                        // The script may have run although the pipeline
-                        // failed (the client gave up during WAIT, WAIT was
-                        // refused, the connection dropped): the lock may be
-                        // ours, and only we know the token. Release it
-                        // (token-checked: a no-op if it is not ours).
-                        if let Err(release) = self.release_ticket(ticket).await {
-                            tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
-                        }
-                        return Err(error);
-                    }
-                };
-                // Only a write needs replicas: a contended attempt wrote nothing.
-                if reply.first() == Some(&1) && acked < durability.replicas {
-                    return Err(self
-                        .not_replicated(ticket, attempted(), durability, acked)
-                        .await);
-                }
-                reply
-            }
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(ttl))
+            .arg("GET");
+        let held: Option<String> = self
+            .send_acquire(None, &cmd, ticket, |held: &Option<String>| {
+                held.as_deref().is_none_or(|held| ticket.owns(held))
+            })
+            .await?;
+        match held {
+            None => Ok(Some(self.lease(ticket, started, None))),
+            // Ours already: the contend script reads the TTL it has left.
+            Some(held) if ticket.owns(&held) => self.contend(ticket, false).await.map(Some),
+            Some(_) => Ok(None),
+        }
+    }
+
+    /// Tries once more with the contend script, which also reads the
+    /// holder's remaining TTL, and marks the lock as waited for when `mark`
+    /// is set (its release then publishes on the lock key's channel).
+    pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, mark: bool) -> Result<Acquisition> {
+        let started = Instant::now();
+        let mut cmd = script::evalsha(&CONTEND, 1);
+        cmd.arg(ticket.lock_key())
+            .arg(&ticket.token)
+            .arg(millis(self.config.ttl))
+            .arg(if mark { "1" } else { "0" });
+        let reply: Vec<i64> = self
+            .send_acquire(Some(&CONTEND), &cmd, ticket, |reply: &Vec<i64>| {
+                reply.first() == Some(&1)
+            })
+            .await?;
+        let [acquired, left] = reply[..] else {
+            return Err(Error::reply(
+                format_args!("acquiring lock `{}`", ticket.key),
+                format_args!("expected 2 integers, got {reply:?}"),
+            ));
         };
-        self.check_eviction_once();
-        let (acquired, value, left) = match reply[..] {
-            [acquired, value] => (acquired, value, None),
-            [acquired, value, left] => (acquired, value, Some(left)),
-            _ => {
-                return Err(Error::reply(
-                    attempted(),
-                    format_args!("expected 2 or 3 integers, got {reply:?}"),
-                ));
-            }
-        };
+        // PTTL is -1 for a key someone set without expiry, -2 if it vanished;
+        // neither tells when to retry, so say "now".
+        let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
         if acquired == 1 {
-            let fence = u64::try_from(value)
-                .map_err(|_| Error::reply(attempted(), format_args!("negative fence {value}")))?;
-            // A resent acquire may find the lock its first copy took a while
-            // ago: then only the TTL it has left counts (measured on the
-            // server after `started`, so the deadline stays conservative).
-            let left = left
-                .and_then(|ms| u64::try_from(ms).ok())
-                .map_or(ttl, |ms| ttl.min(Duration::from_millis(ms)));
-            Ok(Acquisition::Acquired(Lease {
-                ticket: ticket.clone(),
-                fence,
-                expires_at: started + left,
-            }))
+            Ok(self.lease(ticket, started, Some(left)))
         } else {
-            // PTTL is -1 for a lock someone set without expiry, -2 if it
-            // vanished; neither tells us when to retry, so say "now".
-            let retry_after = Duration::from_millis(u64::try_from(value).unwrap_or(0));
             Ok(Acquisition::Contended(Contended::new(
-                key.to_owned(),
-                retry_after,
+                ticket.key.clone(),
+                left,
             )))
         }
+    }
+
+    /// A lease on a lock taken by a command sent at `started`: it lasts the
+    /// TTL, or only what the server said is `left` (a resent acquire may
+    /// find the lock its first copy took a while ago), measured from
+    /// `started`, so the deadline stays conservative.
+    fn lease(&self, ticket: &Arc<Ticket>, started: Instant, left: Option<Duration>) -> Acquisition {
+        let ttl = self.config.ttl;
+        let left = left.map_or(ttl, |left| ttl.min(left));
+        Acquisition::Acquired(Lease {
+            ticket: ticket.clone(),
+            expires_at: started + left,
+        })
     }
 
     /// How long the lock on `key` still lives: `None` when it is free (or
@@ -730,8 +817,9 @@ where
         Ok(self.inspect(key).await?.and_then(|held| held.remaining))
     }
 
-    /// Who holds the lock on `key`, with what fence, for how long: `None`
-    /// when it is free. One round trip (`GET` and `PTTL` in a pipeline).
+    /// Who holds the lock on `key`, with what fence (if one was issued),
+    /// for how long: `None` when it is free. One round trip (`GET` and
+    /// `PTTL` in a pipeline).
     pub async fn inspect(&self, key: &str) -> Result<Option<Holder>> {
         let lock_key = self.lock_key(key);
         let (value, pttl): (Option<String>, i64) = redis::pipe()
@@ -740,43 +828,123 @@ where
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("reading lock `{key}`")))?;
-        // A tombstone (`~<fence>:<token>`) is a released lock: free.
-        let Some((token, fence)) = value.as_deref().and_then(|v| v.split_once(':')) else {
+        let Some(value) = value else {
             return Ok(None);
         };
-        if token.starts_with('~') {
-            return Ok(None);
-        }
+        // `<token>[:<fence>][!]`: the mark says someone waits.
+        let value = value.strip_suffix('!').unwrap_or(&value);
+        let (token, fence) = match value.split_once(':') {
+            Some((token, fence)) => (token, fence.parse().ok()),
+            None => (value, None),
+        };
         Ok(Some(Holder {
             token: token.to_owned(),
-            fence: fence.parse().ok(),
+            fence,
             remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
         }))
     }
 
-    /// Releases a lock. Returns `true` if it was still held by `lease` (or
-    /// was already released by it: releasing twice, or a resent release,
-    /// is not a lost lock), and `false` (changing nothing) if it had expired
-    /// or belongs to another holder now.
+    /// Issues the fencing token of a held lock, on first use (one round
+    /// trip; later calls return it without asking Redis): strictly greater
+    /// than the fence of every earlier holder of this key, across restarts
+    /// and failovers too, within the clock bounds the
+    /// [module docs](self#fencing-tokens-and-what-they-guarantee) state.
+    /// Hand it to the storage you write to, and have it refuse writes
+    /// carrying a lower fence than it has seen.
     ///
-    /// The released lock's fence stays on record for [`FENCE_GRACE`] (see
-    /// the [module docs](self)).
-    pub async fn release(&self, lease: &Lease) -> Result<bool> {
-        self.release_ticket(&lease.ticket).await
+    /// Errors with [`Error::NotHeld`] when the lease no longer holds the
+    /// lock (it expired, or another holder took it): a fence issued then
+    /// could be higher than the next holder's.
+    pub async fn fence(&self, lease: &Lease) -> Result<u64> {
+        self.fence_ticket(&lease.ticket).await
     }
 
-    pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<bool> {
-        let mut cmd = script::evalsha(&RELEASE, 1);
+    pub(crate) async fn fence_ticket(&self, ticket: &Ticket) -> Result<u64> {
+        if let Some(fence) = ticket.issued_fence() {
+            return Ok(fence);
+        }
+        let mut cmd = script::evalsha(&FENCE, 2);
         cmd.arg(ticket.lock_key())
+            .arg(self.fence_key(&ticket.key))
             .arg(&ticket.token)
             .arg(millis(FENCE_GRACE));
-        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
+        let fence: i64 = script::run(&FENCE, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
-                "releasing lock `{}`",
+                "issuing the fence of lock `{}`",
                 ticket.key
             )))?;
-        Ok(released == 1)
+        let Ok(fence) = u64::try_from(fence) else {
+            return Err(Error::NotHeld {
+                key: ticket.key.clone(),
+            });
+        };
+        Ok(*ticket.fence.get_or_init(|| fence))
+    }
+
+    /// The Redis key that records the last fence issued for `key` (it lives
+    /// as long as the lock that issued it, plus [`FENCE_GRACE`]).
+    pub fn fence_key(&self, key: &str) -> String {
+        format!("{}:fence:{{{}}}", self.config.prefix, keys::tag(key))
+    }
+
+    /// Releases a lock. Returns `true` if it was held by `lease` and is now
+    /// free, and `false` (changing nothing) if it had expired or belongs to
+    /// another holder now.
+    ///
+    /// Releasing twice, or a resent release, is not a lost lock: a lock
+    /// found gone before the lease's expiry counts as released (nothing but
+    /// this lease's own release, or a deletion by hand, removes it before
+    /// its TTL).
+    pub async fn release(&self, lease: &Lease) -> Result<bool> {
+        let sent = Instant::now();
+        Ok(match self.release_ticket(&lease.ticket).await? {
+            Released::Now => true,
+            Released::Gone => sent < lease.expires_at,
+            Released::Other => false,
+        })
+    }
+
+    pub(crate) async fn release_ticket(&self, ticket: &Ticket) -> Result<Released> {
+        let attempted = || format!("releasing lock `{}`", ticket.key);
+        let publish = self
+            .publish_command()
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let mut cmd = script::evalsha(&RELEASE, 1);
+        cmd.arg(ticket.lock_key()).arg(&ticket.token).arg(publish);
+        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        Ok(match released {
+            1 => Released::Now,
+            0 => Released::Gone,
+            _ => Released::Other,
+        })
+    }
+
+    /// How the release script tells waiters: `SPUBLISH` on a cluster (it
+    /// reaches the subscribers of the node that owns the lock key's slot,
+    /// where `PUBLISH` would go to every node), `PUBLISH` on a single server.
+    /// Asked once per configuration (`CLUSTER INFO` fails on a server
+    /// without cluster support).
+    async fn publish_command(&self) -> redis::RedisResult<&'static str> {
+        self.config
+            .publish
+            .get_or_try_init(|| async {
+                let info: redis::RedisResult<redis::Value> = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query_async(&mut self.conn.clone())
+                    .await;
+                match info {
+                    Ok(_) => Ok("SPUBLISH"),
+                    // The server answered: no cluster support.
+                    Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => Ok("PUBLISH"),
+                    Err(e) => Err(e),
+                }
+            })
+            .await
+            .copied()
     }
 
     /// Renews a lock to live `ttl` from now. Returns `true` if it was still
@@ -808,7 +976,7 @@ where
                 .map_err(Error::redis(attempted()))?,
             Some(durability) => {
                 let (extended, acked): (i64, u32) = self
-                    .run_and_wait(&EXTEND, &cmd, durability, attempted)
+                    .run_and_wait(Some(&EXTEND), &cmd, durability, attempted)
                     .await?;
                 if extended == 1 && acked < durability.replicas {
                     return Err(self
@@ -820,6 +988,17 @@ where
         };
         Ok(extended == 1)
     }
+}
+
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Released {
+    /// The lock held our token; it is free now.
+    Now,
+    /// The lock was gone: expired, or released already.
+    Gone,
+    /// Another token holds the lock.
+    Other,
 }
 
 /// 128 random bits as 32 lowercase hex digits (without `core::fmt`, which

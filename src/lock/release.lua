@@ -1,23 +1,26 @@
--- Releases a lock, but only for the holder whose token it still stores, and
--- keeps its fence on record for a grace period (see acquire.lua): the lock
--- key becomes the tombstone "~<fence>:<token>", which acquire.lua treats as
--- free and which expires after the grace period.
--- KEYS[1]: lock key   held: "<token>:<fence>"   released: "~<fence>:<token>"
+-- Releases a lock, but only for the holder whose token it still stores; if
+-- someone waits for it (the value ends in "!", see contend.lua), tells them
+-- on the lock key's own channel, which has the lock key's hash slot (so
+-- `SPUBLISH` reaches the waiters of a cluster node, `PUBLISH` those of a
+-- single server).
+-- KEYS[1]: lock key   value "<token>[:<fence>][!]"
 -- ARGV[1]: holder token
--- ARGV[2]: grace period: how long the tombstone lives, in milliseconds
--- Returns 1 when released (also when the tombstone names this token: a
--- resent release whose first copy ran), 0 when the lock was gone or is held
--- by another token.
+-- ARGV[2]: the publish command: "PUBLISH" or "SPUBLISH"
+-- Returns 1 when released, 0 when the lock was gone (expired, or released
+-- already: a resent release whose first copy ran), -1 when another token
+-- holds it.
+-- Usual cost: GET, DEL (and a publish when waited for).
 local value = redis.call('GET', KEYS[1])
 if not value then
   return 0
 end
 local n = #ARGV[1]
-if string.sub(value, 1, n + 1) == ARGV[1] .. ':' then
-  redis.call('SET', KEYS[1], '~' .. string.sub(value, n + 2) .. ':' .. ARGV[1], 'PX', ARGV[2])
-  return 1
+local after = string.byte(value, n + 1)
+if string.sub(value, 1, n) ~= ARGV[1] or not (after == nil or after == 58 or after == 33) then
+  return -1
 end
-if string.byte(value, 1) == 126 and string.sub(value, -n - 1) == ':' .. ARGV[1] then
-  return 1
+redis.call('DEL', KEYS[1])
+if string.byte(value, -1) == 33 then
+  redis.call(ARGV[2], KEYS[1], '')
 end
-return 0
+return 1

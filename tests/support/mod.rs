@@ -89,12 +89,11 @@ pub async fn exists(conn: &(impl ConnectionLike + Clone), key: &str) -> bool {
     raw::<i64>(conn, &["EXISTS", key]).await == 1
 }
 
-/// Whether the lock stored at `lock_key` is held: it exists and is not the
-/// tombstone (`~<fence>:<token>`) a release leaves for a few seconds.
+/// Whether the key `lock_key` (a lock, or a fence record) exists.
 pub async fn held(conn: &(impl ConnectionLike + Clone), lock_key: &str) -> bool {
     raw::<Option<String>>(conn, &["GET", lock_key])
         .await
-        .is_some_and(|v| !v.starts_with('~'))
+        .is_some()
 }
 
 /// The part of `key` Redis Cluster hashes: the content between the first `{`
