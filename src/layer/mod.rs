@@ -212,6 +212,9 @@ pub(crate) struct Config<C, F, D> {
     pub(crate) on_lost: OnLost,
     /// This process's waiters per key (used under `retry`).
     pub(crate) local: Arc<local::LocalQueues>,
+    /// Issues fences for `HeldLock::fence` (made on first use: it needs
+    /// the connection bounds the constructors do not ask for).
+    pub(crate) issue_fence: std::sync::OnceLock<context::IssueFence>,
 }
 
 impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
@@ -222,6 +225,7 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
             on_conflict: self.on_conflict.clone(),
             on_lost: self.on_lost,
             local: self.local.clone(),
+            issue_fence: self.issue_fence.clone(),
         }
     }
 }
@@ -263,6 +267,7 @@ impl<C, F> LockLayer<C, F, Fail> {
                 on_conflict: OnConflict::fail(),
                 on_lost: OnLost::default(),
                 local: Default::default(),
+                issue_fence: Default::default(),
             },
         }
     }
@@ -276,6 +281,7 @@ impl<C, F, D> LockLayer<C, F, D> {
             key_fn,
             on_lost,
             local,
+            issue_fence,
             ..
         } = self.config;
         LockLayer {
@@ -285,6 +291,7 @@ impl<C, F, D> LockLayer<C, F, D> {
                 on_conflict: strategy,
                 on_lost,
                 local,
+                issue_fence,
             },
         }
     }

@@ -239,7 +239,18 @@ where
         return Ok(Outcome::Deferred { id, due });
     };
     tracing::debug!(%key, "lock acquired");
-    hold(locker, config.on_lost, inner, req, lease, guard).await
+    let issue_fence = config
+        .issue_fence
+        .get_or_init(|| {
+            let locker = locker.clone();
+            Arc::new(move |ticket| {
+                let locker = locker.clone();
+                Box::pin(async move { locker.fence_ticket(&ticket).await })
+            })
+        })
+        .clone();
+    let held = HeldLock::new(lease.ticket().clone(), issue_fence);
+    hold(locker, config.on_lost, inner, req, lease, held, guard).await
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or
@@ -258,6 +269,7 @@ async fn hold<S, C, Req>(
     mut inner: S,
     req: Req,
     lease: Lease,
+    held: HeldLock,
     mut guard: ReleaseGuard<C>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
@@ -269,14 +281,6 @@ where
     // Renew this long before the lease runs out: once a third of it is used.
     let ahead = ttl - ttl / 3;
     let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
-    let issue_fence: super::context::IssueFence = {
-        let locker = locker.clone();
-        Arc::new(move |ticket| {
-            let locker = locker.clone();
-            Box::pin(async move { locker.fence_ticket(&ticket).await })
-        })
-    };
-    let held = HeldLock::new(lease.ticket().clone(), issue_fence);
     let mut expires_at = lease.expires_at();
     let call = held
         .clone()

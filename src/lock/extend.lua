@@ -5,6 +5,9 @@
 -- Returns 1 when extended (a resend does the same again), 0 when the lock
 -- was gone or held by another token.
 local value = redis.call('GET', KEYS[1])
+if value == ARGV[1] then -- the usual case: no fence, nobody waiting
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
 if not value then
   return 0
 end

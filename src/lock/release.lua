@@ -11,6 +11,10 @@
 -- holds it.
 -- Usual cost: GET, DEL (and a publish when waited for).
 local value = redis.call('GET', KEYS[1])
+if value == ARGV[1] then -- the usual case: no fence, nobody waiting
+  redis.call('DEL', KEYS[1])
+  return 1
+end
 if not value then
   return 0
 end
