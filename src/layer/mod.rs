@@ -212,6 +212,8 @@ pub(crate) struct Config<C, F, D> {
     pub(crate) on_lost: OnLost,
     /// This process's waiters per key (used under `retry`).
     pub(crate) local: Arc<local::LocalQueues>,
+    /// Wakes waiters under `retry` when the key is released.
+    pub(crate) listener: Option<crate::ReleaseListener>,
     /// Issues fences for `HeldLock::fence` (made on first use: it needs
     /// the connection bounds the constructors do not ask for).
     pub(crate) issue_fence: std::sync::OnceLock<context::IssueFence>,
@@ -225,6 +227,7 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
             on_conflict: self.on_conflict.clone(),
             on_lost: self.on_lost,
             local: self.local.clone(),
+            listener: self.listener.clone(),
             issue_fence: self.issue_fence.clone(),
         }
     }
@@ -267,6 +270,7 @@ impl<C, F> LockLayer<C, F, Fail> {
                 on_conflict: OnConflict::fail(),
                 on_lost: OnLost::default(),
                 local: Default::default(),
+                listener: None,
                 issue_fence: Default::default(),
             },
         }
@@ -281,6 +285,7 @@ impl<C, F, D> LockLayer<C, F, D> {
             key_fn,
             on_lost,
             local,
+            listener,
             issue_fence,
             ..
         } = self.config;
@@ -291,6 +296,7 @@ impl<C, F, D> LockLayer<C, F, D> {
                 on_conflict: strategy,
                 on_lost,
                 local,
+                listener,
                 issue_fence,
             },
         }
@@ -299,6 +305,25 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// Sets what happens to a handler whose lock is lost while it runs.
     pub fn on_lost(mut self, on_lost: OnLost) -> Self {
         self.config.on_lost = on_lost;
+        self
+    }
+
+    /// Wakes waiters under [`OnConflict::retry`] when the lock they wait
+    /// for is released, by any process, instead of polling with backoff.
+    ///
+    /// A waiter then sends nothing to Redis while the holder is alive: it
+    /// marks the lock, and sleeps until the release publishes (about one
+    /// round trip after it) or the holder's TTL ends (a holder that died).
+    /// The backoff still bounds the wait, by time: `max_elapsed`, or the
+    /// time the waits of `max_attempts` would take (see
+    /// [`Backoff::budget`](crate::Backoff::budget)); wake-ups that lose the
+    /// race to another waiter are not counted as attempts. While the
+    /// listener's connection is down, waiters poll with the backoff.
+    ///
+    /// Processes that release a lock need no listener: the release script
+    /// publishes by itself. See [`ReleaseListener`](crate::ReleaseListener).
+    pub fn wake_on_release(mut self, listener: crate::ReleaseListener) -> Self {
+        self.config.listener = Some(listener);
         self
     }
 }

@@ -139,6 +139,9 @@ where
     // One budget for the whole call, from its start: the wait in the local
     // queue, the tries and their round trips, and the waits between them.
     let started = Instant::now();
+    let deadline = retry
+        .and_then(|b| b.budget())
+        .and_then(|b| started.checked_add(b));
     let mut tries: u32 = 0;
     // Under `retry`, wait behind this process's earlier calls for the key
     // (FIFO), within the retry budget; only the head asks Redis.
@@ -146,7 +149,6 @@ where
         None => None,
         Some(backoff) => {
             let turn = config.local.turn(&key);
-            let deadline = backoff.budget().and_then(|b| started.checked_add(b));
             let turn = match deadline {
                 None => turn.await,
                 Some(deadline) => match tokio::time::timeout_at(deadline, turn).await {
@@ -183,6 +185,9 @@ where
         locker: locker.clone(),
         ticket: Some(locker.ticket(&key)?),
     };
+    // Under `retry` with a release listener: this call's subscription to
+    // the key's releases, made when the key is first found busy.
+    let mut watch: Option<crate::lock::Watch> = None;
     let lease = loop {
         tries = tries.saturating_add(1);
         let Some(ticket) = guard.ticket.clone() else {
@@ -191,12 +196,15 @@ where
         // The first try is the plain `SET NX PX GET`; a busy key (and
         // every later try) runs the contend script, which tries again and
         // reads how long the holder still has.
+        // A waiter that listens marks the lock, so that its release
+        // publishes.
+        let mark = watch.as_ref().is_some_and(|w| w.is_ready());
         let acquisition = match tries {
             1 => match locker.try_set(&ticket).await? {
                 Some(acquired) => acquired,
-                None => locker.contend(&ticket, false).await?,
+                None => locker.contend(&ticket, mark).await?,
             },
-            _ => locker.contend(&ticket, false).await?,
+            _ => locker.contend(&ticket, mark).await?,
         };
         let busy = match acquisition {
             Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
@@ -224,8 +232,50 @@ where
             }
             Acquisition::Contended(busy) => busy,
         };
-        // Everything since the call started counts against `max_elapsed`.
-        if let Some(delay) = retry.and_then(|b| b.next(tries, started.elapsed())) {
+        if let (Some(backoff), Some(listener)) = (retry, &config.listener) {
+            // Woken by the release: waits are bounded by the budget's time
+            // (what `max_attempts` waits would take, or `max_elapsed`), not
+            // by counting wake-ups, which a hot key hands out by the dozen.
+            let within = deadline.is_none_or(|d| Instant::now() < d);
+            if within {
+                match watch.as_mut() {
+                    None => {
+                        // Listen first, then mark the lock (next try): a
+                        // release in between cannot be missed.
+                        let mut new = listener.watch(ticket.lock_key());
+                        let ready = new.ready(deadline).await;
+                        watch = Some(new);
+                        if ready {
+                            continue;
+                        }
+                    }
+                    Some(listening) if listening.is_ready() => {
+                        // Until the release, or the holder's lease runs out
+                        // (it died), within the budget.
+                        let holder_left = match busy.retry_after() {
+                            Duration::ZERO => backoff.delay(tries.saturating_sub(1)),
+                            left => left + Duration::from_millis(1),
+                        };
+                        let until = Instant::now() + holder_left;
+                        let until = deadline.map_or(until, |d| until.min(d));
+                        tracing::trace!(%key, tries, ?holder_left, "lock busy; waiting for its release");
+                        tokio::select! {
+                            () = listening.woken() => {}
+                            () = tokio::time::sleep_until(until) => {}
+                        }
+                        continue;
+                    }
+                    Some(_) => {}
+                }
+                // The listener's connection is down: poll with backoff
+                // meanwhile, within the same time budget.
+                let delay = backoff.delay(tries.saturating_sub(1));
+                let until = Instant::now() + delay;
+                tokio::time::sleep_until(deadline.map_or(until, |d| until.min(d))).await;
+                continue;
+            }
+        } else if let Some(delay) = retry.and_then(|b| b.next(tries, started.elapsed())) {
+            // Everything since the call started counts against `max_elapsed`.
             tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
             tokio::time::sleep(delay).await;
             continue;
@@ -238,6 +288,7 @@ where
         let (id, due) = give_up.await?;
         return Ok(Outcome::Deferred { id, due });
     };
+    drop(watch);
     tracing::debug!(%key, "lock acquired");
     let issue_fence = config
         .issue_fence

@@ -110,8 +110,12 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
+
+mod wake;
 use crate::keys;
 use crate::script;
+pub use wake::ReleaseListener;
+pub(crate) use wake::Watch;
 
 static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -348,7 +352,7 @@ impl Ticket {
             .is_some_and(|rest| rest.is_empty() || rest.starts_with([':', '!']))
     }
 
-    fn lock_key(&self) -> &str {
+    pub(crate) fn lock_key(&self) -> &str {
         &self.lock_key
     }
 }

@@ -1,0 +1,348 @@
+//! Waking lock waiters when the lock they wait for is released, in any
+//! process.
+//!
+//! # The mechanism, and why
+//!
+//! A waiter that found a lock held marks it (a `!` at the end of its value,
+//! set by the contend script) and listens on a pub/sub channel named like
+//! the lock key. The release script publishes on that channel when, and only
+//! when, the lock it deletes is marked, in the same script: there is no
+//! moment at which a lock is free while its waiters still sleep, and an
+//! uncontended release publishes nothing. The waiter then tries again at
+//! once. A holder that dies publishes nothing; its lock's expiry ends the
+//! wait instead, since the waiter sleeps at most the holder's remaining TTL.
+//!
+//! Pub/sub was chosen over the alternatives because it costs nothing while
+//! nobody waits, needs one connection per process whatever the number of
+//! keys and waiters, and cannot strand anything: a lost message (a dropped
+//! connection) only means a waiter wakes on the holder's TTL instead. A
+//! per-key wait list with tickets would give strict FIFO across processes,
+//! but needs every waiter to be alive to pass the lock on, and a blocking
+//! `BLPOP` per waiting task would need a connection per task.
+//!
+//! One [`ReleaseListener`] per process is enough: it holds one subscriber
+//! connection, subscribes to a key's channel while a task of this process
+//! waits for the key (and a second longer, so that a hot key is not
+//! subscribed and unsubscribed for every waiter), and reconnects with
+//! backoff when the connection drops, waking every waiter so that none
+//! sleeps through a release it could not hear.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::error::{Error, Result};
+
+/// How long a channel stays subscribed after its last waiter left.
+const LINGER: Duration = Duration::from_secs(1);
+/// How often idle channels are dropped and the connection is checked.
+const TICK: Duration = Duration::from_secs(1);
+/// The longest a connection attempt or a check of the connection may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Wakes this process's lock waiters when the lock they wait for is
+/// released, by any process: one subscriber connection for all keys.
+///
+/// Give it to [`LockLayer::wake_on_release`](crate::LockLayer::wake_on_release);
+/// waiters under `OnConflict::retry` then sleep until the release (or the
+/// holder's TTL) instead of polling with backoff. Cloning is cheap and shares
+/// the connection. The connection is closed when the last clone (and the
+/// last waiter) is dropped.
+///
+/// For a single Redis server; see the [module docs](self) for how it works.
+#[derive(Clone)]
+pub struct ReleaseListener {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ReleaseListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReleaseListener")
+            .field("channels", &self.shared.channels().len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    /// The channels this process listens on (or is about to), by name.
+    channels: Mutex<HashMap<String, Channel>>,
+    /// Asks the connection task to subscribe to a channel.
+    subscribe: mpsc::UnboundedSender<String>,
+}
+
+struct Channel {
+    /// Waiters of this process that listen on it now.
+    waiters: usize,
+    /// Since when nobody listens (it is unsubscribed after `LINGER`).
+    idle_since: Option<Instant>,
+    /// What waiters watch: whether the subscription is confirmed, and how
+    /// many wake-ups there were.
+    state: watch::Sender<State>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct State {
+    /// The server confirmed the subscription, and the connection is up.
+    confirmed: bool,
+    /// Counts releases heard and reconnections: each wakes the waiters.
+    wakeups: u64,
+}
+
+impl Shared {
+    fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, Channel>> {
+        // Every critical section is a few map operations: nothing to poison.
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl ReleaseListener {
+    /// Connects a subscriber to the server `client` points at, and starts
+    /// the task that dispatches releases to waiters (on the current tokio
+    /// runtime). Errors when the first connection fails; later failures
+    /// are retried in the background.
+    pub async fn connect(client: redis::Client) -> Result<Self> {
+        let pubsub = connect(&client).await?;
+        let (subscribe, requests) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            channels: Mutex::new(HashMap::new()),
+            subscribe,
+        });
+        tokio::spawn(run(client, pubsub, Arc::downgrade(&shared), requests));
+        Ok(Self { shared })
+    }
+
+    /// Starts listening on `channel` (a lock key); the returned [`Watch`]
+    /// is woken by each release published there.
+    pub(crate) fn watch(&self, channel: &str) -> Watch {
+        let mut channels = self.shared.channels();
+        let receiver = match channels.get_mut(channel) {
+            Some(entry) => {
+                entry.waiters += 1;
+                entry.idle_since = None;
+                entry.state.subscribe()
+            }
+            None => {
+                let (state, receiver) = watch::channel(State::default());
+                channels.insert(
+                    channel.to_owned(),
+                    Channel {
+                        waiters: 1,
+                        idle_since: None,
+                        state,
+                    },
+                );
+                // Ordered after any unsubscribe of the same channel: the
+                // connection task handles one request at a time.
+                let _ = self.shared.subscribe.send(channel.to_owned());
+                receiver
+            }
+        };
+        Watch {
+            shared: self.shared.clone(),
+            channel: channel.to_owned(),
+            receiver,
+        }
+    }
+}
+
+/// A waiter's subscription to one lock's releases.
+pub(crate) struct Watch {
+    shared: Arc<Shared>,
+    channel: String,
+    receiver: watch::Receiver<State>,
+}
+
+impl Watch {
+    /// Waits until the subscription is confirmed, at most until `deadline`.
+    /// False when it is not (the listener's connection is down): the waiter
+    /// must then poll.
+    pub(crate) async fn ready(&mut self, deadline: Option<Instant>) -> bool {
+        let confirmed = self.receiver.wait_for(|state| state.confirmed);
+        let confirmed = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, confirmed)
+                .await
+                .ok()
+                .and_then(|state| state.ok().map(|_| ())),
+            None => confirmed.await.ok().map(|_| ()),
+        };
+        // Wake-ups before the confirmation say nothing about this waiter.
+        self.receiver.mark_unchanged();
+        confirmed.is_some()
+    }
+
+    /// Whether the subscription is confirmed now.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.receiver.borrow().confirmed
+    }
+
+    /// Completes at the next wake-up: a release published on the channel,
+    /// or a lost connection (after which nothing can be heard until it is
+    /// back).
+    pub(crate) async fn woken(&mut self) {
+        if self.receiver.changed().await.is_err() {
+            // The listener is gone: nothing will wake us.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut channels = self.shared.channels();
+        if let Some(entry) = channels.get_mut(&self.channel) {
+            entry.waiters -= 1;
+            if entry.waiters == 0 {
+                entry.idle_since = Some(Instant::now());
+            }
+        }
+    }
+}
+
+async fn connect(client: &redis::Client) -> Result<redis::aio::PubSub> {
+    let attempted = "connecting the release listener";
+    match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
+        Ok(pubsub) => pubsub.map_err(Error::redis(attempted)),
+        Err(_) => Err(Error::redis(attempted)(redis::RedisError::from((
+            redis::ErrorKind::Io,
+            "timed out",
+        )))),
+    }
+}
+
+/// The connection task: subscribes as asked, dispatches releases, drops
+/// idle channels, and reconnects when the connection is lost. Ends when
+/// the listener and all its waiters are gone.
+async fn run(
+    client: redis::Client,
+    pubsub: redis::aio::PubSub,
+    shared: std::sync::Weak<Shared>,
+    mut requests: mpsc::UnboundedReceiver<String>,
+) {
+    let mut pubsub = Some(pubsub);
+    let mut retry = Duration::from_millis(50);
+    loop {
+        let (mut sink, mut stream) = match pubsub.take() {
+            Some(pubsub) => pubsub.split(),
+            None => match connect(&client).await {
+                Ok(pubsub) => {
+                    retry = Duration::from_millis(50);
+                    pubsub.split()
+                }
+                Err(error) => {
+                    if shared.strong_count() == 0 {
+                        return;
+                    }
+                    tracing::warn!(%error, ?retry, "release listener: reconnecting");
+                    tokio::time::sleep(retry).await;
+                    retry = (retry * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            },
+        };
+        // Everything waiters listen on now, again (after a reconnection).
+        let Some(names) = shared
+            .upgrade()
+            .map(|shared| shared.channels().keys().cloned().collect::<Vec<_>>())
+        else {
+            return;
+        };
+        if !names.is_empty() {
+            if let Err(error) = sink.subscribe(&names).await {
+                tracing::warn!(%error, "release listener: could not subscribe again");
+                continue;
+            }
+            confirm(&shared, &names);
+        }
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let lost = loop {
+            tokio::select! {
+                request = requests.recv() => {
+                    let Some(name) = request else { return };
+                    // Drained here: a burst of waiters subscribes at once.
+                    let mut names = vec![name];
+                    while let Ok(name) = requests.try_recv() {
+                        names.push(name);
+                    }
+                    // Only channels still wanted: one dropped meanwhile
+                    // would stay subscribed for good.
+                    let Some(strong) = shared.upgrade() else { return };
+                    names.retain(|name| strong.channels().contains_key(name));
+                    drop(strong);
+                    if names.is_empty() {
+                        continue;
+                    }
+                    if let Err(error) = sink.subscribe(&names).await {
+                        break error;
+                    }
+                    confirm(&shared, &names);
+                }
+                message = stream.next() => {
+                    let Some(message) = message else {
+                        break redis::RedisError::from((redis::ErrorKind::Io, "connection closed"));
+                    };
+                    let Some(shared) = shared.upgrade() else { return };
+                    if let Some(entry) = shared.channels().get(message.get_channel_name()) {
+                        entry.state.send_modify(|state| state.wakeups += 1);
+                    }
+                }
+                _ = tick.tick() => {
+                    let Some(shared) = shared.upgrade() else { return };
+                    let idle: Vec<String> = {
+                        let mut channels = shared.channels();
+                        let now = Instant::now();
+                        let idle: Vec<String> = channels
+                            .iter()
+                            .filter(|(_, c)| c.idle_since.is_some_and(|t| now - t >= LINGER))
+                            .map(|(name, _)| name.clone())
+                            .collect();
+                        for name in &idle {
+                            channels.remove(name);
+                        }
+                        idle
+                    };
+                    let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
+                        if !idle.is_empty() {
+                            sink.unsubscribe(&idle).await?;
+                        }
+                        sink.ping::<redis::Value>().await
+                    })
+                    .await;
+                    match checked {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(error)) => break error,
+                        Err(_) => break redis::RedisError::from((redis::ErrorKind::Io, "no answer to PING")),
+                    }
+                }
+            }
+        };
+        tracing::warn!(error = %lost, "release listener: connection lost; waiters poll until it is back");
+        // Nothing can be heard until the subscriptions are back: wake every
+        // waiter, so that none sleeps through a release it missed.
+        if let Some(shared) = shared.upgrade() {
+            for entry in shared.channels().values() {
+                entry.state.send_modify(|state| {
+                    state.confirmed = false;
+                    state.wakeups += 1;
+                });
+            }
+        }
+    }
+}
+
+/// Marks `names` as subscribed, which lets their waiters go on.
+fn confirm(shared: &std::sync::Weak<Shared>, names: &[String]) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    let channels = shared.channels();
+    for name in names {
+        if let Some(entry) = channels.get(name) {
+            entry.state.send_modify(|state| state.confirmed = true);
+        }
+    }
+}

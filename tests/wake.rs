@@ -1,0 +1,352 @@
+//! Waiters woken by the release itself (`LockLayer::wake_on_release`), in
+//! this process and in others: mutual exclusion holds, and a waiter sends
+//! nothing to Redis while the holder is alive.
+//!
+//! The cross-process tests run this test binary again as child processes
+//! (the ignored test `child`, driven by environment variables).
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict, Outcome, ReleaseListener};
+use redis::aio::ConnectionManager;
+use support::{BOUNDED, acquired, manager, ms, raw, secs, server};
+use tokio::time::{sleep, timeout};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// Script calls (`EVALSHA`/`EVAL`) the server has run so far.
+async fn script_calls(conn: &ConnectionManager) -> u64 {
+    let info: String = raw(conn, &["INFO", "commandstats"]).await;
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// A backoff that would poll every millisecond: any polling shows.
+fn polling_backoff() -> Backoff {
+    Backoff::exponential(ms(1), ms(1))
+        .unwrap()
+        .unlimited_attempts()
+        .max_elapsed(secs(20))
+}
+
+/// A layer over `conn` that retries with `backoff`, woken by `listener`.
+fn waiting_layer(
+    conn: ConnectionManager,
+    ttl: Duration,
+    backoff: Backoff,
+    listener: ReleaseListener,
+) -> LockLayer<ConnectionManager, impl Fn(&String) -> String + Send + Sync + 'static> {
+    LockLayer::new(Locker::new(conn).ttl(ttl).unwrap(), |k: &String| k.clone())
+        .on_conflict(OnConflict::retry(backoff))
+        .wake_on_release(listener)
+}
+
+/// Loads the scripts and the listener's channel, so that counts below are
+/// the waiter's own.
+async fn warm_up(conn: &ConnectionManager) {
+    let locker = Locker::new(conn.clone()).ttl(secs(5)).unwrap();
+    let lease = acquired(&locker, "warm-up").await;
+    assert!(locker.acquire("warm-up").await.unwrap().lease().is_none());
+    locker.fence(&lease).await.unwrap();
+    assert!(locker.release(&lease).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_waiter_sleeps_until_the_release_and_sends_nothing_meanwhile() {
+    let server = server();
+    let conn = manager(&server).await;
+    warm_up(&conn).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot").await;
+
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>("ran") }));
+    let before = script_calls(&conn).await;
+    let call = tokio::spawn(svc.oneshot("hot".to_owned()));
+    // The holder keeps the lock for a while: a polling waiter (1 ms backoff)
+    // would try some hundred times meanwhile.
+    sleep(ms(400)).await;
+    let while_held = script_calls(&conn).await - before;
+    assert!(!call.is_finished());
+    assert!(
+        while_held <= 2,
+        "the waiter polled while the holder was alive: {while_held} script calls"
+    );
+    assert!(holder.release(&lease).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+    // The contend that marked the lock, one after the wake-up, and this
+    // release: nothing else.
+    let all = script_calls(&conn).await - before;
+    assert!(all <= 5, "{all} script calls for one wait");
+}
+
+#[tokio::test]
+async fn a_holder_that_dies_ends_the_wait_with_its_ttl() {
+    let server = server();
+    let conn = manager(&server).await;
+    warm_up(&conn).await;
+    // A holder that never releases (it died): only its TTL frees the key.
+    let dead = Locker::new(manager(&server).await).ttl(ms(500)).unwrap();
+    let _lease = acquired(&dead, "k").await;
+
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>(()) }));
+    let before = script_calls(&conn).await;
+    let outcome = timeout(BOUNDED, svc.oneshot("k".to_owned()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(outcome, Outcome::Done(()));
+    let calls = script_calls(&conn).await - before;
+    assert!(calls <= 5, "the waiter polled: {calls} script calls");
+}
+
+#[tokio::test]
+async fn the_wait_is_bounded_by_the_backoff_budget() {
+    let server = server();
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let _lease = acquired(&holder, "k").await;
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let backoff = Backoff::exponential(ms(10), ms(10))
+        .unwrap()
+        .max_elapsed(ms(300));
+    let layer = waiting_layer(manager(&server).await, secs(30), backoff, listener);
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>(()) }));
+    let err = timeout(BOUNDED, svc.oneshot("k".to_owned()))
+        .await
+        .expect("the budget ends the wait")
+        .unwrap_err();
+    let busy = err
+        .downcast_ref::<lockgate::Contended>()
+        .expect("Contended");
+    assert!(busy.retry_after() > secs(25), "{busy}");
+}
+
+/// The listener reconnects after the server kills its connection, and
+/// waiters are woken by releases again.
+#[tokio::test]
+async fn the_listener_comes_back_after_its_connection_is_killed() {
+    let server = server();
+    let conn = manager(&server).await;
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>(()) }));
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+
+    for round in 0..3 {
+        let lease = acquired(&holder, "k").await;
+        let call = tokio::spawn(svc.clone().oneshot("k".to_owned()));
+        sleep(ms(100)).await;
+        if round == 1 {
+            // Kill every pub/sub connection (the listener's).
+            let _: i64 = raw(&conn, &["CLIENT", "KILL", "TYPE", "pubsub"]).await;
+            sleep(ms(300)).await;
+        }
+        assert!(!call.is_finished(), "round {round}: ran while held");
+        assert!(holder.release(&lease).await.unwrap());
+        let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+        assert_eq!(outcome, Outcome::Done(()), "round {round}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Across processes
+// ---------------------------------------------------------------------------
+
+/// Environment variable that turns the ignored test `child` into a worker
+/// process: `<redis url>;<tasks>;<calls per task>;<keys>;<hold ms>`.
+const CHILD: &str = "LOCKGATE_WAKE_CHILD";
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// A child process: `tasks` tasks each make `calls` calls over the hot
+/// keys, through a waking `LockLayer`; each handled call prints
+/// `held <key> <start ns> <end ns>`.
+#[tokio::test]
+#[ignore = "run as a child process by the cross-process tests"]
+async fn child() {
+    let Ok(spec) = std::env::var(CHILD) else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(';').collect();
+    let [url, tasks, calls, keys, hold] = parts[..] else {
+        panic!("bad {CHILD}: {spec}");
+    };
+    let (tasks, calls, keys, hold): (usize, usize, usize, u64) = (
+        tasks.parse().unwrap(),
+        calls.parse().unwrap(),
+        keys.parse().unwrap(),
+        hold.parse().unwrap(),
+    );
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_connection_manager().await.unwrap();
+    let listener = ReleaseListener::connect(client).await.unwrap();
+    let backoff = Backoff::exponential(ms(1), ms(1))
+        .unwrap()
+        .unlimited_attempts()
+        .max_elapsed(secs(60));
+    let layer = waiting_layer(conn, secs(10), backoff, listener);
+    let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
+    let svc = layer.layer(service_fn(move |key: String| {
+        record(out.clone(), key, hold)
+    }));
+    let mut handles = Vec::new();
+    for task in 0..tasks {
+        let svc = svc.clone();
+        handles.push(tokio::spawn(async move {
+            for call in 0..calls {
+                let key = format!("hot-{}", (task + call) % keys);
+                let outcome = svc.clone().oneshot(key).await.expect("call");
+                assert_eq!(outcome, Outcome::Done(()));
+            }
+        }));
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+}
+
+/// A child's handler: holds the key for `hold` ms and prints the interval.
+async fn record(
+    out: Arc<std::sync::Mutex<std::io::Stdout>>,
+    key: String,
+    hold: u64,
+) -> Result<(), BoxError> {
+    use std::io::Write;
+    let start = now_ns();
+    sleep(ms(hold)).await;
+    let end = now_ns();
+    let mut out = out.lock().unwrap();
+    writeln!(out, "held {key} {start} {end}")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Starts this test binary as a child running `child` with `spec`.
+fn spawn_child(spec: &str) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD, spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawning a child process")
+}
+
+/// `(key, start, end)` of every call a child handled.
+fn holds_of(child: std::process::Child) -> Vec<(String, u128, u128)> {
+    let output = child.wait_with_output().expect("child output");
+    assert!(output.status.success(), "a child process failed");
+    BufReader::new(&output.stdout[..])
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| {
+            // The test harness may have printed on the same line first.
+            let mut parts = line.split_once("held ")?.1.split(' ');
+            Some((
+                parts.next()?.to_owned(),
+                parts.next()?.parse().ok()?,
+                parts.next()?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn processes_hold_each_key_one_at_a_time_and_every_call_is_handled() {
+    let server = server();
+    let (processes, tasks, calls, keys) = (3, 4, 15, 2);
+    let spec = format!("{};{tasks};{calls};{keys};2", server.url());
+    let children: Vec<_> = (0..processes).map(|_| spawn_child(&spec)).collect();
+    let mut holds: Vec<(String, u128, u128)> = Vec::new();
+    for child in children {
+        let mine = holds_of(child);
+        assert_eq!(mine.len(), tasks * calls, "a process lost calls");
+        holds.extend(mine);
+    }
+    assert_eq!(holds.len(), processes * tasks * calls);
+    // Mutual exclusion by recorded intervals, per key, across processes.
+    holds.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    for pair in holds.windows(2) {
+        if pair[0].0 == pair[1].0 {
+            assert!(
+                pair[0].2 <= pair[1].1,
+                "two holders of {} at once: {pair:?}",
+                pair[0].0
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_release_wakes_a_waiter_in_another_process() {
+    let server = server();
+    let conn = manager(&server).await;
+    warm_up(&conn).await;
+    // This process holds the key; a child waits for it with a 1 ms backoff
+    // (it would poll hundreds of times if it were not woken).
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot-0").await;
+    let child = spawn_child(&format!("{};1;1;1;1", server.url()));
+    // Until the child waits: it has marked the lock.
+    support::eventually("the child waits", BOUNDED, async || {
+        let value: String = raw(&conn, &["GET", &holder.lock_key("hot-0")]).await;
+        support::done_if(value.ends_with('!'), &value)
+    })
+    .await;
+    let before = script_calls(&conn).await;
+    sleep(ms(300)).await;
+    let while_held = script_calls(&conn).await - before;
+    assert_eq!(while_held, 0, "the child polled while the holder was alive");
+    let released_at = now_ns();
+    assert!(holder.release(&lease).await.unwrap());
+    let holds = holds_of(child);
+    assert_eq!(holds.len(), 1);
+    assert!(
+        holds[0].1 >= released_at,
+        "the child ran before the release"
+    );
+}
