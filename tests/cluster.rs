@@ -682,3 +682,97 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
         "{snapshots:?}"
     );
 }
+
+/// Script calls (`EVALSHA`/`EVAL`) all nodes have run so far.
+async fn script_calls_on(cluster: &RedisCluster) -> u64 {
+    let mut calls = 0;
+    for node in cluster.nodes() {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut node.multiplexed().await.unwrap())
+            .await
+            .unwrap();
+        calls += info
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+            .sum::<u64>();
+    }
+    calls
+}
+
+/// Wake on release on a cluster: the release script's `SPUBLISH` reaches
+/// the listener's `SSUBSCRIBE` on the node of each key, so waiters on keys
+/// of every node sleep without polling and run once their key is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_every_node_are_woken_by_the_release() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let ttl = Duration::from_secs(30);
+    let holder = Locker::new(connect(&cluster).await).ttl(ttl).unwrap();
+    let keys: Vec<String> = lock_keys().into_iter().take(15).collect();
+    let mut nodes = BTreeSet::new();
+    let mut leases = Vec::new();
+    for key in &keys {
+        nodes.insert(node_of(&cluster, &conn, &holder.lock_key(key)).await);
+        leases.push(holder.acquire(key).await.unwrap().lease().expect("free"));
+    }
+    assert_eq!(nodes.len(), 3, "the keys reach every node");
+
+    let listener = lockgate::ReleaseListener::connect_cluster(
+        redis::cluster::ClusterClientBuilder::new(cluster.urls()),
+    )
+    .await
+    .unwrap();
+    // A backoff that would poll every millisecond, were the waiters not woken.
+    let backoff = Backoff::exponential(ms(1), ms(1))
+        .unwrap()
+        .unlimited_attempts()
+        .max_elapsed(Duration::from_secs(20));
+    let svc = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(Locker::new(conn.clone()).ttl(ttl).unwrap(), |k: &String| {
+                k.clone()
+            })
+            .on_conflict(OnConflict::retry(backoff))
+            .wake_on_release(listener),
+        )
+        .service_fn(|k: String| async move { Ok::<_, BoxError>(k) });
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|key| tokio::spawn(tower::ServiceExt::oneshot(svc.clone(), key.clone())))
+        .collect();
+    // Every waiter has marked its lock.
+    support::eventually("all waiters wait", support::BOUNDED, async || {
+        let mut marked = 0;
+        for key in &keys {
+            let value: Option<String> = redis::cmd("GET")
+                .arg(holder.lock_key(key))
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+            marked += usize::from(value.is_some_and(|v| v.ends_with('!')));
+        }
+        support::done_if(marked == keys.len(), marked)
+    })
+    .await;
+    let before = script_calls_on(&cluster).await;
+    tokio::time::sleep(ms(300)).await;
+    assert_eq!(
+        script_calls_on(&cluster).await - before,
+        0,
+        "waiters polled while the holder was alive"
+    );
+    assert!(calls.iter().all(|c| !c.is_finished()));
+    for lease in &leases {
+        assert!(holder.release(lease).await.unwrap());
+    }
+    for (call, key) in calls.into_iter().zip(&keys) {
+        let outcome = tokio::time::timeout(support::BOUNDED, call)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome.done().as_ref(), Some(key));
+    }
+}

@@ -53,7 +53,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// the connection. The connection is closed when the last clone (and the
 /// last waiter) is dropped.
 ///
-/// For a single Redis server; see the [module docs](self) for how it works.
+/// [`connect`](Self::connect) serves a single Redis server,
+/// [`connect_cluster`](Self::connect_cluster) a Redis Cluster (sharded
+/// pub/sub: each key's channel lives on the node that owns the key). See
+/// the [module docs](self) for how it works.
 #[derive(Clone)]
 pub struct ReleaseListener {
     shared: Arc<Shared>,
@@ -112,6 +115,40 @@ impl ReleaseListener {
             subscribe,
         });
         tokio::spawn(run(client, pubsub, Arc::downgrade(&shared), requests));
+        Ok(Self { shared })
+    }
+
+    /// Connects a subscriber to a Redis Cluster, with the settings of
+    /// `builder` (nodes, TLS, credentials), switched to RESP3 with a push
+    /// channel of its own: it subscribes with `SSUBSCRIBE`, on the node that
+    /// owns each lock key, where the release script's `SPUBLISH` goes.
+    /// redis-rs resubscribes after reconnections and slot moves; waiters
+    /// are woken at each disconnection, since a release may have been
+    /// missed meanwhile.
+    pub async fn connect_cluster(builder: redis::cluster::ClusterClientBuilder) -> Result<Self> {
+        let attempted = "connecting the release listener to the cluster";
+        let (pushes, received) = mpsc::unbounded_channel();
+        let client = builder
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .push_sender(pushes)
+            .build()
+            .map_err(Error::redis(attempted))?;
+        let conn = match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_connection()).await
+        {
+            Ok(conn) => conn.map_err(Error::redis(attempted))?,
+            Err(_) => return Err(timed_out(attempted)),
+        };
+        let (subscribe, requests) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            channels: Mutex::new(HashMap::new()),
+            subscribe,
+        });
+        tokio::spawn(run_cluster(
+            conn,
+            received,
+            Arc::downgrade(&shared),
+            requests,
+        ));
         Ok(Self { shared })
     }
 
@@ -206,11 +243,12 @@ async fn connect(client: &redis::Client) -> Result<redis::aio::PubSub> {
     let attempted = "connecting the release listener";
     match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
         Ok(pubsub) => pubsub.map_err(Error::redis(attempted)),
-        Err(_) => Err(Error::redis(attempted)(redis::RedisError::from((
-            redis::ErrorKind::Io,
-            "timed out",
-        )))),
+        Err(_) => Err(timed_out(attempted)),
     }
+}
+
+fn timed_out(attempted: &str) -> Error {
+    Error::redis(attempted)(redis::RedisError::from((redis::ErrorKind::Io, "timed out")))
 }
 
 /// The connection task: subscribes as asked, dispatches releases, drops
@@ -285,26 +323,12 @@ async fn run(
                     let Some(message) = message else {
                         break redis::RedisError::from((redis::ErrorKind::Io, "connection closed"));
                     };
-                    let Some(shared) = shared.upgrade() else { return };
-                    if let Some(entry) = shared.channels().get(message.get_channel_name()) {
-                        entry.state.send_modify(|state| state.wakeups += 1);
+                    if !wake(&shared, message.get_channel_name()) {
+                        return;
                     }
                 }
                 _ = tick.tick() => {
-                    let Some(shared) = shared.upgrade() else { return };
-                    let idle: Vec<String> = {
-                        let mut channels = shared.channels();
-                        let now = Instant::now();
-                        let idle: Vec<String> = channels
-                            .iter()
-                            .filter(|(_, c)| c.idle_since.is_some_and(|t| now - t >= LINGER))
-                            .map(|(name, _)| name.clone())
-                            .collect();
-                        for name in &idle {
-                            channels.remove(name);
-                        }
-                        idle
-                    };
+                    let Some(idle) = take_idle(&shared) else { return };
                     let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
                         if !idle.is_empty() {
                             sink.unsubscribe(&idle).await?;
@@ -323,15 +347,131 @@ async fn run(
         tracing::warn!(error = %lost, "release listener: connection lost; waiters poll until it is back");
         // Nothing can be heard until the subscriptions are back: wake every
         // waiter, so that none sleeps through a release it missed.
-        if let Some(shared) = shared.upgrade() {
-            for entry in shared.channels().values() {
-                entry.state.send_modify(|state| {
-                    state.confirmed = false;
-                    state.wakeups += 1;
-                });
+        wake_all(&shared, false);
+    }
+}
+
+/// The connection task on a cluster: subscribes as asked (one channel at a
+/// time: they live on different nodes), dispatches releases, drops idle
+/// channels; redis-rs reconnects and resubscribes by itself.
+async fn run_cluster(
+    mut conn: redis::cluster_async::ClusterConnection,
+    mut pushes: mpsc::UnboundedReceiver<redis::PushInfo>,
+    shared: std::sync::Weak<Shared>,
+    mut requests: mpsc::UnboundedReceiver<String>,
+) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            request = requests.recv() => {
+                let Some(name) = request else { return };
+                let Some(strong) = shared.upgrade() else { return };
+                let wanted = strong.channels().contains_key(&name);
+                drop(strong);
+                if wanted {
+                    subscribe_one(&mut conn, &shared, name).await;
+                }
+            }
+            push = pushes.recv() => {
+                let Some(push) = push else { return };
+                match push.kind {
+                    redis::PushKind::SMessage | redis::PushKind::Message => {
+                        let channel = push.data.first().and_then(|c| match c {
+                            redis::Value::BulkString(bytes) => std::str::from_utf8(bytes).ok(),
+                            redis::Value::SimpleString(s) => Some(s.as_str()),
+                            _ => None,
+                        });
+                        if let Some(channel) = channel
+                            && !wake(&shared, channel)
+                        {
+                            return;
+                        }
+                    }
+                    // A node's connection dropped: its releases may have been
+                    // missed until redis-rs resubscribed.
+                    redis::PushKind::Disconnection => wake_all(&shared, true),
+                    _ => {}
+                }
+            }
+            _ = tick.tick() => {
+                let Some(idle) = take_idle(&shared) else { return };
+                for name in idle {
+                    if let Err(error) = conn.sunsubscribe(&name).await {
+                        tracing::debug!(%error, channel = %name, "release listener: could not unsubscribe");
+                    }
+                }
+                // Channels whose subscription failed are asked again.
+                let Some(strong) = shared.upgrade() else { return };
+                let unconfirmed: Vec<String> = strong
+                    .channels()
+                    .iter()
+                    .filter(|(_, c)| !c.state.borrow().confirmed)
+                    .map(|(name, _)| name.clone())
+                    .collect();
+                drop(strong);
+                for name in unconfirmed {
+                    subscribe_one(&mut conn, &shared, name).await;
+                }
             }
         }
     }
+}
+
+/// `SSUBSCRIBE` to one channel on a cluster; a failure is logged and tried
+/// again on the next tick.
+async fn subscribe_one(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    shared: &std::sync::Weak<Shared>,
+    name: String,
+) {
+    match tokio::time::timeout(CONNECT_TIMEOUT, conn.ssubscribe(&name)).await {
+        Ok(Ok(())) => confirm(shared, std::slice::from_ref(&name)),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, channel = %name, "release listener: could not subscribe")
+        }
+        Err(_) => tracing::warn!(channel = %name, "release listener: no answer to SSUBSCRIBE"),
+    }
+}
+
+/// Wakes the waiters of `channel`. False when the listener is gone.
+fn wake(shared: &std::sync::Weak<Shared>, channel: &str) -> bool {
+    let Some(shared) = shared.upgrade() else {
+        return false;
+    };
+    if let Some(entry) = shared.channels().get(channel) {
+        entry.state.send_modify(|state| state.wakeups += 1);
+    }
+    true
+}
+
+/// Wakes every waiter; `confirmed` says whether subscriptions still hold.
+fn wake_all(shared: &std::sync::Weak<Shared>, confirmed: bool) {
+    if let Some(shared) = shared.upgrade() {
+        for entry in shared.channels().values() {
+            entry.state.send_modify(|state| {
+                state.confirmed &= confirmed;
+                state.wakeups += 1;
+            });
+        }
+    }
+}
+
+/// Removes the channels nobody has listened on for `LINGER`, and returns
+/// them (to unsubscribe); `None` when the listener is gone.
+fn take_idle(shared: &std::sync::Weak<Shared>) -> Option<Vec<String>> {
+    let shared = shared.upgrade()?;
+    let mut channels = shared.channels();
+    let now = Instant::now();
+    let idle: Vec<String> = channels
+        .iter()
+        .filter(|(_, c)| c.idle_since.is_some_and(|t| now - t >= LINGER))
+        .map(|(name, _)| name.clone())
+        .collect();
+    for name in &idle {
+        channels.remove(name);
+    }
+    Some(idle)
 }
 
 /// Marks `names` as subscribed, which lets their waiters go on.
