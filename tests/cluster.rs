@@ -683,6 +683,103 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_messages_on_the_cluster_are_each_handled_once_one_at_a_time_per_key() {
+    let cluster = cluster();
+    let name = "parked{eu}";
+    let hot = ["a}b", "{x}", "plain", "k{y}z", "}"];
+    let total: u32 = 300;
+    let producer: Queue<Msg, _> = Queue::new(connect(&cluster).await, name).unwrap();
+    let msgs: Vec<Msg> = (0..total)
+        .map(|n| msg(n, hot[n as usize % hot.len()]))
+        .collect();
+    producer.push_many(&msgs).await.unwrap();
+
+    let holds = Holds::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    let mut metrics = Vec::new();
+    for _ in 0..2 {
+        // Each worker on its own connection, as in two processes.
+        let conn = connect(&cluster).await;
+        let queue: Queue<Msg, _> = Queue::new(conn.clone(), name).unwrap();
+        let locker = Locker::new(conn).ttl(Duration::from_secs(5)).unwrap();
+        let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(3);
+        let listener = lockgate::ReleaseListener::connect_cluster(
+            redis::cluster::ClusterClientBuilder::new(cluster.urls()),
+        )
+        .await
+        .unwrap();
+        let holds = holds.clone();
+        let service =
+            ServiceBuilder::new()
+                .layer(
+                    LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
+                        .on_conflict(OnConflict::retry(backoff).then_defer(
+                            queue.clone(),
+                            lockgate::layer::DeferDelay::until_released(),
+                        ))
+                        .wake_on_release(listener),
+                )
+                .service_fn(move |job: Job<Msg>| {
+                    let holds = holds.clone();
+                    async move {
+                        let start = Instant::now();
+                        tokio::time::sleep(ms(2)).await;
+                        holds.record(&job.key, job.n, start, Instant::now());
+                        Ok::<_, BoxError>(())
+                    }
+                });
+        let worker = Worker::new(cluster.client(), queue, service)
+            .concurrency(8)
+            .unwrap()
+            .lease(Duration::from_secs(10))
+            .unwrap();
+        metrics.push(worker.metrics());
+        let mut stop = stop_rx.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })));
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while holds.handled() < total as usize {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {total} messages were handled in time",
+            holds.handled()
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+    stop_tx.send(true).unwrap();
+    for worker in workers {
+        tokio::time::timeout(Duration::from_secs(30), worker)
+            .await
+            .expect("the worker shut down in time")
+            .unwrap()
+            .unwrap();
+    }
+
+    holds.assert_each_once(total as usize);
+    holds.assert_exclusive();
+    let stats = producer.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    let snapshots: Vec<_> = metrics.iter().map(|m| m.snapshot()).collect();
+    let done: u64 = snapshots.iter().map(|s| s.done).sum();
+    assert_eq!(done, u64::from(total), "{snapshots:?}");
+    // Parking counts one deferral per message at most, however long it
+    // waits; the parking scripts ran on the queue's node.
+    let deferred: u64 = snapshots.iter().map(|s| s.deferred).sum();
+    assert!(deferred <= u64::from(total), "{snapshots:?}");
+    assert!(
+        snapshots.iter().all(|s| s.dead == 0 && s.lost_leases == 0),
+        "{snapshots:?}"
+    );
+}
+
 /// Script calls (`EVALSHA`/`EVAL`) all nodes have run so far.
 async fn script_calls_on(cluster: &RedisCluster) -> u64 {
     let mut calls = 0;
@@ -695,7 +792,14 @@ async fn script_calls_on(cluster: &RedisCluster) -> u64 {
         calls += info
             .lines()
             .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
             .sum::<u64>();
     }
     calls

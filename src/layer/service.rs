@@ -143,6 +143,18 @@ where
         .and_then(|b| b.budget())
         .and_then(|b| started.checked_add(b));
     let mut tries: u32 = 0;
+    // A strategy that parks messages on the key locks it in the queue's
+    // hash slot, and tells the parking scripts which message asks.
+    let ticket = match config.on_conflict.then.parking(&key) {
+        Some(mut parking) => {
+            parking.message = running
+                .as_ref()
+                .filter(|job| job.queue.data == parking.data)
+                .map(|job| job.token.id().to_owned());
+            locker.parking_ticket(&key, parking)?
+        }
+        None => locker.ticket(&key)?,
+    };
     // Under `retry`, wait behind this process's earlier calls for the key
     // (FIFO), within the retry budget; only the head asks Redis.
     let _turn = match retry {
@@ -155,7 +167,7 @@ where
                     Ok(turn) => turn,
                     Err(_) => {
                         tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
-                        let retry_after = locker.remaining(&key).await?.unwrap_or_default();
+                        let retry_after = locker.remaining_ticket(&ticket).await?;
                         let busy = crate::Contended::new(key, retry_after);
                         let give_up = RunningJob::provide(running, || {
                             config.on_conflict.then.give_up(req, busy)
@@ -183,7 +195,7 @@ where
     // knowing, and the guard releases it (a no-op if it is not).
     let mut guard = ReleaseGuard {
         locker: locker.clone(),
-        ticket: Some(locker.ticket(&key)?),
+        ticket: Some(ticket),
     };
     // Under `retry` with a release listener: this call's subscription to
     // the key's releases, made when the key is first found busy.
@@ -225,7 +237,7 @@ where
                     tracing::warn!(%key, %error, "could not release a lock acquired too late; releasing it in the background");
                     drop(ReleaseGuard {
                         locker: locker.clone(),
-                        ticket: guard.ticket.replace(locker.ticket(&key)?),
+                        ticket: guard.ticket.replace(locker.retoken(&ticket)),
                     });
                 }
                 crate::Contended::new(key.clone(), Duration::ZERO)

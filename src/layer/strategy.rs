@@ -159,6 +159,9 @@ pub enum DeferDelay {
         /// The most added on top of the holder's remaining TTL.
         jitter: Duration,
     },
+    /// Parked on its key until the key's lock is released: see
+    /// [`DeferDelay::until_released`].
+    UntilReleased,
 }
 
 impl DeferDelay {
@@ -167,9 +170,33 @@ impl DeferDelay {
         DeferDelay::HolderTtl { jitter }
     }
 
+    /// Parks the message on its key: the release that frees the key brings
+    /// the first parked message back, due at once, and the messages parked
+    /// on a key come back one at a time, in the order they were parked. A
+    /// message arriving for a key with parked messages parks behind them
+    /// (per-key order), also when the key is free. If the holder dies
+    /// without releasing, the first parked message comes back when its lock
+    /// expires: nothing is stranded, lost or claimable twice (a parked
+    /// message stays on the queue's schedule; a per-key list only orders
+    /// them). Parking counts one deferral per message, however long it
+    /// waits.
+    ///
+    /// The lock of a key parked in queue `q` lives in `q`'s hash slot,
+    /// `<prefix>:{q}:lock:<key>`, so that on a Redis Cluster the release and
+    /// the un-parking are one script. That lock is a different one from
+    /// `Locker::lock_key(key)`: code that must exclude the same key
+    /// elsewhere goes through a layer parking in the same queue. Parking
+    /// needs the messages to come from a [`Worker`](crate::Worker) on that
+    /// queue (it knows each message's id); any other request is pushed into
+    /// the queue, due at once, and parks when it is handled there.
+    pub fn until_released() -> Self {
+        DeferDelay::UntilReleased
+    }
+
     fn resolve(&self, busy: &Contended) -> Duration {
         match *self {
             DeferDelay::Fixed(d) => d,
+            DeferDelay::UntilReleased => Duration::ZERO,
             DeferDelay::HolderTtl { jitter } => {
                 let jitter =
                     Duration::try_from_secs_f64(jitter.as_secs_f64() * rand::random::<f64>())
@@ -192,11 +219,24 @@ impl From<Duration> for DeferDelay {
     }
 }
 
-mod sealed {
+pub(crate) mod sealed {
+    use crate::lock::Parking;
+
     /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// Where messages park on `key`, when the strategy parks them.
+        #[allow(private_interfaces)]
+        fn parking(&self, _key: &str) -> Option<Parking> {
+            None
+        }
+    }
     impl Sealed for super::Fail {}
-    impl<T, C> Sealed for super::Defer<T, C> {}
+    impl<T, C> Sealed for super::Defer<T, C> {
+        #[allow(private_interfaces)]
+        fn parking(&self, key: &str) -> Option<Parking> {
+            (self.delay == super::DeferDelay::UntilReleased).then(|| self.queue.parking(key))
+        }
+    }
 }
 
 /// Where a deferred message went.
@@ -238,8 +278,12 @@ where
         // the claim, never the payload's bytes, which another producer may
         // have written differently. Anything else is pushed as a new message.
         let running = RunningJob::take().filter(|job| &job.queue == queue.keys());
+        let parks = self.delay == DeferDelay::UntilReleased;
         Box::pin(async move {
             match running {
+                Some(job) if parks => {
+                    park_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy).await
+                }
                 Some(job) => {
                     defer_in_place(
                         &queue,
@@ -261,6 +305,39 @@ where
                 }
             }
         })
+    }
+}
+
+/// Parks a claimed job on its busy key (one script), within its deferral
+/// cap (checked by the script: a parked job that came back before its turn
+/// is put back without counting).
+async fn park_in_place<T, C>(
+    queue: &Queue<T, C>,
+    token: &ClaimToken,
+    deferrals: u32,
+    max_deferrals: Option<u32>,
+    busy: &Contended,
+) -> Result<Deferral, BoxError>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let parking = queue.parking(busy.key());
+    match queue.park(token, &parking, max_deferrals).await? {
+        Ok(Some(due)) => {
+            tracing::debug!(key = %busy.key(), id = %token.id(), "parked until the key is released");
+            Ok((token.id().to_owned(), due))
+        }
+        Ok(None) => Err(ClaimLost {
+            id: token.id().to_owned(),
+        }
+        .into()),
+        Err(()) => Err(TooManyDeferrals {
+            id: token.id().to_owned(),
+            key: busy.key().to_owned(),
+            deferrals,
+        }
+        .into()),
     }
 }
 
@@ -310,6 +387,7 @@ where
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
+        let parks = self.delay == DeferDelay::UntilReleased;
         Box::pin(async move {
             if job.queue_keys() != queue.keys() {
                 // Claimed from another queue: copy it into the deferral queue.
@@ -321,6 +399,9 @@ where
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();
+            if parks {
+                return park_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy).await;
+            }
             defer_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy, delay).await
         })
     }

@@ -331,8 +331,33 @@ pub(crate) struct Ticket {
     lock_key: String,
     /// Random token proving ownership: 32 hex digits.
     token: String,
+    /// The Redis key recording the key's last fence.
+    fence_key: String,
     /// The fencing token, once issued (see `Locker::fence`).
     fence: OnceLock<u64>,
+    /// Set when the lock parks messages (`DeferDelay::until_released`):
+    /// then it lives in the queue's hash slot and is taken and released by
+    /// the queue's parking scripts.
+    parking: Option<Arc<Parking>>,
+}
+
+/// The keys of a lock whose key parks messages of a queue, all in the
+/// queue's hash slot (see `src/queue/lua/parking.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Parking {
+    /// The lock: `<prefix>:{<queue>}:lock:<key>`.
+    pub(crate) lock: String,
+    /// The fence record: `<prefix>:{<queue>}:fence:<key>`.
+    pub(crate) fence: String,
+    /// The ids parked on the key: `<prefix>:{<queue>}:parked:<key>`.
+    pub(crate) parked: String,
+    /// The queue's data hash, dead set, schedule and bell.
+    pub(crate) data: String,
+    pub(crate) dead: String,
+    pub(crate) schedule: String,
+    pub(crate) bell: String,
+    /// The id of the message asking for the lock, when the request is one.
+    pub(crate) message: Option<String>,
 }
 
 impl Ticket {
@@ -730,8 +755,35 @@ where
             key: key.to_owned(),
             lock_key: self.lock_key(key),
             token: random_token(),
+            fence_key: self.fence_key(key),
             fence: OnceLock::new(),
+            parking: None,
         }))
+    }
+
+    /// Prepares an attempt at the lock on `key` that parks messages of a
+    /// queue: its keys are in the queue's hash slot.
+    pub(crate) fn parking_ticket(&self, key: &str, parking: Parking) -> Result<Arc<Ticket>> {
+        if key.is_empty() {
+            return Err(Error::InvalidKey("lock key must not be empty".into()));
+        }
+        Ok(Arc::new(Ticket {
+            key: key.to_owned(),
+            lock_key: parking.lock.clone(),
+            token: random_token(),
+            fence_key: parking.fence.clone(),
+            fence: OnceLock::new(),
+            parking: Some(Arc::new(parking)),
+        }))
+    }
+
+    /// A new attempt at the same lock as `ticket`, with a new token.
+    pub(crate) fn retoken(&self, ticket: &Ticket) -> Arc<Ticket> {
+        Arc::new(Ticket {
+            token: random_token(),
+            fence: OnceLock::new(),
+            ..ticket.clone()
+        })
     }
 
     /// The fast path: one `SET NX PX GET`. `Some` when the lock is ours (it
@@ -746,6 +798,13 @@ where
                 "acquiring lock `{}`",
                 ticket.key
             )))?;
+        if ticket.parking.is_some() {
+            // Parked messages may come first: only the script can tell.
+            return match self.contend(ticket, false).await? {
+                Acquisition::Contended(_) => Ok(None),
+                acquired => Ok(Some(acquired)),
+            };
+        }
         let ttl = self.config.ttl;
         let started = Instant::now();
         let mut cmd = redis::cmd("SET");
@@ -773,13 +832,34 @@ where
     /// is set (its release then publishes on the lock key's channel).
     pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, mark: bool) -> Result<Acquisition> {
         let started = Instant::now();
-        let mut cmd = script::evalsha(&CONTEND, 1);
-        cmd.arg(ticket.lock_key())
-            .arg(&ticket.token)
-            .arg(millis(self.config.ttl))
-            .arg(if mark { "1" } else { "0" });
+        let mark = if mark { "1" } else { "0" };
+        let (script, cmd) = match ticket.parking.as_deref() {
+            None => {
+                let mut cmd = script::evalsha(&CONTEND, 1);
+                cmd.arg(ticket.lock_key())
+                    .arg(&ticket.token)
+                    .arg(millis(self.config.ttl))
+                    .arg(mark);
+                (&*CONTEND, cmd)
+            }
+            Some(parking) => {
+                let script = &crate::queue::scripts::Scripts::get().park_acquire;
+                let mut cmd = script::evalsha(script, 6);
+                cmd.arg(ticket.lock_key())
+                    .arg(&parking.parked)
+                    .arg(&parking.data)
+                    .arg(&parking.dead)
+                    .arg(&parking.schedule)
+                    .arg(&parking.bell)
+                    .arg(&ticket.token)
+                    .arg(millis(self.config.ttl))
+                    .arg(mark)
+                    .arg(parking.message.as_deref().unwrap_or(""));
+                (script, cmd)
+            }
+        };
         let reply: Vec<i64> = self
-            .send_acquire(Some(&CONTEND), &cmd, ticket, |reply: &Vec<i64>| {
+            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
@@ -819,6 +899,16 @@ where
     /// held without expiry, which lockgate never does).
     pub async fn remaining(&self, key: &str) -> Result<Option<Duration>> {
         Ok(self.inspect(key).await?.and_then(|held| held.remaining))
+    }
+
+    /// How long the lock `ticket` is for still lives (zero when free).
+    pub(crate) async fn remaining_ticket(&self, ticket: &Ticket) -> Result<Duration> {
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(ticket.lock_key())
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("reading lock `{}`", ticket.key)))?;
+        Ok(Duration::from_millis(u64::try_from(pttl).unwrap_or(0)))
     }
 
     /// Who holds the lock on `key`, with what fence (if one was issued),
@@ -869,7 +959,7 @@ where
         }
         let mut cmd = script::evalsha(&FENCE, 2);
         cmd.arg(ticket.lock_key())
-            .arg(self.fence_key(&ticket.key))
+            .arg(&ticket.fence_key)
             .arg(&ticket.token)
             .arg(millis(FENCE_GRACE));
         let fence: i64 = script::run(&FENCE, &cmd, &mut self.conn.clone())
@@ -915,9 +1005,27 @@ where
             .publish_command()
             .await
             .map_err(Error::redis(attempted()))?;
-        let mut cmd = script::evalsha(&RELEASE, 1);
-        cmd.arg(ticket.lock_key()).arg(&ticket.token).arg(publish);
-        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
+        let (script, cmd) = match ticket.parking.as_deref() {
+            None => {
+                let mut cmd = script::evalsha(&RELEASE, 1);
+                cmd.arg(ticket.lock_key()).arg(&ticket.token).arg(publish);
+                (&*RELEASE, cmd)
+            }
+            Some(parking) => {
+                let script = &crate::queue::scripts::Scripts::get().park_release;
+                let mut cmd = script::evalsha(script, 6);
+                cmd.arg(ticket.lock_key())
+                    .arg(&parking.parked)
+                    .arg(&parking.data)
+                    .arg(&parking.dead)
+                    .arg(&parking.schedule)
+                    .arg(&parking.bell)
+                    .arg(&ticket.token)
+                    .arg(publish);
+                (script, cmd)
+            }
+        };
+        let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(attempted()))?;
         Ok(match released {

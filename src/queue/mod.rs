@@ -80,7 +80,7 @@
 
 mod job;
 mod running;
-mod scripts;
+pub(crate) mod scripts;
 mod wait;
 
 use std::borrow::Borrow;
@@ -198,6 +198,21 @@ impl QueueKeys {
         }
     }
 
+    /// Where messages parked on `key` wait, and the key's lock (in this
+    /// queue's hash slot) with its fence record.
+    pub(crate) fn parking(&self, key: &str) -> crate::lock::Parking {
+        crate::lock::Parking {
+            lock: format!("{}:lock:{key}", self.base),
+            fence: format!("{}:fence:{key}", self.base),
+            parked: format!("{}:parked:{key}", self.base),
+            data: self.data.clone(),
+            dead: self.dead.clone(),
+            schedule: self.schedule.clone(),
+            bell: self.bell.clone(),
+            message: None,
+        }
+    }
+
     /// The keys `purge` deletes: all but the claim counter.
     fn all(&self) -> [&str; 6] {
         [
@@ -210,6 +225,11 @@ impl QueueKeys {
         ]
     }
 }
+
+/// How far ahead a message parked behind others is scheduled: a safety
+/// net that brings it back, to be put back in its place, should the
+/// messages before it vanish (removed by hand) without passing the turn on.
+pub(crate) const PARK_CHECK: Duration = Duration::from_secs(60);
 
 /// When a pushed message becomes due, and under which id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -329,6 +349,13 @@ pub(crate) enum Acked {
     /// The message is gone already: completed (say, by an earlier copy of
     /// this acknowledgement whose reply was lost) or removed.
     Gone,
+}
+
+impl<T, C> Queue<T, C> {
+    /// Where messages of this queue park on `key` (see `QueueKeys::parking`).
+    pub(crate) fn parking(&self, key: &str) -> crate::lock::Parking {
+        self.keys.parking(key)
+    }
 }
 
 impl<T, C> Queue<T, C>
@@ -643,6 +670,44 @@ where
     pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
         self.reschedule(job.claim_ref(), &millis(delay).to_string(), "deferral", "")
             .await
+    }
+
+    /// Parks a claimed message on its busy key (`DeferDelay::until_released`):
+    /// it waits behind the messages parked on the key before it, and comes
+    /// back when the key's lock is released or expires. Counts a deferral
+    /// the first time only. `Ok(Err(()))` when the message would exceed
+    /// `max_deferrals` (nothing changed); `Ok(Ok(None))` when the claim is
+    /// no longer held.
+    pub(crate) async fn park(
+        &self,
+        job: &ClaimToken,
+        parking: &crate::lock::Parking,
+        max_deferrals: Option<u32>,
+    ) -> Result<Result<Option<SystemTime>, ()>> {
+        let job = job.claim_ref();
+        let due: i64 = Scripts::get()
+            .park
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.active)
+            .key(&parking.parked)
+            .key(&parking.lock)
+            .key(&self.keys.dead)
+            .key(&self.keys.bell)
+            .arg(job.member())
+            .arg(job.id())
+            .arg(PARK_CHECK.as_millis() as u64)
+            .arg(max_deferrals.map_or(String::new(), |n| n.to_string()))
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "parking message `{}` on its busy key",
+                job.id()
+            )))?;
+        Ok(match due {
+            -2 => Err(()),
+            due => Ok((due >= 0).then(|| from_unix_ms(due))),
+        })
     }
 
     /// Hands a claimed message back, due now, without counting a failure or

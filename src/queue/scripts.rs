@@ -18,11 +18,21 @@ pub(crate) struct Scripts {
     pub(crate) remove: Script,
     pub(crate) stats: Script,
     pub(crate) dead: Script,
+    /// The parking scripts (`DeferDelay::until_released`): the key's lock
+    /// lives in the queue's hash slot, so they see both.
+    pub(crate) park: Script,
+    pub(crate) park_acquire: Script,
+    pub(crate) park_release: Script,
 }
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
 fn load(body: &str) -> Script {
     Script::new(&with_prelude(body))
+}
+
+/// A parking script: the prelude, the parking helpers, the script.
+fn load_parking(body: &str) -> Script {
+    load(&format!("{}\n{body}", include_str!("lua/parking.lua")))
 }
 
 fn with_prelude(body: &str) -> String {
@@ -50,6 +60,9 @@ impl Scripts {
             remove: load(include_str!("lua/remove.lua")),
             stats: load(include_str!("lua/stats.lua")),
             dead: load(include_str!("lua/dead.lua")),
+            park: load_parking(include_str!("lua/park.lua")),
+            park_acquire: load_parking(include_str!("lua/park_acquire.lua")),
+            park_release: load_parking(include_str!("lua/park_release.lua")),
         });
         &SCRIPTS
     }

@@ -1,0 +1,49 @@
+-- Parks a claimed message on its busy key (see parking.lua): it waits
+-- behind the messages parked before it and comes back when the key's lock
+-- is released, or when it expires.
+-- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: parked list
+-- KEYS[5]: lock   KEYS[6]: dead   KEYS[7]: bell
+-- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id
+-- ARGV[3]: PARK_CHECK: how far ahead the messages behind the head are
+--          scheduled, in ms
+-- ARGV[4]: the most deferrals a message may have had before it parks ("" for
+--          no limit)
+-- Returns the due time in ms; -1 when the claim is no longer held; -2 (and
+-- changes nothing) when the message would park a first time with as many
+-- deferrals as the limit allows already.
+local check = tonumber(ARGV[3])
+if not check then
+  return redis.error_reply('ERR lockgate park: bad check interval "' .. ARGV[3] .. '"')
+end
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return -1 end
+local id = ARGV[2]
+local record = redis.call('HGET', KEYS[1], id)
+if not record then return -1 end
+local now = now_ms()
+if not redis.call('LPOS', KEYS[4], id) then
+  -- Parked for the first time: one deferral. (A parked message that came
+  -- back before its turn is put back in its place, counting nothing.)
+  local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+  local max = tonumber(ARGV[4])
+  if max and deferrals >= max then return -2 end
+  redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals + 1, stalls, payload))
+  redis.call('RPUSH', KEYS[4], id)
+end
+redis.call('ZREM', KEYS[3], ARGV[1])
+-- When the lock ends (at once if it just did).
+local pttl = redis.call('PTTL', KEYS[5])
+local lock_ends = now + math.max(pttl, 0)
+if pttl == -1 then -- set without expiry by someone else: look again later
+  lock_ends = now + check
+end
+local due = now + check
+local head, dropped = first_live(KEYS[4], KEYS[1], KEYS[6])
+if head == id then
+  due = lock_ends
+elseif head and dropped then
+  bring_forward(KEYS[2], KEYS[7], head, lock_ends)
+end
+schedule_at(KEYS[2], KEYS[7], id, due)
+-- The list goes away by itself once nothing parks on the key any more.
+redis.call('PEXPIRE', KEYS[4], math.max(2 * check, lock_ends - now + check))
+return due

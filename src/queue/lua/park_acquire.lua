@@ -1,0 +1,38 @@
+-- Takes a key's lock for a message of the queue, unless messages parked on
+-- the key come first (see parking.lua).
+-- KEYS[1]: lock   KEYS[2]: parked list   KEYS[3]: data   KEYS[4]: dead
+-- KEYS[5]: schedule   KEYS[6]: bell
+-- ARGV[1]: holder token   ARGV[2]: lock TTL in ms
+-- ARGV[3]: "1" to mark the lock as waited for (its release publishes)
+-- ARGV[4]: id of the message asking ("" for a request that is none)
+-- Returns {1, ttl left in ms} when acquired (also when the lock already holds
+-- this token: a resend), {0, pttl of the holder, or 0 when the lock is free
+-- but a parked message goes first}.
+local held = redis.call('GET', KEYS[1])
+if held and owns(held, ARGV[1]) then
+  return {1, redis.call('PTTL', KEYS[1])}
+end
+local head, dropped = first_live(KEYS[2], KEYS[3], KEYS[4])
+if held or (head and head ~= ARGV[4]) then
+  local pttl = 0
+  if held then
+    pttl = redis.call('PTTL', KEYS[1])
+    if ARGV[3] == '1' and string.byte(held, -1) ~= 33 then
+      redis.call('APPEND', KEYS[1], '!')
+    end
+  end
+  if dropped and head then
+    -- A new head after dropped ones: due when the lock ends.
+    bring_forward(KEYS[5], KEYS[6], head, now_ms() + math.max(pttl, 0))
+  end
+  return {0, pttl}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if head then -- it is this message: it leaves the list
+  redis.call('LPOP', KEYS[2])
+  local next = first_live(KEYS[2], KEYS[3], KEYS[4])
+  if next then
+    bring_forward(KEYS[5], KEYS[6], next, now_ms() + tonumber(ARGV[2]))
+  end
+end
+return {1, tonumber(ARGV[2])}

@@ -1,0 +1,46 @@
+-- Parking messages on a busy key until its lock is released (DeferDelay::
+-- until_released). Shared by the three parking scripts, after the prelude.
+--
+-- Keys of key <k> parked in queue <q> (all in hash slot {q}, so that one
+-- script sees the lock and the queue):
+--   <p>:{q}:lock:<k>    string the key's lock, "<token>[:<fence>][!]"
+--   <p>:{q}:parked:<k>  list   ids parked on the key, in parking order
+--
+-- A parked message stays on the schedule, as every waiting message does, so
+-- it is never in no structure and never claimable twice; the list only
+-- orders the key's messages. The list's head is scheduled for when the lock
+-- ends (its release makes it due at once; a holder that died lets it come
+-- back at its lock's expiry); the others are scheduled PARK_CHECK ms ahead,
+-- as a safety net, and re-parked in place if they come back early.
+
+-- The first parked id that is still a live message (not acknowledged,
+-- removed or dead), dropping the others from the list's front; nil when
+-- none is parked. Also returns whether a dead head was dropped (the new
+-- head then needs to be scheduled).
+local function first_live(parked, data, dead)
+  local dropped = false
+  for _ = 1, 100 do
+    local head = redis.call('LINDEX', parked, 0)
+    if not head then return nil, dropped end
+    if redis.call('HEXISTS', data, head) == 1 and not redis.call('ZSCORE', dead, head) then
+      return head, dropped
+    end
+    redis.call('LPOP', parked)
+    dropped = true
+  end
+  return nil, dropped
+end
+
+-- Brings a parked id forward to `due` if it is waiting on the schedule
+-- (not if it is claimed right now); rings the bell when it moved.
+local function bring_forward(schedule, bell, id, due)
+  if redis.call('ZADD', schedule, 'XX', 'LT', 'CH', due, id) == 1 then
+    ring(bell)
+  end
+end
+
+-- Whether a lock value "<token>[:<fence>][!]" names `token`.
+local function owns(value, token)
+  local after = string.byte(value, #token + 1)
+  return string.sub(value, 1, #token) == token and (after == nil or after == 58 or after == 33)
+end

@@ -1,0 +1,288 @@
+//! Park until released (`DeferDelay::until_released`): messages parked on a
+//! busy key come back one at a time when it is released, in the order they
+//! were parked; a newly arriving message does not overtake them; a holder
+//! killed with SIGKILL strands nothing.
+//!
+//! The SIGKILL test runs this test binary again as a child process (the
+//! ignored test `holder_child`, driven by an environment variable).
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockgate::layer::DeferDelay;
+use lockgate::{BoxError, Job, LockLayer, Locker, OnConflict, Outcome, Queue, Worker};
+use redis::aio::ConnectionManager;
+use serde::{Deserialize, Serialize};
+use support::{BOUNDED, done_if, eventually, manager, ms, raw, secs, server, shutdown_signal};
+use tokio::time::Instant;
+use tower::{ServiceBuilder, ServiceExt, service_fn};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Msg {
+    n: u32,
+    key: String,
+}
+
+fn msg(n: u32, key: &str) -> Msg {
+    Msg {
+        n,
+        key: key.to_owned(),
+    }
+}
+
+const QUEUE: &str = "parking";
+
+/// What the worker's handler saw: message number, deferrals, start, end.
+type Log = Arc<Mutex<Vec<(u32, u32, Instant, Instant)>>>;
+
+/// A worker on `queue` whose messages park on their key while it is busy.
+fn parking_worker(
+    server: &lockgate::testing::RedisServer,
+    conn: ConnectionManager,
+    queue: &Queue<Msg>,
+    ttl: Duration,
+    log: Log,
+) -> impl std::future::Future<Output = lockgate::Result<()>> + Send + 'static + use<> {
+    let locker = Locker::new(conn).ttl(ttl).unwrap();
+    let service = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(locker, job_key).on_conflict(OnConflict::defer(
+                queue.clone(),
+                DeferDelay::until_released(),
+            )),
+        )
+        .service_fn(move |job: Job<Msg>| handle(log.clone(), job));
+    let (tx, shutdown) = shutdown_signal();
+    // Kept alive by the future: the worker stops when the test ends.
+    std::mem::forget(tx);
+    Worker::new(server.client(), queue.clone(), service)
+        .concurrency(4)
+        .unwrap()
+        .run_until(shutdown)
+}
+
+async fn handle(log: Log, job: Job<Msg>) -> Result<(), BoxError> {
+    let start = Instant::now();
+    tokio::time::sleep(ms(10)).await;
+    log.lock()
+        .unwrap()
+        .push((job.n, job.deferrals(), start, Instant::now()));
+    Ok(())
+}
+
+fn key_of(m: &Msg) -> String {
+    m.key.clone()
+}
+
+fn job_key(job: &Job<Msg>) -> String {
+    job.key.clone()
+}
+
+async fn wait_for(release: Option<tokio::sync::oneshot::Receiver<()>>) -> Result<(), BoxError> {
+    if let Some(release) = release {
+        let _ = release.await;
+    }
+    Ok(())
+}
+
+/// The parked list of `key` in the test queue.
+fn parked_list(key: &str) -> String {
+    format!("lockgate:{{{QUEUE}}}:parked:{key}")
+}
+
+async fn parked(conn: &ConnectionManager, key: &str) -> i64 {
+    raw(conn, &["LLEN", &parked_list(key)]).await
+}
+
+/// A holder of `key`'s parking lock, through the same layer configuration
+/// as the worker's (a request that is not a queued message): it holds the
+/// key until `release` fires.
+async fn hold_until(
+    conn: ConnectionManager,
+    queue: Queue<Msg>,
+    key: &str,
+    ttl: Duration,
+    release: tokio::sync::oneshot::Receiver<()>,
+) -> Result<Outcome<()>, BoxError> {
+    let release = Arc::new(Mutex::new(Some(release)));
+    let svc = LockLayer::new(Locker::new(conn).ttl(ttl).unwrap(), key_of)
+        .on_conflict(OnConflict::defer(queue, DeferDelay::until_released()));
+    let svc = tower::Layer::layer(
+        &svc,
+        service_fn(move |_m: Msg| wait_for(release.lock().unwrap().take())),
+    );
+    svc.oneshot(msg(0, key)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+
+    // Someone holds A.
+    let (release, released) = tokio::sync::oneshot::channel();
+    let holder = tokio::spawn(hold_until(
+        conn.clone(),
+        queue.clone(),
+        "A",
+        secs(30),
+        released,
+    ));
+    eventually("A is held", BOUNDED, async || {
+        done_if(support::exists(&conn, &lock_key).await, "")
+    })
+    .await;
+
+    let log: Log = Default::default();
+    let worker = tokio::spawn(parking_worker(
+        &server,
+        manager(&server).await,
+        &queue,
+        secs(30),
+        log.clone(),
+    ));
+    // Five messages park on A, one after another, and one on a free key B
+    // runs at once.
+    queue.push(msg(100, "B")).await.unwrap();
+    for n in 1..=5 {
+        queue.push(msg(n, "A")).await.unwrap();
+        eventually("the message parks", BOUNDED, async || {
+            let len = parked(&conn, "A").await;
+            done_if(len == i64::from(n), len)
+        })
+        .await;
+    }
+    eventually("B ran", BOUNDED, async || {
+        done_if(log.lock().unwrap().len() == 1, "")
+    })
+    .await;
+    assert!(log.lock().unwrap().iter().all(|(n, ..)| *n == 100));
+
+    // Released: the parked messages come back; a newcomer pushed right
+    // after waits behind them, although the key may be free when it comes.
+    release.send(()).unwrap();
+    queue.push(msg(6, "A")).await.unwrap();
+    assert_eq!(
+        holder.await.unwrap().unwrap(),
+        Outcome::Done(()),
+        "the holder ran"
+    );
+    eventually("every message ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n == 7, n)
+    })
+    .await;
+    let runs: Vec<_> = log.lock().unwrap().iter().skip(1).cloned().collect();
+    let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3, 4, 5, 6], "not in parking order");
+    // One deferral per message: parked once, back when its turn came.
+    for (n, deferrals, ..) in &runs {
+        assert_eq!(*deferrals, 1, "message {n} was deferred {deferrals} times");
+    }
+    // One at a time.
+    for pair in runs.windows(2) {
+        assert!(
+            pair[0].3 <= pair[1].2,
+            "messages {} and {} overlapped",
+            pair[0].0,
+            pair[1].0
+        );
+    }
+    eventually("nothing is parked or held", BOUNDED, async || {
+        let left = (
+            parked(&conn, "A").await,
+            support::exists(&conn, &lock_key).await,
+        );
+        done_if(left == (0, false), left)
+    })
+    .await;
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    worker.abort();
+}
+
+// ---------------------------------------------------------------------------
+// A holder killed with SIGKILL
+// ---------------------------------------------------------------------------
+
+/// Environment variable that turns the ignored test `holder_child` into a
+/// process holding `A`'s parking lock until it is killed: `<redis url>`.
+const CHILD: &str = "LOCKGATE_PARK_HOLDER";
+
+#[tokio::test]
+#[ignore = "run as a child process by the SIGKILL test"]
+async fn holder_child() {
+    let Ok(url) = std::env::var(CHILD) else {
+        return;
+    };
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_connection_manager().await.unwrap();
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+    let (_never, held_for_ever) = tokio::sync::oneshot::channel();
+    // The watchdog renews the lock while this process lives.
+    let _ = hold_until(conn, queue, "A", ms(600), held_for_ever).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "holder_child",
+            "--ignored",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD, server.url())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawning the holder");
+    eventually("the child holds A", BOUNDED, async || {
+        done_if(support::exists(&conn, &lock_key).await, "")
+    })
+    .await;
+
+    let log: Log = Default::default();
+    let worker = tokio::spawn(parking_worker(
+        &server,
+        manager(&server).await,
+        &queue,
+        secs(30),
+        log.clone(),
+    ));
+    for n in 1..=3 {
+        queue.push(msg(n, "A")).await.unwrap();
+        eventually("the message parks", BOUNDED, async || {
+            let len = parked(&conn, "A").await;
+            done_if(len == i64::from(n), len)
+        })
+        .await;
+    }
+    // The holder renews its 600 ms lock for a while: nothing runs.
+    tokio::time::sleep(ms(1500)).await;
+    assert!(log.lock().unwrap().is_empty(), "ran while A was held");
+
+    // Killed: no release, no publish; only the lock's expiry frees A.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    eventually("every parked message ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n == 3, n)
+    })
+    .await;
+    let order: Vec<u32> = log.lock().unwrap().iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3]);
+    worker.abort();
+}
