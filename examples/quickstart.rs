@@ -4,8 +4,9 @@
 //! orders are pushed to a Redis queue (one of them delayed by half a
 //! second); a `Worker` with four handler slots takes them, and a `LockLayer`
 //! holds a lock per account around the handler. When an account is busy, the
-//! order retries briefly, then is deferred back into the queue for 200 ms,
-//! and the worker brings it back then.
+//! order waits briefly (woken by the release itself, not by polling), then
+//! parks on the account: the release of the account's lock brings the next
+//! parked order back at once, in the order they parked.
 //!
 //! ```text
 //! cargo run --example quickstart --features test-util
@@ -13,13 +14,17 @@
 //!
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
-//! example only touches keys under `lockgate:{quickstart-orders}` and
-//! `lockgate:lock:`.
+//! example only touches keys under `lockgate:{quickstart-orders}` (the
+//! queue, and the locks of the accounts, which live beside it so that a
+//! release can bring a parked order back in one script).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockgate::{Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use lockgate::layer::DeferDelay;
+use lockgate::{
+    Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Queue, ReleaseListener, Worker,
+};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
@@ -48,6 +53,9 @@ async fn run() -> Result<(), BoxError> {
         None => println!("using Redis at {}", client.get_connection_info().addr()),
     }
     let conn = client.get_connection_manager().await?;
+    // One subscriber per process: waiters sleep until the release they wait
+    // for is published, in whatever process it happens.
+    let listener = ReleaseListener::connect(client.clone()).await?;
 
     let queue: Queue<Order> = Queue::new(conn.clone(), "quickstart-orders")?;
     queue.purge().await?; // a clean start for the example's own queue
@@ -55,13 +63,18 @@ async fn run() -> Result<(), BoxError> {
     // The lock: one per account, 2 s TTL (renewed while a handler runs long).
     let locker = Locker::new(conn).ttl(Duration::from_secs(2))?;
     let ms = Duration::from_millis;
-    let strategy = OnConflict::retry(Backoff::exponential(ms(5), ms(50))?.max_attempts(3))
-        .then_defer(queue.clone(), ms(200));
+    // Wait up to ~50 ms for the account, then park the order on it.
+    let strategy = OnConflict::retry(Backoff::exponential(ms(5), ms(20))?.max_elapsed(ms(50)))
+        .then_defer(queue.clone(), DeferDelay::until_released());
 
     let log: Log = Default::default();
     let started = Instant::now();
     let service = ServiceBuilder::new()
-        .layer(LockLayer::new(locker, |job: &Job<Order>| job.account.clone()).on_conflict(strategy))
+        .layer(
+            LockLayer::new(locker, |job: &Job<Order>| job.account.clone())
+                .on_conflict(strategy)
+                .wake_on_release(listener),
+        )
         .service_fn({
             let log = log.clone();
             move |job: Job<Order>| handle(job, log.clone(), started)
@@ -104,7 +117,7 @@ async fn run() -> Result<(), BoxError> {
 
     let m = metrics.snapshot();
     println!(
-        "\nsummary: {} handled, {} deferrals while an account was busy, {} retried, {} dead",
+        "\nsummary: {} handled, {} parked while their account was busy, {} retried, {} dead",
         m.done, m.deferred, m.retried, m.dead
     );
     let stats = queue.stats().await?;

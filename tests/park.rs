@@ -1,6 +1,6 @@
 //! Park until released (`DeferDelay::until_released`): messages parked on a
 //! busy key come back one at a time when it is released, in the order they
-//! were parked; a newly arriving message does not overtake them; a holder
+//! were pushed; a newly arriving message does not overtake them; a holder
 //! killed with SIGKILL strands nothing.
 //!
 //! The SIGKILL test runs this test binary again as a child process (the
@@ -88,13 +88,13 @@ async fn wait_for(release: Option<tokio::sync::oneshot::Receiver<()>>) -> Result
     Ok(())
 }
 
-/// The parked list of `key` in the test queue.
+/// The parked set of `key` in the test queue.
 fn parked_list(key: &str) -> String {
     format!("lockgate:{{{QUEUE}}}:parked:{key}")
 }
 
 async fn parked(conn: &ConnectionManager, key: &str) -> i64 {
-    raw(conn, &["LLEN", &parked_list(key)]).await
+    raw(conn, &["ZCARD", &parked_list(key)]).await
 }
 
 /// A holder of `key`'s parking lock, through the same layer configuration
@@ -179,7 +179,7 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
     .await;
     let runs: Vec<_> = log.lock().unwrap().iter().skip(1).cloned().collect();
     let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
-    assert_eq!(order, [1, 2, 3, 4, 5, 6], "not in parking order");
+    assert_eq!(order, [1, 2, 3, 4, 5, 6], "not in push order");
     // One deferral per message: parked once, back when its turn came.
     for (n, deferrals, ..) in &runs {
         assert_eq!(*deferrals, 1, "message {n} was deferred {deferrals} times");
@@ -206,6 +206,57 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
         (stats.due, stats.later, stats.active, stats.dead),
         (0, 0, 0, 0)
     );
+    worker.abort();
+}
+
+/// Messages claimed together park in whatever order their handlers find the
+/// key busy; they still come back in the order they were pushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_claimed_together_come_back_in_push_order() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+    let (release, released) = tokio::sync::oneshot::channel();
+    let holder = tokio::spawn(hold_until(
+        conn.clone(),
+        queue.clone(),
+        "A",
+        secs(30),
+        released,
+    ));
+    eventually("A is held", BOUNDED, async || {
+        done_if(support::exists(&conn, &lock_key).await, "")
+    })
+    .await;
+    // Pushed before any worker runs, a few ms apart: the worker claims them
+    // in one batch, and its four slots race to park them.
+    for n in 1..=8 {
+        queue.push(msg(n, "A")).await.unwrap();
+        tokio::time::sleep(ms(2)).await;
+    }
+    let log: Log = Default::default();
+    let worker = tokio::spawn(parking_worker(
+        &server,
+        manager(&server).await,
+        &queue,
+        secs(30),
+        log.clone(),
+    ));
+    eventually("all eight park", BOUNDED, async || {
+        let len = parked(&conn, "A").await;
+        done_if(len == 8, len)
+    })
+    .await;
+    release.send(()).unwrap();
+    holder.await.unwrap().unwrap();
+    eventually("every message ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n == 8, n)
+    })
+    .await;
+    let order: Vec<u32> = log.lock().unwrap().iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3, 4, 5, 6, 7, 8]);
     worker.abort();
 }
 

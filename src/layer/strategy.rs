@@ -172,14 +172,17 @@ impl DeferDelay {
 
     /// Parks the message on its key: the release that frees the key brings
     /// the first parked message back, due at once, and the messages parked
-    /// on a key come back one at a time, in the order they were parked. A
-    /// message arriving for a key with parked messages parks behind them
-    /// (per-key order), also when the key is free. If the holder dies
+    /// on a key come back one at a time, in the order they were pushed
+    /// (messages claimed together park in whatever order their handlers
+    /// find the key busy; they still come back oldest first). A message
+    /// arriving for a key with parked messages parks behind them (per-key
+    /// order), also when the key is free. If the holder dies
     /// without releasing, the first parked message comes back when its lock
     /// expires: nothing is stranded, lost or claimable twice (a parked
-    /// message stays on the queue's schedule; a per-key list only orders
-    /// them). Parking counts one deferral per message, however long it
-    /// waits.
+    /// message stays on the queue's schedule; a per-key sorted set only
+    /// orders them). Parking counts one deferral per message, however long
+    /// it waits. A parked message whose handler then fails is retried like
+    /// any failure, outside the parking order.
     ///
     /// The lock of a key parked in queue `q` lives in `q`'s hash slot,
     /// `<prefix>:{q}:lock:<key>`, so that on a Redis Cluster the release and

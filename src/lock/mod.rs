@@ -349,7 +349,7 @@ pub(crate) struct Parking {
     pub(crate) lock: String,
     /// The fence record: `<prefix>:{<queue>}:fence:<key>`.
     pub(crate) fence: String,
-    /// The ids parked on the key: `<prefix>:{<queue>}:parked:<key>`.
+    /// The ids parked on the key, by push time: `<prefix>:{<queue>}:parked:<key>`.
     pub(crate) parked: String,
     /// The queue's data hash, dead set, schedule and bell.
     pub(crate) data: String,

@@ -1,7 +1,7 @@
 -- Parks a claimed message on its busy key (see parking.lua): it waits
--- behind the messages parked before it and comes back when the key's lock
--- is released, or when it expires.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: parked list
+-- behind the messages parked there that were pushed before it, and comes
+-- back when the key's lock is released, or when it expires.
+-- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: parked set
 -- KEYS[5]: lock   KEYS[6]: dead   KEYS[7]: bell
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id
 -- ARGV[3]: PARK_CHECK: how far ahead the messages behind the head are
@@ -20,14 +20,14 @@ local id = ARGV[2]
 local record = redis.call('HGET', KEYS[1], id)
 if not record then return -1 end
 local now = now_ms()
-if not redis.call('LPOS', KEYS[4], id) then
+if not redis.call('ZSCORE', KEYS[4], id) then
   -- Parked for the first time: one deferral. (A parked message that came
   -- back before its turn is put back in its place, counting nothing.)
   local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
   local max = tonumber(ARGV[4])
   if max and deferrals >= max then return -2 end
   redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals + 1, stalls, payload))
-  redis.call('RPUSH', KEYS[4], id)
+  redis.call('ZADD', KEYS[4], tonumber(enq), id)
 end
 redis.call('ZREM', KEYS[3], ARGV[1])
 -- When the lock ends (at once if it just did).
@@ -44,6 +44,6 @@ elseif head and dropped then
   bring_forward(KEYS[2], KEYS[7], head, lock_ends)
 end
 schedule_at(KEYS[2], KEYS[7], id, due)
--- The list goes away by itself once nothing parks on the key any more.
+-- The set goes away by itself once nothing parks on the key any more.
 redis.call('PEXPIRE', KEYS[4], math.max(2 * check, lock_ends - now + check))
 return due

@@ -1,6 +1,6 @@
 -- Takes a key's lock for a message of the queue, unless messages parked on
 -- the key come first (see parking.lua).
--- KEYS[1]: lock   KEYS[2]: parked list   KEYS[3]: data   KEYS[4]: dead
+-- KEYS[1]: lock   KEYS[2]: parked set   KEYS[3]: data   KEYS[4]: dead
 -- KEYS[5]: schedule   KEYS[6]: bell
 -- ARGV[1]: holder token   ARGV[2]: lock TTL in ms
 -- ARGV[3]: "1" to mark the lock as waited for (its release publishes)
@@ -28,8 +28,8 @@ if held or (head and head ~= ARGV[4]) then
   return {0, pttl}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if head then -- it is this message: it leaves the list
-  redis.call('LPOP', KEYS[2])
+if head then -- it is this message: it leaves the parked set
+  redis.call('ZREM', KEYS[2], head)
   local next = first_live(KEYS[2], KEYS[3], KEYS[4])
   if next then
     bring_forward(KEYS[5], KEYS[6], next, now_ms() + tonumber(ARGV[2]))

@@ -2,7 +2,7 @@
 -- message parked on the key back, due now (see parking.lua); publishes on
 -- the lock key's channel when the lock was waited for (see
 -- src/lock/release.lua).
--- KEYS[1]: lock   KEYS[2]: parked list   KEYS[3]: data   KEYS[4]: dead
+-- KEYS[1]: lock   KEYS[2]: parked set   KEYS[3]: data   KEYS[4]: dead
 -- KEYS[5]: schedule   KEYS[6]: bell
 -- ARGV[1]: holder token   ARGV[2]: "PUBLISH" or "SPUBLISH"
 -- Returns 1 when released, 0 when the lock was gone, -1 when another token

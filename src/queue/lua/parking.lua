@@ -4,28 +4,30 @@
 -- Keys of key <k> parked in queue <q> (all in hash slot {q}, so that one
 -- script sees the lock and the queue):
 --   <p>:{q}:lock:<k>    string the key's lock, "<token>[:<fence>][!]"
---   <p>:{q}:parked:<k>  list   ids parked on the key, in parking order
+--   <p>:{q}:parked:<k>  zset   ids parked on the key, scored by the time
+--                              they were pushed: they come back in push
+--                              order (ties: by id)
 --
 -- A parked message stays on the schedule, as every waiting message does, so
--- it is never in no structure and never claimable twice; the list only
--- orders the key's messages. The list's head is scheduled for when the lock
+-- it is never in no structure and never claimable twice; the parked set only
+-- orders the key's messages. Its head is scheduled for when the lock
 -- ends (its release makes it due at once; a holder that died lets it come
 -- back at its lock's expiry); the others are scheduled PARK_CHECK ms ahead,
 -- as a safety net, and re-parked in place if they come back early.
 
 -- The first parked id that is still a live message (not acknowledged,
--- removed or dead), dropping the others from the list's front; nil when
+-- removed or dead), dropping the others from the set's front; nil when
 -- none is parked. Also returns whether a dead head was dropped (the new
 -- head then needs to be scheduled).
 local function first_live(parked, data, dead)
   local dropped = false
   for _ = 1, 100 do
-    local head = redis.call('LINDEX', parked, 0)
+    local head = redis.call('ZRANGE', parked, 0, 0)[1]
     if not head then return nil, dropped end
     if redis.call('HEXISTS', data, head) == 1 and not redis.call('ZSCORE', dead, head) then
       return head, dropped
     end
-    redis.call('LPOP', parked)
+    redis.call('ZREM', parked, head)
     dropped = true
   end
   return nil, dropped
