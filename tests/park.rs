@@ -249,7 +249,7 @@ async fn messages_claimed_together_come_back_in_push_order() {
     })
     .await;
     release.send(()).unwrap();
-    holder.await.unwrap().unwrap();
+    assert_eq!(holder.await.unwrap().unwrap(), Outcome::Done(()));
     eventually("every message ran", BOUNDED, async || {
         let n = log.lock().unwrap().len();
         done_if(n == 8, n)
