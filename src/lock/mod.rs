@@ -285,11 +285,23 @@ pub struct Contended {
     key: String,
     /// How long the current holder's lock still lives (zero if unknown).
     retry_after: Duration,
+    /// Messages parked on the key come first (`DeferDelay::until_released`):
+    /// retrying cannot help, only parking behind them.
+    parked_ahead: bool,
 }
 
 impl Contended {
     pub(crate) fn new(key: String, retry_after: Duration) -> Self {
-        Self { key, retry_after }
+        Self {
+            key,
+            retry_after,
+            parked_ahead: false,
+        }
+    }
+
+    /// Whether messages parked on the key come first.
+    pub(crate) fn parked_ahead(&self) -> bool {
+        self.parked_ahead
     }
 
     /// The contended key, as the caller named it.
@@ -863,11 +875,15 @@ where
                 reply.first() == Some(&1)
             })
             .await?;
-        let [acquired, left] = reply[..] else {
-            return Err(Error::reply(
-                format_args!("acquiring lock `{}`", ticket.key),
-                format_args!("expected 2 integers, got {reply:?}"),
-            ));
+        let (acquired, left, parked_ahead) = match reply[..] {
+            [acquired, left] => (acquired, left, false),
+            [acquired, left, ahead] => (acquired, left, ahead == 1),
+            _ => {
+                return Err(Error::reply(
+                    format_args!("acquiring lock `{}`", ticket.key),
+                    format_args!("expected 2 or 3 integers, got {reply:?}"),
+                ));
+            }
         };
         // PTTL is -1 for a key someone set without expiry, -2 if it vanished;
         // neither tells when to retry, so say "now".
@@ -875,10 +891,11 @@ where
         if acquired == 1 {
             Ok(self.lease(ticket, started, Some(left)))
         } else {
-            Ok(Acquisition::Contended(Contended::new(
-                ticket.key.clone(),
-                left,
-            )))
+            Ok(Acquisition::Contended(Contended {
+                key: ticket.key.clone(),
+                retry_after: left,
+                parked_ahead,
+            }))
         }
     }
 

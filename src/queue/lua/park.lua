@@ -15,21 +15,25 @@ local check = tonumber(ARGV[3])
 if not check then
   return redis.error_reply('ERR lockgate park: bad check interval "' .. ARGV[3] .. '"')
 end
-if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return -1 end
 local id = ARGV[2]
 local record = redis.call('HGET', KEYS[1], id)
 if not record then return -1 end
+local first = not redis.call('ZSCORE', KEYS[4], id)
+local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+local max = tonumber(ARGV[4])
+if first and max and deferrals >= max then
+  -- Nothing changed; the claim may or may not be held still.
+  if redis.call('ZSCORE', KEYS[3], ARGV[1]) then return -2 end
+  return -1
+end
+if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then return -1 end
 local now = now_ms()
-if not redis.call('ZSCORE', KEYS[4], id) then
+if first then
   -- Parked for the first time: one deferral. (A parked message that came
   -- back before its turn is put back in its place, counting nothing.)
-  local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
-  local max = tonumber(ARGV[4])
-  if max and deferrals >= max then return -2 end
   redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals + 1, stalls, payload))
   redis.call('ZADD', KEYS[4], tonumber(enq), id)
 end
-redis.call('ZREM', KEYS[3], ARGV[1])
 -- When the lock ends (at once if it just did).
 local pttl = redis.call('PTTL', KEYS[5])
 local lock_ends = now + math.max(pttl, 0)
@@ -37,7 +41,7 @@ if pttl == -1 then -- set without expiry by someone else: look again later
   lock_ends = now + check
 end
 local due = now + check
-local head, dropped = first_live(KEYS[4], KEYS[1], KEYS[6])
+local head, dropped = first_live(KEYS[4], KEYS[1], KEYS[6], KEYS[2], id)
 if head == id then
   due = lock_ends
 elseif head and dropped then

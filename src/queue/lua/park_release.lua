@@ -18,7 +18,7 @@ redis.call('DEL', KEYS[1])
 if string.byte(value, -1) == 33 then
   redis.call(ARGV[2], KEYS[1], '')
 end
-local head = first_live(KEYS[2], KEYS[3], KEYS[4])
+local head = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 if head then
   bring_forward(KEYS[5], KEYS[6], head, now_ms())
 end

@@ -18,13 +18,17 @@
 -- The first parked id that is still a live message (not acknowledged,
 -- removed or dead), dropping the others from the set's front; nil when
 -- none is parked. Also returns whether a dead head was dropped (the new
--- head then needs to be scheduled).
-local function first_live(parked, data, dead)
+-- head then needs to be scheduled). `live` names an id known to be live
+-- (the caller's own message), which needs no check; a message waiting on
+-- the schedule is live too (one lookup); else it is live if it exists and
+-- is not a dead letter (it is claimed).
+local function first_live(parked, data, dead, schedule, live)
   local dropped = false
   for _ = 1, 100 do
     local head = redis.call('ZRANGE', parked, 0, 0)[1]
     if not head then return nil, dropped end
-    if redis.call('HEXISTS', data, head) == 1 and not redis.call('ZSCORE', dead, head) then
+    if head == live or redis.call('ZSCORE', schedule, head)
+      or (redis.call('HEXISTS', data, head) == 1 and not redis.call('ZSCORE', dead, head)) then
       return head, dropped
     end
     redis.call('ZREM', parked, head)
