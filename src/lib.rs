@@ -4,12 +4,13 @@
 //! # Layout
 //!
 //! * [`lock`]: the [`Locker`], `SET NX PX` locks with token-checked release
-//!   and renewal, and fencing tokens.
+//!   and renewal, fencing tokens issued on first use, and the
+//!   [`ReleaseListener`] that wakes waiters when a lock is released.
 //! * [`queue`]: the [`Queue`], a Redis delay queue with leases, retries and
 //!   dead letters, and its [`Waiter`](queue::Waiter) for blocking wake-ups.
 //! * [`layer`]: the [`LockLayer`] tower middleware and its [`OnConflict`]
-//!   strategies (fail, retry with [`Backoff`], defer), returning an
-//!   [`Outcome`].
+//!   strategies (fail, retry with [`Backoff`] woken by the release, defer
+//!   for a time or park until released), returning an [`Outcome`].
 //! * [`worker`]: the [`Worker`], which drives a tower service from a queue:
 //!   claims, settles, renews leases, recovers, reconnects, shuts down.
 //! * [`error`]: the crate's [`Error`] type.

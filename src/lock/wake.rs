@@ -1,31 +1,7 @@
 //! Waking lock waiters when the lock they wait for is released, in any
 //! process.
 //!
-//! # The mechanism, and why
-//!
-//! A waiter that found a lock held marks it (a `!` at the end of its value,
-//! set by the contend script) and listens on a pub/sub channel named like
-//! the lock key. The release script publishes on that channel when, and only
-//! when, the lock it deletes is marked, in the same script: there is no
-//! moment at which a lock is free while its waiters still sleep, and an
-//! uncontended release publishes nothing. The waiter then tries again at
-//! once. A holder that dies publishes nothing; its lock's expiry ends the
-//! wait instead, since the waiter sleeps at most the holder's remaining TTL.
-//!
-//! Pub/sub was chosen over the alternatives because it costs nothing while
-//! nobody waits, needs one connection per process whatever the number of
-//! keys and waiters, and cannot strand anything: a lost message (a dropped
-//! connection) only means a waiter wakes on the holder's TTL instead. A
-//! per-key wait list with tickets would give strict FIFO across processes,
-//! but needs every waiter to be alive to pass the lock on, and a blocking
-//! `BLPOP` per waiting task would need a connection per task.
-//!
-//! One [`ReleaseListener`] per process is enough: it holds one subscriber
-//! connection, subscribes to a key's channel while a task of this process
-//! waits for the key (and a second longer, so that a hot key is not
-//! subscribed and unsubscribed for every waiter), and reconnects with
-//! backoff when the connection drops, waking every waiter so that none
-//! sleeps through a release it could not hear.
+//! See [`ReleaseListener`] for the mechanism and why it was chosen.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -55,8 +31,33 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// [`connect`](Self::connect) serves a single Redis server,
 /// [`connect_cluster`](Self::connect_cluster) a Redis Cluster (sharded
-/// pub/sub: each key's channel lives on the node that owns the key). See
-/// the [module docs](self) for how it works.
+/// pub/sub: each key's channel lives on the node that owns the key).
+///
+/// # How it works, and why
+///
+/// A waiter that found a lock held marks it (a `!` at the end of its value,
+/// set by the contend script) and listens on a pub/sub channel named like
+/// the lock key. The release script publishes on that channel when, and only
+/// when, the lock it deletes is marked, in the same script: there is no
+/// moment at which a lock is free while its waiters still sleep, and an
+/// uncontended release publishes nothing. The waiter then tries again at
+/// once. A holder that dies publishes nothing; its lock's expiry ends the
+/// wait instead, since the waiter sleeps at most the holder's remaining TTL.
+///
+/// Pub/sub was chosen over the alternatives because it costs nothing while
+/// nobody waits, needs one connection per process whatever the number of
+/// keys and waiters, and cannot strand anything: a lost message (a dropped
+/// connection) only means a waiter wakes on the holder's TTL instead. A
+/// per-key wait list with tickets would give strict FIFO across processes,
+/// but needs every waiter to be alive to pass the lock on, and a blocking
+/// `BLPOP` per waiting task would need a connection per task.
+///
+/// One [`ReleaseListener`] per process is enough: it holds one subscriber
+/// connection, subscribes to a key's channel while a task of this process
+/// waits for the key (and a second longer, so that a hot key is not
+/// subscribed and unsubscribed for every waiter), and reconnects with
+/// backoff when the connection drops, waking every waiter so that none
+/// sleeps through a release it could not hear.
 #[derive(Clone)]
 pub struct ReleaseListener {
     shared: Arc<Shared>,
