@@ -29,37 +29,41 @@ async fn main() -> Result<(), BoxError> {
     let secs = if full_run() { 3.0 } else { 0.2 };
     let rounds = if full_run() { 3 } else { 1 };
 
-    let (mut command, mut bare, mut locker, mut layer) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut command, mut bare, mut peer, mut locker, mut layer) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds {
         command.push(bare_cycles(conn.clone(), secs, false).await?);
         bare.push(bare_cycles(conn.clone(), secs, true).await?);
+        peer.push(rslock_cycles(&server.url(), secs).await?);
         locker.push(locker_cycles(conn.clone(), secs).await?);
         layer.push(layer_cycles(conn.clone(), secs).await?);
     }
-    let (command, bare) = (median(command), median(bare));
+    let (command, bare, peer) = (median(command), median(bare), median(peer));
     let (locker, layer) = (median(locker), median(layer));
     println!("## lock cycle, {TASKS} tasks, distinct keys (median of {rounds} rounds of {secs} s)");
-    println!("| path | cycles/s | vs bare scripts |\n|---|---|---|");
-    println!(
-        "| plain SET NX PX command + compare-and-delete script, no fence | {command:.0} | {:.1} % |",
-        100.0 * command / bare
+    println!("| path | cycles/s | vs plain pair | vs rslock |\n|---|---|---|---|");
+    let row = |path: &str, rate: f64| {
+        println!(
+            "| {path} | {rate:.0} | {:.1} % | {:.1} % |",
+            100.0 * rate / command,
+            100.0 * rate / peer
+        )
+    };
+    row(
+        "plain pair: SET NX PX command + compare-and-delete script",
+        command,
     );
-    println!(
-        "| bare scripts: SET NX PX script + compare-and-delete script, no fence | {bare:.0} | 100 % |"
+    row(
+        "bare scripts: SET NX PX script + compare-and-delete script",
+        bare,
     );
-    println!(
-        "| lockgate's acquire/release scripts via Locker (with fence) | {locker:.0} | {:.1} % |",
-        100.0 * locker / bare
+    row("rslock 0.10 (Redlock on one server): lock + unlock", peer);
+    row("lockgate Locker: acquire + release", locker);
+    row(
+        "lockgate LockLayer: acquire + no-op handler + release",
+        layer,
     );
-    println!(
-        "| LockLayer: acquire + no-op handler + release | {layer:.0} | {:.1} % |",
-        100.0 * layer / bare
-    );
-    println!(
-        "LockLayer / Locker scripts = {:.1} %\n",
-        100.0 * layer / locker
-    );
+    println!("LockLayer / Locker = {:.1} %\n", 100.0 * layer / locker);
 
     hot_keys(conn, secs).await?;
     bytes_left().await
@@ -211,6 +215,30 @@ async fn bare_cycles(
                         .await?;
                     count.fetch_add(1, Ordering::Relaxed);
                 }
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// The peer crate: rslock's `LockManager` on this one server. Per cycle it
+/// sends `SET key value NX PX ttl` and an `EVALSHA` of a compare-and-delete
+/// script, on one multiplexed connection it keeps (behind a mutex), the
+/// same commands as the plain pair.
+async fn rslock_cycles(url: &str, secs: f64) -> Result<f64, BoxError> {
+    let manager = Arc::new(rslock::LockManager::new(vec![url.to_owned()]));
+    run_tasks(secs, move |task, stop, count| {
+        let manager = manager.clone();
+        async move {
+            let key = format!("rslock:{task}");
+            while !stop.load(Ordering::Relaxed) {
+                let lock = manager
+                    .lock(key.as_bytes(), Duration::from_secs(10))
+                    .await
+                    .map_err(|e| format!("rslock: {e:?}"))?;
+                manager.unlock(&lock).await;
+                count.fetch_add(1, Ordering::Relaxed);
             }
             Ok(())
         }

@@ -343,8 +343,6 @@ pub(crate) struct Ticket {
     lock_key: String,
     /// Random token proving ownership: 32 hex digits.
     token: String,
-    /// The Redis key recording the key's last fence.
-    fence_key: String,
     /// The fencing token, once issued (see `Locker::fence`).
     fence: OnceLock<u64>,
     /// Set when the lock parks messages (`DeferDelay::until_released`):
@@ -640,13 +638,13 @@ where
                         .prepare_invoke()
                         .load_async(&mut conn)
                         .await
-                        .map_err(Error::redis(attempted()))?;
+                        .map_err(|e| Error::redis(attempted())(e))?;
                 }
                 pipe.query_async(&mut conn).await
             }
             reply => reply,
         };
-        let (reply, acked) = reply.map_err(Error::redis(attempted()))?;
+        let (reply, acked) = reply.map_err(|e| Error::redis(attempted())(e))?;
         Ok((reply, u32::try_from(acked).unwrap_or(0)))
     }
 
@@ -668,7 +666,7 @@ where
                 Some(script) => script::run(script, cmd, &mut self.conn.clone()).await,
                 None => cmd.query_async(&mut self.conn.clone()).await,
             }
-            .map_err(Error::redis(attempted()))?,
+            .map_err(|e| Error::redis(attempted())(e))?,
             Some(durability) => {
                 let (reply, acked) = match self
                     .run_and_wait::<T>(script, cmd, durability, attempted)
@@ -767,7 +765,6 @@ where
             key: key.to_owned(),
             lock_key: self.lock_key(key),
             token: random_token(),
-            fence_key: self.fence_key(key),
             fence: OnceLock::new(),
             parking: None,
         }))
@@ -783,7 +780,6 @@ where
             key: key.to_owned(),
             lock_key: parking.lock.clone(),
             token: random_token(),
-            fence_key: parking.fence.clone(),
             fence: OnceLock::new(),
             parking: Some(Arc::new(parking)),
         }))
@@ -975,8 +971,13 @@ where
             return Ok(fence);
         }
         let mut cmd = script::evalsha(&FENCE, 2);
+        // Made here, not with the ticket: most holders never ask for one.
+        let fence_key = match ticket.parking.as_deref() {
+            Some(parking) => parking.fence.clone(),
+            None => self.fence_key(&ticket.key),
+        };
         cmd.arg(ticket.lock_key())
-            .arg(&ticket.fence_key)
+            .arg(fence_key)
             .arg(&ticket.token)
             .arg(millis(FENCE_GRACE));
         let fence: i64 = script::run(&FENCE, &cmd, &mut self.conn.clone())
@@ -1021,7 +1022,7 @@ where
         let publish = self
             .publish_command()
             .await
-            .map_err(Error::redis(attempted()))?;
+            .map_err(|e| Error::redis(attempted())(e))?;
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
                 let mut cmd = script::evalsha(&RELEASE, 1);
@@ -1044,7 +1045,7 @@ where
         };
         let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
-            .map_err(Error::redis(attempted()))?;
+            .map_err(|e| Error::redis(attempted())(e))?;
         Ok(match released {
             1 => Released::Now,
             0 => Released::Gone,
@@ -1102,7 +1103,7 @@ where
         let extended: i64 = match self.config.durability {
             None => script::run(&EXTEND, &cmd, &mut self.conn.clone())
                 .await
-                .map_err(Error::redis(attempted()))?,
+                .map_err(|e| Error::redis(attempted())(e))?,
             Some(durability) => {
                 let (extended, acked): (i64, u32) = self
                     .run_and_wait(Some(&EXTEND), &cmd, durability, attempted)
