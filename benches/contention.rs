@@ -148,7 +148,13 @@ async fn handover(server: &RedisServer, wake: bool, rounds: usize) -> Result<(),
     let lock_key = locker.lock_key("handover");
     let mut gaps = Vec::new();
     for _ in 0..rounds {
-        let lease = locker.acquire("handover").await?.lease().ok_or("busy")?;
+        // The child releases just after its handler reported: wait for it.
+        let lease = loop {
+            match locker.acquire("handover").await?.lease() {
+                Some(lease) => break lease,
+                None => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        };
         to_child.write_all(b"go\n").await?;
         to_child.flush().await?;
         // Until the child waits: it marked the lock (woken), or had time
