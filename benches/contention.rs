@@ -197,6 +197,7 @@ async fn layer(
     client: &redis::Client,
     wake: bool,
 ) -> Result<LockLayer<redis::aio::MultiplexedConnection, fn(&String) -> String>, BoxError> {
+    #[allow(clippy::ptr_arg)] // the requests are `String`s
     fn key(k: &String) -> String {
         k.clone()
     }
