@@ -267,10 +267,7 @@ async fn run(
         let (mut sink, mut stream) = match pubsub.take() {
             Some(pubsub) => pubsub.split(),
             None => match connect(&client).await {
-                Ok(pubsub) => {
-                    retry = Duration::from_millis(50);
-                    pubsub.split()
-                }
+                Ok(pubsub) => pubsub.split(),
                 Err(error) => {
                     if shared.strong_count() == 0 {
                         return;
@@ -290,12 +287,17 @@ async fn run(
             return;
         };
         if !names.is_empty() {
-            if let Err(error) = sink.subscribe(&names).await {
-                tracing::warn!(%error, "release listener: could not subscribe again");
+            if let Err(error) = subscribe(&mut sink, &names).await {
+                // Refused (say, by an ACL) or no answer: try again later,
+                // on a new connection, without spinning.
+                tracing::warn!(%error, ?retry, "release listener: could not subscribe again");
+                tokio::time::sleep(retry).await;
+                retry = (retry * 2).min(Duration::from_secs(2));
                 continue;
             }
             confirm(&shared, &names);
         }
+        retry = Duration::from_millis(50);
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let lost = loop {
@@ -315,7 +317,7 @@ async fn run(
                     if names.is_empty() {
                         continue;
                     }
-                    if let Err(error) = sink.subscribe(&names).await {
+                    if let Err(error) = subscribe(&mut sink, &names).await {
                         break error;
                     }
                     confirm(&shared, &names);
@@ -473,6 +475,18 @@ fn take_idle(shared: &std::sync::Weak<Shared>) -> Option<Vec<String>> {
         channels.remove(name);
     }
     Some(idle)
+}
+
+/// `SUBSCRIBE`s to `names`, waiting at most `CONNECT_TIMEOUT` for the
+/// confirmation (a hung server must not stall the dispatch of releases).
+async fn subscribe(sink: &mut redis::aio::PubSubSink, names: &[String]) -> redis::RedisResult<()> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, sink.subscribe(names)).await {
+        Ok(subscribed) => subscribed,
+        Err(_) => Err(redis::RedisError::from((
+            redis::ErrorKind::Io,
+            "no answer to SUBSCRIBE",
+        ))),
+    }
 }
 
 /// Marks `names` as subscribed, which lets their waiters go on.
