@@ -194,7 +194,7 @@ where
     // while an acquire is in flight, the lock may be ours without our
     // knowing, and the guard releases it (a no-op if it is not).
     let mut guard = ReleaseGuard {
-        locker: locker.clone(),
+        locker,
         ticket: Some(ticket),
     };
     // Under `retry` with a release listener: this call's subscription to
@@ -236,7 +236,7 @@ where
                     // one is released in the background (the guard's drop).
                     tracing::warn!(%key, %error, "could not release a lock acquired too late; releasing it in the background");
                     drop(ReleaseGuard {
-                        locker: locker.clone(),
+                        locker,
                         ticket: guard.ticket.replace(locker.retoken(&ticket)),
                     });
                 }
@@ -336,7 +336,7 @@ async fn hold<S, C, Req>(
     req: Req,
     lease: Lease,
     held: HeldLock,
-    mut guard: ReleaseGuard<C>,
+    mut guard: ReleaseGuard<'_, C>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -466,13 +466,14 @@ where
 
 /// Releases the lock when dropped without [`release`](Self::release): the
 /// response future was dropped (cancellation), or the handler panicked.
-struct ReleaseGuard<C: ConnectionLike + Clone + Send + Sync + 'static> {
-    locker: Locker<C>,
+/// Borrows the layer's locker; only a release left to the runtime clones it.
+struct ReleaseGuard<'a, C: ConnectionLike + Clone + Send + Sync + 'static> {
+    locker: &'a Locker<C>,
     /// The attempt to release; `None` once released or known not held.
     ticket: Option<Arc<Ticket>>,
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<'_, C> {
     /// Releases the lock: `Some(true)` if it was still ours, `Some(false)`
     /// if it had expired or was taken, `None` if Redis could not be asked.
     /// A lock found gone counts as ours when the release was sent before
@@ -480,32 +481,42 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<C> {
     /// resend whose first copy ran) or a deletion by hand removes it earlier.
     async fn release(&mut self, deadline: Option<Instant>) -> Option<bool> {
         let ticket = self.ticket.as_ref()?;
-        let sent = Instant::now();
-        let released = self
-            .locker
-            .release_ticket(ticket)
-            .await
-            .map(|released| match released {
-                Released::Now => true,
-                Released::Gone => deadline.is_some_and(|deadline| sent < deadline),
-                Released::Other => false,
-            });
+        let released = release_logged(self.locker, ticket, deadline).await;
         // Disarmed only now: if this future is dropped while the release is
         // in flight, the guard's drop sends it again (a no-op if it landed).
-        let ticket = self.ticket.take();
-        let key = ticket.as_ref().map_or("", |t| t.key());
-        match &released {
-            Ok(true) => tracing::debug!(%key, "lock released"),
-            Ok(false) => tracing::warn!(%key, "lock had expired before it was released"),
-            Err(error) => {
-                tracing::warn!(%key, %error, "could not release lock; it expires with its TTL")
-            }
-        }
-        released.ok()
+        self.ticket = None;
+        released
     }
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C> {
+/// Releases `ticket`'s lock and logs what the release found (see
+/// [`ReleaseGuard::release`]).
+async fn release_logged<C: ConnectionLike + Clone + Send + Sync + 'static>(
+    locker: &Locker<C>,
+    ticket: &Ticket,
+    deadline: Option<Instant>,
+) -> Option<bool> {
+    let sent = Instant::now();
+    let released = locker
+        .release_ticket(ticket)
+        .await
+        .map(|released| match released {
+            Released::Now => true,
+            Released::Gone => deadline.is_some_and(|deadline| sent < deadline),
+            Released::Other => false,
+        });
+    let key = ticket.key();
+    match &released {
+        Ok(true) => tracing::debug!(%key, "lock released"),
+        Ok(false) => tracing::warn!(%key, "lock had expired before it was released"),
+        Err(error) => {
+            tracing::warn!(%key, %error, "could not release lock; it expires with its TTL")
+        }
+    }
+    released.ok()
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<'_, C> {
     fn drop(&mut self) {
         let Some(ticket) = self.ticket.take() else {
             return;
@@ -515,11 +526,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Drop for ReleaseGuard<C>
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let locker = self.locker.clone();
             handle.spawn(async move {
-                let mut guard = ReleaseGuard {
-                    locker,
-                    ticket: Some(ticket),
-                };
-                let _ = guard.release(None).await;
+                let _ = release_logged(&locker, &ticket, None).await;
             });
         }
     }

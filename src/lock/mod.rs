@@ -733,7 +733,14 @@ where
 
     /// The Redis key of the lock on `key`.
     pub fn lock_key(&self, key: &str) -> String {
-        format!("{}:lock:{{{}}}", self.config.prefix, keys::tag(key))
+        // By hand rather than `format!`: this runs on every acquire.
+        let (prefix, tag) = (&self.config.prefix, keys::tag(key));
+        let mut lock_key = String::with_capacity(prefix.len() + tag.len() + 8);
+        lock_key.push_str(prefix);
+        lock_key.push_str(":lock:{");
+        lock_key.push_str(&tag);
+        lock_key.push('}');
+        lock_key
     }
 
     /// Tries once to take the lock on `key`.
@@ -1136,10 +1143,11 @@ pub(crate) enum Released {
 fn random_token() -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let bits = rand::random::<u128>();
-    (0..32)
-        .rev()
-        .map(|i| HEX[((bits >> (4 * i)) & 0xf) as usize] as char)
-        .collect()
+    let mut token = String::with_capacity(32);
+    for i in (0..32).rev() {
+        token.push(char::from(HEX[((bits >> (4 * i)) & 0xf) as usize]));
+    }
+    token
 }
 
 /// The longest TTL accepted: ten years. Longer is almost surely a unit
