@@ -222,10 +222,18 @@ async fn bare_cycles(
     .await
 }
 
-/// The peer crate: rslock's `LockManager` on this one server. Per cycle it
-/// sends `SET key value NX PX ttl` and an `EVALSHA` of a compare-and-delete
-/// script, on one multiplexed connection it keeps (behind a mutex), the
-/// same commands as the plain pair.
+/// The peer crate: rslock's `LockManager` on this one server (read from
+/// rslock 0.10.0's `src/lock.rs`). Per cycle, the same two commands as the
+/// plain pair, on one multiplexed connection it keeps:
+/// - `lock`: 20 random bytes as the value, then `SET key value NX PX ttl`
+///   (quorum 1 of 1; on refusal it would send the unlock script and retry, 3
+///   tries with up to 200 ms sleeps, never here: every task has its own key);
+/// - `unlock`: `EVALSHA` of `if GET == value then DEL` (on the first call
+///   only, `NOSCRIPT`, then `SCRIPT LOAD` and `EVALSHA` again).
+///
+/// Client-side extras: the manager's server-list mutex is taken twice per
+/// lock and once per unlock, the connection's mutex once per command, and
+/// `redis::Script::new` hashes the script (SHA-1) on every unlock.
 async fn rslock_cycles(url: &str, secs: f64) -> Result<f64, BoxError> {
     let manager = Arc::new(rslock::LockManager::new(vec![url.to_owned()]));
     run_tasks(secs, move |task, stop, count| {
