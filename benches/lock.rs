@@ -27,46 +27,114 @@ async fn main() -> Result<(), BoxError> {
     let server = RedisServer::start()?;
     let conn = server.multiplexed().await?;
     let secs = if full_run() { 3.0 } else { 0.2 };
-    let rounds = if full_run() { 3 } else { 1 };
+    let rounds = if full_run() { 5 } else { 1 };
 
-    let (mut command, mut bare, mut peer, mut locker, mut layer) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut command, mut bare, mut peer, mut locker, mut layer) = (
+        Cycles::new(),
+        Cycles::new(),
+        Cycles::new(),
+        Cycles::new(),
+        Cycles::new(),
+    );
     for _ in 0..rounds {
-        command.push(bare_cycles(conn.clone(), secs, false).await?);
-        bare.push(bare_cycles(conn.clone(), secs, true).await?);
-        peer.push(rslock_cycles(&server.url(), secs).await?);
-        locker.push(locker_cycles(conn.clone(), secs).await?);
-        layer.push(layer_cycles(conn.clone(), secs).await?);
+        command
+            .measure(&conn, bare_cycles(conn.clone(), secs, false))
+            .await?;
+        bare.measure(&conn, bare_cycles(conn.clone(), secs, true))
+            .await?;
+        peer.measure(&conn, rslock_cycles(&server.url(), secs))
+            .await?;
+        locker
+            .measure(&conn, locker_cycles(conn.clone(), secs))
+            .await?;
+        layer
+            .measure(&conn, layer_cycles(conn.clone(), secs))
+            .await?;
     }
-    let (command, bare, peer) = (median(command), median(bare), median(peer));
-    let (locker, layer) = (median(locker), median(layer));
+    let (command_rate, peer_rate) = (command.rate(), peer.rate());
     println!("## lock cycle, {TASKS} tasks, distinct keys (median of {rounds} rounds of {secs} s)");
-    println!("| path | cycles/s | vs plain pair | vs rslock |\n|---|---|---|---|");
-    let row = |path: &str, rate: f64| {
+    println!(
+        "| path | cycles/s | vs plain pair | vs rslock | client CPU per cycle | server CPU per cycle |\n|---|---|---|---|---|---|"
+    );
+    let row = |path: &str, cycles: &Cycles| {
+        let rate = cycles.rate();
         println!(
-            "| {path} | {rate:.0} | {:.1} % | {:.1} % |",
-            100.0 * rate / command,
-            100.0 * rate / peer
+            "| {path} | {rate:.0} | {:.1} % | {:.1} % | {:.2} µs | {:.2} µs |",
+            100.0 * rate / command_rate,
+            100.0 * rate / peer_rate,
+            cycles.client_us(),
+            cycles.server_us(),
         )
     };
     row(
         "plain pair: SET NX PX command + compare-and-delete script",
-        command,
+        &command,
     );
     row(
         "bare scripts: SET NX PX script + compare-and-delete script",
-        bare,
+        &bare,
     );
-    row("rslock 0.10 (Redlock on one server): lock + unlock", peer);
-    row("lockgate Locker: acquire + release", locker);
+    row("rslock 0.10 (Redlock on one server): lock + unlock", &peer);
+    row("lockgate Locker: acquire + release", &locker);
     row(
         "lockgate LockLayer: acquire + no-op handler + release",
-        layer,
+        &layer,
     );
-    println!("LockLayer / Locker = {:.1} %\n", 100.0 * layer / locker);
+    println!(
+        "LockLayer / Locker = {:.1} %\n",
+        100.0 * layer.rate() / locker.rate()
+    );
 
     hot_keys(conn, secs).await?;
     bytes_left().await
+}
+
+/// One path's rounds: its rates, and the CPU time the client process and
+/// the server spent per cycle (steadier than rates on a shared machine, and
+/// they tell which side a difference comes from).
+struct Cycles {
+    rates: Vec<f64>,
+    client: Vec<f64>,
+    server: Vec<f64>,
+}
+
+impl Cycles {
+    fn new() -> Self {
+        Self {
+            rates: Vec::new(),
+            client: Vec::new(),
+            server: Vec::new(),
+        }
+    }
+
+    /// Runs one round (a `run_tasks` of `secs`), recording its rate and
+    /// the CPU both sides used per cycle.
+    async fn measure(
+        &mut self,
+        conn: &redis::aio::MultiplexedConnection,
+        round: impl Future<Output = Result<(f64, f64), BoxError>>,
+    ) -> Result<(), BoxError> {
+        let (client, server) = (process_cpu(), server_cpu(conn).await?);
+        let (rate, cycles) = round.await?;
+        let (client, server) = (process_cpu() - client, server_cpu(conn).await? - server);
+        let per = |cpu: Duration| cpu.as_secs_f64() * 1e6 / cycles.max(1.0);
+        self.rates.push(rate);
+        self.client.push(per(client));
+        self.server.push(per(server));
+        Ok(())
+    }
+
+    fn rate(&self) -> f64 {
+        median(self.rates.clone())
+    }
+
+    fn client_us(&self) -> f64 {
+        median(self.client.clone())
+    }
+
+    fn server_us(&self) -> f64 {
+        median(self.server.clone())
+    }
 }
 
 /// What stays in Redis per distinct key once its lock is released, right
@@ -176,7 +244,7 @@ async fn bare_cycles(
     conn: redis::aio::MultiplexedConnection,
     secs: f64,
     script: bool,
-) -> Result<f64, BoxError> {
+) -> Result<(f64, f64), BoxError> {
     let release = Arc::new(Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
     ));
@@ -234,7 +302,7 @@ async fn bare_cycles(
 /// Client-side extras: the manager's server-list mutex is taken twice per
 /// lock and once per unlock, the connection's mutex once per command, and
 /// `redis::Script::new` hashes the script (SHA-1) on every unlock.
-async fn rslock_cycles(url: &str, secs: f64) -> Result<f64, BoxError> {
+async fn rslock_cycles(url: &str, secs: f64) -> Result<(f64, f64), BoxError> {
     let manager = Arc::new(rslock::LockManager::new(vec![url.to_owned()]));
     run_tasks(secs, move |task, stop, count| {
         let manager = manager.clone();
@@ -258,7 +326,7 @@ async fn rslock_cycles(url: &str, secs: f64) -> Result<f64, BoxError> {
 async fn locker_cycles(
     conn: redis::aio::MultiplexedConnection,
     secs: f64,
-) -> Result<f64, BoxError> {
+) -> Result<(f64, f64), BoxError> {
     let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
     run_tasks(secs, move |task, stop, count| {
         let locker = locker.clone();
@@ -276,7 +344,10 @@ async fn locker_cycles(
     .await
 }
 
-async fn layer_cycles(conn: redis::aio::MultiplexedConnection, secs: f64) -> Result<f64, BoxError> {
+async fn layer_cycles(
+    conn: redis::aio::MultiplexedConnection,
+    secs: f64,
+) -> Result<(f64, f64), BoxError> {
     let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
     let service = ServiceBuilder::new()
         .layer(LockLayer::new(locker, |key: &String| key.clone()))
@@ -295,8 +366,9 @@ async fn layer_cycles(conn: redis::aio::MultiplexedConnection, secs: f64) -> Res
     .await
 }
 
-/// Runs `TASKS` tasks for `secs`; returns completed cycles per second.
-async fn run_tasks<F, Fut>(secs: f64, task: F) -> Result<f64, BoxError>
+/// Runs `TASKS` tasks for `secs`; returns completed cycles per second, and
+/// the cycles completed in all (until every task stopped).
+async fn run_tasks<F, Fut>(secs: f64, task: F) -> Result<(f64, f64), BoxError>
 where
     F: Fn(usize, Arc<AtomicBool>, Arc<AtomicU64>) -> Fut,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
@@ -314,7 +386,7 @@ where
     for h in handles {
         h.await??;
     }
-    Ok(n as f64 / elapsed)
+    Ok((n as f64 / elapsed, count.load(Ordering::Relaxed) as f64))
 }
 
 /// 50 tasks over 5 hot keys, each retrying with backoff until it gets the

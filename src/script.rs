@@ -5,7 +5,8 @@
 //! (a lock cycle is two script calls) that showed in profiles. Here an
 //! `EVALSHA` is written straight into one command buffer, and the script is
 //! loaded only when the server answers `NOSCRIPT` (a new server, a restart,
-//! `SCRIPT FLUSH`), as redis-rs does.
+//! `SCRIPT FLUSH`), as redis-rs does. Commands start with room for their
+//! arguments.
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
@@ -13,8 +14,17 @@ use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind
 /// An `EVALSHA` of `script` that will be given `keys` keys: append the keys,
 /// then the arguments, with `Cmd::arg`.
 pub(crate) fn evalsha(script: &Script, keys: usize) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
+    let mut cmd = command("EVALSHA");
     cmd.arg(script.get_hash()).arg(keys);
+    cmd
+}
+
+/// A command named `name`, with room for the arguments of this crate's
+/// commands: `redis::cmd` starts empty, and its buffers grow a few times
+/// (an allocation each) while the arguments go in.
+pub(crate) fn command(name: &str) -> Cmd {
+    let mut cmd = Cmd::with_capacity(16, 256);
+    cmd.arg(name);
     cmd
 }
 
@@ -26,10 +36,19 @@ pub(crate) async fn run<T: FromRedisValue>(
     conn: &mut (impl ConnectionLike + Send),
 ) -> RedisResult<T> {
     match cmd.query_async(conn).await {
+        // Boxed: the rare path keeps every caller's future small.
         Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.prepare_invoke().load_async(conn).await?;
-            cmd.query_async(conn).await
+            Box::pin(load_and_run(script, cmd, conn)).await
         }
         result => result,
     }
+}
+
+async fn load_and_run<T: FromRedisValue>(
+    script: &Script,
+    cmd: &Cmd,
+    conn: &mut (impl ConnectionLike + Send),
+) -> RedisResult<T> {
+    script.prepare_invoke().load_async(conn).await?;
+    cmd.query_async(conn).await
 }

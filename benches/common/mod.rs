@@ -31,3 +31,37 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
+
+/// CPU time this process has used (user + system), from `/proc/self/stat`
+/// (clock ticks of 10 ms: read it around runs of seconds).
+pub fn process_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The command name (field 2) may hold spaces; fields after it do not.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15, the 12th and 13th after the name.
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+/// CPU time the server has used (user + system, `INFO cpu`).
+pub async fn server_cpu(conn: &redis::aio::MultiplexedConnection) -> redis::RedisResult<Duration> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn.clone())
+        .await?;
+    let secs: f64 = info
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_user:")
+                .or_else(|| l.strip_prefix("used_cpu_sys:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    Ok(Duration::from_secs_f64(secs))
+}

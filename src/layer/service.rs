@@ -138,10 +138,12 @@ where
     let retry = config.on_conflict.retry;
     // One budget for the whole call, from its start: the wait in the local
     // queue, the tries and their round trips, and the waits between them.
-    let started = Instant::now();
+    // (Read only under `retry`: a clock read is not free on the hot path.)
+    let started = retry.map(|_| Instant::now());
     let deadline = retry
         .and_then(|b| b.budget())
-        .and_then(|b| started.checked_add(b));
+        .zip(started)
+        .and_then(|(b, started)| started.checked_add(b));
     let mut tries: u32 = 0;
     // A strategy that parks messages on the key locks it in the queue's
     // hash slot, and tells the parking scripts which message asks.
@@ -151,10 +153,11 @@ where
                 .as_ref()
                 .filter(|job| job.queue.data == parking.data)
                 .map(|job| job.token.id().to_owned());
-            locker.parking_ticket(&key, parking)?
+            locker.parking_ticket(key, parking)?
         }
-        None => locker.ticket(&key)?,
+        None => locker.ticket(key)?,
     };
+    let key = ticket.key();
     // Under `retry`, wait behind this process's earlier calls for the key
     // (FIFO), within the retry budget; only the head asks Redis.
     let _turn = match retry {
@@ -162,17 +165,19 @@ where
         Some(backoff) => {
             let turn = config.local.turn(&key);
             let turn = match deadline {
-                None => turn.await,
-                Some(deadline) => match tokio::time::timeout_at(deadline, turn).await {
+                None => Box::pin(turn).await,
+                // Boxed, as every path of a busy key below: they keep the
+                // future of an uncontended call small.
+                Some(deadline) => match Box::pin(tokio::time::timeout_at(deadline, turn)).await {
                     Ok(turn) => turn,
                     Err(_) => {
                         tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
-                        let retry_after = locker.remaining_ticket(&ticket).await?;
-                        let busy = crate::Contended::new(key, retry_after);
+                        let retry_after = Box::pin(locker.remaining_ticket(&ticket)).await?;
+                        let busy = crate::Contended::new(key.to_owned(), retry_after);
                         let give_up = RunningJob::provide(running, || {
                             config.on_conflict.then.give_up(req, busy)
                         });
-                        let (id, due) = give_up.await?;
+                        let (id, due) = Box::pin(give_up).await?;
                         return Ok(Outcome::Deferred { id, due });
                     }
                 },
@@ -183,7 +188,8 @@ where
             // the waits `max_attempts` allows. One try is always left: the
             // key was just handed over, it is likely free.
             if turn.waited() {
-                let covered = backoff.tries_covered(started.elapsed());
+                let covered =
+                    backoff.tries_covered(started.map_or(Duration::ZERO, |s| s.elapsed()));
                 let left_one = backoff.attempts_limit().map_or(u32::MAX, |n| n - 1);
                 tries = covered.min(left_one);
             }
@@ -195,7 +201,7 @@ where
     // knowing, and the guard releases it (a no-op if it is not).
     let mut guard = ReleaseGuard {
         locker,
-        ticket: Some(ticket),
+        ticket: Some(ticket.clone()),
     };
     // Under `retry` with a release listener: this call's subscription to
     // the key's releases, made when the key is first found busy.
@@ -240,7 +246,7 @@ where
                         ticket: guard.ticket.replace(locker.retoken(&ticket)),
                     });
                 }
-                crate::Contended::new(key.clone(), Duration::ZERO)
+                crate::Contended::new(key.to_owned(), Duration::ZERO)
             }
             Acquisition::Contended(busy) => busy,
         };
@@ -258,7 +264,7 @@ where
                         // Listen first, then mark the lock (next try): a
                         // release in between cannot be missed.
                         let mut new = listener.watch(ticket.lock_key());
-                        let ready = new.ready(deadline).await;
+                        let ready = Box::pin(new.ready(deadline)).await;
                         watch = Some(new);
                         if ready {
                             continue;
@@ -274,10 +280,13 @@ where
                         let until = Instant::now() + holder_left;
                         let until = deadline.map_or(until, |d| until.min(d));
                         tracing::trace!(%key, tries, ?holder_left, "lock busy; waiting for its release");
-                        tokio::select! {
-                            () = listening.woken() => {}
-                            () = tokio::time::sleep_until(until) => {}
-                        }
+                        Box::pin(async {
+                            tokio::select! {
+                                () = listening.woken() => {}
+                                () = tokio::time::sleep_until(until) => {}
+                            }
+                        })
+                        .await;
                         continue;
                     }
                     Some(_) => {}
@@ -286,13 +295,19 @@ where
                 // meanwhile, within the same time budget.
                 let delay = backoff.delay(tries.saturating_sub(1));
                 let until = Instant::now() + delay;
-                tokio::time::sleep_until(deadline.map_or(until, |d| until.min(d))).await;
+                Box::pin(tokio::time::sleep_until(
+                    deadline.map_or(until, |d| until.min(d)),
+                ))
+                .await;
                 continue;
             }
-        } else if let Some(delay) = retry.and_then(|b| b.next(tries, started.elapsed())) {
+        } else if let Some(delay) = retry
+            .zip(started)
+            .and_then(|(b, started)| b.next(tries, started.elapsed()))
+        {
             // Everything since the call started counts against `max_elapsed`.
             tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
-            tokio::time::sleep(delay).await;
+            Box::pin(tokio::time::sleep(delay)).await;
             continue;
         }
         // Known not to be ours (a ticket whose release failed was handed
@@ -300,7 +315,7 @@ where
         guard.ticket = None;
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
         let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
-        let (id, due) = give_up.await?;
+        let (id, due) = Box::pin(give_up).await?;
         return Ok(Outcome::Deferred { id, due });
     };
     drop(watch);
@@ -343,27 +358,80 @@ where
     S::Error: Into<BoxError>,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    let call = held
+        .clone()
+        .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
+    tokio::pin!(call);
+    // A handler that finishes without waiting needs no renewal timer: the
+    // renewal loop (boxed, to keep this future small) starts only if it
+    // waits.
+    let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
+    let (result, expires_at, confirmed_lost) = match first {
+        Poll::Ready(result) => (Some(result), lease.expires_at(), false),
+        Poll::Pending => Box::pin(renew_while(locker, on_lost, call, &lease, &held)).await,
+    };
+    match result {
+        Some(result) if !held.is_lost() => {
+            // A release that finds the lock gone means it ran out while the
+            // handler held the thread (no renewal could run): the handler
+            // worked without it for a while, which the caller must know.
+            if guard.release(Some(expires_at)).await == Some(false) {
+                held.mark_lost();
+                return Err(LockLost {
+                    key: held.key().to_owned(),
+                    fence: held.issued_fence(),
+                    completed: true,
+                }
+                .into());
+            }
+            result.map(Outcome::Done)
+        }
+        completed => {
+            if confirmed_lost {
+                // Redis said it is not ours: a release would be refused.
+                guard.ticket = None;
+            }
+            // Otherwise the lock may still be ours on the server (a renewal
+            // whose reply was lost ran, or is still queued): the guard's drop
+            // releases it in the background (token-checked, a no-op if it
+            // is gone), so that a hung connection does not delay the report.
+            drop(guard);
+            Err(LockLost {
+                key: held.key().to_owned(),
+                fence: held.issued_fence(),
+                completed: completed.is_some(),
+            }
+            .into())
+        }
+    }
+}
+
+/// Renews the lease while the handler's `call` runs (see [`hold`]); returns
+/// its result (`None` when it was cancelled because the lock was lost), the
+/// lease's conservative expiry, and whether Redis said the lock is not ours
+/// any more.
+async fn renew_while<C, R>(
+    locker: &Locker<C>,
+    on_lost: OnLost,
+    mut call: std::pin::Pin<&mut impl Future<Output = Result<R, BoxError>>>,
+    lease: &Lease,
+    held: &HeldLock,
+) -> (Option<Result<R, BoxError>>, Instant, bool)
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
     let ttl = locker.lease_ttl();
     // Renew this long before the lease runs out: once a third of it is used.
     let ahead = ttl - ttl / 3;
     let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
     let mut expires_at = lease.expires_at();
-    let call = held
-        .clone()
-        .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
-    tokio::pin!(call);
-    // A handler that finishes without waiting needs no renewal timer.
-    let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
     let mut renew_at = renew_time(expires_at);
     let mut renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>> = None;
     // Set when Redis said the lock is not ours any more (a renewal answered
     // `false`): only then is there nothing to release.
     let mut confirmed_lost = false;
-    let result = if let Poll::Ready(result) = first {
-        Some(result)
-    } else {
-        loop {
-            tokio::select! {
+    let result = loop {
+        tokio::select! {
                 biased;
                 result = &mut call => break Some(result),
                 (renewed, sent) = async {
@@ -425,43 +493,9 @@ where
                         (locker.extend_ticket(&ticket, ttl).await, sent)
                     }));
                 }
-            }
         }
     };
-    match result {
-        Some(result) if !held.is_lost() => {
-            // A release that finds the lock gone means it ran out while the
-            // handler held the thread (no renewal could run): the handler
-            // worked without it for a while, which the caller must know.
-            if guard.release(Some(expires_at)).await == Some(false) {
-                held.mark_lost();
-                return Err(LockLost {
-                    key: held.key().to_owned(),
-                    fence: held.issued_fence(),
-                    completed: true,
-                }
-                .into());
-            }
-            result.map(Outcome::Done)
-        }
-        completed => {
-            if confirmed_lost {
-                // Redis said it is not ours: a release would be refused.
-                guard.ticket = None;
-            }
-            // Otherwise the lock may still be ours on the server (a renewal
-            // whose reply was lost ran, or is still queued): the guard's drop
-            // releases it in the background (token-checked, a no-op if it
-            // is gone), so that a hung connection does not delay the report.
-            drop(guard);
-            Err(LockLost {
-                key: held.key().to_owned(),
-                fence: held.issued_fence(),
-                completed: completed.is_some(),
-            }
-            .into())
-        }
-    }
+    (result, expires_at, confirmed_lost)
 }
 
 /// Releases the lock when dropped without [`release`](Self::release): the
@@ -476,7 +510,7 @@ struct ReleaseGuard<'a, C: ConnectionLike + Clone + Send + Sync + 'static> {
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<'_, C> {
     /// Releases the lock: `Some(true)` if it was still ours, `Some(false)`
     /// if it had expired or was taken, `None` if Redis could not be asked.
-    /// A lock found gone counts as ours when the release was sent before
+    /// A lock found gone counts as ours when its reply came before
     /// `deadline`, the lease's conservative expiry: only our own release (a
     /// resend whose first copy ran) or a deletion by hand removes it earlier.
     async fn release(&mut self, deadline: Option<Instant>) -> Option<bool> {
@@ -496,13 +530,14 @@ async fn release_logged<C: ConnectionLike + Clone + Send + Sync + 'static>(
     ticket: &Ticket,
     deadline: Option<Instant>,
 ) -> Option<bool> {
-    let sent = Instant::now();
     let released = locker
         .release_ticket(ticket)
         .await
         .map(|released| match released {
             Released::Now => true,
-            Released::Gone => deadline.is_some_and(|deadline| sent < deadline),
+            // Read after the reply rather than before the request (saving
+            // a clock read on every release): later, so stricter.
+            Released::Gone => deadline.is_some_and(|deadline| Instant::now() < deadline),
             Released::Other => false,
         });
     let key = ticket.key();

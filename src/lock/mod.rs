@@ -341,8 +341,8 @@ pub(crate) struct Ticket {
     key: String,
     /// The lock's Redis key.
     lock_key: String,
-    /// Random token proving ownership: 32 hex digits.
-    token: String,
+    /// Random token proving ownership.
+    token: Token,
     /// The fencing token, once issued (see `Locker::fence`).
     fence: OnceLock<u64>,
     /// Set when the lock parks messages (`DeferDelay::until_released`):
@@ -400,7 +400,7 @@ impl Lease {
 
     /// The random token stored in the lock; only its holder knows it.
     pub fn token(&self) -> &str {
-        &self.ticket.token
+        self.ticket.token.as_str()
     }
 
     /// The fencing token, if one was issued to this lease: fences are
@@ -660,39 +660,52 @@ where
         ticket: &Ticket,
         took: impl Fn(&T) -> bool,
     ) -> Result<T> {
-        let attempted = || format!("acquiring lock `{}`", ticket.key);
         let reply = match self.config.durability {
             None => match script {
                 Some(script) => script::run(script, cmd, &mut self.conn.clone()).await,
                 None => cmd.query_async(&mut self.conn.clone()).await,
             }
-            .map_err(|e| Error::redis(attempted())(e))?,
+            .map_err(|e| Error::redis(format_args!("acquiring lock `{}`", ticket.key))(e))?,
+            // Boxed: the rare path keeps the common future small.
             Some(durability) => {
-                let (reply, acked) = match self
-                    .run_and_wait::<T>(script, cmd, durability, attempted)
-                    .await
-                {
-                    Ok(replied) => replied,
-                    Err(error) => {
-                        // The command may have run although the pipeline
-                        // failed (the client gave up during WAIT, WAIT was
-                        // refused, the connection dropped).
-                        if let Err(release) = self.release_ticket(ticket).await {
-                            tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
-                        }
-                        return Err(error);
-                    }
-                };
-                // Only a write needs replicas: a contended attempt wrote nothing.
-                if took(&reply) && acked < durability.replicas {
-                    return Err(self
-                        .not_replicated(ticket, attempted(), durability, acked)
-                        .await);
-                }
-                reply
+                Box::pin(self.send_durable(script, cmd, ticket, took, durability)).await?
             }
         };
         self.check_eviction_once();
+        Ok(reply)
+    }
+
+    /// `send_acquire` under `require_replicas`.
+    async fn send_durable<T: redis::FromRedisValue>(
+        &self,
+        script: Option<&Script>,
+        cmd: &redis::Cmd,
+        ticket: &Ticket,
+        took: impl Fn(&T) -> bool,
+        durability: Durability,
+    ) -> Result<T> {
+        let attempted = || format!("acquiring lock `{}`", ticket.key);
+        let (reply, acked) = match self
+            .run_and_wait::<T>(script, cmd, durability, attempted)
+            .await
+        {
+            Ok(replied) => replied,
+            Err(error) => {
+                // The command may have run although the pipeline
+                // failed (the client gave up during WAIT, WAIT was
+                // refused, the connection dropped).
+                if let Err(release) = self.release_ticket(ticket).await {
+                    tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
+                }
+                return Err(error);
+            }
+        };
+        // Only a write needs replicas: a contended attempt wrote nothing.
+        if took(&reply) && acked < durability.replicas {
+            return Err(self
+                .not_replicated(ticket, attempted(), durability, acked)
+                .await);
+        }
         Ok(reply)
     }
 
@@ -756,7 +769,7 @@ where
     /// [`check_eviction`](Self::check_eviction) in the background (it warns
     /// once when the server may evict locks).
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
-        let ticket = self.ticket(key)?;
+        let ticket = self.ticket(key.to_owned())?;
         match self.try_set(&ticket).await? {
             Some(acquired) => Ok(acquired),
             None => self.contend(&ticket, false).await,
@@ -764,14 +777,14 @@ where
     }
 
     /// Prepares an attempt at the lock on `key`.
-    pub(crate) fn ticket(&self, key: &str) -> Result<Arc<Ticket>> {
+    pub(crate) fn ticket(&self, key: String) -> Result<Arc<Ticket>> {
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
         Ok(Arc::new(Ticket {
-            key: key.to_owned(),
-            lock_key: self.lock_key(key),
-            token: random_token(),
+            lock_key: self.lock_key(&key),
+            key,
+            token: Token::random(),
             fence: OnceLock::new(),
             parking: None,
         }))
@@ -779,14 +792,14 @@ where
 
     /// Prepares an attempt at the lock on `key` that parks messages of a
     /// queue: its keys are in the queue's hash slot.
-    pub(crate) fn parking_ticket(&self, key: &str, parking: Parking) -> Result<Arc<Ticket>> {
+    pub(crate) fn parking_ticket(&self, key: String, parking: Parking) -> Result<Arc<Ticket>> {
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
         Ok(Arc::new(Ticket {
-            key: key.to_owned(),
+            key,
             lock_key: parking.lock.clone(),
-            token: random_token(),
+            token: Token::random(),
             fence: OnceLock::new(),
             parking: Some(Arc::new(parking)),
         }))
@@ -795,7 +808,7 @@ where
     /// A new attempt at the same lock as `ticket`, with a new token.
     pub(crate) fn retoken(&self, ticket: &Ticket) -> Arc<Ticket> {
         Arc::new(Ticket {
-            token: random_token(),
+            token: Token::random(),
             fence: OnceLock::new(),
             ..ticket.clone()
         })
@@ -822,9 +835,9 @@ where
         }
         let ttl = self.config.ttl;
         let started = Instant::now();
-        let mut cmd = redis::cmd("SET");
+        let mut cmd = script::command("SET");
         cmd.arg(ticket.lock_key())
-            .arg(&ticket.token)
+            .arg(ticket.token)
             .arg("NX")
             .arg("PX")
             .arg(millis(ttl))
@@ -852,7 +865,7 @@ where
             None => {
                 let mut cmd = script::evalsha(&CONTEND, 1);
                 cmd.arg(ticket.lock_key())
-                    .arg(&ticket.token)
+                    .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(mark);
                 (&*CONTEND, cmd)
@@ -866,7 +879,7 @@ where
                     .arg(&parking.dead)
                     .arg(&parking.schedule)
                     .arg(&parking.bell)
-                    .arg(&ticket.token)
+                    .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(mark)
                     .arg(parking.message.as_deref().unwrap_or(""));
@@ -985,7 +998,7 @@ where
         };
         cmd.arg(ticket.lock_key())
             .arg(fence_key)
-            .arg(&ticket.token)
+            .arg(ticket.token)
             .arg(millis(FENCE_GRACE));
         let fence: i64 = script::run(&FENCE, &cmd, &mut self.conn.clone())
             .await
@@ -1033,7 +1046,7 @@ where
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
                 let mut cmd = script::evalsha(&RELEASE, 1);
-                cmd.arg(ticket.lock_key()).arg(&ticket.token).arg(publish);
+                cmd.arg(ticket.lock_key()).arg(ticket.token).arg(publish);
                 (&*RELEASE, cmd)
             }
             Some(parking) => {
@@ -1045,7 +1058,7 @@ where
                     .arg(&parking.dead)
                     .arg(&parking.schedule)
                     .arg(&parking.bell)
-                    .arg(&ticket.token)
+                    .arg(ticket.token)
                     .arg(publish);
                 (script, cmd)
             }
@@ -1066,6 +1079,14 @@ where
     /// Asked once per configuration (`CLUSTER INFO` fails on a server
     /// without cluster support).
     async fn publish_command(&self) -> redis::RedisResult<&'static str> {
+        match self.config.publish.get() {
+            Some(command) => Ok(command),
+            // Boxed: asked once, it need not weigh on every call's future.
+            None => Box::pin(self.detect_publish_command()).await,
+        }
+    }
+
+    async fn detect_publish_command(&self) -> redis::RedisResult<&'static str> {
         self.config
             .publish
             .get_or_try_init(|| async {
@@ -1104,7 +1125,7 @@ where
     pub(crate) async fn extend_ticket(&self, ticket: &Ticket, ttl: Duration) -> Result<bool> {
         let mut cmd = script::evalsha(&EXTEND, 1);
         cmd.arg(ticket.lock_key())
-            .arg(&ticket.token)
+            .arg(ticket.token)
             .arg(millis(ttl));
         let attempted = || format!("extending lock `{}`", ticket.key);
         let extended: i64 = match self.config.durability {
@@ -1140,14 +1161,38 @@ pub(crate) enum Released {
 
 /// 128 random bits as 32 lowercase hex digits (without `core::fmt`, which
 /// showed in profiles of the lock cycle).
-fn random_token() -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bits = rand::random::<u128>();
-    let mut token = String::with_capacity(32);
-    for i in (0..32).rev() {
-        token.push(char::from(HEX[((bits >> (4 * i)) & 0xf) as usize]));
+/// A random token: 128 bits as 32 lowercase hex digits, kept inline (no
+/// allocation: one is made for every acquire).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Token([u8; 32]);
+
+impl Token {
+    pub(crate) fn random() -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let bits = rand::random::<u128>();
+        let mut token = [0; 32];
+        for (i, digit) in token.iter_mut().enumerate() {
+            *digit = HEX[((bits >> (4 * (31 - i))) & 0xf) as usize];
+        }
+        Self(token)
     }
-    token
+
+    pub(crate) fn as_str(&self) -> &str {
+        // Hex digits only: always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl redis::ToRedisArgs for Token {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        out.write_arg(&self.0);
+    }
 }
 
 /// The longest TTL accepted: ten years. Longer is almost surely a unit
