@@ -163,7 +163,7 @@ where
     let _turn = match retry {
         None => None,
         Some(backoff) => {
-            let turn = config.local.turn(&key);
+            let turn = config.local.turn(key);
             let turn = match deadline {
                 None => Box::pin(turn).await,
                 // Boxed, as every path of a busy key below: they keep the
