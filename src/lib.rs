@@ -42,7 +42,7 @@ pub mod worker;
 
 pub use backoff::Backoff;
 pub use error::{Error, Result};
-pub use layer::{HeldLock, LockLayer, OnConflict, OnLost};
+pub use layer::{HeldLock, LockLayer, OnConflict, OnLost, Permits};
 pub use lock::{Acquisition, Contended, Lease, Locker, ReleaseListener};
 pub use outcome::Outcome;
 pub use queue::{Job, PushOptions, Queue};

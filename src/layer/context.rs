@@ -79,6 +79,14 @@ impl HeldLock {
         self.0.ticket.key()
     }
 
+    /// When the call holds one of its key's permits (see
+    /// [`LockLayer::permits`](crate::LockLayer::permits)): how many the key
+    /// admits. `None` for a lock. The permit itself is told apart from the
+    /// others by its [`fence`](Self::fence).
+    pub fn permits(&self) -> Option<u32> {
+        self.0.ticket.permits()
+    }
+
     /// The fencing token: strictly greater than any earlier holder's (see
     /// [`Locker::fence`](crate::Locker::fence)). Issued on first use, which
     /// takes one round trip; later calls return it at once. Errors with

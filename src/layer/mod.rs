@@ -155,6 +155,53 @@ pub enum OnLost {
 pub trait LockKey {
     /// The key, or `None` to call through without a lock.
     fn into_lock_key(self) -> Option<String>;
+
+    /// The key with the number of permits this request's key admits, when
+    /// the key function chooses it ([`Permits`]); `None` as the count
+    /// leaves the layer's own ([`LockLayer::permits`], or a lock).
+    fn into_lock_key_and_permits(self) -> Option<(String, Option<u32>)>
+    where
+        Self: Sized,
+    {
+        self.into_lock_key().map(|key| (key, None))
+    }
+}
+
+/// A key with its own number of permits, returned by a key function: at
+/// most `permits` calls with this key run at a time, cluster-wide (see
+/// [`LockLayer::permits`]). For limits that differ by key, such as tenants
+/// on different plans:
+///
+/// ```
+/// # struct Job { tenant: String, premium: bool }
+/// use lockgate::layer::Permits;
+/// let key_fn = |job: &Job| Permits::new(job.tenant.clone(), if job.premium { 8 } else { 2 });
+/// ```
+///
+/// A count of 0, or above [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS),
+/// fails the call with [`Error::Config`](crate::Error::Config).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permits<K> {
+    key: K,
+    permits: u32,
+}
+
+impl<K: LockKey> Permits<K> {
+    /// `key`, admitting `permits` holders at a time.
+    pub fn new(key: K, permits: u32) -> Self {
+        Self { key, permits }
+    }
+}
+
+impl<K: LockKey> LockKey for Permits<K> {
+    fn into_lock_key(self) -> Option<String> {
+        self.key.into_lock_key()
+    }
+
+    fn into_lock_key_and_permits(self) -> Option<(String, Option<u32>)> {
+        let permits = self.permits;
+        self.key.into_lock_key().map(|key| (key, Some(permits)))
+    }
 }
 
 impl LockKey for String {
@@ -172,6 +219,10 @@ impl LockKey for &'static str {
 impl<K: LockKey> LockKey for Option<K> {
     fn into_lock_key(self) -> Option<String> {
         self.and_then(LockKey::into_lock_key)
+    }
+
+    fn into_lock_key_and_permits(self) -> Option<(String, Option<u32>)> {
+        self.and_then(LockKey::into_lock_key_and_permits)
     }
 }
 
@@ -217,6 +268,8 @@ pub(crate) struct Config<C, F, D> {
     /// Issues fences for `HeldLock::fence` (made on first use: it needs
     /// the connection bounds the constructors do not ask for).
     pub(crate) issue_fence: std::sync::OnceLock<context::IssueFence>,
+    /// Permits per key (`None`: a lock), unless the key says otherwise.
+    pub(crate) permits: Option<u32>,
 }
 
 impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
@@ -229,6 +282,7 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
             local: self.local.clone(),
             listener: self.listener.clone(),
             issue_fence: self.issue_fence.clone(),
+            permits: self.permits,
         }
     }
 }
@@ -239,6 +293,7 @@ impl<C, F, D: std::fmt::Debug> std::fmt::Debug for Config<C, F, D> {
             .field("locker", &self.locker)
             .field("on_conflict", &self.on_conflict)
             .field("on_lost", &self.on_lost)
+            .field("permits", &self.permits)
             .finish_non_exhaustive()
     }
 }
@@ -272,6 +327,7 @@ impl<C, F> LockLayer<C, F, Fail> {
                 local: Default::default(),
                 listener: None,
                 issue_fence: Default::default(),
+                permits: None,
             },
         }
     }
@@ -287,6 +343,7 @@ impl<C, F, D> LockLayer<C, F, D> {
             local,
             listener,
             issue_fence,
+            permits,
             ..
         } = self.config;
         LockLayer {
@@ -298,6 +355,7 @@ impl<C, F, D> LockLayer<C, F, D> {
                 local,
                 listener,
                 issue_fence,
+                permits,
             },
         }
     }
@@ -325,6 +383,34 @@ impl<C, F, D> LockLayer<C, F, D> {
     pub fn wake_on_release(mut self, listener: crate::ReleaseListener) -> Self {
         self.config.listener = Some(listener);
         self
+    }
+
+    /// Admits up to `permits` concurrent calls per key, cluster-wide,
+    /// instead of one: a semaphore per key (see
+    /// [`lock::permits`](crate::lock::permits)). A key function that
+    /// returns [`Permits`] sets the count per request instead.
+    ///
+    /// Everything else is as for a lock: each permit is leased for the
+    /// locker's TTL and renewed by the watchdog while its call runs,
+    /// released when the call ends, and comes back when its lease ends if
+    /// its holder died; [`HeldLock`] gives the handler its key, fence and
+    /// [`lost`](HeldLock::lost). When all are taken, the strategy applies:
+    /// `fail` with [`Contended::retry_after`](crate::Contended::retry_after)
+    /// the time until the first holder's lease ends, `retry` (woken by a
+    /// release under [`wake_on_release`](Self::wake_on_release)), or a
+    /// timed `defer`. Parking until released is for locks only: a parking
+    /// strategy fails a call for permits with
+    /// [`Error::Config`](crate::Error::Config).
+    ///
+    /// One key shared by every call makes a global limit: "at most 20
+    /// handlers of this queue across the fleet" is
+    /// `LockLayer::new(locker, |_: &Job| "emails").permits(20)`.
+    ///
+    /// Errors on 0, or more than
+    /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS).
+    pub fn permits(mut self, permits: u32) -> crate::Result<Self> {
+        self.config.permits = Some(crate::lock::permits::check_permits(permits)?);
+        Ok(self)
     }
 }
 

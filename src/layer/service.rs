@@ -93,7 +93,7 @@ where
         // poll_ready (tower's filter idiom).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let key = (self.config.key_fn)(&req).into_lock_key();
+        let key = (self.config.key_fn)(&req).into_lock_key_and_permits();
         let config = self.config.clone();
         // A worker's running job belongs to the first lock layer its request
         // passes, taken here in `call` (the worker offers it only while it
@@ -105,7 +105,10 @@ where
         ResponseFuture::new(Box::pin(async move {
             match key {
                 None => call_ready(inner, req).await,
-                Some(key) => locked_call(config, inner, key, req, running).await,
+                Some((key, permits)) => {
+                    let permits = permits.or(config.permits);
+                    locked_call(config, inner, key, permits, req, running).await
+                }
             }
         }))
     }
@@ -125,6 +128,7 @@ async fn locked_call<S, C, F, D, Req>(
     config: Arc<Config<C, F, D>>,
     inner: S,
     key: String,
+    permits: Option<u32>,
     req: Req,
     running: Option<RunningJob>,
 ) -> Result<Outcome<S::Response>, BoxError>
@@ -147,15 +151,22 @@ where
     let mut tries: u32 = 0;
     // A strategy that parks messages on the key locks it in the queue's
     // hash slot, and tells the parking scripts which message asks.
-    let ticket = match config.on_conflict.then.parking(&key) {
-        Some(mut parking) => {
+    let ticket = match (config.on_conflict.then.parking(&key), permits) {
+        (None, Some(permits)) => locker.permit_ticket(key, permits)?,
+        (Some(_), Some(_)) => {
+            return Err(crate::Error::Config(format!(
+                "key `{key}` has permits, and parking until released is for locks only: use a timed defer"
+            ))
+            .into());
+        }
+        (Some(mut parking), None) => {
             parking.message = running
                 .as_ref()
                 .filter(|job| job.queue.data == parking.data)
                 .map(|job| job.token.id().to_owned());
             locker.parking_ticket(key, parking)?
         }
-        None => locker.ticket(key)?,
+        (None, None) => locker.ticket(key)?,
     };
     let key = ticket.key();
     // Under `retry`, wait behind this process's earlier calls for the key
@@ -163,7 +174,9 @@ where
     let _turn = match retry {
         None => None,
         Some(backoff) => {
-            let turn = config.local.turn(key);
+            // Keyed by the Redis key: a key's lock and its permits are
+            // separate, and a key with n permits lets n callers through.
+            let turn = config.local.turn(ticket.lock_key(), permits.unwrap_or(1));
             let turn = match deadline {
                 None => Box::pin(turn).await,
                 // Boxed, as every path of a busy key below: they keep the

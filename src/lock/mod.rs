@@ -111,6 +111,7 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 
+pub mod permits;
 mod wake;
 use crate::keys;
 use crate::script;
@@ -349,6 +350,9 @@ pub(crate) struct Ticket {
     /// then it lives in the queue's hash slot and is taken and released by
     /// the queue's parking scripts.
     parking: Option<Arc<Parking>>,
+    /// Set for one of n permits (see [`permits`]): then `lock_key` names
+    /// the key's permits set.
+    permits: Option<u32>,
 }
 
 /// The keys of a lock whose key parks messages of a queue, all in the
@@ -389,6 +393,11 @@ impl Ticket {
 
     pub(crate) fn lock_key(&self) -> &str {
         &self.lock_key
+    }
+
+    /// How many permits the key admits; `None` for a lock.
+    pub(crate) fn permits(&self) -> Option<u32> {
+        self.permits
     }
 }
 
@@ -787,6 +796,7 @@ where
             token: Token::random(),
             fence: OnceLock::new(),
             parking: None,
+            permits: None,
         }))
     }
 
@@ -802,6 +812,7 @@ where
             token: Token::random(),
             fence: OnceLock::new(),
             parking: Some(Arc::new(parking)),
+            permits: None,
         }))
     }
 
@@ -826,8 +837,9 @@ where
                 "acquiring lock `{}`",
                 ticket.key
             )))?;
-        if ticket.parking.is_some() {
-            // Parked messages may come first: only the script can tell.
+        if ticket.parking.is_some() || ticket.permits.is_some() {
+            // Parked messages may come first, or the key admits several
+            // holders: only the script can tell.
             return match self.contend(ticket, false).await? {
                 Acquisition::Contended(_) => Ok(None),
                 acquired => Ok(Some(acquired)),
@@ -859,6 +871,9 @@ where
     /// holder's remaining TTL, and marks the lock as waited for when `mark`
     /// is set (its release then publishes on the lock key's channel).
     pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, mark: bool) -> Result<Acquisition> {
+        if let Some(permits) = ticket.permits {
+            return self.contend_permit(ticket, permits, mark).await;
+        }
         let started = Instant::now();
         let mark = if mark { "1" } else { "0" };
         let (script, cmd) = match ticket.parking.as_deref() {
@@ -936,6 +951,9 @@ where
 
     /// How long the lock `ticket` is for still lives (zero when free).
     pub(crate) async fn remaining_ticket(&self, ticket: &Ticket) -> Result<Duration> {
+        if ticket.permits.is_some() {
+            return self.remaining_permit(ticket).await;
+        }
         let pttl: i64 = redis::cmd("PTTL")
             .arg(ticket.lock_key())
             .query_async(&mut self.conn.clone())
@@ -990,17 +1008,22 @@ where
         if let Some(fence) = ticket.issued_fence() {
             return Ok(fence);
         }
-        let mut cmd = script::evalsha(&FENCE, 2);
-        // Made here, not with the ticket: most holders never ask for one.
-        let fence_key = match ticket.parking.as_deref() {
-            Some(parking) => parking.fence.clone(),
-            None => self.fence_key(&ticket.key),
+        let (script, cmd) = if ticket.permits.is_some() {
+            self.fence_permit_cmd(ticket)
+        } else {
+            let mut cmd = script::evalsha(&FENCE, 2);
+            // Made here, not with the ticket: most holders never ask for one.
+            let fence_key = match ticket.parking.as_deref() {
+                Some(parking) => parking.fence.clone(),
+                None => self.fence_key(&ticket.key),
+            };
+            cmd.arg(ticket.lock_key())
+                .arg(fence_key)
+                .arg(ticket.token)
+                .arg(millis(FENCE_GRACE));
+            (&*FENCE, cmd)
         };
-        cmd.arg(ticket.lock_key())
-            .arg(fence_key)
-            .arg(ticket.token)
-            .arg(millis(FENCE_GRACE));
-        let fence: i64 = script::run(&FENCE, &cmd, &mut self.conn.clone())
+        let fence: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "issuing the fence of lock `{}`",
@@ -1043,6 +1066,9 @@ where
             .publish_command()
             .await
             .map_err(|e| Error::redis(attempted())(e))?;
+        if ticket.permits.is_some() {
+            return self.release_permit(ticket, publish).await;
+        }
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
                 let mut cmd = script::evalsha(&RELEASE, 1);
@@ -1123,18 +1149,23 @@ where
     }
 
     pub(crate) async fn extend_ticket(&self, ticket: &Ticket, ttl: Duration) -> Result<bool> {
-        let mut cmd = script::evalsha(&EXTEND, 1);
-        cmd.arg(ticket.lock_key())
-            .arg(ticket.token)
-            .arg(millis(ttl));
+        let (script, cmd) = if ticket.permits.is_some() {
+            self.extend_permit_cmd(ticket, ttl)
+        } else {
+            let mut cmd = script::evalsha(&EXTEND, 1);
+            cmd.arg(ticket.lock_key())
+                .arg(ticket.token)
+                .arg(millis(ttl));
+            (&*EXTEND, cmd)
+        };
         let attempted = || format!("extending lock `{}`", ticket.key);
         let extended: i64 = match self.config.durability {
-            None => script::run(&EXTEND, &cmd, &mut self.conn.clone())
+            None => script::run(script, &cmd, &mut self.conn.clone())
                 .await
                 .map_err(|e| Error::redis(attempted())(e))?,
             Some(durability) => {
                 let (extended, acked): (i64, u32) = self
-                    .run_and_wait(Some(&EXTEND), &cmd, durability, attempted)
+                    .run_and_wait(Some(script), &cmd, durability, attempted)
                     .await?;
                 if extended == 1 && acked < durability.replicas {
                     return Err(self
