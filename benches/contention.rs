@@ -36,8 +36,13 @@ async fn main() -> Result<(), BoxError> {
         "| waiters | processes × tasks | acquisitions/s | call p50 | call p99 | call max | per process (min–max, vs mean) | per task (min–max) |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for (wake, processes, tasks) in [(false, 5, 10), (true, 5, 10), (true, 1, 50)] {
-        hot_keys(&server, wake, processes, tasks, secs).await?;
+    for (wake, processes, tasks, permits) in [
+        (false, 5, 10, 1),
+        (true, 5, 10, 1),
+        (true, 1, 50, 1),
+        (true, 5, 10, 2),
+    ] {
+        hot_keys(&server, wake, processes, tasks, permits, secs).await?;
     }
     let rounds = size(200, 5);
     println!("\n## Release → start of the next holder in another process ({rounds} handovers)");
@@ -56,23 +61,36 @@ fn mode(wake: bool) -> &'static str {
     }
 }
 
+/// `mode`, and the permits per key when there are several.
+fn mode_with(wake: bool, permits: u32) -> String {
+    match permits {
+        1 => mode(wake).to_owned(),
+        n => format!("{}, {n} permits per key", mode(wake)),
+    }
+}
+
 fn now_ns() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos())
 }
 
-/// `processes` children, `tasks` tasks each, over 5 hot keys for `secs`.
+/// `processes` children, `tasks` tasks each, over 5 hot keys for `secs`,
+/// each key a lock (`permits` 1) or a semaphore.
 async fn hot_keys(
     server: &RedisServer,
     wake: bool,
     processes: usize,
     tasks: usize,
+    permits: u32,
     secs: f64,
 ) -> Result<(), BoxError> {
     // Every child starts at the same moment, once all are up.
     let start_at = now_ns() + 1_500_000_000;
-    let spec = format!("hot;{};{wake};{tasks};{secs};{start_at}", server.url());
+    let spec = format!(
+        "hot;{};{wake};{tasks};{secs};{start_at};{permits}",
+        server.url()
+    );
     let children: Vec<_> = (0..processes)
         .map(|_| {
             Command::new(std::env::current_exe()?)
@@ -117,7 +135,7 @@ async fn hot_keys(
     let spread = |n: usize| 100.0 * (n as f64 - mean) / mean;
     println!(
         "| {} | {processes} × {tasks} | {:.0} | {:.2} ms | {:.2} ms | {:.2} ms | {}–{} ({:+.1} % / {:+.1} %) | {}–{} |",
-        mode(wake),
+        mode_with(wake, permits),
         total as f64 / secs,
         ms(quantile(&latencies, 0.5)),
         ms(quantile(&latencies, 0.99)),
@@ -196,6 +214,7 @@ async fn handover(server: &RedisServer, wake: bool, rounds: usize) -> Result<(),
 async fn layer(
     client: &redis::Client,
     wake: bool,
+    permits: u32,
 ) -> Result<LockLayer<redis::aio::MultiplexedConnection, fn(&String) -> String>, BoxError> {
     #[allow(clippy::ptr_arg)] // the requests are `String`s
     fn key(k: &String) -> String {
@@ -210,6 +229,11 @@ async fn layer(
         key as fn(&String) -> String,
     )
     .on_conflict(OnConflict::retry(backoff));
+    let layer = if permits > 1 {
+        layer.permits(permits)?
+    } else {
+        layer
+    };
     Ok(if wake {
         layer.wake_on_release(ReleaseListener::connect(client.clone()).await?)
     } else {
@@ -221,7 +245,8 @@ async fn child(spec: &str) -> Result<(), BoxError> {
     let parts: Vec<&str> = spec.split(';').collect();
     let client = redis::Client::open(*parts.get(1).ok_or("bad spec")?)?;
     let wake: bool = parts.get(2).ok_or("bad spec")?.parse()?;
-    let layer = layer(&client, wake).await?;
+    let permits: u32 = parts.get(6).map_or(Ok(1), |p| p.parse())?;
+    let layer = layer(&client, wake, permits).await?;
     match parts[0] {
         "hot" => {
             let tasks: usize = parts.get(3).ok_or("bad spec")?.parse()?;

@@ -36,6 +36,7 @@ async fn main() -> Result<(), BoxError> {
         Cycles::new(),
         Cycles::new(),
     );
+    let mut permits = [(1, Cycles::new()), (4, Cycles::new()), (16, Cycles::new())];
     for _ in 0..rounds {
         command
             .measure(&conn, bare_cycles(conn.clone(), secs, false))
@@ -50,6 +51,11 @@ async fn main() -> Result<(), BoxError> {
         layer
             .measure(&conn, layer_cycles(conn.clone(), secs))
             .await?;
+        for (n, cycles) in &mut permits {
+            cycles
+                .measure(&conn, permit_cycles(conn.clone(), secs, *n))
+                .await?;
+        }
     }
     let (command_rate, peer_rate) = (command.rate(), peer.rate());
     println!("## lock cycle, {TASKS} tasks, distinct keys (median of {rounds} rounds of {secs} s)");
@@ -80,9 +86,16 @@ async fn main() -> Result<(), BoxError> {
         "lockgate LockLayer: acquire + no-op handler + release",
         &layer,
     );
+    for (n, cycles) in &permits {
+        row(
+            &format!("lockgate LockLayer, {n} permits per key: acquire + no-op handler + release"),
+            cycles,
+        );
+    }
     println!(
-        "LockLayer / Locker = {:.1} %\n",
-        100.0 * layer.rate() / locker.rate()
+        "LockLayer / Locker = {:.1} %; LockLayer with 1 permit / LockLayer (lock) = {:.1} %\n",
+        100.0 * layer.rate() / locker.rate(),
+        100.0 * permits[0].1.rate() / layer.rate()
     );
 
     hot_keys(conn, secs).await?;
@@ -356,6 +369,30 @@ async fn layer_cycles(
         let mut service = service.clone();
         async move {
             let key = format!("layer-{task}");
+            while !stop.load(Ordering::Relaxed) {
+                let _ = service.ready().await?.call(key.clone()).await?;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// The layer's cycle with `n` permits per key (a semaphore; distinct keys).
+async fn permit_cycles(
+    conn: redis::aio::MultiplexedConnection,
+    secs: f64,
+    n: u32,
+) -> Result<(f64, f64), BoxError> {
+    let locker = Locker::new(conn).ttl(Duration::from_secs(10))?;
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locker, |key: &String| key.clone()).permits(n)?)
+        .service_fn(|_: String| async { Ok::<_, BoxError>(()) });
+    run_tasks(secs, move |task, stop, count| {
+        let mut service = service.clone();
+        async move {
+            let key = format!("permits-{task}");
             while !stop.load(Ordering::Relaxed) {
                 let _ = service.ready().await?.call(key.clone()).await?;
                 count.fetch_add(1, Ordering::Relaxed);

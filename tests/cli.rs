@@ -79,12 +79,36 @@ async fn operates_queues_and_reads_locks() {
         "{lock}"
     );
 
+    // Permits in use, with their holders' leases and fences.
+    let first = locker
+        .acquire_permit("tenant-7", 3)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let _second = locker
+        .acquire_permit("tenant-7", 3)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let fence = locker.fence(&first).await.unwrap();
+    let permits = stdout(&lockgate(&server, &["permits", "tenant-7"]));
+    assert!(
+        permits.contains("2 permit(s) in use")
+            && permits.contains(first.token())
+            && permits.contains(&fence.to_string())
+            && permits.contains("expires in"),
+        "{permits}"
+    );
+
     // Bad input: a clear message and a failing exit status, never a panic.
     for bad in [
         &["bogus"][..],
         &["push", "orders", "not json"],
         &["requeue", "orders", "nope"],
         &["stats"],
+        &["permits"],
     ] {
         let output = lockgate(&server, bad);
         assert!(!output.status.success(), "{bad:?} succeeded");

@@ -880,3 +880,105 @@ async fn waiters_on_every_node_are_woken_by_the_release() {
         assert_eq!(outcome.done().as_ref(), Some(key));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_on_every_node_limit_fence_and_wake() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let ttl = Duration::from_secs(30);
+    let holder = Locker::new(connect(&cluster).await).ttl(ttl).unwrap();
+    let keys: Vec<String> = lock_keys().into_iter().take(15).collect();
+    let mut nodes = BTreeSet::new();
+    let mut leases = Vec::new();
+    for key in &keys {
+        let node = node_of(&cluster, &conn, &holder.permits_key(key)).await;
+        nodes.insert(node);
+        // Both permits of the key; a third caller is refused.
+        for _ in 0..2 {
+            let lease = holder.acquire_permit(key, 2).await.unwrap().lease();
+            let lease = lease.unwrap_or_else(|| panic!("{key:?} had a free permit"));
+            // The fence (and the record of fences) live on the set's node.
+            holder.fence(&lease).await.unwrap();
+            leases.push(lease);
+        }
+        assert!(exists_on(&cluster, node, &holder.permits_key(key)).await);
+        assert!(
+            exists_on(
+                &cluster,
+                node,
+                &format!("{}:fences", holder.permits_key(key))
+            )
+            .await
+        );
+        match holder.acquire_permit(key, 2).await.unwrap() {
+            Acquisition::Contended(busy) => assert!(busy.retry_after() <= ttl),
+            Acquisition::Acquired(_) => panic!("a third permit of {key:?}"),
+        }
+        assert_eq!(holder.permit_holders(key).await.unwrap().len(), 2);
+    }
+    assert_eq!(nodes.len(), 3, "the keys reach every node");
+
+    let listener = lockgate::ReleaseListener::connect_cluster(
+        redis::cluster::ClusterClientBuilder::new(cluster.urls()),
+    )
+    .await
+    .unwrap();
+    let backoff = Backoff::exponential(ms(1), ms(1))
+        .unwrap()
+        .unlimited_attempts()
+        .max_elapsed(Duration::from_secs(20));
+    let svc = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(Locker::new(conn.clone()).ttl(ttl).unwrap(), |k: &String| {
+                k.clone()
+            })
+            .permits(2)
+            .unwrap()
+            .on_conflict(OnConflict::retry(backoff))
+            .wake_on_release(listener),
+        )
+        .service_fn(|k: String| async move { Ok::<_, BoxError>(k) });
+    let calls: Vec<_> = keys
+        .iter()
+        .map(|key| tokio::spawn(tower::ServiceExt::oneshot(svc.clone(), key.clone())))
+        .collect();
+    // Every waiter has marked its key.
+    support::eventually("all waiters wait", support::BOUNDED, async || {
+        let mut marked = 0;
+        for key in &keys {
+            let mark: bool = redis::cmd("EXISTS")
+                .arg(format!("{}:waited", holder.permits_key(key)))
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+            marked += usize::from(mark);
+        }
+        support::done_if(marked == keys.len(), marked)
+    })
+    .await;
+    let before = script_calls_on(&cluster).await;
+    tokio::time::sleep(ms(300)).await;
+    assert_eq!(
+        script_calls_on(&cluster).await - before,
+        0,
+        "waiters polled while the holders were alive"
+    );
+    // One permit of each key back: its waiter gets it.
+    for lease in leases.iter().step_by(2) {
+        assert!(holder.release(lease).await.unwrap());
+    }
+    for (call, key) in calls.into_iter().zip(&keys) {
+        let outcome = tokio::time::timeout(support::BOUNDED, call)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome.done().as_ref(), Some(key));
+    }
+    for lease in leases.iter().skip(1).step_by(2) {
+        assert!(holder.release(lease).await.unwrap());
+    }
+    for key in &keys {
+        assert!(holder.permit_holders(key).await.unwrap().is_empty());
+    }
+}

@@ -18,6 +18,7 @@ commands:
   remove <queue> <id>                    delete a scheduled or dead message
   push <queue> <json> [--after <ms>] [--id <id>]
   lock <key>                             whether a lock is held, for how long, its fence
+  permits <key>                          the holders of a key's permits: leases left, fences
 
 Redis comes from REDIS_URL (default redis://127.0.0.1:6379/).";
 
@@ -151,6 +152,19 @@ async fn run(mut args: Vec<String>) -> Result<(), BoxError> {
                         ),
                     }
                 }
+            }
+        }
+        "permits" => {
+            let key = args.first().ok_or("missing <key>")?;
+            let locker = Locker::new(conn.clone()).prefix(&prefix)?;
+            let holders = locker.permit_holders(key).await?;
+            println!("{key}: {} permit(s) in use", holders.len());
+            for holder in holders {
+                let fence = holder.fence.map_or("none issued".into(), |f| f.to_string());
+                println!(
+                    "  {}  expires in {:?}, fence {fence}",
+                    holder.token, holder.remaining
+                );
             }
         }
         other => return Err(format!("unknown command `{other}`\n\n{USAGE}").into()),

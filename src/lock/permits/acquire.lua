@@ -11,21 +11,27 @@
 -- Returns {1, ms left of the lease} when a permit is (now) ours: one was
 -- free, or the token holds one already (a resent acquire whose first copy
 -- ran); {0, ms until the first holder's lease ends} when none is free.
--- Usual cost: TIME, ZREMRANGEBYSCORE, ZCARD, ZADD, PTTL (and PEXPIRE when
--- the set's own expiry has to move).
+-- Usual cost: TIME, ZCARD, ZADD, PEXPIRE (a set made by this acquire) or
+-- PTTL; a full set first drops the leases that ran out (ZREMRANGEBYSCORE)
+-- and counts again.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
--- Leases that ran out free their permits (their holders died or stalled).
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local held = redis.call('ZCARD', KEYS[1])
+if held >= limit then
+  -- Leases that ran out free their permits (their holders died or
+  -- stalled). Only a full set needs to know: until then they are counted,
+  -- which admits no one too many.
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  held = redis.call('ZCARD', KEYS[1])
+end
 if held < limit then
   if redis.call('ZADD', KEYS[1], 'NX', now + ttl, ARGV[1]) == 0 then
     return {1, tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1])) - now}
   end
   -- The set lives as long as its longest lease.
-  if redis.call('PTTL', KEYS[1]) < ttl then
+  if held == 0 or redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
   return {1, ttl}

@@ -2,10 +2,10 @@
 //!
 //! A key's permits are one sorted set, `<prefix>:permits:{<key>}`: each
 //! member is a holder's random token, scored by the end of its lease in
-//! milliseconds by the server's clock. Taking a permit (`acquire.lua`)
-//! first drops the leases that ran out, then adds the caller's token if
-//! fewer than n remain; so a holder that died gives its permit back when its
-//! lease ends, and never before. Releases, renewals and fences compare the
+//! milliseconds by the server's clock. Taking a permit (`acquire.lua`) adds
+//! the caller's token if fewer than n are in the set; a full set first drops
+//! the leases that ran out and counts again. So a holder that died gives its
+//! permit back when its lease ends, and never before. Releases, renewals and fences compare the
 //! token, as for locks, and the set lives as long as its longest lease.
 //!
 //! Waiters are woken as for locks: one that listens marks the key
@@ -125,6 +125,12 @@ where
     pub async fn acquire_permit(&self, key: &str, permits: u32) -> Result<Acquisition> {
         let ticket = self.permit_ticket(key.to_owned(), permits)?;
         self.contend(&ticket, false).await
+    }
+
+    /// The Redis key of `key`'s permits set, `<prefix>:permits:{<key>}`
+    /// (the key's hash tag in braces; see [`lock_key`](Self::lock_key)).
+    pub fn permits_key(&self, key: &str) -> String {
+        permits_key(&self.config.prefix, key)
     }
 
     /// The current holders of `key`'s permits, with their fences and how

@@ -6,9 +6,9 @@
 -- ARGV[3]: "1" when a fence was issued to this holder
 -- Returns 1 when released, 0 when the token held no permit (its lease ran
 -- out and another acquire dropped it, or a resent release's first copy ran).
--- A lease that ran out but is still in the set is released as usual: no
--- acquire has run since (each drops the leases that ran out first), so no
--- one else has held that permit meanwhile.
+-- A lease that ran out but is still in the set is released as usual: it was
+-- counted as held until now (an acquire drops the leases that ran out before
+-- it counts a full set), so no one else has held that permit meanwhile.
 -- Usual cost: ZREM, DEL.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
   return 0
