@@ -142,6 +142,10 @@ impl Backoff {
         self.max_attempts
     }
 
+    pub(crate) fn elapsed_limit(&self) -> Option<Duration> {
+        self.max_elapsed
+    }
+
     /// The wait before try `tried + 1`, having tried `tried` times and waited
     /// `waited` so far; `None` when the limits say stop.
     pub fn next(&self, tried: u32, waited: Duration) -> Option<Duration> {

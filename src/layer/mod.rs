@@ -123,6 +123,7 @@ mod context;
 pub mod error;
 mod future;
 mod local;
+mod rate;
 mod service;
 mod strategy;
 
@@ -131,6 +132,7 @@ use std::sync::Arc;
 pub use self::context::HeldLock;
 pub use self::error::{ClaimLost, LockLost, TooManyDeferrals};
 pub use self::future::ResponseFuture;
+pub use self::rate::{RateLimit, RateLimitLayer, RateSlot};
 pub use self::service::Lock;
 pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
 use crate::lock::Locker;

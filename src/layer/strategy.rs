@@ -162,9 +162,22 @@ pub enum DeferDelay {
     /// Parked on its key until the key's lock is released: see
     /// [`DeferDelay::until_released`].
     UntilReleased,
+    /// Exactly [`Contended::retry_after`]: see [`DeferDelay::until_allowed`].
+    UntilAllowed,
 }
 
 impl DeferDelay {
+    /// Until the key allows the call, exactly: for a
+    /// [`RateLimitLayer`](crate::layer::RateLimitLayer), when the next slot
+    /// opens, and the slot is reserved for the message (it comes back and
+    /// runs in it, however many calls come meanwhile; this needs a
+    /// [`Worker`](crate::Worker) on the queue the message is deferred
+    /// into, else the message is pushed anew and takes its chances); for a
+    /// lock or permits, when the holder's lease ends (at least 1 ms).
+    pub fn until_allowed() -> Self {
+        DeferDelay::UntilAllowed
+    }
+
     /// Until the holder's lock runs out, plus up to `jitter`.
     pub fn holder_ttl(jitter: Duration) -> Self {
         DeferDelay::HolderTtl { jitter }
@@ -200,6 +213,11 @@ impl DeferDelay {
         match *self {
             DeferDelay::Fixed(d) => d,
             DeferDelay::UntilReleased => Duration::ZERO,
+            // Whole milliseconds (the queue's unit), rounded up: never back
+            // before the slot opens.
+            DeferDelay::UntilAllowed => {
+                Duration::from_millis(busy.retry_after().as_micros().div_ceil(1000).max(1) as u64)
+            }
             DeferDelay::HolderTtl { jitter } => {
                 let jitter =
                     Duration::try_from_secs_f64(jitter.as_secs_f64() * rand::random::<f64>())
@@ -224,6 +242,7 @@ impl From<Duration> for DeferDelay {
 
 pub(crate) mod sealed {
     use crate::lock::Parking;
+    use crate::queue::RunningJob;
 
     /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
     pub trait Sealed {
@@ -232,12 +251,25 @@ pub(crate) mod sealed {
         fn parking(&self, _key: &str) -> Option<Parking> {
             None
         }
+
+        /// Whether giving up reschedules `running` in place, exactly when
+        /// the key allows it (`DeferDelay::UntilAllowed` into the job's own
+        /// queue): then a rate limit reserves the slot for it.
+        #[allow(private_interfaces)]
+        fn defers_in_place_until_allowed(&self, _running: &RunningJob) -> bool {
+            false
+        }
     }
     impl Sealed for super::Fail {}
     impl<T, C> Sealed for super::Defer<T, C> {
         #[allow(private_interfaces)]
         fn parking(&self, key: &str) -> Option<Parking> {
             (self.delay == super::DeferDelay::UntilReleased).then(|| self.queue.parking(key))
+        }
+
+        #[allow(private_interfaces)]
+        fn defers_in_place_until_allowed(&self, running: &RunningJob) -> bool {
+            self.delay == super::DeferDelay::UntilAllowed && &running.queue == self.queue.keys()
         }
     }
 }

@@ -112,6 +112,7 @@ use tokio::time::Instant;
 use crate::error::{Error, Result};
 
 pub mod permits;
+pub mod rate;
 mod wake;
 use crate::keys;
 use crate::script;

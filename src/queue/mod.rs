@@ -123,6 +123,12 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
     _message: PhantomData<fn(T) -> T>,
 }
 
+impl<T, C> Queue<T, C> {
+    pub(crate) fn keys(&self) -> &Arc<QueueKeys> {
+        &self.keys
+    }
+}
+
 impl<T, C: Clone> Clone for Queue<T, C> {
     fn clone(&self) -> Self {
         Self {
@@ -397,10 +403,6 @@ where
     /// The connection this queue uses.
     pub fn connection(&self) -> &C {
         &self.conn
-    }
-
-    pub(crate) fn keys(&self) -> &Arc<QueueKeys> {
-        &self.keys
     }
 
     /// Adds a message, due now.
