@@ -98,6 +98,7 @@ async fn main() -> Result<(), BoxError> {
         100.0 * permits[0].1.rate() / layer.rate()
     );
 
+    rate_decisions(conn.clone(), secs).await?;
     hot_keys(conn, secs).await?;
     bytes_left().await
 }
@@ -401,6 +402,64 @@ async fn permit_cycles(
         }
     })
     .await
+}
+
+/// A rate limit's admission decisions (`Locker::admit`, one script each),
+/// `TASKS` tasks: admitted (a key per task, under its limit) and refused
+/// (one key over its limit).
+async fn rate_decisions(
+    conn: redis::aio::MultiplexedConnection,
+    secs: f64,
+) -> Result<(), BoxError> {
+    use lockgate::lock::rate::Rate;
+    let locker = Locker::new(conn.clone());
+    println!("## rate limit admission decisions, {TASKS} tasks ({secs} s)");
+    println!(
+        "| decision | decisions/s | client CPU per decision | server CPU per decision |\n|---|---|---|---|"
+    );
+    for (name, rate, shared) in [
+        (
+            "admitted (a key per task, 10^6 per 10 s)",
+            Rate::new(1_000_000, Duration::from_secs(10))?,
+            false,
+        ),
+        (
+            "refused (one key, 1 per 10 s)",
+            Rate::new(1, Duration::from_secs(10))?,
+            true,
+        ),
+    ] {
+        let mut cycles = Cycles::new();
+        let locker = locker.clone();
+        cycles
+            .measure(
+                &conn,
+                run_tasks(secs, move |task, stop, count| {
+                    let locker = locker.clone();
+                    async move {
+                        let key = if shared {
+                            "rate-hot".to_owned()
+                        } else {
+                            format!("rate-{task}")
+                        };
+                        while !stop.load(Ordering::Relaxed) {
+                            locker.admit(&key, &rate).await?;
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(())
+                    }
+                }),
+            )
+            .await?;
+        println!(
+            "| {name} | {:.0} | {:.2} µs | {:.2} µs |",
+            cycles.rate(),
+            cycles.client_us(),
+            cycles.server_us()
+        );
+    }
+    println!();
+    Ok(())
 }
 
 /// Runs `TASKS` tasks for `secs`; returns completed cycles per second, and

@@ -9,7 +9,7 @@ use std::process::Command;
 
 use lockgate::testing::RedisServer;
 
-const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing", "pipeline"];
+const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing", "pipeline", "limits"];
 
 #[test]
 fn every_example_runs() {

@@ -319,3 +319,68 @@ async fn a_backlog_wakes_every_idle_worker() {
 async fn sleep_a_little() {
     tokio::time::sleep(ms(300)).await;
 }
+
+/// Two lock layers, one inside the other: when the inner key is busy, the
+/// inner layer defers the running job in place (the outer one handed it
+/// on), the outer one answers `Done(Deferred)`, and the worker counts a
+/// deferral instead of acknowledging the job: it comes back, under its own
+/// id, and is handled once its key is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_deferred_by_an_inner_layer_comes_back() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "stacked").unwrap();
+    let locker = Locker::new(conn).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let service = ServiceBuilder::new()
+        .layer(LockLayer::new(locker.clone(), |job: &Job<Msg>| {
+            format!("outer-{}", job.n)
+        }))
+        .layer(
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), ms(20))),
+        )
+        .service_fn({
+            let handled = handled.clone();
+            move |job: Job<Msg>| {
+                let handled = handled.clone();
+                async move {
+                    handled
+                        .lock()
+                        .unwrap()
+                        .push((job.id().to_owned(), job.deferrals()));
+                    Ok::<_, BoxError>(())
+                }
+            }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    let pushed = queue
+        .push(Msg {
+            n: 1,
+            key: "busy".into(),
+        })
+        .await
+        .unwrap();
+    eventually("the job was deferred", secs(10), async || {
+        let deferred = metrics.snapshot().deferred;
+        done_if(deferred >= 2, deferred)
+    })
+    .await;
+    assert!(handled.lock().unwrap().is_empty());
+    assert!(locker.release(&holder).await.unwrap());
+    eventually("the job was handled", secs(10), async || {
+        let handled = handled.lock().unwrap().clone();
+        done_if(!handled.is_empty(), format!("{handled:?}"))
+    })
+    .await;
+    stop(stop_tx, run).await;
+    let handled = handled.lock().unwrap().clone();
+    assert_eq!(handled.len(), 1, "{handled:?}");
+    assert_eq!(handled[0].0, pushed.id, "deferred in place, not copied");
+    assert!(handled[0].1 >= 2, "{handled:?}");
+    assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 0));
+}

@@ -224,7 +224,7 @@ where
         let Some(ticket) = guard.ticket.clone() else {
             return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
         };
-        // The first try is the plain `SET NX PX GET`; a busy key (and
+        // The first try is the plain `SET NX PX`; a busy key (and
         // every later try) runs the contend script, which tries again and
         // reads how long the holder still has.
         // A waiter that listens marks the lock, so that its release
@@ -344,7 +344,14 @@ where
         })
         .clone();
     let held = HeldLock::new(lease.ticket().clone(), issue_fence);
-    hold(locker, config.on_lost, inner, req, lease, held, guard).await
+    // The running job, if this layer took it and did not need it, goes on to
+    // the layers inside: one of them may defer the job in place.
+    let mut inner = inner;
+    let call = held.clone().scope(async move {
+        let call = RunningJob::provide(running, || inner.call(req));
+        call.await.map_err(Into::<BoxError>::into)
+    });
+    hold(locker, config.on_lost, call, lease, held, guard).await
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or
@@ -357,23 +364,17 @@ where
 /// renewal is still in flight (a hung connection, a partition): another
 /// process may hold the key by then. Renewal runs beside the call, as its
 /// own branch: a slow renewal never holds back a handler that has finished.
-async fn hold<S, C, Req>(
+async fn hold<C, R>(
     locker: &Locker<C>,
     on_lost: OnLost,
-    mut inner: S,
-    req: Req,
+    call: impl Future<Output = Result<R, BoxError>>,
     lease: Lease,
     held: HeldLock,
     mut guard: ReleaseGuard<'_, C>,
-) -> Result<Outcome<S::Response>, BoxError>
+) -> Result<Outcome<R>, BoxError>
 where
-    S: Service<Req> + Send + 'static,
-    S::Error: Into<BoxError>,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let call = held
-        .clone()
-        .scope(async move { inner.call(req).await.map_err(Into::<BoxError>::into) });
     tokio::pin!(call);
     // A handler that finishes without waiting needs no renewal timer: the
     // renewal loop (boxed, to keep this future small) starts only if it

@@ -1,4 +1,5 @@
--- Tries once more to take a lock that a plain `SET NX PX GET` found held,
+-- Tries once more to take a lock that a plain `SET NX PX` found set (held
+-- by another holder, or by a first copy of the same request: a resend),
 -- and reports how long its holder still has.
 -- KEYS[1]: lock key   <prefix>:lock:{<key>}, value "<token>[:<fence>][!]"
 -- ARGV[1]: holder token (random; identifies this holder)

@@ -9,7 +9,7 @@
 //! # The lock cycle
 //!
 //! An uncontended cycle is what the bare Redis recipe costs: one
-//! `SET NX PX GET` command to acquire and one compare-and-delete script to
+//! `SET NX PX` command to acquire and one compare-and-delete script to
 //! release. Only contention costs more: when the `SET` finds the key held, a
 //! second script (`contend.lua`) tries again and reads the holder's remaining
 //! TTL, and a waiter that wants to be woken (see
@@ -383,13 +383,6 @@ impl Ticket {
     /// The fence, if one was issued to this holder.
     pub(crate) fn issued_fence(&self) -> Option<u64> {
         self.fence.get().copied()
-    }
-
-    /// Whether a lock value (`<token>[:<fence>][!]`) names this token.
-    fn owns(&self, value: &str) -> bool {
-        value
-            .strip_prefix(self.token.as_str())
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with([':', '!']))
     }
 
     pub(crate) fn lock_key(&self) -> &str {
@@ -768,7 +761,7 @@ where
 
     /// Tries once to take the lock on `key`.
     ///
-    /// One round trip (`SET key token NX PX ttl GET`) when the lock is free;
+    /// One round trip (`SET key token NX PX ttl`) when the lock is free;
     /// a second one, to read how long the holder still has, when it is not.
     /// Errors on an empty key or a Redis failure; a lock held by someone else
     /// is not an error but [`Acquisition::Contended`]. Under
@@ -826,9 +819,10 @@ where
         })
     }
 
-    /// The fast path: one `SET NX PX GET`. `Some` when the lock is ours (it
-    /// was free, or holds our token: a resent acquire whose first copy ran,
-    /// then with the TTL it has left), `None` when someone else holds it.
+    /// The fast path: one `SET NX PX`, the bare recipe. `Some` when this
+    /// `SET` took the lock; `None` when the key was set, by another holder
+    /// or by a first copy of this very request (a resend): the contend
+    /// script tells which.
     pub(crate) async fn try_set(&self, ticket: &Arc<Ticket>) -> Result<Option<Acquisition>> {
         // Found out before the first lock is taken, so that its release
         // does not depend on one more round trip.
@@ -853,19 +847,12 @@ where
             .arg(ticket.token)
             .arg("NX")
             .arg("PX")
-            .arg(millis(ttl))
-            .arg("GET");
-        let held: Option<String> = self
-            .send_acquire(None, &cmd, ticket, |held: &Option<String>| {
-                held.as_deref().is_none_or(|held| ticket.owns(held))
-            })
+            .arg(millis(ttl));
+        // `OK` when set, nil when the key exists.
+        let set: Option<String> = self
+            .send_acquire(None, &cmd, ticket, |set: &Option<String>| set.is_some())
             .await?;
-        match held {
-            None => Ok(Some(self.lease(ticket, started, None))),
-            // Ours already: the contend script reads the TTL it has left.
-            Some(held) if ticket.owns(&held) => self.contend(ticket, false).await.map(Some),
-            Some(_) => Ok(None),
-        }
+        Ok(set.map(|_| self.lease(ticket, started, None)))
     }
 
     /// Tries once more with the contend script, which also reads the

@@ -108,7 +108,7 @@ pub const MAX_CONCURRENCY: usize = 100_000;
 /// returns) and for common plain responses (`()`, `bool`, `String`,
 /// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done.
 /// For a response type of your own, `impl WorkerResponse for MyType {}` says
-/// "done"; for a foreign type, map it away with
+/// "done" (also inside an `Outcome`); for a foreign type, map it away with
 /// `ServiceBuilder::map_response(|_| ())`.
 pub trait WorkerResponse {
     /// The id under which the message was deferred, if it was.
@@ -117,11 +117,13 @@ pub trait WorkerResponse {
     }
 }
 
-impl<R> WorkerResponse for Outcome<R> {
+/// Looks inside `Done`: stacked layers (a `RateLimitLayer` around a
+/// `LockLayer`) answer `Done(Deferred { .. })` when the inner one deferred.
+impl<R: WorkerResponse> WorkerResponse for Outcome<R> {
     fn deferred_as(&self) -> Option<&str> {
         match self {
             Outcome::Deferred { id, .. } => Some(id),
-            Outcome::Done(_) => None,
+            Outcome::Done(inner) => inner.deferred_as(),
         }
     }
 }
