@@ -982,3 +982,33 @@ async fn permits_on_every_node_limit_fence_and_wake() {
         assert!(holder.permit_holders(key).await.unwrap().is_empty());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limits_on_every_node_admit_refuse_and_reserve() {
+    use lockgate::lock::rate::{Admission, Rate};
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let locker = Locker::new(conn.clone());
+    let rate = Rate::new(2, Duration::from_secs(10)).unwrap();
+    let mut nodes = BTreeSet::new();
+    for key in lock_keys().into_iter().take(15) {
+        let node = node_of(&cluster, &conn, &locker.rate_key(&key)).await;
+        nodes.insert(node);
+        for _ in 0..2 {
+            let admission = locker.admit(&key, &rate).await.unwrap();
+            assert!(
+                matches!(admission, Admission::Admitted(_)),
+                "{key:?}: {admission:?}"
+            );
+        }
+        // The log sits on the key's node.
+        assert!(exists_on(&cluster, node, &locker.rate_key(&key)).await);
+        match locker.admit(&key, &rate).await.unwrap() {
+            Admission::Limited(busy) => {
+                assert!(busy.retry_after() <= Duration::from_secs(10), "{busy:?}")
+            }
+            Admission::Admitted(_) => panic!("a third admission of {key:?} within the period"),
+        }
+    }
+    assert_eq!(nodes.len(), 3, "the keys reach every node");
+}
