@@ -27,7 +27,8 @@ use lockgate::{
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::{Deserialize, Serialize};
 use support::{
-    BOUNDED, acquired, backoff, done_if, eventually, held, locker, manager, ms, raw, secs, server,
+    BOUNDED, acquired, backoff, done_if, eventually, held, locker, manager, ms, raw, script_calls,
+    secs, server,
 };
 use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, sleep, timeout};
@@ -62,23 +63,6 @@ async fn wait_gone(conn: &ConnectionManager, key: &str) {
         done_if(value.is_none(), format_args!("{value:?}"))
     })
     .await;
-}
-
-/// Calls made through EVAL/EVALSHA on the server so far (every lock acquire,
-/// extend and release is one).
-async fn script_calls(conn: &ConnectionManager) -> u64 {
-    let info: String = raw(conn, &["INFO", "commandstats"]).await;
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 /// Claims from `queue` until something comes back; panics after `bound`.

@@ -8,30 +8,21 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use lockgate::layer::DeferDelay;
 use lockgate::{
     Acquisition, Backoff, BoxError, Contended, Error, HeldLock, Job, LockLayer, Locker, OnConflict,
     Outcome, Permits, Queue, ReleaseListener, Worker,
 };
-use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
-use support::{BOUNDED, manager, ms, raw, secs, server};
+use support::{BOUNDED, manager, ms, now_ns, script_calls, secs, server, spawn_child};
 use tokio::time::{sleep, timeout};
 use tower::{Layer, ServiceExt, service_fn};
 
 const CHILD: &str = "LOCKGATE_PERMITS_CHILD";
-
-fn now_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
-}
 
 /// The most intervals of `holds` (start, end) that overlap at one moment.
 fn most_at_once(holds: &[(u128, u128)]) -> usize {
@@ -157,29 +148,12 @@ async fn record(out: Arc<std::sync::Mutex<std::io::Stdout>>, hold: u64) -> Resul
     Ok(())
 }
 
-fn spawn_child(spec: &str) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, spec)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawning a child process")
-}
-
 #[tokio::test]
 async fn three_processes_never_hold_more_than_three_permits_and_use_all_three() {
     let server = server();
     let (processes, tasks, calls) = (3, 3, 12);
     let spec = format!("{};{tasks};{calls};3;5;10000", server.url());
-    let children: Vec<_> = (0..processes).map(|_| spawn_child(&spec)).collect();
+    let children: Vec<_> = (0..processes).map(|_| spawn_child(CHILD, &spec)).collect();
     let mut holds = Vec::new();
     for child in children {
         let output = child.wait_with_output().expect("child output");
@@ -218,7 +192,7 @@ async fn permits_of_a_killed_process_come_back_when_their_leases_end() {
     // The child takes both permits (lease 600 ms, renewed while it lives)
     // and never lets go.
     let spec = format!("{};2;1;2;0;600", server.url());
-    let mut child = KillOnDrop(spawn_child(&spec));
+    let mut child = KillOnDrop(spawn_child(CHILD, &spec));
     let stdout = child.0.stdout.take().unwrap();
     // (The test harness prints its own lines first.)
     let holding = BufReader::new(stdout)
@@ -373,22 +347,6 @@ async fn fail_says_when_the_first_lease_ends() {
     // One back, one free.
     assert!(locker.release(&first).await.unwrap());
     assert_eq!(svc.oneshot("k".into()).await.unwrap(), Outcome::Done(()));
-}
-
-/// Script calls (`EVALSHA`/`EVAL`) the server has run so far.
-async fn script_calls(conn: &ConnectionManager) -> u64 {
-    let info: String = raw(conn, &["INFO", "commandstats"]).await;
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 #[tokio::test]

@@ -8,31 +8,16 @@
 mod support;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict, Outcome, ReleaseListener};
 use redis::aio::ConnectionManager;
-use support::{BOUNDED, acquired, manager, ms, raw, secs, server};
+use support::{
+    BOUNDED, acquired, manager, ms, now_ns, raw, script_calls, secs, server, spawn_child,
+};
 use tokio::time::{sleep, timeout};
 use tower::{Layer, ServiceExt, service_fn};
-
-/// Script calls (`EVALSHA`/`EVAL`) the server has run so far.
-async fn script_calls(conn: &ConnectionManager) -> u64 {
-    let info: String = raw(conn, &["INFO", "commandstats"]).await;
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
 
 /// A backoff that would poll every millisecond: any polling shows.
 fn polling_backoff() -> Backoff {
@@ -188,13 +173,6 @@ async fn the_listener_comes_back_after_its_connection_is_killed() {
 /// process: `<redis url>;<tasks>;<calls per task>;<keys>;<hold ms>`.
 const CHILD: &str = "LOCKGATE_WAKE_CHILD";
 
-fn now_ns() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
-}
-
 /// A child process: `tasks` tasks each make `calls` calls over the hot
 /// keys, through a waking `LockLayer`; each handled call prints
 /// `held <key> <start ns> <end ns>`.
@@ -258,24 +236,6 @@ async fn record(
     Ok(())
 }
 
-/// Starts this test binary as a child running `child` with `spec`.
-fn spawn_child(spec: &str) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env(CHILD, spec)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawning a child process")
-}
-
 /// `(key, start, end)` of every call a child handled.
 fn holds_of(child: std::process::Child) -> Vec<(String, u128, u128)> {
     let output = child.wait_with_output().expect("child output");
@@ -300,7 +260,7 @@ async fn processes_hold_each_key_one_at_a_time_and_every_call_is_handled() {
     let server = server();
     let (processes, tasks, calls, keys) = (3, 4, 15, 2);
     let spec = format!("{};{tasks};{calls};{keys};2", server.url());
-    let children: Vec<_> = (0..processes).map(|_| spawn_child(&spec)).collect();
+    let children: Vec<_> = (0..processes).map(|_| spawn_child(CHILD, &spec)).collect();
     let mut holds: Vec<(String, u128, u128)> = Vec::new();
     for child in children {
         let mine = holds_of(child);
@@ -330,7 +290,7 @@ async fn a_release_wakes_a_waiter_in_another_process() {
     // (it would poll hundreds of times if it were not woken).
     let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
     let lease = acquired(&holder, "hot-0").await;
-    let child = spawn_child(&format!("{};1;1;1;1", server.url()));
+    let child = spawn_child(CHILD, &format!("{};1;1;1;1", server.url()));
     // Until the child waits: it has marked the lock.
     support::eventually("the child waits", BOUNDED, async || {
         let value: String = raw(&conn, &["GET", &holder.lock_key("hot-0")]).await;

@@ -283,3 +283,49 @@ impl Holds {
         }
     }
 }
+
+/// Calls made through `EVAL`/`EVALSHA` on the server so far (`INFO
+/// commandstats`): what a waiter that polls would drive up.
+pub async fn script_calls(conn: &ConnectionManager) -> u64 {
+    let info: String = raw(conn, &["INFO", "commandstats"]).await;
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// Wall-clock nanoseconds since the epoch: intervals recorded by several
+/// processes of this machine compare.
+pub fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// Starts this test binary again as a child process that runs only the
+/// ignored test `child`, with `spec` in the environment variable `var`;
+/// its stdout is piped to the caller.
+pub fn spawn_child(var: &str, spec: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(var, spec)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("spawning a child process")
+}
