@@ -78,12 +78,7 @@ pub(crate) struct PermitKeys {
 
 impl PermitKeys {
     pub(crate) fn new(prefix: &str, key: &str) -> Self {
-        let set = permits_key(prefix, key);
-        Self {
-            mark: format!("{set}:waited"),
-            fences: format!("{set}:fences"),
-            set,
-        }
+        Self::of(&permits_key(prefix, key))
     }
 
     /// The keys of the set named `set` (a ticket's lock key).
