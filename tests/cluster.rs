@@ -685,6 +685,17 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parked_messages_on_the_cluster_are_each_handled_once_one_at_a_time_per_key() {
+    parked_messages_on_the_cluster(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_messages_on_the_cluster_are_each_handled_once_two_at_a_time_per_key() {
+    parked_messages_on_the_cluster(Some(2)).await;
+}
+
+/// 300 messages on 5 hot keys, two workers, parking until the key (or, with
+/// `permits`, one of its permits) frees.
+async fn parked_messages_on_the_cluster(permits: Option<u32>) {
     let cluster = cluster();
     let name = "parked{eu}";
     let hot = ["a}b", "{x}", "plain", "k{y}z", "}"];
@@ -711,10 +722,14 @@ async fn parked_messages_on_the_cluster_are_each_handled_once_one_at_a_time_per_
         .await
         .unwrap();
         let holds = holds.clone();
+        let mut layer = LockLayer::new(locker, |job: &Job<Msg>| job.key.clone());
+        if let Some(n) = permits {
+            layer = layer.permits(n).unwrap();
+        }
         let service =
             ServiceBuilder::new()
                 .layer(
-                    LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
+                    layer
                         .on_conflict(OnConflict::retry(backoff).then_defer(
                             queue.clone(),
                             lockgate::layer::DeferDelay::until_released(),
@@ -761,7 +776,20 @@ async fn parked_messages_on_the_cluster_are_each_handled_once_one_at_a_time_per_
     }
 
     holds.assert_each_once(total as usize);
-    holds.assert_exclusive();
+    match permits {
+        None => holds.assert_exclusive(),
+        Some(n) => {
+            let most = holds.most_at_once();
+            assert!(
+                most.values().all(|&m| m <= n as usize),
+                "more than {n} at once: {most:?}"
+            );
+            assert!(
+                most.values().any(|&m| m == n as usize),
+                "never {n} at once: {most:?}"
+            );
+        }
+    }
     let stats = producer.stats().await.unwrap();
     assert_eq!(
         (stats.due, stats.later, stats.active, stats.dead),

@@ -44,16 +44,19 @@ fn parking_worker(
     conn: ConnectionManager,
     queue: &Queue<Msg>,
     ttl: Duration,
+    permits: Option<u32>,
     log: Log,
 ) -> impl std::future::Future<Output = lockgate::Result<()>> + Send + 'static + use<> {
     let locker = Locker::new(conn).ttl(ttl).unwrap();
+    let mut layer = LockLayer::new(locker, job_key);
+    if let Some(n) = permits {
+        layer = layer.permits(n).unwrap();
+    }
     let service = ServiceBuilder::new()
-        .layer(
-            LockLayer::new(locker, job_key).on_conflict(OnConflict::defer(
-                queue.clone(),
-                DeferDelay::until_released(),
-            )),
-        )
+        .layer(layer.on_conflict(OnConflict::defer(
+            queue.clone(),
+            DeferDelay::until_released(),
+        )))
         .service_fn(move |job: Job<Msg>| handle(log.clone(), job));
     let (tx, shutdown) = shutdown_signal();
     // Kept alive by the future: the worker stops when the test ends.
@@ -107,9 +110,24 @@ async fn hold_until(
     ttl: Duration,
     release: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<Outcome<()>, BoxError> {
+    hold_permit_until(conn, queue, key, ttl, None, release).await
+}
+
+/// The same for one of the key's `permits` (`None`: its lock).
+async fn hold_permit_until(
+    conn: ConnectionManager,
+    queue: Queue<Msg>,
+    key: &str,
+    ttl: Duration,
+    permits: Option<u32>,
+    release: tokio::sync::oneshot::Receiver<()>,
+) -> Result<Outcome<()>, BoxError> {
     let release = Arc::new(Mutex::new(Some(release)));
-    let svc = LockLayer::new(Locker::new(conn).ttl(ttl).unwrap(), key_of)
-        .on_conflict(OnConflict::defer(queue, DeferDelay::until_released()));
+    let mut layer = LockLayer::new(Locker::new(conn).ttl(ttl).unwrap(), key_of);
+    if let Some(n) = permits {
+        layer = layer.permits(n)?;
+    }
+    let svc = layer.on_conflict(OnConflict::defer(queue, DeferDelay::until_released()));
     let svc = tower::Layer::layer(
         &svc,
         service_fn(move |_m: Msg| wait_for(release.lock().unwrap().take())),
@@ -144,6 +162,7 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
         manager(&server).await,
         &queue,
         secs(30),
+        None,
         log.clone(),
     ));
     // Five messages park on A, one after another, and one on a free key B
@@ -241,6 +260,7 @@ async fn messages_claimed_together_come_back_in_push_order() {
         manager(&server).await,
         &queue,
         secs(30),
+        None,
         log.clone(),
     ));
     eventually("all eight park", BOUNDED, async || {
@@ -311,6 +331,7 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
         manager(&server).await,
         &queue,
         secs(30),
+        None,
         log.clone(),
     ));
     for n in 1..=3 {
@@ -335,5 +356,181 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
     .await;
     let order: Vec<u32> = log.lock().unwrap().iter().map(|(n, ..)| *n).collect();
     assert_eq!(order, [1, 2, 3]);
+    worker.abort();
+}
+
+// ---------------------------------------------------------------------------
+// Keys with n permits
+// ---------------------------------------------------------------------------
+
+/// The permits set of `key` for messages parked in the test queue.
+fn permits_set(key: &str) -> String {
+    format!("lockgate:{{{QUEUE}}}:permits:{key}")
+}
+
+/// The most runs of `runs` that overlap at one moment.
+fn most_at_once(runs: &[(u32, u32, Instant, Instant)]) -> usize {
+    let mut events: Vec<(Instant, i32)> = Vec::new();
+    for (_, _, start, end) in runs {
+        events.push((*start, 1));
+        events.push((*end, -1));
+    }
+    // Ends before starts at the same instant: touching is not overlapping.
+    events.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in events {
+        now += step;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+
+    // Two holders take both of A's two permits.
+    let mut releases = Vec::new();
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let (release, released) = tokio::sync::oneshot::channel();
+        releases.push(release);
+        holders.push(tokio::spawn(hold_permit_until(
+            conn.clone(),
+            queue.clone(),
+            "A",
+            secs(30),
+            Some(2),
+            released,
+        )));
+        let taken = holders.len() as i64;
+        eventually("a permit of A is held", BOUNDED, async || {
+            let held: i64 = raw(&conn, &["ZCARD", &permits_set("A")]).await;
+            done_if(held == taken, held)
+        })
+        .await;
+    }
+
+    let log: Log = Default::default();
+    let worker = tokio::spawn(parking_worker(
+        &server,
+        manager(&server).await,
+        &queue,
+        secs(30),
+        Some(2),
+        log.clone(),
+    ));
+    for n in 1..=6 {
+        queue.push(msg(n, "A")).await.unwrap();
+        eventually("the message parks", BOUNDED, async || {
+            let len = parked(&conn, "A").await;
+            done_if(len == i64::from(n), len)
+        })
+        .await;
+    }
+    tokio::time::sleep(ms(100)).await;
+    assert!(
+        log.lock().unwrap().is_empty(),
+        "ran while both permits were held"
+    );
+
+    // One permit frees: the first parked message takes it, and the others
+    // follow one at a time while the second holder keeps its permit.
+    releases.remove(0).send(()).unwrap();
+    eventually("two parked messages ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n >= 2, n)
+    })
+    .await;
+    assert_eq!(
+        most_at_once(&log.lock().unwrap()),
+        1,
+        "one permit was free, two ran at once"
+    );
+    // The second frees: two at a time from then on.
+    releases.remove(0).send(()).unwrap();
+    for holder in holders {
+        assert_eq!(holder.await.unwrap().unwrap(), Outcome::Done(()));
+    }
+    eventually("every message ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n == 6, n)
+    })
+    .await;
+    let mut runs = log.lock().unwrap().clone();
+    runs.sort_by_key(|(_, _, start, _)| *start);
+    let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3, 4, 5, 6], "not started in push order");
+    for (n, deferrals, ..) in &runs {
+        assert_eq!(*deferrals, 1, "message {n} was deferred {deferrals} times");
+    }
+    assert_eq!(
+        most_at_once(&runs),
+        2,
+        "two permits, both in use at the end"
+    );
+    eventually("nothing is parked or held", BOUNDED, async || {
+        let left = (
+            parked(&conn, "A").await,
+            support::exists(&conn, &permits_set("A")).await,
+        );
+        done_if(left == (0, false), left)
+    })
+    .await;
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    worker.abort();
+}
+
+/// A holder that dies keeps its permit only until its lease ends: the
+/// parked messages then come back, in order, and nothing is stranded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_of_a_dead_holder_free_the_parked_messages_when_their_leases_end() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
+    // What a holder that died leaves behind: its permit, leased for 500 ms
+    // more by the server's clock, that nobody will release or renew.
+    let (secs_now, micros): (u64, u64) = redis::cmd("TIME")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let lease_end = (secs_now * 1000 + micros / 1000 + 500).to_string();
+    let _: i64 = raw(
+        &conn,
+        &["ZADD", &permits_set("A"), &lease_end, "dead-holder"],
+    )
+    .await;
+
+    let log: Log = Default::default();
+    let worker = tokio::spawn(parking_worker(
+        &server,
+        manager(&server).await,
+        &queue,
+        secs(30),
+        Some(1),
+        log.clone(),
+    ));
+    for n in 1..=3 {
+        queue.push(msg(n, "A")).await.unwrap();
+    }
+    eventually("every parked message ran", BOUNDED, async || {
+        let n = log.lock().unwrap().len();
+        done_if(n == 3, n)
+    })
+    .await;
+    let runs = log.lock().unwrap().clone();
+    let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3]);
+    assert_eq!(most_at_once(&runs), 1, "one permit");
+    assert!(
+        runs.iter().all(|(_, deferrals, ..)| *deferrals == 1),
+        "each parked once: {runs:?}"
+    );
     worker.abort();
 }

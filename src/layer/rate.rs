@@ -246,7 +246,7 @@ where
 {
     let (locker, rate) = (&config.locker, &config.rate);
     let then = &config.on_conflict.then;
-    if then.parking(&key).is_some() {
+    if then.parking(&key, false).is_some() {
         return Err(crate::Error::Config(format!(
             "a rate limit cannot park `{key}` until released: use DeferDelay::until_allowed()"
         ))

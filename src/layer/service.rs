@@ -151,22 +151,18 @@ where
     let mut tries: u32 = 0;
     // A strategy that parks messages on the key locks it in the queue's
     // hash slot, and tells the parking scripts which message asks.
-    let ticket = match (config.on_conflict.then.parking(&key), permits) {
-        (None, Some(permits)) => locker.permit_ticket(key, permits)?,
-        (Some(_), Some(_)) => {
-            return Err(crate::Error::Config(format!(
-                "key `{key}` has permits, and parking until released is for locks only: use a timed defer"
-            ))
-            .into());
-        }
-        (Some(mut parking), None) => {
+    let ticket = match config.on_conflict.then.parking(&key, permits.is_some()) {
+        Some(mut parking) => {
             parking.message = running
                 .as_ref()
                 .filter(|job| job.queue.data == parking.data)
                 .map(|job| job.token.id().to_owned());
-            locker.parking_ticket(key, parking)?
+            locker.parking_ticket(key, parking, permits)?
         }
-        (None, None) => locker.ticket(key)?,
+        None => match permits {
+            Some(permits) => locker.permit_ticket(key, permits)?,
+            None => locker.ticket(key)?,
+        },
     };
     let key = ticket.key();
     // Under `retry`, wait behind this process's earlier calls for the key
@@ -186,7 +182,8 @@ where
                     Err(_) => {
                         tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
                         let retry_after = Box::pin(locker.remaining_ticket(&ticket)).await?;
-                        let busy = crate::Contended::new(key.to_owned(), retry_after);
+                        let busy = crate::Contended::new(key.to_owned(), retry_after)
+                            .with_permits(ticket.permits());
                         let give_up = RunningJob::provide(running, || {
                             config.on_conflict.then.give_up(req, busy)
                         });
@@ -259,7 +256,7 @@ where
                         ticket: guard.ticket.replace(locker.retoken(&ticket)),
                     });
                 }
-                crate::Contended::new(key.to_owned(), Duration::ZERO)
+                crate::Contended::new(key.to_owned(), Duration::ZERO).with_permits(ticket.permits())
             }
             Acquisition::Contended(busy) => busy,
         };

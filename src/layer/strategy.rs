@@ -246,9 +246,10 @@ pub(crate) mod sealed {
 
     /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
     pub trait Sealed {
-        /// Where messages park on `key`, when the strategy parks them.
+        /// Where messages park on `key` (a key with permits when
+        /// `permits`), when the strategy parks them.
         #[allow(private_interfaces)]
-        fn parking(&self, _key: &str) -> Option<Parking> {
+        fn parking(&self, _key: &str, _permits: bool) -> Option<Parking> {
             None
         }
 
@@ -263,8 +264,9 @@ pub(crate) mod sealed {
     impl Sealed for super::Fail {}
     impl<T, C> Sealed for super::Defer<T, C> {
         #[allow(private_interfaces)]
-        fn parking(&self, key: &str) -> Option<Parking> {
-            (self.delay == super::DeferDelay::UntilReleased).then(|| self.queue.parking(key))
+        fn parking(&self, key: &str, permits: bool) -> Option<Parking> {
+            (self.delay == super::DeferDelay::UntilReleased)
+                .then(|| self.queue.parking(key, permits))
         }
 
         #[allow(private_interfaces)]
@@ -357,8 +359,11 @@ where
     T: Serialize + DeserializeOwned,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let parking = queue.parking(busy.key());
-    match queue.park(token, &parking, max_deferrals).await? {
+    let parking = queue.parking(busy.key(), busy.permits().is_some());
+    match queue
+        .park(token, &parking, busy.permits(), max_deferrals)
+        .await?
+    {
         Ok(Some(due)) => {
             tracing::debug!(key = %busy.key(), id = %token.id(), "parked until the key is released");
             Ok((token.id().to_owned(), due))

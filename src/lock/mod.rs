@@ -290,6 +290,8 @@ pub struct Contended {
     /// Messages parked on the key come first (`DeferDelay::until_released`):
     /// retrying cannot help, only parking behind them.
     parked_ahead: bool,
+    /// How many permits the key has; `None` for a lock.
+    permits: Option<u32>,
 }
 
 impl Contended {
@@ -298,7 +300,18 @@ impl Contended {
             key,
             retry_after,
             parked_ahead: false,
+            permits: None,
         }
+    }
+
+    /// The same, for a key with `permits` (`None`: a lock).
+    pub(crate) fn with_permits(self, permits: Option<u32>) -> Self {
+        Self { permits, ..self }
+    }
+
+    /// How many permits the key has; `None` for a lock.
+    pub(crate) fn permits(&self) -> Option<u32> {
+        self.permits
     }
 
     /// Whether messages parked on the key come first.
@@ -362,8 +375,13 @@ pub(crate) struct Ticket {
 pub(crate) struct Parking {
     /// The lock: `<prefix>:{<queue>}:lock:<key>`.
     pub(crate) lock: String,
-    /// The fence record: `<prefix>:{<queue>}:fence:<key>`.
+    /// The fence record: `<prefix>:{<queue>}:fence:<key>`. For a key with
+    /// permits, `lock` is its permits set `<prefix>:{<queue>}:permits:<key>`
+    /// and `fence` its fences hash `<prefix>:{<queue>}:permit-fences:<key>`.
     pub(crate) fence: String,
+    /// For a key with permits, the mark waiters set:
+    /// `<prefix>:{<queue>}:permits-waited:<key>` (empty for a lock).
+    pub(crate) mark: String,
     /// The ids parked on the key, by push time: `<prefix>:{<queue>}:parked:<key>`.
     pub(crate) parked: String,
     /// The queue's data hash, dead set, schedule and bell.
@@ -796,17 +814,24 @@ where
 
     /// Prepares an attempt at the lock on `key` that parks messages of a
     /// queue: its keys are in the queue's hash slot.
-    pub(crate) fn parking_ticket(&self, key: String, parking: Parking) -> Result<Arc<Ticket>> {
+    /// With `permits`, one of the key's permits instead of its lock.
+    pub(crate) fn parking_ticket(
+        &self,
+        key: String,
+        parking: Parking,
+        permits: Option<u32>,
+    ) -> Result<Arc<Ticket>> {
         if key.is_empty() {
             return Err(Error::InvalidKey("lock key must not be empty".into()));
         }
+        let permits = permits.map(permits::check_permits).transpose()?;
         Ok(Arc::new(Ticket {
             key,
             lock_key: parking.lock.clone(),
             token: Token::random(),
             fence: OnceLock::new(),
             parking: Some(Arc::new(parking)),
-            permits: None,
+            permits,
         }))
     }
 
@@ -914,6 +939,7 @@ where
                 key: ticket.key.clone(),
                 retry_after: left,
                 parked_ahead,
+                permits: None,
             }))
         }
     }
@@ -1178,10 +1204,8 @@ pub(crate) enum Released {
     Other,
 }
 
-/// 128 random bits as 32 lowercase hex digits (without `core::fmt`, which
-/// showed in profiles of the lock cycle).
-/// A random token: 128 bits as 32 lowercase hex digits, kept inline (no
-/// allocation: one is made for every acquire).
+/// A random token: 128 bits as 32 lowercase hex digits, kept inline and
+/// written without `core::fmt` (one is made for every acquire).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Token([u8; 32]);
 

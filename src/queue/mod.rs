@@ -205,12 +205,28 @@ impl QueueKeys {
     }
 
     /// Where messages parked on `key` wait, and the key's lock (in this
-    /// queue's hash slot) with its fence record.
-    pub(crate) fn parking(&self, key: &str) -> crate::lock::Parking {
+    /// queue's hash slot) with its fence record; for a key with permits,
+    /// its permits set, fences and waiters' mark instead.
+    pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
+        let base = &self.base;
+        let (lock, fence, mark) = if permits {
+            (
+                format!("{base}:permits:{key}"),
+                format!("{base}:permit-fences:{key}"),
+                format!("{base}:permits-waited:{key}"),
+            )
+        } else {
+            (
+                format!("{base}:lock:{key}"),
+                format!("{base}:fence:{key}"),
+                String::new(),
+            )
+        };
         crate::lock::Parking {
-            lock: format!("{}:lock:{key}", self.base),
-            fence: format!("{}:fence:{key}", self.base),
-            parked: format!("{}:parked:{key}", self.base),
+            lock,
+            fence,
+            mark,
+            parked: format!("{base}:parked:{key}"),
             data: self.data.clone(),
             dead: self.dead.clone(),
             schedule: self.schedule.clone(),
@@ -359,8 +375,8 @@ pub(crate) enum Acked {
 
 impl<T, C> Queue<T, C> {
     /// Where messages of this queue park on `key` (see `QueueKeys::parking`).
-    pub(crate) fn parking(&self, key: &str) -> crate::lock::Parking {
-        self.keys.parking(key)
+    pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
+        self.keys.parking(key, permits)
     }
 }
 
@@ -676,7 +692,8 @@ where
 
     /// Parks a claimed message on its busy key (`DeferDelay::until_released`):
     /// it waits behind the messages parked on the key before it, and comes
-    /// back when the key's lock is released or expires. Counts a deferral
+    /// back when the key's lock is released or expires (with `permits`: when
+    /// one of the key's permits is given back, or its lease ends). Counts a deferral
     /// the first time only. `Ok(Err(()))` when the message would exceed
     /// `max_deferrals` (nothing changed); `Ok(Ok(None))` when the claim is
     /// no longer held.
@@ -684,6 +701,7 @@ where
         &self,
         job: &ClaimToken,
         parking: &crate::lock::Parking,
+        permits: Option<u32>,
         max_deferrals: Option<u32>,
     ) -> Result<Result<Option<SystemTime>, ()>> {
         let job = job.claim_ref();
@@ -700,6 +718,7 @@ where
             .arg(job.id())
             .arg(PARK_CHECK.as_millis() as u64)
             .arg(max_deferrals.map_or(String::new(), |n| n.to_string()))
+            .arg(permits.map_or(String::new(), |n| n.to_string()))
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(

@@ -23,6 +23,9 @@ pub(crate) struct Scripts {
     pub(crate) park: Script,
     pub(crate) park_acquire: Script,
     pub(crate) park_release: Script,
+    /// The same for a key with n permits (`LockLayer::permits`).
+    pub(crate) park_permit_acquire: Script,
+    pub(crate) park_permit_release: Script,
 }
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
@@ -30,9 +33,14 @@ fn load(body: &str) -> Script {
     Script::new(&with_prelude(body))
 }
 
-/// A parking script: the prelude, the parking helpers, the script.
+/// A parking script: the prelude, the permit functions, the parking
+/// helpers, the script.
 fn load_parking(body: &str) -> Script {
-    load(&format!("{}\n{body}", include_str!("lua/parking.lua")))
+    load(&format!(
+        "{}\n{}\n{body}",
+        crate::lock::permits::PERMITS_LUA,
+        include_str!("lua/parking.lua")
+    ))
 }
 
 fn with_prelude(body: &str) -> String {
@@ -63,6 +71,8 @@ impl Scripts {
             park: load_parking(include_str!("lua/park.lua")),
             park_acquire: load_parking(include_str!("lua/park_acquire.lua")),
             park_release: load_parking(include_str!("lua/park_release.lua")),
+            park_permit_acquire: load_parking(include_str!("lua/park_permit_acquire.lua")),
+            park_permit_release: load_parking(include_str!("lua/park_permit_release.lua")),
         });
         &SCRIPTS
     }

@@ -268,6 +268,30 @@ impl Holds {
         assert!(twice.is_empty(), "handled more than once: {twice:?}");
     }
 
+    /// Per key, the most handler runs that overlapped at one moment.
+    #[allow(dead_code)]
+    pub fn most_at_once(&self) -> std::collections::BTreeMap<String, usize> {
+        let inner = self.inner();
+        let mut most = std::collections::BTreeMap::new();
+        for (key, list) in &inner.intervals {
+            let mut events: Vec<(Instant, i32)> = Vec::new();
+            for (start, end, _) in list {
+                events.push((*start, 1));
+                events.push((*end, -1));
+            }
+            // Ends before starts at the same instant: touching is not
+            // overlapping.
+            events.sort();
+            let (mut now, mut peak) = (0i32, 0i32);
+            for (_, step) in events {
+                now += step;
+                peak = peak.max(now);
+            }
+            most.insert(key.clone(), peak as usize);
+        }
+        most
+    }
+
     /// Asserts that no two handler runs of one key overlapped.
     pub fn assert_exclusive(&self) {
         for (key, list) in self.inner().intervals.iter_mut() {

@@ -2,7 +2,7 @@
 -- KEYS[1]: permits
 -- ARGV[1]: holder token   ARGV[2]: new TTL in ms
 -- Returns 1 when renewed, 0 when the token holds no permit any more.
--- Usual cost: ZSCORE, TIME, ZADD, PTTL.
+-- Usual cost: ZSCORE, TIME, ZADD, PEXPIRE.
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not lease then
   return 0
@@ -14,7 +14,6 @@ if tonumber(lease) <= now then
 end
 local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[1])
-if redis.call('PTTL', KEYS[1]) < ttl then
-  redis.call('PEXPIRE', KEYS[1], ttl)
-end
+-- The set lives as long as its longest lease (GT: only a later end).
+redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
 return 1

@@ -33,10 +33,18 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::script;
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+/// The permit functions, prepended to the scripts that take or give back
+/// permits (also the queue's parking scripts for permits).
+pub(crate) const PERMITS_LUA: &str = include_str!("permits.lua");
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("acquire.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("release.lua")));
 static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
 static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fence.lua")));
+
+fn with_permits(body: &str) -> Script {
+    Script::new(&format!("{PERMITS_LUA}\n{body}"))
+}
 
 /// The most permits a key may have: far beyond any useful concurrency, and
 /// exact in the scripts' numbers.
@@ -69,25 +77,50 @@ pub struct PermitHolder {
     pub remaining: Duration,
 }
 
-/// The Redis keys of a key's permits.
-pub(crate) struct PermitKeys {
-    pub(crate) set: String,
-    pub(crate) mark: String,
-    pub(crate) fences: String,
+/// The Redis keys of a key's permits: `<set>`, `<set>:waited` and
+/// `<set>:fences`, or the queue's parking keys (see `Parking`). Written
+/// straight into commands: they are named on every acquire and release.
+pub(crate) struct PermitKeys<'a> {
+    pub(crate) set: &'a str,
+    pub(crate) mark: KeyName<'a>,
+    pub(crate) fences: KeyName<'a>,
 }
 
-impl PermitKeys {
-    pub(crate) fn new(prefix: &str, key: &str) -> Self {
-        Self::of(&permits_key(prefix, key))
+impl<'a> PermitKeys<'a> {
+    /// The keys of the set named `set`.
+    pub(crate) fn of(set: &'a str) -> Self {
+        Self {
+            set,
+            mark: KeyName(set, ":waited"),
+            fences: KeyName(set, ":fences"),
+        }
     }
 
-    /// The keys of the set named `set` (a ticket's lock key).
-    fn of(set: &str) -> Self {
-        Self {
-            mark: format!("{set}:waited"),
-            fences: format!("{set}:fences"),
-            set: set.to_owned(),
+    /// The keys of a ticket's permits.
+    fn of_ticket(ticket: &'a Ticket) -> Self {
+        match ticket.parking.as_deref() {
+            None => Self::of(ticket.lock_key()),
+            Some(parking) => Self {
+                set: &parking.lock,
+                mark: KeyName(&parking.mark, ""),
+                fences: KeyName(&parking.fence, ""),
+            },
         }
+    }
+}
+
+/// A key name made of a name and a suffix, written into a command without
+/// building a `String`.
+#[derive(Clone, Copy)]
+pub(crate) struct KeyName<'a>(&'a str, &'static str);
+
+impl redis::ToRedisArgs for KeyName<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write;
+        let mut arg = out.writer_for_next_arg();
+        // Writes into memory cannot fail.
+        let _ = arg.write_all(self.0.as_bytes());
+        let _ = arg.write_all(self.1.as_bytes());
     }
 }
 
@@ -131,17 +164,18 @@ where
     /// The current holders of `key`'s permits, with their fences and how
     /// long their leases still live (leases that ran out are left out).
     pub async fn permit_holders(&self, key: &str) -> Result<Vec<PermitHolder>> {
-        let keys = PermitKeys::new(&self.config.prefix, key);
+        let set = self.permits_key(key);
+        let keys = PermitKeys::of(&set);
         type Reply = ((u64, u64), Vec<(String, f64)>, Vec<(String, String)>);
         let (time, members, fences): Reply = redis::pipe()
             .cmd("TIME")
             .cmd("ZRANGE")
-            .arg(&keys.set)
+            .arg(keys.set)
             .arg(0)
             .arg(-1)
             .arg("WITHSCORES")
             .cmd("HGETALL")
-            .arg(&keys.fences)
+            .arg(keys.fences)
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("reading the permits of `{key}`")))?;
@@ -185,24 +219,51 @@ where
         mark: bool,
     ) -> Result<Acquisition> {
         let started = Instant::now();
-        let keys = PermitKeys::of(ticket.lock_key());
-        let mut cmd = script::evalsha(&ACQUIRE, 2);
-        cmd.arg(&keys.set)
-            .arg(&keys.mark)
-            .arg(ticket.token)
-            .arg(millis(self.config.ttl))
-            .arg(permits)
-            .arg(if mark { "1" } else { "0" });
+        let keys = PermitKeys::of_ticket(ticket);
+        let mark = if mark { "1" } else { "0" };
+        let (script, cmd) = match ticket.parking.as_deref() {
+            None => {
+                let mut cmd = script::evalsha(&ACQUIRE, 2);
+                cmd.arg(keys.set)
+                    .arg(keys.mark)
+                    .arg(ticket.token)
+                    .arg(millis(self.config.ttl))
+                    .arg(permits)
+                    .arg(mark);
+                (&*ACQUIRE, cmd)
+            }
+            Some(parking) => {
+                let script = &crate::queue::scripts::Scripts::get().park_permit_acquire;
+                let mut cmd = script::evalsha(script, 7);
+                cmd.arg(keys.set)
+                    .arg(&parking.parked)
+                    .arg(&parking.data)
+                    .arg(&parking.dead)
+                    .arg(&parking.schedule)
+                    .arg(&parking.bell)
+                    .arg(keys.mark)
+                    .arg(ticket.token)
+                    .arg(millis(self.config.ttl))
+                    .arg(mark)
+                    .arg(parking.message.as_deref().unwrap_or(""))
+                    .arg(permits);
+                (script, cmd)
+            }
+        };
         let reply: Vec<i64> = self
-            .send_acquire(Some(&ACQUIRE), &cmd, ticket, |reply: &Vec<i64>| {
+            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
-        let [acquired, left] = reply[..] else {
-            return Err(Error::reply(
-                format_args!("acquiring a permit of `{}`", ticket.key),
-                format_args!("expected 2 integers, got {reply:?}"),
-            ));
+        let (acquired, left, parked_ahead) = match reply[..] {
+            [acquired, left] => (acquired, left, false),
+            [acquired, left, ahead] => (acquired, left, ahead == 1),
+            _ => {
+                return Err(Error::reply(
+                    format_args!("acquiring a permit of `{}`", ticket.key),
+                    format_args!("expected 2 or 3 integers, got {reply:?}"),
+                ));
+            }
         };
         let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
         Ok(if acquired == 1 {
@@ -211,7 +272,8 @@ where
             Acquisition::Contended(Contended {
                 key: ticket.key.clone(),
                 retry_after: left,
-                parked_ahead: false,
+                parked_ahead,
+                permits: Some(permits),
             })
         })
     }
@@ -222,19 +284,41 @@ where
         ticket: &Ticket,
         publish: &'static str,
     ) -> Result<Released> {
-        let keys = PermitKeys::of(ticket.lock_key());
-        let mut cmd = script::evalsha(&RELEASE, 3);
-        cmd.arg(&keys.set)
-            .arg(&keys.mark)
-            .arg(&keys.fences)
-            .arg(ticket.token)
-            .arg(publish)
-            .arg(if ticket.issued_fence().is_some() {
-                "1"
-            } else {
-                "0"
-            });
-        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
+        let keys = PermitKeys::of_ticket(ticket);
+        let fenced = if ticket.issued_fence().is_some() {
+            "1"
+        } else {
+            "0"
+        };
+        let (script, cmd) = match ticket.parking.as_deref() {
+            None => {
+                let mut cmd = script::evalsha(&RELEASE, 3);
+                cmd.arg(keys.set)
+                    .arg(keys.mark)
+                    .arg(keys.fences)
+                    .arg(ticket.token)
+                    .arg(publish)
+                    .arg(fenced);
+                (&*RELEASE, cmd)
+            }
+            Some(parking) => {
+                let script = &crate::queue::scripts::Scripts::get().park_permit_release;
+                let mut cmd = script::evalsha(script, 8);
+                cmd.arg(keys.set)
+                    .arg(&parking.parked)
+                    .arg(&parking.data)
+                    .arg(&parking.dead)
+                    .arg(&parking.schedule)
+                    .arg(&parking.bell)
+                    .arg(keys.mark)
+                    .arg(keys.fences)
+                    .arg(ticket.token)
+                    .arg(publish)
+                    .arg(fenced);
+                (script, cmd)
+            }
+        };
+        let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "releasing a permit of `{}`",
@@ -262,10 +346,10 @@ where
 
     /// The fence script for a permit ticket (see `Locker::fence_ticket`).
     pub(crate) fn fence_permit_cmd(&self, ticket: &Ticket) -> (&'static Script, redis::Cmd) {
-        let keys = PermitKeys::of(ticket.lock_key());
+        let keys = PermitKeys::of_ticket(ticket);
         let mut cmd = script::evalsha(&FENCE, 2);
-        cmd.arg(&keys.set)
-            .arg(&keys.fences)
+        cmd.arg(keys.set)
+            .arg(keys.fences)
             .arg(ticket.token)
             .arg(millis(FENCE_GRACE));
         (&FENCE, cmd)

@@ -2,12 +2,13 @@
 -- behind the messages parked there that were pushed before it, and comes
 -- back when the key's lock is released, or when it expires.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: parked set
--- KEYS[5]: lock   KEYS[6]: dead   KEYS[7]: bell
+-- KEYS[5]: lock, or permits set   KEYS[6]: dead   KEYS[7]: bell
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id
 -- ARGV[3]: PARK_CHECK: how far ahead the messages behind the head are
 --          scheduled, in ms
 -- ARGV[4]: the most deferrals a message may have had before it parks ("" for
 --          no limit)
+-- ARGV[5]: how many permits the key has ("" for a lock)
 -- Returns the due time in ms; -1 when the claim is no longer held; -2 (and
 -- changes nothing) when the message would park a first time with as many
 -- deferrals as the limit allows already.
@@ -34,11 +35,17 @@ if first then
   redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals + 1, stalls, payload))
   redis.call('ZADD', KEYS[4], tonumber(enq), id)
 end
--- When the lock ends (at once if it just did).
-local pttl = redis.call('PTTL', KEYS[5])
-local lock_ends = now + math.max(pttl, 0)
-if pttl == -1 then -- set without expiry by someone else: look again later
-  lock_ends = now + check
+-- When the lock ends, or a permit frees (at once if it just did).
+local lock_ends
+local limit = tonumber(ARGV[5])
+if limit then
+  lock_ends = now + permit_wait(KEYS[5], limit, now)
+else
+  local pttl = redis.call('PTTL', KEYS[5])
+  lock_ends = now + math.max(pttl, 0)
+  if pttl == -1 then -- set without expiry by someone else: look again later
+    lock_ends = now + check
+  end
 end
 local due = now + check
 local head, dropped = first_live(KEYS[4], KEYS[1], KEYS[6], KEYS[2], id)

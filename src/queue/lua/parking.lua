@@ -1,5 +1,6 @@
 -- Parking messages on a busy key until its lock is released (DeferDelay::
--- until_released). Shared by the three parking scripts, after the prelude.
+-- until_released). Shared by the parking scripts, after the prelude and the
+-- permit functions (src/lock/permits/permits.lua).
 --
 -- Keys of key <k> parked in queue <q> (all in hash slot {q}, so that one
 -- script sees the lock and the queue):
@@ -7,13 +8,20 @@
 --   <p>:{q}:parked:<k>  zset   ids parked on the key, scored by the time
 --                              they were pushed: they come back in push
 --                              order (ties: by id)
+-- and for a key with n permits (LockLayer::permits), instead of the lock:
+--   <p>:{q}:permits:<k>         zset    its permits (src/lock/permits/)
+--   <p>:{q}:permits-waited:<k>  string  set while someone waits
+--   <p>:{q}:permit-fences:<k>   hash    the holders' fences
 --
 -- A parked message stays on the schedule, as every waiting message does, so
 -- it is never in no structure and never claimable twice; the parked set only
 -- orders the key's messages. Its head is scheduled for when the lock
 -- ends (its release makes it due at once; a holder that died lets it come
 -- back at its lock's expiry); the others are scheduled PARK_CHECK ms ahead,
--- as a safety net, and re-parked in place if they come back early.
+-- as a safety net, and re-parked in place if they come back early. With n
+-- permits, the head is scheduled for when the first lease ends, each
+-- release brings the head forward, and a head that takes a permit brings
+-- the next one forward at once while permits are left.
 
 -- The first parked id that is still a live message (not acknowledged,
 -- removed or dead), dropping the others from the set's front; nil when
