@@ -8,7 +8,9 @@
 //!   for it (it runs then, however many jobs come meanwhile);
 //! * a `LockLayer` with `Permits` from the key function: "pro" tenants run 3
 //!   jobs at a time, "free" tenants 1; a job that finds its tenant's permits
-//!   taken waits for a release (woken by it), then is deferred by 100 ms.
+//!   taken waits a little for a release (woken by it), then parks on the
+//!   tenant's key until a permit frees: the release brings the tenant's
+//!   parked jobs back one by one, in the order they were pushed.
 //!
 //! ```text
 //! cargo run --example limits --features test-util
@@ -16,9 +18,9 @@
 //!
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
-//! example only touches keys under `lockgate:{limits-jobs}`,
-//! `lockgate:permits:{acme}`, `lockgate:permits:{solo}`,
-//! `lockgate:rate:{acme}` and `lockgate:rate:{solo}`.
+//! example only touches keys under `lockgate:{limits-jobs}` (the queue, and
+//! the tenants' permits, which live in its hash slot since jobs park on
+//! them), `lockgate:rate:{acme}` and `lockgate:rate:{solo}`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -88,7 +90,7 @@ async fn run() -> Result<(), BoxError> {
     let permits = LockLayer::new(locker, plan)
         .on_conflict(
             OnConflict::retry(Backoff::exponential(ms(5), ms(20))?.max_elapsed(ms(100)))
-                .then_defer(queue.clone(), ms(100)),
+                .then_defer(queue.clone(), DeferDelay::until_released()),
         )
         .wake_on_release(listener);
     let log: Log = Default::default();
