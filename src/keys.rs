@@ -29,6 +29,21 @@ pub(crate) fn tag(key: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// A key name made of a name and a suffix, written into a command without
+/// building a `String` (for keys named on every acquire and release).
+#[derive(Clone, Copy)]
+pub(crate) struct KeyName<'a>(pub(crate) &'a str, pub(crate) &'static str);
+
+impl redis::ToRedisArgs for KeyName<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write;
+        let mut arg = out.writer_for_next_arg();
+        // Writes into memory cannot fail.
+        let _ = arg.write_all(self.0.as_bytes());
+        let _ = arg.write_all(self.1.as_bytes());
+    }
+}
+
 /// Checks a key prefix: non-empty and free of braces (a brace in the prefix
 /// would become the hash tag of every key).
 pub(crate) fn check_prefix(prefix: &str) -> Result<()> {

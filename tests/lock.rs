@@ -781,6 +781,7 @@ async fn set_nx(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> O
 async fn contend_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> Vec<i64> {
     CONTEND_LUA
         .key(locker.lock_key(key))
+        .key(format!("{}:waiters", locker.lock_key(key)))
         .arg(token)
         .arg(10_000)
         .arg(0)
@@ -793,8 +794,10 @@ async fn contend_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str)
 async fn release_lua(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> i64 {
     RELEASE_LUA
         .key(locker.lock_key(key))
+        .key(format!("{}:waiters", locker.lock_key(key)))
         .arg(token)
         .arg("PUBLISH")
+        .arg(250)
         .invoke_async(&mut locker.connection().clone())
         .await
         .expect("release.lua")

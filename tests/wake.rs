@@ -310,3 +310,126 @@ async fn a_release_wakes_a_waiter_in_another_process() {
         "the child ran before the release"
     );
 }
+
+// ---------------------------------------------------------------------------
+// The line of waiters: the lock is handed on in the order waiters came
+// ---------------------------------------------------------------------------
+
+/// How many waiters stand in `key`'s line (`<lock key>:waiters`).
+async fn in_line(conn: &ConnectionManager, locker: &Locker<ConnectionManager>, key: &str) -> i64 {
+    raw(
+        conn,
+        &["ZCARD", &format!("{}:waiters", locker.lock_key(key))],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn waiters_in_other_processes_take_the_lock_in_the_order_they_came() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot-0").await;
+    // Three processes come to the busy key one after the other; each holds
+    // it for 20 ms once its turn comes.
+    let mut children = Vec::new();
+    for n in 1..=3 {
+        children.push(spawn_child(CHILD, &format!("{};1;1;1;20", server.url())));
+        support::eventually("the child stands in line", BOUNDED, async || {
+            let waiting = in_line(&conn, &holder, "hot-0").await;
+            support::done_if(waiting == n, waiting)
+        })
+        .await;
+    }
+    assert!(holder.release(&lease).await.unwrap());
+    let starts: Vec<u128> = children
+        .into_iter()
+        .map(|child| {
+            let holds = holds_of(child);
+            assert_eq!(holds.len(), 1);
+            holds[0].1
+        })
+        .collect();
+    assert!(
+        starts.windows(2).all(|pair| pair[0] < pair[1]),
+        "not in the order they came: {starts:?}"
+    );
+    assert_eq!(
+        in_line(&conn, &holder, "hot-0").await,
+        0,
+        "the line is empty"
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_that_died_in_line_holds_the_lock_up_for_the_hand_off_time_only() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "k").await;
+    // What a waiter that died in line leaves: its token, first in line.
+    let dead = "deaddeaddeaddeaddeaddeaddeaddead";
+    let line = format!("{}:waiters", holder.lock_key("k"));
+    let _: i64 = raw(&conn, &["ZADD", &line, "1", dead]).await;
+
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>("ran") }));
+    let call = tokio::spawn(svc.oneshot("k".to_owned()));
+    support::eventually(
+        "the waiter stands in line behind the dead one",
+        BOUNDED,
+        async || {
+            let waiting = in_line(&conn, &holder, "k").await;
+            support::done_if(waiting == 2, waiting)
+        },
+    )
+    .await;
+    assert!(holder.release(&lease).await.unwrap());
+    // Handed to the dead waiter first, which never takes it ...
+    let value: Option<String> = raw(&conn, &["GET", &holder.lock_key("k")]).await;
+    assert!(
+        value.as_deref().is_some_and(|v| v.starts_with(dead)),
+        "{value:?}"
+    );
+    // ... so it expires after the hand-off time, and the live waiter, told
+    // of the hand-off, tries again then.
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+    assert_eq!(in_line(&conn, &holder, "k").await, 0, "the line is empty");
+}
+
+#[tokio::test]
+async fn a_waiter_that_gives_up_leaves_the_line() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "k").await;
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let backoff = Backoff::exponential(ms(10), ms(10))
+        .unwrap()
+        .max_elapsed(ms(200));
+    let layer = waiting_layer(manager(&server).await, secs(30), backoff, listener);
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>(()) }));
+    let call = tokio::spawn(svc.oneshot("k".to_owned()));
+    support::eventually("the waiter stands in line", BOUNDED, async || {
+        let waiting = in_line(&conn, &holder, "k").await;
+        support::done_if(waiting == 1, waiting)
+    })
+    .await;
+    let err = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap_err();
+    assert!(err.downcast_ref::<lockgate::Contended>().is_some(), "{err}");
+    support::eventually("the waiter left the line", BOUNDED, async || {
+        let waiting = in_line(&conn, &holder, "k").await;
+        support::done_if(waiting == 0, waiting)
+    })
+    .await;
+    // So the release hands the lock to nobody: the key is free.
+    assert!(holder.release(&lease).await.unwrap());
+    assert!(!support::exists(&conn, &holder.lock_key("k")).await);
+}

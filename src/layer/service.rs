@@ -216,6 +216,10 @@ where
     // Under `retry` with a release listener: this call's subscription to
     // the key's releases, made when the key is first found busy.
     let mut watch: Option<crate::lock::Watch> = None;
+    // When this call first asked to join the key's line of waiters (see
+    // `src/lock/release.lua`): it must leave the line if it gives up, and a
+    // lock handed to it soon after needs no round trip to be taken.
+    let mut joined: Option<Instant> = None;
     let lease = loop {
         tries = tries.saturating_add(1);
         let Some(ticket) = guard.ticket.clone() else {
@@ -227,6 +231,9 @@ where
         // A waiter that listens marks the lock, so that its release
         // publishes.
         let mark = watch.as_ref().is_some_and(|w| w.is_ready());
+        if mark && joined.is_none() && ticket.waits_in_line() {
+            joined = Some(Instant::now());
+        }
         let acquisition = match tries {
             1 => match locker.try_set(&ticket).await? {
                 Some(acquired) => acquired,
@@ -290,13 +297,15 @@ where
                         let until = Instant::now() + holder_left;
                         let until = deadline.map_or(until, |d| until.min(d));
                         tracing::trace!(%key, tries, ?holder_left, "lock busy; waiting for its release");
-                        Box::pin(async {
-                            tokio::select! {
-                                () = listening.woken() => {}
-                                () = tokio::time::sleep_until(until) => {}
-                            }
-                        })
-                        .await;
+                        let handed =
+                            Box::pin(wait_for_turn(listening, ticket.token(), until, deadline))
+                                .await;
+                        if let Some(lease) = joined
+                            .filter(|_| handed)
+                            .and_then(|joined| locker.handed(&ticket, joined))
+                        {
+                            break lease;
+                        }
                         continue;
                     }
                     Some(_) => {}
@@ -320,9 +329,15 @@ where
             Box::pin(tokio::time::sleep(delay)).await;
             continue;
         }
-        // Known not to be ours (a ticket whose release failed was handed
-        // to a background release above): nothing to release.
-        guard.ticket = None;
+        // Not ours (a ticket whose release failed was handed to a
+        // background release above): nothing to release, but a call that
+        // joined the key's line of waiters leaves it (in the background),
+        // and hands the lock on if a release handed it to this call
+        // meanwhile.
+        if let Some(ticket) = guard.ticket.take().filter(|_| joined.is_some()) {
+            let locker = locker.clone();
+            tokio::spawn(async move { locker.release_ticket(&ticket).await });
+        }
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
         let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
         let (id, due) = Box::pin(give_up).await?;
@@ -349,6 +364,32 @@ where
         call.await.map_err(Into::<BoxError>::into)
     });
     hold(locker, config.on_lost, call, lease, held, guard).await
+}
+
+/// Sleeps until a release hands the lock to `token` (true) or to nobody
+/// (then every waiter tries again), or until `until`. A lock handed to
+/// another waiter is theirs for the hand-off time: if they do not take it
+/// by then (they died or gave up), the lock expires, and this waiter tries
+/// again.
+async fn wait_for_turn(
+    listening: &mut crate::lock::wake::Watch,
+    token: &str,
+    mut until: Instant,
+    deadline: Option<Instant>,
+) -> bool {
+    loop {
+        tokio::select! {
+            handed = listening.woken() => match handed {
+                Some(to) if &*to == token => return true,
+                Some(_) => {
+                    let handoff_ends = Instant::now() + crate::lock::HANDOFF + Duration::from_millis(1);
+                    until = deadline.map_or(handoff_ends, |d| handoff_ends.min(d));
+                }
+                None => return false,
+            },
+            () = tokio::time::sleep_until(until) => return false,
+        }
+    }
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or

@@ -113,11 +113,20 @@ use crate::error::{Error, Result};
 
 pub mod permits;
 pub mod rate;
-mod wake;
-use crate::keys;
+pub(crate) mod wake;
+use crate::keys::{self, KeyName};
 use crate::script;
 pub use wake::ReleaseListener;
 pub(crate) use wake::Watch;
+
+/// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
+/// `contend.lua`).
+const WAITERS: &str = ":waiters";
+
+/// How long a released lock waits for the waiter it was handed to (see
+/// `release.lua`), at most: that waiter's next try makes it a whole TTL; one
+/// that died or gave up holds the lock up this long at most.
+pub(crate) const HANDOFF: Duration = Duration::from_millis(250);
 
 static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -405,6 +414,18 @@ impl Ticket {
 
     pub(crate) fn lock_key(&self) -> &str {
         &self.lock_key
+    }
+
+    /// Whether a waiter that marks this lock joins its line of waiters
+    /// (`contend.lua`): plain locks only; permits and parking locks wake
+    /// every waiter.
+    pub(crate) fn waits_in_line(&self) -> bool {
+        self.parking.is_none() && self.permits.is_none()
+    }
+
+    /// The holder's random token.
+    pub(crate) fn token(&self) -> &str {
+        self.token.as_str()
     }
 
     /// How many permits the key admits; `None` for a lock.
@@ -891,8 +912,9 @@ where
         let mark = if mark { "1" } else { "0" };
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
-                let mut cmd = script::evalsha(&CONTEND, 1);
+                let mut cmd = script::evalsha(&CONTEND, 2);
                 cmd.arg(ticket.lock_key())
+                    .arg(KeyName(ticket.lock_key(), WAITERS))
                     .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(mark);
@@ -942,6 +964,24 @@ where
                 permits: None,
             }))
         }
+    }
+
+    /// The lease a release handed to `ticket` (see `release.lua`), taken
+    /// without asking Redis: the lock holds the ticket's token for the
+    /// hand-off time from the release, which ran after `joined`, when the
+    /// ticket's first try to join the key's line of waiters was sent. So the
+    /// lease ends by `joined` + the hand-off time, conservatively; `None`
+    /// when too little of that is left (or the locker confirms with
+    /// replicas): the caller then confirms with the contend script, which
+    /// also makes the lock live a whole TTL. The holder's watchdog renews a
+    /// handed lease as soon as its handler waits.
+    pub(crate) fn handed(&self, ticket: &Arc<Ticket>, joined: Instant) -> Option<Lease> {
+        let expires_at = joined + self.config.ttl.min(HANDOFF);
+        let enough = Instant::now() + HANDOFF / 2 <= expires_at;
+        (enough && self.config.durability.is_none() && ticket.waits_in_line()).then(|| Lease {
+            ticket: ticket.clone(),
+            expires_at,
+        })
     }
 
     /// A lease on a lock taken by a command sent at `started`: it lasts the
@@ -1085,8 +1125,12 @@ where
         }
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
-                let mut cmd = script::evalsha(&RELEASE, 1);
-                cmd.arg(ticket.lock_key()).arg(ticket.token).arg(publish);
+                let mut cmd = script::evalsha(&RELEASE, 2);
+                cmd.arg(ticket.lock_key())
+                    .arg(KeyName(ticket.lock_key(), WAITERS))
+                    .arg(ticket.token)
+                    .arg(publish)
+                    .arg(millis(self.config.ttl.min(HANDOFF)));
                 (&*RELEASE, cmd)
             }
             Some(parking) => {

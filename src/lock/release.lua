@@ -1,30 +1,52 @@
--- Releases a lock, but only for the holder whose token it still stores; if
--- someone waits for it (the value ends in "!", see contend.lua), tells them
--- on the lock key's own channel, which has the lock key's hash slot (so
--- `SPUBLISH` reaches the waiters of a cluster node, `PUBLISH` those of a
--- single server).
+-- Releases a lock, but only for the holder whose token it still stores. If
+-- someone waits in line for it (the value ends in "!", see contend.lua), it
+-- is handed to the first waiter: set to that waiter's token for a short
+-- hand-off time, which the waiter's next try turns into a whole TTL, and the
+-- token is published on the lock key's own channel (which has the lock
+-- key's hash slot: `SPUBLISH` reaches the waiters of a cluster node,
+-- `PUBLISH` those of a single server). So waiters take the lock in the order
+-- they came, across processes; a waiter that died meanwhile holds it up for
+-- the hand-off time at most. When the line is empty, the publish is empty:
+-- every waiter listening tries again.
+-- A token that does not hold the lock leaves the line (a waiter that gave
+-- up): if the lock was handed to it meanwhile, it is handed on.
 -- KEYS[1]: lock key   value "<token>[:<fence>][!]"
+-- KEYS[2]: waiters (see contend.lua)
 -- ARGV[1]: holder token
 -- ARGV[2]: the publish command: "PUBLISH" or "SPUBLISH"
+-- ARGV[3]: the hand-off time in ms
 -- Returns 1 when released, 0 when the lock was gone (expired, or released
 -- already: a resent release whose first copy ran), -1 when another token
 -- holds it.
--- Usual cost: GET, DEL (and a publish when waited for).
+-- Usual cost: GET, DEL (a hand-off: ZPOPMIN, SET, ZCARD and a publish).
 local value = redis.call('GET', KEYS[1])
 if value == ARGV[1] then -- the usual case: no fence, nobody waiting
   redis.call('DEL', KEYS[1])
   return 1
 end
-if not value then
-  return 0
-end
 local n = #ARGV[1]
-local after = string.byte(value, n + 1)
-if string.sub(value, 1, n) ~= ARGV[1] or not (after == nil or after == 58 or after == 33) then
+local after = value and string.byte(value, n + 1)
+if not value or string.sub(value, 1, n) ~= ARGV[1]
+    or not (after == nil or after == 58 or after == 33) then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  if not value then return 0 end
   return -1
 end
-redis.call('DEL', KEYS[1])
-if string.byte(value, -1) == 33 then
-  redis.call(ARGV[2], KEYS[1], '')
+if string.byte(value, -1) ~= 33 then
+  redis.call('DEL', KEYS[1])
+  return 1
 end
+local next = redis.call('ZPOPMIN', KEYS[2])[1]
+if not next then
+  redis.call('DEL', KEYS[1])
+  redis.call(ARGV[2], KEYS[1], '')
+  return 1
+end
+-- Marked again while others still wait: its release hands it on too.
+local handed = next
+if redis.call('ZCARD', KEYS[2]) > 0 then
+  handed = next .. '!'
+end
+redis.call('SET', KEYS[1], handed, 'PX', ARGV[3])
+redis.call(ARGV[2], KEYS[1], next)
 return 1

@@ -88,12 +88,16 @@ struct Channel {
     state: watch::Sender<State>,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct State {
     /// The server confirmed the subscription, and the connection is up.
     confirmed: bool,
     /// Counts releases heard and reconnections: each wakes the waiters.
     wakeups: u64,
+    /// The waiter the last release handed the lock to (see
+    /// `src/lock/release.lua`); `None` for a release that handed it to
+    /// nobody, and for a reconnection.
+    handed: Option<Arc<str>>,
 }
 
 impl Shared {
@@ -219,12 +223,15 @@ impl Watch {
 
     /// Completes at the next wake-up: a release published on the channel,
     /// or a lost connection (after which nothing can be heard until it is
-    /// back).
-    pub(crate) async fn woken(&mut self) {
+    /// back). Returns the token of the waiter the release handed the lock
+    /// to, if it did (wake-ups in quick succession may be seen as one: the
+    /// last).
+    pub(crate) async fn woken(&mut self) -> Option<Arc<str>> {
         if self.receiver.changed().await.is_err() {
             // The listener is gone: nothing will wake us.
             std::future::pending::<()>().await;
         }
+        self.receiver.borrow_and_update().handed.clone()
     }
 }
 
@@ -326,7 +333,7 @@ async fn run(
                     let Some(message) = message else {
                         break redis::RedisError::from((redis::ErrorKind::Io, "connection closed"));
                     };
-                    if !wake(&shared, message.get_channel_name()) {
+                    if !wake(&shared, message.get_channel_name(), message.get_payload_bytes()) {
                         return;
                     }
                 }
@@ -380,13 +387,10 @@ async fn run_cluster(
                 let Some(push) = push else { return };
                 match push.kind {
                     redis::PushKind::SMessage | redis::PushKind::Message => {
-                        let channel = push.data.first().and_then(|c| match c {
-                            redis::Value::BulkString(bytes) => std::str::from_utf8(bytes).ok(),
-                            redis::Value::SimpleString(s) => Some(s.as_str()),
-                            _ => None,
-                        });
+                        let channel = text(push.data.first()).and_then(|c| std::str::from_utf8(c).ok());
+                        let payload = text(push.data.get(1)).unwrap_or_default();
                         if let Some(channel) = channel
-                            && !wake(&shared, channel)
+                            && !wake(&shared, channel, payload)
                         {
                             return;
                         }
@@ -437,13 +441,31 @@ async fn subscribe_one(
     }
 }
 
-/// Wakes the waiters of `channel`. False when the listener is gone.
-fn wake(shared: &std::sync::Weak<Shared>, channel: &str) -> bool {
+/// The bytes of a string in a push message.
+fn text(value: Option<&redis::Value>) -> Option<&[u8]> {
+    match value {
+        Some(redis::Value::BulkString(bytes)) => Some(bytes),
+        Some(redis::Value::SimpleString(s)) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+/// Wakes the waiters of `channel` with a release's `payload`: the token of
+/// the waiter it handed the lock to, or nothing. False when the listener is
+/// gone.
+fn wake(shared: &std::sync::Weak<Shared>, channel: &str, payload: &[u8]) -> bool {
     let Some(shared) = shared.upgrade() else {
         return false;
     };
     if let Some(entry) = shared.channels().get(channel) {
-        entry.state.send_modify(|state| state.wakeups += 1);
+        let handed = std::str::from_utf8(payload)
+            .ok()
+            .filter(|token| !token.is_empty())
+            .map(Arc::from);
+        entry.state.send_modify(|state| {
+            state.wakeups += 1;
+            state.handed = handed;
+        });
     }
     true
 }
@@ -455,6 +477,7 @@ fn wake_all(shared: &std::sync::Weak<Shared>, confirmed: bool) {
             entry.state.send_modify(|state| {
                 state.confirmed &= confirmed;
                 state.wakeups += 1;
+                state.handed = None;
             });
         }
     }

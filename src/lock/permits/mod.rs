@@ -30,7 +30,7 @@ use tokio::time::Instant;
 
 use super::{Acquisition, Contended, FENCE_GRACE, Lease, Locker, Released, Ticket, millis};
 use crate::error::{Error, Result};
-use crate::keys;
+use crate::keys::{self, KeyName};
 use crate::script;
 
 /// The permit functions, prepended to the scripts that take or give back
@@ -106,21 +106,6 @@ impl<'a> PermitKeys<'a> {
                 fences: KeyName(&parking.fence, ""),
             },
         }
-    }
-}
-
-/// A key name made of a name and a suffix, written into a command without
-/// building a `String`.
-#[derive(Clone, Copy)]
-pub(crate) struct KeyName<'a>(&'a str, &'static str);
-
-impl redis::ToRedisArgs for KeyName<'_> {
-    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        use std::io::Write;
-        let mut arg = out.writer_for_next_arg();
-        // Writes into memory cannot fail.
-        let _ = arg.write_all(self.0.as_bytes());
-        let _ = arg.write_all(self.1.as_bytes());
     }
 }
 
