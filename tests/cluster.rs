@@ -970,12 +970,12 @@ async fn permits_on_every_node_limit_fence_and_wake() {
         .iter()
         .map(|key| tokio::spawn(tower::ServiceExt::oneshot(svc.clone(), key.clone())))
         .collect();
-    // Every waiter has marked its key.
+    // Every waiter stands in its key's line.
     support::eventually("all waiters wait", support::BOUNDED, async || {
         let mut marked = 0;
         for key in &keys {
             let mark: bool = redis::cmd("EXISTS")
-                .arg(format!("{}:waited", holder.permits_key(key)))
+                .arg(format!("{}:waiters", holder.permits_key(key)))
                 .query_async(&mut conn.clone())
                 .await
                 .unwrap();

@@ -524,3 +524,137 @@ async fn a_timed_defer_puts_the_message_aside() {
     };
     assert_eq!(queue.stats().await.unwrap().later, 1);
 }
+
+/// How many waiters stand in the line of `key`'s permits.
+async fn in_line(
+    conn: &redis::aio::ConnectionManager,
+    locker: &Locker<redis::aio::ConnectionManager>,
+    key: &str,
+) -> i64 {
+    support::raw(
+        conn,
+        &["ZCARD", &format!("{}:waiters", locker.permits_key(key))],
+    )
+    .await
+}
+
+/// A layer of its own (as in another process: its own local queue) that
+/// waits, woken by releases, for one of `permits` permits, and records
+/// `n` when its handler runs.
+fn waiting_for_permits(
+    locker: &Locker<redis::aio::ConnectionManager>,
+    listener: &ReleaseListener,
+    permits: u32,
+    n: u32,
+    order: Arc<std::sync::Mutex<Vec<u32>>>,
+) -> impl tower::Service<
+    String,
+    Response = Outcome<()>,
+    Error = BoxError,
+    Future = impl std::future::Future<Output = Result<Outcome<()>, BoxError>> + Send,
+> + Send
++ 'static {
+    LockLayer::new(locker.clone(), |k: &String| k.clone())
+        .permits(permits)
+        .unwrap()
+        .on_conflict(OnConflict::retry(waiting_backoff()))
+        .wake_on_release(listener.clone())
+        .layer(service_fn(move |_: String| {
+            let order = order.clone();
+            async move {
+                order.lock().unwrap().push(n);
+                Ok::<_, BoxError>(())
+            }
+        }))
+}
+
+#[tokio::test]
+async fn freed_permits_go_to_the_waiters_in_the_order_they_came() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = Locker::new(conn.clone()).ttl(secs(10)).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(
+            locker
+                .acquire_permit("k", 2)
+                .await
+                .unwrap()
+                .lease()
+                .unwrap(),
+        );
+    }
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for n in 1..=4 {
+        let svc = waiting_for_permits(&locker, &listener, 2, n, order.clone());
+        waiters.push(tokio::spawn(svc.oneshot("k".into())));
+        support::eventually("the waiter stands in line", BOUNDED, async || {
+            let waiting = in_line(&conn, &locker, "k").await;
+            support::done_if(waiting == i64::from(n), waiting)
+        })
+        .await;
+    }
+    // Each release hands its permit to the first in line.
+    for lease in &held {
+        assert!(locker.release(lease).await.unwrap());
+    }
+    for waiter in waiters {
+        let outcome = timeout(BOUNDED, waiter).await.unwrap().unwrap().unwrap();
+        assert_eq!(outcome, Outcome::Done(()));
+    }
+    let order = order.lock().unwrap().clone();
+    // Two at a time: 1 and 2 first (in either order of their handlers), then
+    // 3 and 4.
+    let (first, second) = order.split_at(2);
+    assert!(
+        first.iter().all(|n| *n <= 2) && second.iter().all(|n| *n >= 3),
+        "not in the order they came: {order:?}"
+    );
+    assert_eq!(in_line(&conn, &locker, "k").await, 0);
+}
+
+#[tokio::test]
+async fn a_permit_is_not_handed_to_a_waiter_whose_own_limit_it_would_exceed() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = Locker::new(conn.clone()).ttl(secs(10)).unwrap();
+    // Three hold permits of a key that admits three.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            locker
+                .acquire_permit("k", 3)
+                .await
+                .unwrap()
+                .lease()
+                .unwrap(),
+        );
+    }
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // A waiter that asks for one holder at most (a smaller plan) comes first.
+    let svc = waiting_for_permits(&locker, &listener, 1, 1, order.clone());
+    let waiter = tokio::spawn(svc.oneshot("k".into()));
+    support::eventually("the waiter stands in line", BOUNDED, async || {
+        let waiting = in_line(&conn, &locker, "k").await;
+        support::done_if(waiting == 1, waiting)
+    })
+    .await;
+    // Two leave: one holder is left, which its limit does not allow.
+    for lease in &held[..2] {
+        assert!(locker.release(lease).await.unwrap());
+    }
+    sleep(ms(100)).await;
+    assert!(
+        order.lock().unwrap().is_empty(),
+        "ran beside another holder"
+    );
+    assert_eq!(locker.permit_holders("k").await.unwrap().len(), 1);
+    // The last one leaves: now it is handed the permit.
+    assert!(locker.release(&held[2]).await.unwrap());
+    let outcome = timeout(BOUNDED, waiter).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done(()));
+    assert_eq!(*order.lock().unwrap(), [1]);
+}

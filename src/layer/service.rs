@@ -15,6 +15,7 @@ use super::future::ResponseFuture;
 use super::strategy::GiveUp;
 use super::{Config, LockKey, OnLost};
 use crate::BoxError;
+use crate::lock::wake::Woken;
 use crate::lock::{Acquisition, Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::RunningJob;
@@ -280,7 +281,7 @@ where
                     None => {
                         // Listen first, then mark the lock (next try): a
                         // release in between cannot be missed.
-                        let mut new = listener.watch(ticket.lock_key());
+                        let mut new = listener.watch(ticket.lock_key(), ticket.token());
                         let ready = Box::pin(new.ready(deadline)).await;
                         watch = Some(new);
                         if ready {
@@ -297,9 +298,7 @@ where
                         let until = Instant::now() + holder_left;
                         let until = deadline.map_or(until, |d| until.min(d));
                         tracing::trace!(%key, tries, ?holder_left, "lock busy; waiting for its release");
-                        let handed =
-                            Box::pin(wait_for_turn(listening, ticket.token(), until, deadline))
-                                .await;
+                        let handed = Box::pin(wait_for_turn(listening, until, deadline)).await;
                         if let Some(lease) = joined
                             .filter(|_| handed)
                             .and_then(|joined| locker.handed(&ticket, joined))
@@ -366,26 +365,25 @@ where
     hold(locker, config.on_lost, call, lease, held, guard).await
 }
 
-/// Sleeps until a release hands the lock to `token` (true) or to nobody
+/// Sleeps until a release hands the lock to this waiter (true) or to nobody
 /// (then every waiter tries again), or until `until`. A lock handed to
 /// another waiter is theirs for the hand-off time: if they do not take it
 /// by then (they died or gave up), the lock expires, and this waiter tries
 /// again.
 async fn wait_for_turn(
     listening: &mut crate::lock::wake::Watch,
-    token: &str,
     mut until: Instant,
     deadline: Option<Instant>,
 ) -> bool {
     loop {
         tokio::select! {
-            handed = listening.woken() => match handed {
-                Some(to) if &*to == token => return true,
-                Some(_) => {
+            woken = listening.woken() => match woken {
+                Woken::Mine => return true,
+                Woken::Elsewhere => {
                     let handoff_ends = Instant::now() + crate::lock::HANDOFF + Duration::from_millis(1);
                     until = deadline.map_or(handoff_ends, |d| handoff_ends.min(d));
                 }
-                None => return false,
+                Woken::Anyone => return false,
             },
             () = tokio::time::sleep_until(until) => return false,
         }

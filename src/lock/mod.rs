@@ -388,9 +388,9 @@ pub(crate) struct Parking {
     /// permits, `lock` is its permits set `<prefix>:{<queue>}:permits:<key>`
     /// and `fence` its fences hash `<prefix>:{<queue>}:permit-fences:<key>`.
     pub(crate) fence: String,
-    /// For a key with permits, the mark waiters set:
-    /// `<prefix>:{<queue>}:permits-waited:<key>` (empty for a lock).
-    pub(crate) mark: String,
+    /// For a key with permits, its line of waiters:
+    /// `<prefix>:{<queue>}:permits-waiters:<key>` (empty for a lock).
+    pub(crate) line: String,
     /// The ids parked on the key, by push time: `<prefix>:{<queue>}:parked:<key>`.
     pub(crate) parked: String,
     /// The queue's data hash, dead set, schedule and bell.
@@ -416,11 +416,12 @@ impl Ticket {
         &self.lock_key
     }
 
-    /// Whether a waiter that marks this lock joins its line of waiters
-    /// (`contend.lua`): plain locks only; permits and parking locks wake
-    /// every waiter.
+    /// Whether a waiter that listens for releases joins the key's line of
+    /// waiters, to which a release hands the lock (`contend.lua`) or a
+    /// permit (`permits/permits.lua`): all but parking locks, whose
+    /// releases wake every waiter.
     pub(crate) fn waits_in_line(&self) -> bool {
-        self.parking.is_none() && self.permits.is_none()
+        self.parking.is_none() || self.permits.is_some()
     }
 
     /// The holder's random token.

@@ -35,22 +35,31 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// # How it works, and why
 ///
-/// A waiter that found a lock held marks it (a `!` at the end of its value,
-/// set by the contend script) and listens on a pub/sub channel named like
-/// the lock key. The release script publishes on that channel when, and only
-/// when, the lock it deletes is marked, in the same script: there is no
-/// moment at which a lock is free while its waiters still sleep, and an
-/// uncontended release publishes nothing. The waiter then tries again at
-/// once. A holder that dies publishes nothing; its lock's expiry ends the
-/// wait instead, since the waiter sleeps at most the holder's remaining TTL.
+/// A waiter that found a lock held listens on a pub/sub channel named like
+/// the lock key, then marks the lock (a `!` at the end of its value) and
+/// joins the key's line of waiters (a sorted set by arrival time), both in
+/// the contend script. The release script, when the lock it deletes is
+/// marked, hands it to the first waiter in line in the same script: it sets
+/// the lock to that waiter's token for a short hand-off time and publishes
+/// the token. There is no moment at which the lock is free while its
+/// waiters sleep, and an uncontended release publishes nothing. The waiter
+/// whose token came takes the lock without another round trip: the hand-off
+/// started after its first try to join the line was sent, so the lock is
+/// surely its own until that moment plus the hand-off time, and its
+/// watchdog renews it to a whole TTL. The others of the process learn that
+/// the lock was handed elsewhere and sleep on. Permits work alike, one
+/// freed permit per waiter. A holder that dies publishes nothing: its
+/// lock's expiry ends the wait instead, since a waiter sleeps at most the
+/// holder's remaining TTL; a waiter that dies in line holds the lock up for
+/// the hand-off time at most (the others, told of the hand-off, try again
+/// when it ends).
 ///
-/// Pub/sub was chosen over the alternatives because it costs nothing while
-/// nobody waits, needs one connection per process whatever the number of
-/// keys and waiters, and cannot strand anything: a lost message (a dropped
-/// connection) only means a waiter wakes on the holder's TTL instead. A
-/// per-key wait list with tickets would give strict FIFO across processes,
-/// but needs every waiter to be alive to pass the lock on, and a blocking
-/// `BLPOP` per waiting task would need a connection per task.
+/// This gives strict FIFO across processes with nothing to poll, and pub/sub
+/// carries it because it costs nothing while nobody waits, needs one
+/// connection per process whatever the number of keys and waiters, and
+/// cannot strand anything: a lost message (a dropped connection) only means
+/// a waiter wakes on the holder's TTL, or the hand-off's end, instead. A
+/// blocking `BLPOP` per waiting task would need a connection per task.
 ///
 /// One [`ReleaseListener`] per process is enough: it holds one subscriber
 /// connection, subscribes to a key's channel while a task of this process
@@ -81,6 +90,9 @@ struct Shared {
 struct Channel {
     /// Waiters of this process that listen on it now.
     waiters: usize,
+    /// Their tokens, and whether a release handed the lock (or a permit)
+    /// to them (see `src/lock/release.lua`), which they have yet to see.
+    handed: HashMap<String, bool>,
     /// Since when nobody listens (it is unsubscribed after `LINGER`).
     idle_since: Option<Instant>,
     /// What waiters watch: whether the subscription is confirmed, and how
@@ -94,10 +106,21 @@ struct State {
     confirmed: bool,
     /// Counts releases heard and reconnections: each wakes the waiters.
     wakeups: u64,
-    /// The waiter the last release handed the lock to (see
-    /// `src/lock/release.lua`); `None` for a release that handed it to
-    /// nobody, and for a reconnection.
-    handed: Option<Arc<str>>,
+    /// Whether the last release handed the lock to a waiter of another
+    /// process (false: to nobody, or a reconnection).
+    handed_elsewhere: bool,
+}
+
+/// What woke a waiter (see [`Watch::woken`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Woken {
+    /// A release handed the lock (or a permit) to this waiter.
+    Mine,
+    /// A release handed it to a waiter of another process.
+    Elsewhere,
+    /// A release that handed it to nobody, or a reconnection: every waiter
+    /// tries again.
+    Anyone,
 }
 
 impl Shared {
@@ -157,14 +180,16 @@ impl ReleaseListener {
         Ok(Self { shared })
     }
 
-    /// Starts listening on `channel` (a lock key); the returned [`Watch`]
-    /// is woken by each release published there.
-    pub(crate) fn watch(&self, channel: &str) -> Watch {
+    /// Starts listening on `channel` (a lock key) for the waiter with
+    /// `token`; the returned [`Watch`] is woken by each release published
+    /// there.
+    pub(crate) fn watch(&self, channel: &str, token: &str) -> Watch {
         let mut channels = self.shared.channels();
         let receiver = match channels.get_mut(channel) {
             Some(entry) => {
                 entry.waiters += 1;
                 entry.idle_since = None;
+                entry.handed.insert(token.to_owned(), false);
                 entry.state.subscribe()
             }
             None => {
@@ -173,6 +198,7 @@ impl ReleaseListener {
                     channel.to_owned(),
                     Channel {
                         waiters: 1,
+                        handed: HashMap::from([(token.to_owned(), false)]),
                         idle_since: None,
                         state,
                     },
@@ -186,6 +212,7 @@ impl ReleaseListener {
         Watch {
             shared: self.shared.clone(),
             channel: channel.to_owned(),
+            token: token.to_owned(),
             receiver,
         }
     }
@@ -195,6 +222,7 @@ impl ReleaseListener {
 pub(crate) struct Watch {
     shared: Arc<Shared>,
     channel: String,
+    token: String,
     receiver: watch::Receiver<State>,
 }
 
@@ -223,15 +251,25 @@ impl Watch {
 
     /// Completes at the next wake-up: a release published on the channel,
     /// or a lost connection (after which nothing can be heard until it is
-    /// back). Returns the token of the waiter the release handed the lock
-    /// to, if it did (wake-ups in quick succession may be seen as one: the
-    /// last).
-    pub(crate) async fn woken(&mut self) -> Option<Arc<str>> {
+    /// back). Says whether a release handed the lock to this waiter since
+    /// the last wake-up it saw (wake-ups in quick succession may be seen as
+    /// one), else whether the last one handed it elsewhere.
+    pub(crate) async fn woken(&mut self) -> Woken {
         if self.receiver.changed().await.is_err() {
             // The listener is gone: nothing will wake us.
             std::future::pending::<()>().await;
         }
-        self.receiver.borrow_and_update().handed.clone()
+        let elsewhere = self.receiver.borrow_and_update().handed_elsewhere;
+        let mut channels = self.shared.channels();
+        let mine = channels
+            .get_mut(&self.channel)
+            .and_then(|entry| entry.handed.get_mut(&self.token))
+            .is_some_and(std::mem::take);
+        match (mine, elsewhere) {
+            (true, _) => Woken::Mine,
+            (false, true) => Woken::Elsewhere,
+            (false, false) => Woken::Anyone,
+        }
     }
 }
 
@@ -240,6 +278,7 @@ impl Drop for Watch {
         let mut channels = self.shared.channels();
         if let Some(entry) = channels.get_mut(&self.channel) {
             entry.waiters -= 1;
+            entry.handed.remove(&self.token);
             if entry.waiters == 0 {
                 entry.idle_since = Some(Instant::now());
             }
@@ -457,14 +496,22 @@ fn wake(shared: &std::sync::Weak<Shared>, channel: &str, payload: &[u8]) -> bool
     let Some(shared) = shared.upgrade() else {
         return false;
     };
-    if let Some(entry) = shared.channels().get(channel) {
+    if let Some(entry) = shared.channels().get_mut(channel) {
+        // Handed to a waiter of this process: it is told, whatever other
+        // wake-ups come before it looks.
         let handed = std::str::from_utf8(payload)
             .ok()
-            .filter(|token| !token.is_empty())
-            .map(Arc::from);
+            .and_then(|token| entry.handed.get_mut(token));
+        let elsewhere = match handed {
+            Some(handed) => {
+                *handed = true;
+                false
+            }
+            None => !payload.is_empty(),
+        };
         entry.state.send_modify(|state| {
             state.wakeups += 1;
-            state.handed = handed;
+            state.handed_elsewhere = elsewhere;
         });
     }
     true
@@ -477,7 +524,7 @@ fn wake_all(shared: &std::sync::Weak<Shared>, confirmed: bool) {
             entry.state.send_modify(|state| {
                 state.confirmed &= confirmed;
                 state.wakeups += 1;
-                state.handed = None;
+                state.handed_elsewhere = false;
             });
         }
     }

@@ -206,14 +206,14 @@ impl QueueKeys {
 
     /// Where messages parked on `key` wait, and the key's lock (in this
     /// queue's hash slot) with its fence record; for a key with permits,
-    /// its permits set, fences and waiters' mark instead.
+    /// its permits set, fences and line of waiters instead.
     pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
         let base = &self.base;
-        let (lock, fence, mark) = if permits {
+        let (lock, fence, line) = if permits {
             (
                 format!("{base}:permits:{key}"),
                 format!("{base}:permit-fences:{key}"),
-                format!("{base}:permits-waited:{key}"),
+                format!("{base}:permits-waiters:{key}"),
             )
         } else {
             (
@@ -225,7 +225,7 @@ impl QueueKeys {
         crate::lock::Parking {
             lock,
             fence,
-            mark,
+            line,
             parked: format!("{base}:parked:{key}"),
             data: self.data.clone(),
             dead: self.dead.clone(),

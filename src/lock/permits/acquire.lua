@@ -2,10 +2,10 @@
 -- reports when the first of the current holders' leases ends: see
 -- take_permit in permits.lua, which is prepended.
 -- KEYS[1]: permits  <prefix>:permits:{<key>}
--- KEYS[2]: mark     <prefix>:permits:{<key>}:waited
+-- KEYS[2]: line     <prefix>:permits:{<key>}:waiters
 -- ARGV[1]: holder token   ARGV[2]: lease TTL in ms
 -- ARGV[3]: limit, the most holders at a time (1 or more)
--- ARGV[4]: "1" to mark the permits as waited for when none is free
+-- ARGV[4]: "1" to wait in line when none is free
 -- Usual cost: TIME, then take_permit's.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -5,15 +5,19 @@
 //! milliseconds by the server's clock. Taking a permit (`acquire.lua`) adds
 //! the caller's token if fewer than n are in the set; a full set first drops
 //! the leases that ran out and counts again. So a holder that died gives its
-//! permit back when its lease ends, and never before. Releases, renewals and fences compare the
-//! token, as for locks, and the set lives as long as its longest lease.
+//! permit back when its lease ends, and never before. Releases, renewals
+//! and fences compare the token, as for locks, and the set lives as long as
+//! its longest lease.
 //!
-//! Waiters are woken as for locks: one that listens marks the key
-//! (`<prefix>:permits:{<key>}:waited`), and the next release deletes the
-//! mark and publishes on the channel named after the set. Fences are issued
-//! on first use (`fence.lua`), from the same clock-and-record rule as a
-//! lock's, kept in `<prefix>:permits:{<key>}:fences`. All three keys share
-//! the key's hash slot.
+//! Waiters are handed permits as locks are: one that listens joins the
+//! key's line of waiters (`<prefix>:permits:{<key>}:waiters`), and a release
+//! hands its permit to the first of them (leased for the hand-off time, made
+//! a whole lease by the waiter's next try or watchdog) and publishes its
+//! token on the channel named after the set. Fences are issued on first use
+//! (`fence.lua`), from the same clock-and-record rule as a lock's, kept in
+//! `<prefix>:permits:{<key>}:fences`. All three keys share the key's hash
+//! slot. The functions that take and give back permits are in
+//! `permits.lua`, shared with the queue's parking scripts.
 //!
 //! The limit is the caller's: each acquire says how many holders it admits,
 //! so callers that disagree on n for one key each apply their own (a caller
@@ -77,12 +81,13 @@ pub struct PermitHolder {
     pub remaining: Duration,
 }
 
-/// The Redis keys of a key's permits: `<set>`, `<set>:waited` and
-/// `<set>:fences`, or the queue's parking keys (see `Parking`). Written
-/// straight into commands: they are named on every acquire and release.
+/// The Redis keys of a key's permits: `<set>`, `<set>:waiters` (the line
+/// of waiters) and `<set>:fences`, or the queue's parking keys (see
+/// `Parking`). Written straight into commands: they are named on every
+/// acquire and release.
 pub(crate) struct PermitKeys<'a> {
     pub(crate) set: &'a str,
-    pub(crate) mark: KeyName<'a>,
+    pub(crate) line: KeyName<'a>,
     pub(crate) fences: KeyName<'a>,
 }
 
@@ -91,7 +96,7 @@ impl<'a> PermitKeys<'a> {
     pub(crate) fn of(set: &'a str) -> Self {
         Self {
             set,
-            mark: KeyName(set, ":waited"),
+            line: KeyName(set, ":waiters"),
             fences: KeyName(set, ":fences"),
         }
     }
@@ -102,7 +107,7 @@ impl<'a> PermitKeys<'a> {
             None => Self::of(ticket.lock_key()),
             Some(parking) => Self {
                 set: &parking.lock,
-                mark: KeyName(&parking.mark, ""),
+                line: KeyName(&parking.line, ""),
                 fences: KeyName(&parking.fence, ""),
             },
         }
@@ -210,7 +215,7 @@ where
             None => {
                 let mut cmd = script::evalsha(&ACQUIRE, 2);
                 cmd.arg(keys.set)
-                    .arg(keys.mark)
+                    .arg(keys.line)
                     .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(permits)
@@ -226,7 +231,7 @@ where
                     .arg(&parking.dead)
                     .arg(&parking.schedule)
                     .arg(&parking.bell)
-                    .arg(keys.mark)
+                    .arg(keys.line)
                     .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(mark)
@@ -270,6 +275,8 @@ where
         publish: &'static str,
     ) -> Result<Released> {
         let keys = PermitKeys::of_ticket(ticket);
+        let permits = ticket.permits.unwrap_or(1);
+        let handoff = millis(self.config.ttl.min(super::HANDOFF));
         let fenced = if ticket.issued_fence().is_some() {
             "1"
         } else {
@@ -279,11 +286,13 @@ where
             None => {
                 let mut cmd = script::evalsha(&RELEASE, 3);
                 cmd.arg(keys.set)
-                    .arg(keys.mark)
+                    .arg(keys.line)
                     .arg(keys.fences)
                     .arg(ticket.token)
+                    .arg(permits)
                     .arg(publish)
-                    .arg(fenced);
+                    .arg(fenced)
+                    .arg(handoff);
                 (&*RELEASE, cmd)
             }
             Some(parking) => {
@@ -295,11 +304,13 @@ where
                     .arg(&parking.dead)
                     .arg(&parking.schedule)
                     .arg(&parking.bell)
-                    .arg(keys.mark)
+                    .arg(keys.line)
                     .arg(keys.fences)
                     .arg(ticket.token)
                     .arg(publish)
-                    .arg(fenced);
+                    .arg(fenced)
+                    .arg(permits)
+                    .arg(handoff);
                 (script, cmd)
             }
         };

@@ -2,31 +2,43 @@
 -- release.lua, and to the queue's parking scripts for permits (see
 -- src/queue/lua/parking.lua), so both take and give back permits alike.
 --
---   set     zset    holder token -> the end of its lease, in ms by the
---                   server's clock
---   mark    string  set while someone waits: the next release publishes on
---                   the channel named after the set
---   fences  hash    holder token -> its fence, "last" -> the last fence
---                   issued (see fence.lua)
+--   set     zset  holder token -> the end of its lease, in ms by the
+--                 server's clock
+--   line    zset  the waiters that listen for a release, "<token>/<limit>"
+--                 -> when they first waited (server µs): a release hands its
+--                 permit to the first of them
+--   fences  hash  holder token -> its fence, "last" -> the last fence
+--                 issued (see fence.lua)
+
+-- The line member of a waiter: its token and the limit it asks under.
+local function in_line_as(token, limit)
+  return token .. '/' .. limit
+end
 
 -- Takes one of `limit` permits of `set` for `token`, leased for `ttl` ms
--- from `now`; marks the set as waited for when none is free and `want_mark`.
+-- from `now`. When none is free and `wait` is set, the token joins the
+-- key's `line` of waiters (keeping the place of an earlier try): a release
+-- hands its permit to the first of them (see free_permit).
 -- Returns {1, ms left of the lease} when a permit is (now) the token's: one
--- was free, or the token holds one already (a resent acquire whose first
--- copy ran); {0, ms until the first holder's lease ends} when none is free.
+-- was free, it was handed to the token, or the token holds one already (a
+-- resent acquire whose first copy ran); {0, ms until the first holder's
+-- lease ends} when none is free.
 -- Usual cost: ZCARD, ZADD, PEXPIRE. A full set first drops the leases that
 -- ran out (ZREMRANGEBYSCORE) and counts again: until then they are
 -- counted, which admits no one too many.
-local function take_permit(set, mark, token, ttl, limit, want_mark, now)
+local function take_permit(set, line, token, ttl, limit, wait, now)
   local held = redis.call('ZCARD', set)
   if held >= limit then
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
     held = redis.call('ZCARD', set)
   end
-  if held < limit then
-    if redis.call('ZADD', set, 'NX', now + ttl, token) == 0 then
-      return {1, tonumber(redis.call('ZSCORE', set, token)) - now}
-    end
+  local took = held < limit and redis.call('ZADD', set, 'NX', now + ttl, token) == 1
+  if not took and redis.call('ZSCORE', set, token) then
+    -- Ours: handed to us for a moment, or a resend. A whole lease from now.
+    redis.call('ZADD', set, 'XX', now + ttl, token)
+    took = true
+  end
+  if took then
     -- The set lives as long as its longest lease: a set this acquire made
     -- has no expiry yet; else only a later end moves it (GT).
     if held == 0 then
@@ -34,37 +46,60 @@ local function take_permit(set, mark, token, ttl, limit, want_mark, now)
     else
       redis.call('PEXPIRE', set, ttl, 'GT')
     end
+    if wait then redis.call('ZREM', line, in_line_as(token, limit)) end
     return {1, ttl}
   end
-  local mine = redis.call('ZSCORE', set, token)
-  if mine then
-    return {1, tonumber(mine) - now}
+  local first = tonumber(redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')[2])
+  if wait then
+    local t = redis.call('TIME')
+    redis.call('ZADD', line, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]),
+      in_line_as(token, limit))
+    -- The line outlives the first lease by a TTL: waiters that died leave
+    -- it with it. (Each waiter that joins or tries again pushes it on.)
+    redis.call('PEXPIRE', line, math.max(first - now, 0) + ttl)
   end
-  if want_mark then
-    redis.call('SET', mark, '1', 'PX', ttl)
-  end
-  local first = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
-  return {0, math.max(tonumber(first[2]) - now, 0)}
+  return {0, math.max(first - now, 0)}
 end
 
--- Gives `token`'s permit back; publishes with `publish` ("PUBLISH" or
--- "SPUBLISH") on the set's channel when someone waits. `fenced`: a fence
--- was issued to the token. Returns 1 when released, 0 when the token held
--- no permit (its lease ran out and an acquire dropped it, or a resent
--- release's first copy ran). A lease that ran out but is still in the set
--- is released as usual: it was counted as held until now, so no one else
--- has held that permit meanwhile. Usual cost: ZREM, DEL.
-local function free_permit(set, mark, fences, token, publish, fenced)
+-- Gives `token`'s permit back. If waiters stand in the key's line, the
+-- permit is handed to the first: leased to it for `handoff` ms (its next
+-- try makes that a whole lease), and its token is published with `publish`
+-- ("PUBLISH" or "SPUBLISH") on the set's channel. A waiter whose own limit
+-- the holders left would exceed is not handed one: it stays first in line.
+-- `fenced`: a fence was issued to the token. A token that holds no permit
+-- leaves the line it stood in under `limit` (a waiter that gave up).
+-- Returns 1 when released (the permit is free), 2 when released and handed
+-- on, 0 when the token held no permit (its lease ran out and an acquire
+-- dropped it, or a resent release's first copy ran). A lease that ran out
+-- but is still in the set is released as usual: it was counted as held
+-- until now, so no one else has held that permit meanwhile.
+-- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, TIME, ZADD, PTTL and a
+-- publish too).
+local function free_permit(set, line, fences, token, limit, publish, fenced, handoff)
   if redis.call('ZREM', set, token) == 0 then
+    redis.call('ZREM', line, in_line_as(token, limit))
     return 0
   end
   if fenced then
     redis.call('HDEL', fences, token)
   end
-  if redis.call('DEL', mark) == 1 then
-    redis.call(publish, set, '')
+  local first = redis.call('ZRANGE', line, 0, 0)[1]
+  if not first then
+    return 1
   end
-  return 1
+  local waiter, limit = string.match(first, '^(.*)/(%d+)$')
+  if not waiter or redis.call('ZCARD', set) >= tonumber(limit) then
+    return 1
+  end
+  redis.call('ZREM', line, first)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', set, now + handoff, waiter)
+  if redis.call('PTTL', set) < handoff then
+    redis.call('PEXPIRE', set, handoff)
+  end
+  redis.call(publish, set, waiter)
+  return 2
 end
 
 -- Ms from `now` until one of `limit` permits of `set` is free: 0 when one

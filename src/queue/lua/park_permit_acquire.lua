@@ -2,9 +2,9 @@
 -- parked on the key come first: park_acquire.lua for a key with n permits
 -- (see parking.lua; the permit functions are in src/lock/permits/permits.lua).
 -- KEYS[1]: permits set   KEYS[2]: parked set   KEYS[3]: data   KEYS[4]: dead
--- KEYS[5]: schedule   KEYS[6]: bell   KEYS[7]: mark
--- ARGV[1]: holder token   ARGV[2]: lease TTL in ms   ARGV[3]: "1" to mark
--- the permits as waited for   ARGV[4]: id of the message asking ("" for a
+-- KEYS[5]: schedule   KEYS[6]: bell   KEYS[7]: line of waiters
+-- ARGV[1]: holder token   ARGV[2]: lease TTL in ms   ARGV[3]: "1" to wait
+-- in line when no permit is free   ARGV[4]: id of the message asking ("" for a
 -- request that is none)   ARGV[5]: limit, the most holders at a time
 -- Returns {1, ms left of the lease} when a permit is (now) ours; {0, ms
 -- until a permit frees (0 when one is free), 1 when a parked message goes
@@ -17,10 +17,8 @@ if mine then -- a resend whose first copy took it
 end
 local head, dropped = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4])
 if head and head ~= ARGV[4] then
+  -- It parks behind them: no place in the line of waiters.
   local wait = permit_wait(KEYS[1], limit, now)
-  if wait > 0 and ARGV[3] == '1' then
-    redis.call('SET', KEYS[7], '1', 'PX', ttl)
-  end
   if dropped then
     -- A new head after dropped ones: due when a permit frees.
     bring_forward(KEYS[5], KEYS[6], head, now + wait)

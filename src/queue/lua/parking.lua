@@ -10,7 +10,7 @@
 --                              order (ties: by id)
 -- and for a key with n permits (LockLayer::permits), instead of the lock:
 --   <p>:{q}:permits:<k>         zset    its permits (src/lock/permits/)
---   <p>:{q}:permits-waited:<k>  string  set while someone waits
+--   <p>:{q}:permits-waiters:<k> zset    the line of waiters
 --   <p>:{q}:permit-fences:<k>   hash    the holders' fences
 --
 -- A parked message stays on the schedule, as every waiting message does, so
