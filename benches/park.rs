@@ -67,29 +67,66 @@ async fn main() -> Result<(), BoxError> {
         "| mode | wall time | deferrals per message | Redis commands per handled message | script calls per handled message |"
     );
     println!("|---|---|---|---|---|");
+    let mut breakdowns = Vec::new();
     for mode in [Mode::Uncontended, Mode::Timed, Mode::Parked] {
         let server = RedisServer::start()?;
-        let (elapsed, deferrals, commands, scripts) = run(&server, mode, messages).await?;
+        let (elapsed, deferrals, stats) = run(&server, mode, messages).await?;
         let per = |n: u64| n as f64 / messages as f64;
         println!(
             "| {} | {:.2} s | {:.2} | {:.1} | {:.2} |",
             mode.name(),
             elapsed.as_secs_f64(),
             per(deferrals),
-            per(commands),
-            per(scripts),
+            per(stats.all()),
+            per(stats.scripts()),
         );
+        breakdowns.push((mode, stats));
+    }
+    println!("\nCommands per handled message, by command (those above 0.1):");
+    for (mode, stats) in breakdowns {
+        let mut by: Vec<_> = stats.0.into_iter().collect();
+        by.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let line: Vec<String> = by
+            .iter()
+            .map(|(name, n)| (name, *n as f64 / messages as f64))
+            .filter(|(_, per)| *per >= 0.1)
+            .map(|(name, per)| format!("{name} {per:.2}"))
+            .collect();
+        println!("* {}: {}", mode.name(), line.join(", "));
     }
     Ok(())
 }
 
+/// Calls per command the server ran (`INFO commandstats`), `INFO` itself
+/// left out: it is the measurement, not the workload.
+#[derive(Default)]
+struct CommandStats(std::collections::BTreeMap<String, u64>);
+
+impl CommandStats {
+    fn all(&self) -> u64 {
+        self.0.values().sum()
+    }
+
+    fn scripts(&self) -> u64 {
+        ["evalsha", "eval"].iter().filter_map(|n| self.0.get(*n)).sum()
+    }
+
+    /// What ran between `before` and `self`.
+    fn since(mut self, before: &CommandStats) -> CommandStats {
+        for (name, calls) in &mut self.0 {
+            *calls -= before.0.get(name).copied().unwrap_or(0);
+        }
+        self
+    }
+}
+
 /// Pushes the messages, runs the workers until all are handled; returns the
-/// wall time, the deferrals, and the commands and script calls the server ran.
+/// wall time, the deferrals, and the commands the server ran meanwhile.
 async fn run(
     server: &RedisServer,
     mode: Mode,
     messages: usize,
-) -> Result<(Duration, u64, u64, u64), BoxError> {
+) -> Result<(Duration, u64, CommandStats), BoxError> {
     let conn = server.connection_manager().await?;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "churn")?;
     let msgs: Vec<Msg> = (0..messages as u32)
@@ -162,21 +199,22 @@ async fn run(
     Ok((
         elapsed,
         deferrals.load(Ordering::Relaxed),
-        after.0 - before.0,
-        after.1 - before.1,
+        after.since(&before),
     ))
 }
 
-/// All commands the server has run, and the script calls among them.
-async fn commandstats(conn: &redis::aio::ConnectionManager) -> Result<(u64, u64), BoxError> {
+/// The calls of each command the server has run so far.
+async fn commandstats(conn: &redis::aio::ConnectionManager) -> Result<CommandStats, BoxError> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(&mut conn.clone())
         .await?;
-    let mut all = 0;
-    let mut scripts = 0;
+    let mut stats = CommandStats::default();
     for line in info.lines() {
         let Some((name, rest)) = line.split_once(':') else {
+            continue;
+        };
+        let Some(name) = name.strip_prefix("cmdstat_") else {
             continue;
         };
         let Some(calls) = rest
@@ -187,14 +225,9 @@ async fn commandstats(conn: &redis::aio::ConnectionManager) -> Result<(u64, u64)
         else {
             continue;
         };
-        // INFO itself is the measurement, not the workload.
-        if name == "cmdstat_info" {
-            continue;
-        }
-        all += calls;
-        if name == "cmdstat_evalsha" || name == "cmdstat_eval" {
-            scripts += calls;
+        if name != "info" {
+            stats.0.insert(name.to_owned(), calls);
         }
     }
-    Ok((all, scripts))
+    Ok(stats)
 }
