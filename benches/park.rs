@@ -108,7 +108,10 @@ impl CommandStats {
     }
 
     fn scripts(&self) -> u64 {
-        ["evalsha", "eval"].iter().filter_map(|n| self.0.get(*n)).sum()
+        ["evalsha", "eval"]
+            .iter()
+            .filter_map(|n| self.0.get(*n))
+            .sum()
     }
 
     /// What ran between `before` and `self`.
