@@ -563,6 +563,9 @@ fn waiting_for_permits(
             let order = order.clone();
             async move {
                 order.lock().unwrap().push(n);
+                // Long enough that a permit handed on before this one's
+                // started cannot be seen to overtake it.
+                sleep(ms(100)).await;
                 Ok::<_, BoxError>(())
             }
         }))
@@ -605,8 +608,8 @@ async fn freed_permits_go_to_the_waiters_in_the_order_they_came() {
         assert_eq!(outcome, Outcome::Done(()));
     }
     let order = order.lock().unwrap().clone();
-    // Two at a time: 1 and 2 first (in either order of their handlers), then
-    // 3 and 4.
+    // Two at a time: 1 and 2 first (in either order of their handlers'
+    // starts), then 3 and 4.
     let (first, second) = order.split_at(2);
     assert!(
         first.iter().all(|n| *n <= 2) && second.iter().all(|n| *n >= 3),
@@ -657,4 +660,85 @@ async fn a_permit_is_not_handed_to_a_waiter_whose_own_limit_it_would_exceed() {
     let outcome = timeout(BOUNDED, waiter).await.unwrap().unwrap().unwrap();
     assert_eq!(outcome, Outcome::Done(()));
     assert_eq!(*order.lock().unwrap(), [1]);
+}
+
+#[tokio::test]
+async fn a_release_never_shortens_a_holders_lease_through_its_old_place_in_line() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = Locker::new(conn.clone()).ttl(secs(10)).unwrap();
+    let other = locker
+        .acquire_permit("k", 2)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let holder = locker
+        .acquire_permit("k", 2)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    // The holder once stood in line (it waited, then took its permit while
+    // it could not hear releases): its old place is still there.
+    let line = format!("{}:waiters", locker.permits_key("k"));
+    let place = format!("{}/2", holder.token());
+    let _: i64 = support::raw(&conn, &["ZADD", &line, "1", &place]).await;
+    // Another holder leaves: the holder is not handed a second permit, and
+    // its lease keeps its length.
+    assert!(locker.release(&other).await.unwrap());
+    let holders = locker.permit_holders("k").await.unwrap();
+    assert_eq!(holders.len(), 1, "{holders:?}");
+    assert!(holders[0].remaining > secs(5), "{holders:?}");
+    assert_eq!(
+        in_line(&conn, &locker, "k").await,
+        0,
+        "its old place is gone"
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_whose_limit_is_full_does_not_hold_up_the_waiters_behind_it() {
+    let server = server();
+    let conn = manager(&server).await;
+    let locker = Locker::new(conn.clone()).ttl(secs(10)).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            locker
+                .acquire_permit("k", 3)
+                .await
+                .unwrap()
+                .lease()
+                .unwrap(),
+        );
+    }
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // First in line: a waiter that wants to be alone; behind it, one that
+    // admits three holders.
+    let mut waiters = Vec::new();
+    for (n, limit) in [(1, 1), (2, 3)] {
+        let svc = waiting_for_permits(&locker, &listener, limit, n, order.clone());
+        waiters.push(tokio::spawn(svc.oneshot("k".into())));
+        support::eventually("the waiter stands in line", BOUNDED, async || {
+            let waiting = in_line(&conn, &locker, "k").await;
+            support::done_if(waiting == i64::from(n), waiting)
+        })
+        .await;
+    }
+    // One leaves: two hold on, so the permit goes to the second waiter.
+    assert!(locker.release(&held[2]).await.unwrap());
+    let second = waiters.pop().unwrap();
+    let outcome = timeout(secs(2), second).await.expect("handed on").unwrap();
+    assert_eq!(outcome.unwrap(), Outcome::Done(()));
+    assert_eq!(*order.lock().unwrap(), [2]);
+    // The others leave: the first waiter's turn.
+    for lease in &held[..2] {
+        assert!(locker.release(lease).await.unwrap());
+    }
+    let first = waiters.pop().unwrap();
+    let outcome = timeout(BOUNDED, first).await.unwrap().unwrap();
+    assert_eq!(outcome.unwrap(), Outcome::Done(()));
+    assert_eq!(*order.lock().unwrap(), [2, 1]);
 }

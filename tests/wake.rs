@@ -433,3 +433,50 @@ async fn a_waiter_that_gives_up_leaves_the_line() {
     assert!(holder.release(&lease).await.unwrap());
     assert!(!support::exists(&conn, &holder.lock_key("k")).await);
 }
+
+/// A lock handed over by a release lasts the hand-off time until its new
+/// holder renews it: the renewal goes out at once, and the handler keeps
+/// the lock for as long as it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_lock_is_kept_past_the_hand_off_time() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "k").await;
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let started_tx = Arc::new(std::sync::Mutex::new(Some(started_tx)));
+    let svc = layer.layer(service_fn(move |_k: String| {
+        if let Some(tx) = started_tx.lock().unwrap().take() {
+            let _ = tx.send(());
+        }
+        async {
+            // Works for longer than the hand-off time.
+            sleep(ms(1200)).await;
+            Ok::<_, BoxError>("ran")
+        }
+    }));
+    let call = tokio::spawn(svc.oneshot("k".to_owned()));
+    support::eventually("the waiter stands in line", BOUNDED, async || {
+        let waiting = in_line(&conn, &holder, "k").await;
+        support::done_if(waiting == 1, waiting)
+    })
+    .await;
+    assert!(holder.release(&lease).await.unwrap());
+    timeout(BOUNDED, started).await.unwrap().unwrap();
+    // Past the hand-off time, the lock is still the handler's.
+    sleep(ms(800)).await;
+    let other = Locker::new(manager(&server).await).ttl(secs(5)).unwrap();
+    assert!(
+        other.acquire("k").await.unwrap().lease().is_none(),
+        "another holder took the lock while the handler ran"
+    );
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+}

@@ -16,7 +16,7 @@ use super::strategy::GiveUp;
 use super::{Config, LockKey, OnLost};
 use crate::BoxError;
 use crate::lock::wake::Woken;
-use crate::lock::{Acquisition, Lease, Locker, Released, Ticket};
+use crate::lock::{Acquisition, Lease, Line, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::RunningJob;
 use futures_util::future::BoxFuture;
@@ -229,18 +229,24 @@ where
         // The first try is the plain `SET NX PX`; a busy key (and
         // every later try) runs the contend script, which tries again and
         // reads how long the holder still has.
-        // A waiter that listens marks the lock, so that its release
-        // publishes.
-        let mark = watch.as_ref().is_some_and(|w| w.is_ready());
-        if mark && joined.is_none() && ticket.waits_in_line() {
+        // A waiter that listens joins the key's line (or, for a parking
+        // lock, marks it), so that the release hands it on or publishes. One
+        // that cannot hear releases now (the listener reconnects) does not
+        // join, but leaves the line if it takes the lock.
+        let line = match watch.as_ref().is_some_and(|w| w.is_ready()) {
+            true => Line::Join,
+            false if joined.is_some() => Line::Leave,
+            false => Line::Outside,
+        };
+        if line == Line::Join && joined.is_none() && ticket.waits_in_line() {
             joined = Some(Instant::now());
         }
         let acquisition = match tries {
             1 => match locker.try_set(&ticket).await? {
                 Some(acquired) => acquired,
-                None => locker.contend(&ticket, mark).await?,
+                None => locker.contend(&ticket, line).await?,
             },
-            _ => locker.contend(&ticket, mark).await?,
+            _ => locker.contend(&ticket, line).await?,
         };
         let busy = match acquisition {
             Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
@@ -263,6 +269,11 @@ where
                         locker,
                         ticket: guard.ticket.replace(locker.retoken(&ticket)),
                     });
+                    // The new token waits anew: listened for, and in line,
+                    // under its own name (the old one leaves the line with
+                    // its background release).
+                    watch = None;
+                    joined = None;
                 }
                 crate::Contended::new(key.to_owned(), Duration::ZERO).with_permits(ticket.permits())
             }
@@ -412,13 +423,35 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     tokio::pin!(call);
+    // A lease whose renewal is due already (one handed over by a release,
+    // which lasts the hand-off time: see `Locker::handed`) is renewed to a
+    // whole TTL at once, on a task of its own, so that the renewal goes out
+    // even while the handler holds this thread.
+    let ttl = locker.lease_ttl();
+    let early = (lease.expires_at() <= Instant::now() + (ttl - ttl / 3)).then(|| {
+        let (locker, ticket) = (locker.clone(), lease.ticket().clone());
+        let renewal = tokio::spawn(async move {
+            // Taken before the request leaves: conservative.
+            let sent = Instant::now();
+            (locker.extend_ticket(&ticket, ttl).await, sent)
+        });
+        Box::pin(async move {
+            renewal.await.unwrap_or_else(|_| {
+                let failed = redis::RedisError::from((redis::ErrorKind::Io, "renewal task failed"));
+                (
+                    Err(crate::Error::redis("renewing a handed lock")(failed)),
+                    Instant::now(),
+                )
+            })
+        }) as BoxFuture<'static, (crate::Result<bool>, Instant)>
+    });
     // A handler that finishes without waiting needs no renewal timer: the
     // renewal loop (boxed, to keep this future small) starts only if it
     // waits.
     let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
     let (result, expires_at, confirmed_lost) = match first {
         Poll::Ready(result) => (Some(result), lease.expires_at(), false),
-        Poll::Pending => Box::pin(renew_while(locker, on_lost, call, &lease, &held)).await,
+        Poll::Pending => Box::pin(renew_while(locker, on_lost, call, &lease, &held, early)).await,
     };
     match result {
         Some(result) if !held.is_lost() => {
@@ -466,6 +499,7 @@ async fn renew_while<C, R>(
     mut call: std::pin::Pin<&mut impl Future<Output = Result<R, BoxError>>>,
     lease: &Lease,
     held: &HeldLock,
+    renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>>,
 ) -> (Option<Result<R, BoxError>>, Instant, bool)
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -476,7 +510,7 @@ where
     let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
     let mut expires_at = lease.expires_at();
     let mut renew_at = renew_time(expires_at);
-    let mut renewal: Option<BoxFuture<'static, (crate::Result<bool>, Instant)>> = None;
+    let mut renewal = renewal;
     // Set when Redis said the lock is not ours any more (a renewal answered
     // `false`): only then is there nothing to release.
     let mut confirmed_lost = false;

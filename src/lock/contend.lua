@@ -11,7 +11,9 @@
 -- ARGV[2]: lock TTL in milliseconds
 -- ARGV[3]: "1" to wait in line for the lock: mark it ("!" at the end of its
 --          value), so that its release hands it on (see release.lua), and
---          join the waiters (keeping the place of an earlier try); "0" not to.
+--          join the waiters (keeping the place of an earlier try); "2" not to
+--          join, but to leave the line when the lock is taken (a waiter that
+--          joined before and cannot hear releases now); "0" neither.
 -- Returns {1, ttl left in ms} when the lock is (now) ours: it was free, it
 -- was handed to us, or it holds our own token (a resent acquire whose first
 -- copy ran); {0, pttl of the current holder} when not.
@@ -19,7 +21,7 @@
 -- ZADD and PEXPIRE too (and APPEND once per holder).
 local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
 if not held then
-  if ARGV[3] == '1' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+  if ARGV[3] ~= '0' then redis.call('ZREM', KEYS[2], ARGV[1]) end
   return {1, tonumber(ARGV[2])}
 end
 local n = #ARGV[1]
@@ -28,7 +30,7 @@ if string.sub(held, 1, n) == ARGV[1] and (after == nil or after == 58 or after =
   -- Ours: handed to us for a moment (see release.lua), or a resend. It
   -- lives a whole TTL from now.
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  if ARGV[3] == '1' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+  if ARGV[3] ~= '0' then redis.call('ZREM', KEYS[2], ARGV[1]) end
   return {1, tonumber(ARGV[2])}
 end
 local pttl = redis.call('PTTL', KEYS[1])

@@ -123,10 +123,34 @@ pub(crate) use wake::Watch;
 /// `contend.lua`).
 const WAITERS: &str = ":waiters";
 
-/// How long a released lock waits for the waiter it was handed to (see
-/// `release.lua`), at most: that waiter's next try makes it a whole TTL; one
-/// that died or gave up holds the lock up this long at most.
-pub(crate) const HANDOFF: Duration = Duration::from_millis(250);
+/// How long a released lock (or permit) waits for the waiter it was handed
+/// to (see `release.lua`): that waiter's watchdog makes it a whole TTL; one
+/// that died or gave up holds the lock up this long at most. The same for
+/// every caller, whatever its TTL: a waiter counts on it.
+pub(crate) const HANDOFF: Duration = Duration::from_millis(500);
+
+/// What a contend does with the key's line of waiters (see `contend.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Line {
+    /// Nothing: the caller never joined it.
+    Outside,
+    /// Joins it (or keeps its place) when the key is busy, marking the
+    /// lock; leaves it when the lock is taken.
+    Join,
+    /// Leaves it when the lock is taken, without joining: a waiter that
+    /// joined before and cannot hear releases now.
+    Leave,
+}
+
+impl Line {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Line::Outside => "0",
+            Line::Join => "1",
+            Line::Leave => "2",
+        }
+    }
+}
 
 static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
@@ -815,7 +839,7 @@ where
         let ticket = self.ticket(key.to_owned())?;
         match self.try_set(&ticket).await? {
             Some(acquired) => Ok(acquired),
-            None => self.contend(&ticket, false).await,
+            None => self.contend(&ticket, Line::Outside).await,
         }
     }
 
@@ -882,7 +906,7 @@ where
         if ticket.parking.is_some() || ticket.permits.is_some() {
             // Parked messages may come first, or the key admits several
             // holders: only the script can tell.
-            return match self.contend(ticket, false).await? {
+            return match self.contend(ticket, Line::Outside).await? {
                 Acquisition::Contended(_) => Ok(None),
                 acquired => Ok(Some(acquired)),
             };
@@ -903,14 +927,14 @@ where
     }
 
     /// Tries once more with the contend script, which also reads the
-    /// holder's remaining TTL, and marks the lock as waited for when `mark`
-    /// is set (its release then publishes on the lock key's channel).
-    pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, mark: bool) -> Result<Acquisition> {
+    /// holder's remaining TTL, and joins or leaves the key's line of
+    /// waiters as `line` says.
+    pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, line: Line) -> Result<Acquisition> {
         if let Some(permits) = ticket.permits {
-            return self.contend_permit(ticket, permits, mark).await;
+            return self.contend_permit(ticket, permits, line).await;
         }
         let started = Instant::now();
-        let mark = if mark { "1" } else { "0" };
+        let mark = line.arg();
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
                 let mut cmd = script::evalsha(&CONTEND, 2);
@@ -974,10 +998,10 @@ where
     /// lease ends by `joined` + the hand-off time, conservatively; `None`
     /// when too little of that is left (or the locker confirms with
     /// replicas): the caller then confirms with the contend script, which
-    /// also makes the lock live a whole TTL. The holder's watchdog renews a
-    /// handed lease as soon as its handler waits.
+    /// also makes the lock live a whole TTL. The `LockLayer` renews a handed
+    /// lease at once, before its handler starts.
     pub(crate) fn handed(&self, ticket: &Arc<Ticket>, joined: Instant) -> Option<Lease> {
-        let expires_at = joined + self.config.ttl.min(HANDOFF);
+        let expires_at = joined + HANDOFF;
         let enough = Instant::now() + HANDOFF / 2 <= expires_at;
         (enough && self.config.durability.is_none() && ticket.waits_in_line()).then(|| Lease {
             ticket: ticket.clone(),
@@ -1131,7 +1155,7 @@ where
                     .arg(KeyName(ticket.lock_key(), WAITERS))
                     .arg(ticket.token)
                     .arg(publish)
-                    .arg(millis(self.config.ttl.min(HANDOFF)));
+                    .arg(millis(HANDOFF));
                 (&*RELEASE, cmd)
             }
             Some(parking) => {

@@ -14,7 +14,8 @@
 -- KEYS[2]: waiters (see contend.lua)
 -- ARGV[1]: holder token
 -- ARGV[2]: the publish command: "PUBLISH" or "SPUBLISH"
--- ARGV[3]: the hand-off time in ms
+-- ARGV[3]: the hand-off time in ms (the same for every caller: a waiter
+--          counts on it)
 -- Returns 1 when released, 0 when the lock was gone (expired, or released
 -- already: a resent release whose first copy ran), -1 when another token
 -- holds it.
@@ -36,6 +37,7 @@ if string.byte(value, -1) ~= 33 then
   redis.call('DEL', KEYS[1])
   return 1
 end
+redis.call('ZREM', KEYS[2], ARGV[1]) -- never hand it to ourselves
 local next = redis.call('ZPOPMIN', KEYS[2])[1]
 if not next then
   redis.call('DEL', KEYS[1])

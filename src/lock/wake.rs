@@ -45,8 +45,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// waiters sleep, and an uncontended release publishes nothing. The waiter
 /// whose token came takes the lock without another round trip: the hand-off
 /// started after its first try to join the line was sent, so the lock is
-/// surely its own until that moment plus the hand-off time, and its
-/// watchdog renews it to a whole TTL. The others of the process learn that
+/// surely its own until that moment plus the hand-off time, and it renews
+/// the lock to a whole TTL at once, on a task of its own. The others of the process learn that
 /// the lock was handed elsewhere and sleep on. Permits work alike, one
 /// freed permit per waiter. A holder that dies publishes nothing: its
 /// lock's expiry ends the wait instead, since a waiter sleeps at most the

@@ -142,7 +142,7 @@ where
     /// of 0 or above [`MAX_PERMITS`], and on a Redis failure.
     pub async fn acquire_permit(&self, key: &str, permits: u32) -> Result<Acquisition> {
         let ticket = self.permit_ticket(key.to_owned(), permits)?;
-        self.contend(&ticket, false).await
+        self.contend(&ticket, super::Line::Outside).await
     }
 
     /// The Redis key of `key`'s permits set, `<prefix>:permits:{<key>}`
@@ -206,11 +206,11 @@ where
         &self,
         ticket: &Arc<Ticket>,
         permits: u32,
-        mark: bool,
+        line: super::Line,
     ) -> Result<Acquisition> {
         let started = Instant::now();
         let keys = PermitKeys::of_ticket(ticket);
-        let mark = if mark { "1" } else { "0" };
+        let mark = line.arg();
         let (script, cmd) = match ticket.parking.as_deref() {
             None => {
                 let mut cmd = script::evalsha(&ACQUIRE, 2);
@@ -276,7 +276,7 @@ where
     ) -> Result<Released> {
         let keys = PermitKeys::of_ticket(ticket);
         let permits = ticket.permits.unwrap_or(1);
-        let handoff = millis(self.config.ttl.min(super::HANDOFF));
+        let handoff = millis(super::HANDOFF);
         let fenced = if ticket.issued_fence().is_some() {
             "1"
         } else {
@@ -320,7 +320,8 @@ where
                 "releasing a permit of `{}`",
                 ticket.key
             )))?;
-        Ok(if released == 1 {
+        // 1: free now; 2: free and handed to a waiter in line.
+        Ok(if released >= 1 {
             Released::Now
         } else {
             Released::Gone

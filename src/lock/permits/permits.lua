@@ -16,9 +16,11 @@ local function in_line_as(token, limit)
 end
 
 -- Takes one of `limit` permits of `set` for `token`, leased for `ttl` ms
--- from `now`. When none is free and `wait` is set, the token joins the
--- key's `line` of waiters (keeping the place of an earlier try): a release
--- hands its permit to the first of them (see free_permit).
+-- from `now`. `line`: "1" to join the key's line of waiters when none is
+-- free (keeping the place of an earlier try): a release hands its permit to
+-- the first of them (see free_permit); "2" not to join, but to leave the
+-- line when a permit is taken (a waiter that joined before and cannot hear
+-- releases now); "0" neither.
 -- Returns {1, ms left of the lease} when a permit is (now) the token's: one
 -- was free, it was handed to the token, or the token holds one already (a
 -- resent acquire whose first copy ran); {0, ms until the first holder's
@@ -26,7 +28,7 @@ end
 -- Usual cost: ZCARD, ZADD, PEXPIRE. A full set first drops the leases that
 -- ran out (ZREMRANGEBYSCORE) and counts again: until then they are
 -- counted, which admits no one too many.
-local function take_permit(set, line, token, ttl, limit, wait, now)
+local function take_permit(set, line, token, ttl, limit, mode, now)
   local held = redis.call('ZCARD', set)
   if held >= limit then
     redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
@@ -46,11 +48,11 @@ local function take_permit(set, line, token, ttl, limit, wait, now)
     else
       redis.call('PEXPIRE', set, ttl, 'GT')
     end
-    if wait then redis.call('ZREM', line, in_line_as(token, limit)) end
+    if mode ~= '0' then redis.call('ZREM', line, in_line_as(token, limit)) end
     return {1, ttl}
   end
   local first = tonumber(redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')[2])
-  if wait then
+  if mode == '1' then
     local t = redis.call('TIME')
     redis.call('ZADD', line, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]),
       in_line_as(token, limit))
@@ -62,19 +64,21 @@ local function take_permit(set, line, token, ttl, limit, wait, now)
 end
 
 -- Gives `token`'s permit back. If waiters stand in the key's line, the
--- permit is handed to the first: leased to it for `handoff` ms (its next
--- try makes that a whole lease), and its token is published with `publish`
--- ("PUBLISH" or "SPUBLISH") on the set's channel. A waiter whose own limit
--- the holders left would exceed is not handed one: it stays first in line.
--- `fenced`: a fence was issued to the token. A token that holds no permit
--- leaves the line it stood in under `limit` (a waiter that gave up).
+-- permit is handed to the first whose own limit the remaining holders
+-- leave room for (of the first 16): leased to it for `handoff` ms (its next
+-- try, or its watchdog, makes that a whole lease), and its token is
+-- published with `publish` ("PUBLISH" or "SPUBLISH") on the set's channel.
+-- When none of them can take it, an empty publish wakes every waiter to
+-- try again. `fenced`: a fence was issued to the token. A token that holds
+-- no permit leaves the line it stood in under `limit` (a waiter that gave
+-- up).
 -- Returns 1 when released (the permit is free), 2 when released and handed
 -- on, 0 when the token held no permit (its lease ran out and an acquire
 -- dropped it, or a resent release's first copy ran). A lease that ran out
 -- but is still in the set is released as usual: it was counted as held
 -- until now, so no one else has held that permit meanwhile.
--- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, TIME, ZADD, PTTL and a
--- publish too).
+-- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, ZCARD, ZREM, TIME, ZADD,
+-- PTTL and a publish too).
 local function free_permit(set, line, fences, token, limit, publish, fenced, handoff)
   if redis.call('ZREM', set, token) == 0 then
     redis.call('ZREM', line, in_line_as(token, limit))
@@ -83,23 +87,31 @@ local function free_permit(set, line, fences, token, limit, publish, fenced, han
   if fenced then
     redis.call('HDEL', fences, token)
   end
-  local first = redis.call('ZRANGE', line, 0, 0)[1]
-  if not first then
+  local waiting = redis.call('ZRANGE', line, 0, 15)
+  if #waiting == 0 then
     return 1
   end
-  local waiter, limit = string.match(first, '^(.*)/(%d+)$')
-  if not waiter or redis.call('ZCARD', set) >= tonumber(limit) then
-    return 1
+  redis.call('ZREM', line, in_line_as(token, limit)) -- never to ourselves
+  local held = redis.call('ZCARD', set)
+  for _, member in ipairs(waiting) do
+    local waiter, allowed = string.match(member, '^(.*)/(%d+)$')
+    if waiter and waiter ~= token and held < tonumber(allowed) then
+      redis.call('ZREM', line, member)
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      -- NX: a waiter that holds a permit already (it took one without
+      -- the line) is not handed a second; the next one is.
+      if redis.call('ZADD', set, 'NX', now + handoff, waiter) == 1 then
+        if redis.call('PTTL', set) < handoff then
+          redis.call('PEXPIRE', set, handoff)
+        end
+        redis.call(publish, set, waiter)
+        return 2
+      end
+    end
   end
-  redis.call('ZREM', line, first)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('ZADD', set, now + handoff, waiter)
-  if redis.call('PTTL', set) < handoff then
-    redis.call('PEXPIRE', set, handoff)
-  end
-  redis.call(publish, set, waiter)
-  return 2
+  redis.call(publish, set, '')
+  return 1
 end
 
 -- Ms from `now` until one of `limit` permits of `set` is free: 0 when one

@@ -4,16 +4,21 @@
 -- KEYS[1]: permits set   KEYS[2]: parked set   KEYS[3]: data   KEYS[4]: dead
 -- KEYS[5]: schedule   KEYS[6]: bell   KEYS[7]: line of waiters
 -- ARGV[1]: holder token   ARGV[2]: lease TTL in ms   ARGV[3]: "1" to wait
--- in line when no permit is free   ARGV[4]: id of the message asking ("" for a
+-- in line when no permit is free, "2" only to leave the line when one is
+-- taken, "0" neither   ARGV[4]: id of the message asking ("" for a
 -- request that is none)   ARGV[5]: limit, the most holders at a time
 -- Returns {1, ms left of the lease} when a permit is (now) ours; {0, ms
 -- until a permit frees (0 when one is free), 1 when a parked message goes
 -- first, else 0} when not.
 local now = now_ms()
 local ttl, limit = tonumber(ARGV[2]), tonumber(ARGV[5])
-local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if mine then -- a resend whose first copy took it
-  return {1, tonumber(mine) - now}
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  -- Ours (handed to us, or a resend whose first copy took it): a whole
+  -- lease from now.
+  redis.call('ZADD', KEYS[1], 'XX', now + ttl, ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ttl, 'GT')
+  if ARGV[3] ~= '0' then redis.call('ZREM', KEYS[7], in_line_as(ARGV[1], ARGV[5])) end
+  return {1, ttl}
 end
 local head, dropped = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4])
 if head and head ~= ARGV[4] then
@@ -25,7 +30,7 @@ if head and head ~= ARGV[4] then
   end
   return {0, wait, 1}
 end
-local taken = take_permit(KEYS[1], KEYS[7], ARGV[1], ttl, limit, ARGV[3] == '1', now)
+local taken = take_permit(KEYS[1], KEYS[7], ARGV[1], ttl, limit, ARGV[3], now)
 if taken[1] == 0 then
   taken[3] = 0
   return taken
