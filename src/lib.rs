@@ -36,6 +36,7 @@ pub mod lock;
 mod outcome;
 pub mod queue;
 mod script;
+pub mod telemetry;
 #[cfg(feature = "test-util")]
 pub mod testing;
 pub mod worker;

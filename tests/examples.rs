@@ -9,7 +9,14 @@ use std::process::Command;
 
 use lockgate::testing::RedisServer;
 
-const EXAMPLES: &[&str] = &["quickstart", "strategies", "fencing", "pipeline", "limits"];
+const EXAMPLES: &[&str] = &[
+    "quickstart",
+    "strategies",
+    "fencing",
+    "pipeline",
+    "limits",
+    "prometheus",
+];
 
 #[test]
 fn every_example_runs() {
@@ -27,6 +34,9 @@ fn every_example_runs() {
                 "test-util",
             ])
             .env("REDIS_URL", server.url())
+            // For examples/prometheus.rs: a free port, and a short run.
+            .env("METRICS_ADDR", free_address())
+            .env("RUN_FOR_MS", "1000")
             .output()
             .unwrap_or_else(|e| panic!("could not run cargo for example {name}: {e}"));
         let stdout = String::from_utf8_lossy(&output.stdout);
@@ -46,4 +56,10 @@ fn every_example_runs() {
             "example {name} printed nothing\n--- stderr ---\n{stderr}"
         );
     }
+}
+
+/// A loopback address whose port was free a moment ago.
+fn free_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    listener.local_addr().expect("its address").to_string()
 }

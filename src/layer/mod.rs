@@ -272,6 +272,9 @@ pub(crate) struct Config<C, F, D> {
     pub(crate) issue_fence: std::sync::OnceLock<context::IssueFence>,
     /// Permits per key (`None`: a lock), unless the key says otherwise.
     pub(crate) permits: Option<u32>,
+    /// The layer's instruments in the `metrics` facade, registered at the
+    /// first call (shared by the layer's clones).
+    pub(crate) instruments: Arc<std::sync::OnceLock<crate::telemetry::LockInstruments>>,
 }
 
 impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
@@ -285,6 +288,7 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
             listener: self.listener.clone(),
             issue_fence: self.issue_fence.clone(),
             permits: self.permits,
+            instruments: self.instruments.clone(),
         }
     }
 }
@@ -330,6 +334,7 @@ impl<C, F> LockLayer<C, F, Fail> {
                 listener: None,
                 issue_fence: Default::default(),
                 permits: None,
+                instruments: Default::default(),
             },
         }
     }
@@ -346,6 +351,7 @@ impl<C, F, D> LockLayer<C, F, D> {
             listener,
             issue_fence,
             permits,
+            instruments,
             ..
         } = self.config;
         LockLayer {
@@ -358,6 +364,7 @@ impl<C, F, D> LockLayer<C, F, D> {
                 listener,
                 issue_fence,
                 permits,
+                instruments,
             },
         }
     }

@@ -140,6 +140,9 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
+    let instruments = config
+        .instruments
+        .get_or_init(crate::telemetry::LockInstruments::register);
     let retry = config.on_conflict.retry;
     // One budget for the whole call, from its start: the wait in the local
     // queue, the tries and their round trips, and the waits between them.
@@ -150,6 +153,9 @@ where
         .zip(started)
         .and_then(|(b, started)| started.checked_add(b));
     let mut tries: u32 = 0;
+    // Whether the call found its key busy (in Redis, or behind this
+    // process's earlier callers), for the metrics.
+    let mut contended = false;
     // A strategy that parks messages on the key locks it in the queue's
     // hash slot, and tells the parking scripts which message asks.
     let ticket = match config.on_conflict.then.parking(&key, permits.is_some()) {
@@ -188,7 +194,8 @@ where
                         let give_up = RunningJob::provide(running, || {
                             config.on_conflict.then.give_up(req, busy)
                         });
-                        let (id, due) = Box::pin(give_up).await?;
+                        let gave_up = Box::pin(give_up).await;
+                        let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
                         return Ok(Outcome::Deferred { id, due });
                     }
                 },
@@ -198,6 +205,7 @@ where
             // (at least one), so that queue and tries together stay within
             // the waits `max_attempts` allows. One try is always left: the
             // key was just handed over, it is likely free.
+            contended |= turn.waited();
             if turn.waited() {
                 let covered =
                     backoff.tries_covered(started.map_or(Duration::ZERO, |s| s.elapsed()));
@@ -279,6 +287,7 @@ where
             }
             Acquisition::Contended(busy) => busy,
         };
+        contended = true;
         if busy.parked_ahead() {
             // Messages parked on the key go first: waiting cannot help,
             // parking behind them (the strategy's next step) does.
@@ -350,10 +359,18 @@ where
         }
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
         let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
-        let (id, due) = Box::pin(give_up).await?;
+        let gave_up = Box::pin(give_up).await;
+        let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
         return Ok(Outcome::Deferred { id, due });
     };
     drop(watch);
+    instruments.acquired.increment(1);
+    if contended {
+        instruments.acquired_after_wait.increment(1);
+        if let Some(started) = started {
+            instruments.wait.record(started.elapsed().as_secs_f64());
+        }
+    }
     tracing::debug!(%key, "lock acquired");
     let issue_fence = config
         .issue_fence
@@ -373,7 +390,16 @@ where
         let call = RunningJob::provide(running, || inner.call(req));
         call.await.map_err(Into::<BoxError>::into)
     });
-    hold(locker, config.on_lost, call, lease, held, guard).await
+    hold(
+        locker,
+        config.on_lost,
+        call,
+        lease,
+        held,
+        guard,
+        &instruments.lost,
+    )
+    .await
 }
 
 /// Sleeps until a release hands the lock to this waiter (true) or to nobody
@@ -418,6 +444,7 @@ async fn hold<C, R>(
     lease: Lease,
     held: HeldLock,
     mut guard: ReleaseGuard<'_, C>,
+    lost: &metrics::Counter,
 ) -> Result<Outcome<R>, BoxError>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -460,6 +487,7 @@ where
             // worked without it for a while, which the caller must know.
             if guard.release(Some(expires_at)).await == Some(false) {
                 held.mark_lost();
+                lost.increment(1);
                 return Err(LockLost {
                     key: held.key().to_owned(),
                     fence: held.issued_fence(),
@@ -470,6 +498,7 @@ where
             result.map(Outcome::Done)
         }
         completed => {
+            lost.increment(1);
             if confirmed_lost {
                 // Redis said it is not ours: a release would be refused.
                 guard.ticket = None;

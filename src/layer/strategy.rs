@@ -365,6 +365,7 @@ where
         .await?
     {
         Ok(Some(due)) => {
+            crate::telemetry::count_parked(queue.name());
             tracing::debug!(key = %busy.key(), id = %token.id(), "parked until the key is released");
             Ok((token.id().to_owned(), due))
         }

@@ -448,6 +448,11 @@ impl Ticket {
         self.parking.is_none() || self.permits.is_some()
     }
 
+    /// Whether this lock's key parks messages (`DeferDelay::until_released`).
+    pub(crate) fn parks(&self) -> bool {
+        self.parking.is_some()
+    }
+
     /// The holder's random token.
     pub(crate) fn token(&self) -> &str {
         self.token.as_str()

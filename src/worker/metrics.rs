@@ -1,14 +1,19 @@
-//! Counters of what a worker did.
+//! Counters of what a worker did; also recorded through the `metrics`
+//! facade (see [`crate::telemetry`]).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+
+use crate::telemetry::QueueInstruments;
 
 /// A handle on a [`Worker`](super::Worker)'s counters. Cloning shares them.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics(Arc<Counters>);
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Counters {
+    /// The facade's instruments, registered when the worker starts.
+    instruments: OnceLock<QueueInstruments>,
     claimed: AtomicU64,
     done: AtomicU64,
     retried: AtomicU64,
@@ -71,31 +76,68 @@ impl Metrics {
         }
     }
 
+    /// Registers the facade's instruments for `queue` (once: a worker's
+    /// handle may be shared by workers of the same queue).
+    pub(crate) fn register(&self, queue: &str) {
+        self.0
+            .instruments
+            .get_or_init(|| QueueInstruments::register(queue));
+    }
+
+    /// The facade's instruments, once registered.
+    pub(crate) fn instruments(&self) -> Option<&QueueInstruments> {
+        self.0.instruments.get()
+    }
+
+    fn record(&self, f: impl FnOnce(&QueueInstruments)) {
+        if let Some(instruments) = self.0.instruments.get() {
+            f(instruments);
+        }
+    }
+
     pub(crate) fn add_claimed(&self, n: u64) {
         self.0.claimed.fetch_add(n, Relaxed);
+        self.record(|i| i.claimed.increment(n));
     }
     pub(crate) fn count_done(&self) {
         self.0.done.fetch_add(1, Relaxed);
+        self.record(|i| i.done.increment(1));
     }
     pub(crate) fn count_retried(&self) {
         self.0.retried.fetch_add(1, Relaxed);
+        self.record(|i| i.retried.increment(1));
     }
     pub(crate) fn count_deferred(&self) {
         self.0.deferred.fetch_add(1, Relaxed);
+        self.record(|i| i.deferred.increment(1));
     }
     pub(crate) fn add_dead(&self, n: u64) {
         self.0.dead.fetch_add(n, Relaxed);
+        self.record(|i| i.dead.increment(n));
     }
     pub(crate) fn count_lost_lease(&self) {
         self.0.lost_leases.fetch_add(1, Relaxed);
+        self.record(|i| i.lost_leases.increment(1));
     }
     pub(crate) fn count_unconfirmed(&self) {
         self.0.unconfirmed.fetch_add(1, Relaxed);
     }
     pub(crate) fn add_recovered(&self, n: u64) {
         self.0.recovered.fetch_add(n, Relaxed);
+        self.record(|i| i.recovered.increment(n));
     }
     pub(crate) fn count_error(&self) {
         self.0.redis_errors.fetch_add(1, Relaxed);
+        self.record(|i| i.redis_errors.increment(1));
+    }
+}
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters")
+            .field("claimed", &self.claimed)
+            .field("done", &self.done)
+            .field("dead", &self.dead)
+            .finish_non_exhaustive()
     }
 }

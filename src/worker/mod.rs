@@ -188,6 +188,8 @@ struct Config {
     retry: Backoff,
     /// How long shutdown waits for running handlers.
     shutdown_timeout: Duration,
+    /// How often the queue's depth gauges are sampled; `None`: never.
+    sample_every: Option<Duration>,
 }
 
 impl Default for Config {
@@ -203,6 +205,7 @@ impl Default for Config {
                 .expect("constant arguments are valid")
                 .unlimited_attempts(),
             shutdown_timeout: Duration::from_secs(30),
+            sample_every: Some(Duration::from_secs(10)),
         }
     }
 }
@@ -262,6 +265,20 @@ where
     pub fn prefetch(mut self, n: usize) -> Self {
         self.config.prefetch = Some(n.min(MAX_BATCH));
         self
+    }
+
+    /// How often the worker samples its queue's counts per state into the
+    /// `lockgate_queue_messages` gauges of the `metrics` facade (see
+    /// [`telemetry`](crate::telemetry)): one stats script each time.
+    /// Default 10 s; `None` turns sampling off. Errors under 100 ms.
+    pub fn sample_every(mut self, every: Option<Duration>) -> Result<Self> {
+        if every.is_some_and(|every| every < Duration::from_millis(100)) {
+            return Err(Error::config(format_args!(
+                "worker sampling interval must be at least 100 ms, got {every:?}"
+            )));
+        }
+        self.config.sample_every = every;
+        Ok(self)
     }
 
     /// How long a claimed message stays leased without renewal; the worker
@@ -352,6 +369,14 @@ where
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
         let housekeeping = AbortOnDrop(tokio::spawn(housekeep(shared.clone())));
+        self.metrics.register(self.queue.name());
+        let _sampling = self.config.sample_every.map(|every| {
+            AbortOnDrop(tokio::spawn(sample_depth(
+                self.queue.clone(),
+                self.metrics.clone(),
+                every,
+            )))
+        });
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let permits = Arc::new(Semaphore::new(self.config.concurrency));
@@ -443,7 +468,18 @@ where
                     buffer.push_front((seq, job));
                     break 'run Err(Error::Service(error.into()));
                 }
-                let span = tracing::info_span!("job", queue = %self.queue.name(), id = %token.id(), attempt = token.attempt());
+                // Field names of OpenTelemetry's messaging conventions, so an
+                // OpenTelemetry subscriber shows them as they are.
+                let span = tracing::info_span!(
+                    "process",
+                    "otel.name" = %format_args!("process {}", self.queue.name()),
+                    "otel.kind" = "consumer",
+                    "messaging.system" = "lockgate",
+                    "messaging.operation.type" = "process",
+                    "messaging.destination.name" = %self.queue.name(),
+                    "messaging.message.id" = %token.id(),
+                    "messaging.lockgate.attempt" = token.attempt(),
+                );
                 // `call` itself may panic (code before a service_fn's async
                 // block, a key function): that fails this message, not the
                 // worker.
@@ -451,13 +487,27 @@ where
                 // `call` runs inside this one (see `RunningJob`), so that a
                 // deferral of its request reschedules it in place.
                 let running = RunningJob::of(&job);
+                if let Some(instruments) = self.metrics.instruments() {
+                    // Due time by the server's clock, start by this host's.
+                    let lag = std::time::SystemTime::now()
+                        .duration_since(job.due_at())
+                        .unwrap_or_default();
+                    instruments.due_lag.record(lag.as_secs_f64());
+                }
+                let started = Instant::now();
                 let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     RunningJob::provide(Some(running), || self.service.call(job))
                 }));
                 match call {
                     Ok(call) => {
-                        let handled =
-                            handle(shared.clone(), acks.clone(), seq, token, call, permit);
+                        let handled = handle(
+                            shared.clone(),
+                            acks.clone(),
+                            seq,
+                            token,
+                            (call, started),
+                            permit,
+                        );
                         tasks.spawn(handled.instrument(span));
                     }
                     Err(panic) => {
@@ -849,7 +899,10 @@ async fn handle<T, C, R, E>(
     acks: AckQueue,
     seq: u64,
     token: ClaimToken,
-    call: impl Future<Output = std::result::Result<R, E>> + Send,
+    (call, started): (
+        impl Future<Output = std::result::Result<R, E>> + Send,
+        Instant,
+    ),
     _permit: OwnedSemaphorePermit,
 ) where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
@@ -868,6 +921,9 @@ async fn handle<T, C, R, E>(
             return;
         }
     };
+    if let Some(instruments) = shared.metrics.instruments() {
+        instruments.handler.record(started.elapsed().as_secs_f64());
+    }
     // Settling starts: stop renewing the lease. A renewal that found the
     // claim gone while the handler ran left a mark; what it means depends
     // on the outcome.
@@ -968,6 +1024,34 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// Renews the leases of in-flight messages every third of the lease, and
 /// recovers expired leases of dead workers.
+/// Sets the queue's depth gauges every `every` (see `Worker::sample_every`).
+async fn sample_depth<T, C>(queue: Queue<T, C>, metrics: Metrics, every: Duration)
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match queue.stats().await {
+            Ok(stats) => {
+                if let Some(instruments) = metrics.instruments() {
+                    let [due, later, active, dead] = &instruments.depth;
+                    due.set(stats.due as f64);
+                    later.set(stats.later as f64);
+                    active.set(stats.active as f64);
+                    dead.set(stats.dead as f64);
+                }
+            }
+            Err(error) => {
+                metrics.count_error();
+                tracing::debug!(%error, "could not sample the queue's depth");
+            }
+        }
+    }
+}
+
 async fn housekeep<T, C>(shared: Arc<Shared<T, C>>)
 where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
