@@ -370,19 +370,7 @@ fn permits_set(key: &str) -> String {
 
 /// The most runs of `runs` that overlap at one moment.
 fn most_at_once(runs: &[(u32, u32, Instant, Instant)]) -> usize {
-    let mut events: Vec<(Instant, i32)> = Vec::new();
-    for (_, _, start, end) in runs {
-        events.push((*start, 1));
-        events.push((*end, -1));
-    }
-    // Ends before starts at the same instant: touching is not overlapping.
-    events.sort();
-    let (mut now, mut most) = (0i32, 0i32);
-    for (_, step) in events {
-        now += step;
-        most = most.max(now);
-    }
-    most as usize
+    support::most_at_once(runs.iter().map(|(_, _, start, end)| (*start, *end)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

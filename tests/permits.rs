@@ -26,19 +26,7 @@ const CHILD: &str = "LOCKGATE_PERMITS_CHILD";
 
 /// The most intervals of `holds` (start, end) that overlap at one moment.
 fn most_at_once(holds: &[(u128, u128)]) -> usize {
-    let mut events: Vec<(u128, i32)> = Vec::new();
-    for &(start, end) in holds {
-        events.push((start, 1));
-        events.push((end, -1));
-    }
-    // Ends before starts at the same instant: touching is not overlapping.
-    events.sort();
-    let (mut now, mut most) = (0i32, 0i32);
-    for (_, step) in events {
-        now += step;
-        most = most.max(now);
-    }
-    most as usize
+    support::most_at_once(holds.iter().copied())
 }
 
 /// Counts handlers running at once, and the most there ever were.

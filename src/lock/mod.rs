@@ -426,6 +426,18 @@ pub(crate) struct Parking {
     pub(crate) message: Option<String>,
 }
 
+impl Parking {
+    /// Appends the queue's keys the parking scripts take after the lock:
+    /// the parked set, data, dead set, schedule and bell.
+    pub(crate) fn queue_keys<'c>(&self, cmd: &'c mut redis::Cmd) -> &'c mut redis::Cmd {
+        cmd.arg(&self.parked)
+            .arg(&self.data)
+            .arg(&self.dead)
+            .arg(&self.schedule)
+            .arg(&self.bell)
+    }
+}
+
 impl Ticket {
     pub(crate) fn key(&self) -> &str {
         &self.key
@@ -953,12 +965,9 @@ where
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_acquire;
                 let mut cmd = script::evalsha(script, 6);
-                cmd.arg(ticket.lock_key())
-                    .arg(&parking.parked)
-                    .arg(&parking.data)
-                    .arg(&parking.dead)
-                    .arg(&parking.schedule)
-                    .arg(&parking.bell)
+                cmd.arg(ticket.lock_key());
+                parking
+                    .queue_keys(&mut cmd)
                     .arg(ticket.token)
                     .arg(millis(self.config.ttl))
                     .arg(mark)
@@ -1166,14 +1175,8 @@ where
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_release;
                 let mut cmd = script::evalsha(script, 6);
-                cmd.arg(ticket.lock_key())
-                    .arg(&parking.parked)
-                    .arg(&parking.data)
-                    .arg(&parking.dead)
-                    .arg(&parking.schedule)
-                    .arg(&parking.bell)
-                    .arg(ticket.token)
-                    .arg(publish);
+                cmd.arg(ticket.lock_key());
+                parking.queue_keys(&mut cmd).arg(ticket.token).arg(publish);
                 (script, cmd)
             }
         };

@@ -271,25 +271,14 @@ impl Holds {
     /// Per key, the most handler runs that overlapped at one moment.
     #[allow(dead_code)]
     pub fn most_at_once(&self) -> std::collections::BTreeMap<String, usize> {
-        let inner = self.inner();
-        let mut most = std::collections::BTreeMap::new();
-        for (key, list) in &inner.intervals {
-            let mut events: Vec<(Instant, i32)> = Vec::new();
-            for (start, end, _) in list {
-                events.push((*start, 1));
-                events.push((*end, -1));
-            }
-            // Ends before starts at the same instant: touching is not
-            // overlapping.
-            events.sort();
-            let (mut now, mut peak) = (0i32, 0i32);
-            for (_, step) in events {
-                now += step;
-                peak = peak.max(now);
-            }
-            most.insert(key.clone(), peak as usize);
-        }
-        most
+        self.inner()
+            .intervals
+            .iter()
+            .map(|(key, list)| {
+                let runs = list.iter().map(|(start, end, _)| (*start, *end));
+                (key.clone(), most_at_once(runs))
+            })
+            .collect()
     }
 
     /// Asserts that no two handler runs of one key overlapped.
@@ -352,4 +341,22 @@ pub fn spawn_child(var: &str, spec: &str) -> std::process::Child {
         .stderr(std::process::Stdio::inherit())
         .spawn()
         .expect("spawning a child process")
+}
+
+/// The most of `intervals` (start, end) that overlap at one moment; ends
+/// before starts at the same instant (touching is not overlapping).
+#[allow(dead_code)]
+pub fn most_at_once<T: Ord>(intervals: impl IntoIterator<Item = (T, T)>) -> usize {
+    let mut events: Vec<(T, i32)> = Vec::new();
+    for (start, end) in intervals {
+        events.push((start, 1));
+        events.push((end, -1));
+    }
+    events.sort();
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in events {
+        now += step;
+        most = most.max(now);
+    }
+    most as usize
 }

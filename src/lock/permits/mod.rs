@@ -225,12 +225,9 @@ where
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_permit_acquire;
                 let mut cmd = script::evalsha(script, 7);
-                cmd.arg(keys.set)
-                    .arg(&parking.parked)
-                    .arg(&parking.data)
-                    .arg(&parking.dead)
-                    .arg(&parking.schedule)
-                    .arg(&parking.bell)
+                cmd.arg(keys.set);
+                parking
+                    .queue_keys(&mut cmd)
                     .arg(keys.line)
                     .arg(ticket.token)
                     .arg(millis(self.config.ttl))
@@ -298,12 +295,9 @@ where
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_permit_release;
                 let mut cmd = script::evalsha(script, 8);
-                cmd.arg(keys.set)
-                    .arg(&parking.parked)
-                    .arg(&parking.data)
-                    .arg(&parking.dead)
-                    .arg(&parking.schedule)
-                    .arg(&parking.bell)
+                cmd.arg(keys.set);
+                parking
+                    .queue_keys(&mut cmd)
                     .arg(keys.line)
                     .arg(keys.fences)
                     .arg(ticket.token)
