@@ -29,6 +29,62 @@ pub(crate) fn tag(key: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// The user key an escaped tag (see [`tag`]) stands for.
+pub(crate) fn untag(tag: &str) -> String {
+    let mut out = String::with_capacity(tag.len());
+    let mut chars = tag.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some(')') => out.push('}'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// `text` with the glob characters of `SCAN MATCH` escaped.
+pub(crate) fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Every key matching `pattern` (`SCAN`, never `KEYS`: the server is not
+/// blocked however many keys it holds). On a cluster connection, `SCAN`
+/// goes to one node.
+pub(crate) async fn scan(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    pattern: &str,
+) -> redis::RedisResult<Vec<String>> {
+    let mut cursor: u64 = 0;
+    let mut keys = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            return Ok(keys);
+        }
+        cursor = next;
+    }
+}
+
 /// A key name made of a name and a suffix, written into a command without
 /// building a `String` (for keys named on every acquire and release).
 #[derive(Clone, Copy)]
@@ -77,6 +133,15 @@ mod tests {
             for b in &tags[i + 1..] {
                 assert_ne!(a, b);
             }
+        }
+    }
+
+    #[test]
+    fn untag_reverses_tag() {
+        for key in [
+            "plain", "}", "\\)", "a}b", "a\\)b", "\\", "\\\\", "}}", "\\}", "x\\",
+        ] {
+            assert_eq!(untag(&tag(key)), key);
         }
     }
 

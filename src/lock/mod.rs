@@ -221,6 +221,23 @@ pub struct Holder {
     pub remaining: Option<Duration>,
 }
 
+impl Holder {
+    /// Reads a lock's value `<token>[:<fence>][!]` (the mark says someone
+    /// waits) and its PTTL.
+    fn read(value: &str, pttl: i64) -> Self {
+        let value = value.strip_suffix('!').unwrap_or(value);
+        let (token, fence) = match value.split_once(':') {
+            Some((token, fence)) => (token, fence.parse().ok()),
+            None => (value, None),
+        };
+        Holder {
+            token: token.to_owned(),
+            fence,
+            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+        }
+    }
+}
+
 /// The server's `maxmemory-policy`, as read by [`Locker::check_eviction`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EvictionPolicy {
@@ -1066,20 +1083,59 @@ where
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("reading lock `{key}`")))?;
-        let Some(value) = value else {
-            return Ok(None);
-        };
-        // `<token>[:<fence>][!]`: the mark says someone waits.
-        let value = value.strip_suffix('!').unwrap_or(&value);
-        let (token, fence) = match value.split_once(':') {
-            Some((token, fence)) => (token, fence.parse().ok()),
-            None => (value, None),
-        };
-        Ok(Some(Holder {
-            token: token.to_owned(),
-            fence,
-            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
-        }))
+        Ok(value.map(|value| Holder::read(&value, pttl)))
+    }
+
+    /// The locks held now whose keys match `pattern` (a `SCAN MATCH` glob
+    /// on the user's key: `*` for all, `order:*`), with their holders,
+    /// sorted by key. Found with `SCAN`, so the server is never blocked;
+    /// a lock taken or released meanwhile may or may not be listed. On a
+    /// Redis Cluster `SCAN` reads one node: ask each master's connection.
+    pub async fn held_locks(&self, pattern: &str) -> Result<Vec<(String, Holder)>> {
+        let attempted = || format!("listing locks matching `{pattern}`");
+        let mut conn = self.conn.clone();
+        let prefix = keys::glob_escape(&self.config.prefix);
+        let lock_keys = keys::scan(&mut conn, &format!("{prefix}:lock:{{{pattern}}}"))
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        let mut held = Vec::with_capacity(lock_keys.len());
+        for batch in lock_keys.chunks(100) {
+            let mut pipe = redis::pipe();
+            for lock_key in batch {
+                pipe.get(lock_key).pttl(lock_key);
+            }
+            let replies: Vec<(Option<String>, i64)> = pipe
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| Error::redis(attempted())(e))?;
+            for (lock_key, (value, pttl)) in batch.iter().zip(replies) {
+                let tag = lock_key
+                    .strip_prefix(&format!("{}:lock:{{", self.config.prefix))
+                    .and_then(|rest| rest.strip_suffix('}'));
+                if let (Some(tag), Some(value)) = (tag, value) {
+                    held.push((keys::untag(tag), Holder::read(&value, pttl)));
+                }
+            }
+        }
+        held.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(held)
+    }
+
+    /// Deletes the lock on `key` whoever holds it, and its line of waiters:
+    /// **an operator's emergency tool**. The holder goes on running,
+    /// believing it holds the lock, until its next renewal finds the lock
+    /// gone (it is then lost); meanwhile another caller can take the key, so
+    /// two may run at once. Fences still increase: the next holder's fence
+    /// is above every earlier one. Returns whether a lock was held.
+    pub async fn force_unlock(&self, key: &str) -> Result<bool> {
+        let lock_key = self.lock_key(key);
+        let (deleted, _): (u32, u32) = redis::pipe()
+            .del(&lock_key)
+            .del(format!("{lock_key}{WAITERS}"))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("deleting lock `{key}`")))?;
+        Ok(deleted == 1)
     }
 
     /// Issues the fencing token of a held lock, on first use (one round

@@ -373,6 +373,39 @@ pub(crate) enum Acked {
     Gone,
 }
 
+/// The keys every queue may have, after `<prefix>:{<name>}:`.
+const QUEUE_KEYS: [&str; 7] = [
+    "data", "schedule", "active", "dead", "errors", "claims", "bell",
+];
+
+/// The names of the queues under `prefix` (`"lockgate"` by default) that
+/// have any key in Redis, sorted. Found with `SCAN`, so the server is never
+/// blocked, and other keys are told apart by their exact layout. On a Redis
+/// Cluster `SCAN` reads one node: ask each master's connection.
+pub async fn queue_names<C>(conn: &C, prefix: &str) -> Result<Vec<String>>
+where
+    C: ConnectionLike + Clone + Send,
+{
+    crate::keys::check_prefix(prefix)?;
+    let pattern = format!("{}:{{*}}:*", crate::keys::glob_escape(prefix));
+    let found = crate::keys::scan(&mut conn.clone(), &pattern)
+        .await
+        .map_err(Error::redis("listing queues"))?;
+    let start = format!("{prefix}:{{");
+    let mut names: Vec<String> = found
+        .iter()
+        .filter_map(|key| {
+            let (tag, suffix) = key.strip_prefix(&start)?.split_once("}:")?;
+            QUEUE_KEYS
+                .contains(&suffix)
+                .then(|| crate::keys::untag(tag))
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
 impl<T, C> Queue<T, C> {
     /// Where messages of this queue park on `key` (see `QueueKeys::parking`).
     pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
@@ -875,6 +908,26 @@ where
                 return Ok(total);
             }
         }
+    }
+
+    /// Whether the queue has any key in Redis: messages waiting, running
+    /// or dead, or errors on record. (A queue exists in Redis only while it
+    /// holds something.)
+    pub async fn exists(&self) -> Result<bool> {
+        let keys = &self.keys;
+        let found: u32 = redis::cmd("EXISTS")
+            .arg(&keys.data)
+            .arg(&keys.schedule)
+            .arg(&keys.active)
+            .arg(&keys.dead)
+            .arg(&keys.errors)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "looking up queue `{}`",
+                self.name()
+            )))?;
+        Ok(found > 0)
     }
 
     /// Counts the queue's messages in each state.

@@ -1,0 +1,558 @@
+//! `lockgate`: inspect and operate lockgate queues and locks from a shell.
+//!
+//! Every command prints a human table, or one JSON document with `--json`
+//! (field names are stable). Errors are one line on stderr and a non-zero
+//! exit: 3 when the queue, message or lock asked for does not exist, 1 for
+//! any other failure, 2 for a malformed command line.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use clap::{Parser, Subcommand};
+use lockgate::queue::{DeadLetter, Stats};
+use lockgate::{BoxError, Locker, PushOptions, Queue};
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+/// Inspect and operate lockgate queues and locks.
+#[derive(Parser)]
+#[command(name = "lockgate", version, about)]
+struct Cli {
+    /// The Redis server (`redis://` or `rediss://`).
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/",
+        global = true
+    )]
+    url: String,
+    /// The key prefix the queues and locks live under.
+    #[arg(long, default_value = "lockgate", global = true)]
+    prefix: String,
+    /// Print one JSON document instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Every queue under the prefix (found with SCAN), with its counts.
+    Queues,
+    /// A queue's counts: due, later, active, dead, oldest due age.
+    Stats {
+        queue: String,
+        /// Refresh in place every INTERVAL (default 1s) until Ctrl-C.
+        #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = humantime::parse_duration)]
+        watch: Option<Duration>,
+    },
+    /// Dead letters, oldest first, with their errors and payloads.
+    Dead {
+        queue: String,
+        /// At most this many (1 to 1000).
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// Start after this many (the `next` cursor of the page before).
+        #[arg(long, default_value_t = 0)]
+        after: usize,
+    },
+    /// Re-drives dead letters: due now, with their counts reset.
+    Requeue {
+        queue: String,
+        /// The dead letter's id.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        id: Option<String>,
+        /// Every dead letter of the queue.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Deletes a scheduled or dead message.
+    Remove { queue: String, id: String },
+    /// Deletes every message of a queue (asks first, unless `--yes`).
+    Purge {
+        queue: String,
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Pushes a JSON message.
+    Push {
+        queue: String,
+        /// The message, as JSON.
+        #[arg(value_name = "JSON")]
+        message: String,
+        /// Due after this long (`5s`, `2m`, `1h 30m`).
+        #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "at")]
+        delay: Option<Duration>,
+        /// Due at this time (RFC 3339, `2026-11-23T18:00:00Z`).
+        #[arg(long, value_parser = humantime::parse_rfc3339_weak)]
+        at: Option<SystemTime>,
+        /// The message's id (a second push with the same id changes nothing).
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// Held locks with their remaining TTL and fence.
+    Locks {
+        /// Only keys matching this glob (`order:*`).
+        #[arg(long = "match", default_value = "*")]
+        pattern: String,
+    },
+    /// One lock: its holder, remaining TTL and fence, or the last fence.
+    Lock { key: String },
+    /// Deletes a lock whoever holds it: an operator's emergency.
+    Unlock {
+        key: String,
+        /// Required: the holder keeps running without the lock, and another
+        /// caller may take the key meanwhile.
+        #[arg(long, required = true)]
+        force: bool,
+    },
+    /// The holders of a key's permits: leases left, fences.
+    Permits { key: String },
+}
+
+/// A failure, with its exit code.
+enum Failure {
+    /// What was asked for does not exist (exit 3).
+    NotFound(String),
+    /// Anything else (exit 1).
+    Failed(BoxError),
+}
+
+impl<E: Into<BoxError>> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Failure::Failed(error.into())
+    }
+}
+
+fn not_found(what: impl Into<String>) -> Failure {
+    Failure::NotFound(what.into())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::NotFound(what)) => {
+            eprintln!("lockgate: {what}");
+            ExitCode::from(3)
+        }
+        Err(Failure::Failed(error)) => {
+            eprintln!("lockgate: {}", one_line(&*error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// An error and its causes, on one line.
+fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
+        source = cause_of(source);
+    }
+    line.replace('\n', " ")
+}
+
+fn cause_of<'a>(
+    error: Option<&'a (dyn std::error::Error + 'static)>,
+) -> Option<&'a (dyn std::error::Error + 'static)> {
+    error.and_then(|e| e.source())
+}
+
+async fn connect(url: &str) -> Result<ConnectionManager, Failure> {
+    let client = redis::Client::open(url)?;
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_number_of_retries(1)
+        .set_connection_timeout(Some(Duration::from_secs(5)));
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(|e| Failure::Failed(format!("cannot connect to {url}: {e}").into()))
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let conn = connect(&cli.url).await?;
+    let out = Output { json: cli.json };
+    let queue = |name: &str| -> Result<Queue<Value, ConnectionManager>, Failure> {
+        Ok(Queue::new(conn.clone(), name)?.prefix(&cli.prefix)?)
+    };
+    let locker = || -> Result<Locker<ConnectionManager>, Failure> {
+        Ok(Locker::new(conn.clone()).prefix(&cli.prefix)?)
+    };
+    match cli.command {
+        Command::Queues => {
+            let mut rows = Vec::new();
+            for name in lockgate::queue::queue_names(&conn, &cli.prefix).await? {
+                let stats = queue(&name)?.stats().await?;
+                rows.push((name, stats));
+            }
+            out.queues(&rows);
+        }
+        Command::Stats { queue: name, watch } => {
+            let q = existing(queue(&name)?, &name).await?;
+            match watch {
+                None => out.stats(&name, &q.stats().await?),
+                Some(every) => {
+                    let mut ticks = tokio::time::interval(every);
+                    loop {
+                        tokio::select! {
+                            _ = ticks.tick() => {}
+                            _ = tokio::signal::ctrl_c() => return Ok(()),
+                        }
+                        let stats = q.stats().await?;
+                        if !out.json && std::io::stdout().is_terminal() {
+                            print!("\x1b[H\x1b[2J"); // refresh in place
+                        }
+                        out.stats(&name, &stats);
+                    }
+                }
+            }
+        }
+        Command::Dead {
+            queue: name,
+            limit,
+            after,
+        } => {
+            if !(1..=lockgate::queue::MAX_BATCH).contains(&limit) {
+                return Err(format!(
+                    "--limit must be between 1 and {}, got {limit}",
+                    lockgate::queue::MAX_BATCH
+                )
+                .into());
+            }
+            let q = existing(queue(&name)?, &name).await?;
+            let dead = q.dead_letters(after, limit).await?;
+            let next = (dead.len() == limit).then_some(after + limit);
+            out.dead(&dead, next);
+        }
+        Command::Requeue {
+            queue: name,
+            id,
+            all,
+        } => {
+            let q = existing(queue(&name)?, &name).await?;
+            if all {
+                let n = q.requeue_all_dead().await?;
+                out.done(
+                    json!({"requeued": n}),
+                    &format!("re-drove {n} dead letters"),
+                );
+            } else if let Some(id) = id {
+                if !q.requeue_dead(&id).await? {
+                    return Err(not_found(format!("{id} is not a dead letter of {name}")));
+                }
+                out.done(json!({"requeued": 1, "id": id}), &format!("re-drove {id}"));
+            }
+        }
+        Command::Remove { queue: name, id } => {
+            let q = existing(queue(&name)?, &name).await?;
+            if !q.remove(&id).await? {
+                return Err(not_found(format!(
+                    "{id} is not a scheduled or dead message of {name} (absent, or being handled)"
+                )));
+            }
+            out.done(json!({"removed": id}), &format!("removed {id}"));
+        }
+        Command::Purge { queue: name, yes } => {
+            let q = existing(queue(&name)?, &name).await?;
+            if !yes && !confirm(&format!("delete every message of queue {name}?"))? {
+                return Err("not purged (confirm, or pass --yes)".into());
+            }
+            q.purge().await?;
+            out.done(json!({"purged": name}), &format!("purged {name}"));
+        }
+        Command::Push {
+            queue: name,
+            message,
+            delay,
+            at,
+            id,
+        } => {
+            let value: Value = serde_json::from_str(&message)
+                .map_err(|e| Failure::Failed(format!("malformed JSON message: {e}").into()))?;
+            let mut options = PushOptions::new();
+            if let Some(delay) = delay {
+                options = options.after(delay);
+            }
+            if let Some(at) = at {
+                options = options.at(at);
+            }
+            if let Some(id) = id {
+                options = options.id(id);
+            }
+            let pushed = queue(&name)?.push_with(value, options).await?;
+            let state = if pushed.created {
+                "pushed"
+            } else {
+                "exists already"
+            };
+            out.done(
+                json!({"id": pushed.id, "created": pushed.created, "due": pushed.due.map(unix_ms)}),
+                &format!("{state}: {}", pushed.id),
+            );
+        }
+        Command::Locks { pattern } => {
+            let held = locker()?.held_locks(&pattern).await?;
+            out.locks(&held);
+        }
+        Command::Lock { key } => {
+            let locker = locker()?;
+            match locker.inspect(&key).await? {
+                Some(holder) => out.locks(&[(key, holder)]),
+                None => {
+                    let last: Option<u64> = redis::cmd("GET")
+                        .arg(locker.fence_key(&key))
+                        .query_async(&mut conn.clone())
+                        .await?;
+                    let note = match last {
+                        Some(fence) => format!("{key}: free; last fence {fence}"),
+                        None => format!(
+                            "{key}: free; no fence on record (none issued, or over {:?} ago)",
+                            lockgate::lock::FENCE_GRACE
+                        ),
+                    };
+                    out.done(
+                        json!({"key": key, "held": false, "last_fence": last}),
+                        &note,
+                    );
+                }
+            }
+        }
+        Command::Unlock { key, force: _ } => {
+            if !locker()?.force_unlock(&key).await? {
+                return Err(not_found(format!("lock {key} is not held")));
+            }
+            out.done(
+                json!({"unlocked": key}),
+                &format!(
+                    "deleted lock {key}: its holder runs on without it until its next renewal fails, and another caller may take the key meanwhile"
+                ),
+            );
+        }
+        Command::Permits { key } => {
+            let holders = locker()?.permit_holders(&key).await?;
+            out.permits(&key, &holders);
+        }
+    }
+    Ok(())
+}
+
+/// The queue, if it has any key in Redis.
+async fn existing(
+    queue: Queue<Value, ConnectionManager>,
+    name: &str,
+) -> Result<Queue<Value, ConnectionManager>, Failure> {
+    if queue.exists().await? {
+        Ok(queue)
+    } else {
+        Err(not_found(format!("no queue named {name}")))
+    }
+}
+
+/// Asks on the terminal; refuses (false) when stdin is not one.
+fn confirm(question: &str) -> Result<bool, Failure> {
+    if !std::io::stdin().is_terminal() {
+        return Ok(false);
+    }
+    print!("{question} [y/N] ");
+    std::io::stdout().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes"))
+}
+
+fn unix_ms(time: SystemTime) -> u64 {
+    time.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn millis(duration: Option<Duration>) -> Option<u64> {
+    duration.map(|d| d.as_millis() as u64)
+}
+
+/// Prints tables, or JSON documents.
+struct Output {
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct QueueRow<'a> {
+    queue: &'a str,
+    due: u64,
+    later: u64,
+    active: u64,
+    dead: u64,
+    oldest_due_age_ms: Option<u64>,
+}
+
+impl<'a> QueueRow<'a> {
+    fn new(queue: &'a str, stats: &Stats) -> Self {
+        Self {
+            queue,
+            due: stats.due,
+            later: stats.later,
+            active: stats.active,
+            dead: stats.dead,
+            oldest_due_age_ms: millis(stats.oldest_due_age),
+        }
+    }
+}
+
+impl Output {
+    fn print(&self, document: &impl Serialize) {
+        // Serializing plain data into a string cannot fail.
+        println!(
+            "{}",
+            serde_json::to_string_pretty(document).unwrap_or_default()
+        );
+    }
+
+    /// A command's result: `document` as JSON, else `line`.
+    fn done(&self, document: Value, line: &str) {
+        if self.json {
+            self.print(&document);
+        } else {
+            println!("{line}");
+        }
+    }
+
+    fn queues(&self, rows: &[(String, Stats)]) {
+        let rows: Vec<QueueRow> = rows.iter().map(|(q, s)| QueueRow::new(q, s)).collect();
+        if self.json {
+            return self.print(&json!({ "queues": rows }));
+        }
+        if rows.is_empty() {
+            return println!("no queues");
+        }
+        println!(
+            "{:<24} {:>8} {:>8} {:>8} {:>8}  oldest due",
+            "queue", "due", "later", "active", "dead"
+        );
+        for r in rows {
+            println!(
+                "{:<24} {:>8} {:>8} {:>8} {:>8}  {}",
+                r.queue,
+                r.due,
+                r.later,
+                r.active,
+                r.dead,
+                r.oldest_due_age_ms
+                    .map_or("-".into(), |ms| format!("{ms} ms"))
+            );
+        }
+    }
+
+    fn stats(&self, queue: &str, stats: &Stats) {
+        let row = QueueRow::new(queue, stats);
+        if self.json {
+            return self.print(&row);
+        }
+        println!("{queue}");
+        println!("  due     {}", row.due);
+        println!("  later   {}", row.later);
+        println!("  active  {}", row.active);
+        println!("  dead    {}", row.dead);
+        if let Some(ms) = row.oldest_due_age_ms {
+            println!("  oldest due message waiting for {ms} ms");
+        }
+    }
+
+    fn dead(&self, dead: &[DeadLetter], next: Option<usize>) {
+        if self.json {
+            let letters: Vec<Value> = dead
+                .iter()
+                .map(|d| {
+                    let payload =
+                        serde_json::from_slice::<Value>(&d.payload).unwrap_or_else(|_| {
+                            Value::String(String::from_utf8_lossy(&d.payload).into_owned())
+                        });
+                    json!({
+                        "id": d.id,
+                        "buried_at_ms": unix_ms(d.buried_at),
+                        "error": d.error,
+                        "failures": d.failures,
+                        "deferrals": d.deferrals,
+                        "stalls": d.stalls,
+                        "payload": payload,
+                    })
+                })
+                .collect();
+            return self.print(&json!({ "dead": letters, "next": next }));
+        }
+        if dead.is_empty() {
+            return println!("no dead letters");
+        }
+        for d in dead {
+            println!(
+                "{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
+                d.id,
+                d.failures,
+                d.deferrals,
+                d.stalls,
+                d.error.as_deref().unwrap_or("-"),
+                String::from_utf8_lossy(&d.payload)
+            );
+        }
+        if let Some(next) = next {
+            println!("more: --after {next}");
+        }
+    }
+
+    fn locks(&self, held: &[(String, lockgate::lock::Holder)]) {
+        if self.json {
+            let locks: Vec<Value> = held
+                .iter()
+                .map(|(key, h)| {
+                    json!({
+                        "key": key,
+                        "held": true,
+                        "token": h.token,
+                        "fence": h.fence,
+                        "remaining_ms": millis(h.remaining),
+                    })
+                })
+                .collect();
+            return self.print(&json!({ "locks": locks }));
+        }
+        if held.is_empty() {
+            return println!("no locks held");
+        }
+        for (key, h) in held {
+            let fence = h.fence.map_or("none issued yet".into(), |f| f.to_string());
+            match h.remaining {
+                Some(ttl) => println!("{key}: held, expires in {ttl:?}, fence {fence}"),
+                None => println!("{key}: held without expiry (not set by lockgate), fence {fence}"),
+            }
+        }
+    }
+
+    fn permits(&self, key: &str, holders: &[lockgate::lock::permits::PermitHolder]) {
+        if self.json {
+            let holders: Vec<Value> = holders
+                .iter()
+                .map(|h| {
+                    json!({
+                        "token": h.token,
+                        "fence": h.fence,
+                        "remaining_ms": h.remaining.as_millis() as u64,
+                    })
+                })
+                .collect();
+            return self.print(&json!({ "key": key, "holders": holders }));
+        }
+        println!("{key}: {} permit(s) in use", holders.len());
+        for h in holders {
+            let fence = h.fence.map_or("none issued".into(), |f| f.to_string());
+            println!("  {}  expires in {:?}, fence {fence}", h.token, h.remaining);
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The `lockgate` command-line tool, run as a process against a throwaway
+//! server: exit codes, human output and JSON output.
+
+use std::process::{Command, Output};
+
+use lockgate::testing::RedisServer;
+use lockgate::{Locker, Queue};
+
+fn lockgate(server: &RedisServer, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(args)
+        .env("REDIS_URL", server.url())
+        .output()
+        .expect("the lockgate binary runs")
+}
+
+fn stdout(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn operates_queues_and_reads_locks() {
+    let server = RedisServer::start().unwrap();
+    assert!(
+        stdout(&lockgate(
+            &server,
+            &["push", "orders", r#"{"n":1}"#, "--id", "a"]
+        ))
+        .contains("pushed: a")
+    );
+    assert!(
+        stdout(&lockgate(
+            &server,
+            &["push", "orders", r#"{"n":1}"#, "--id", "a"]
+        ))
+        .contains("exists already")
+    );
+    stdout(&lockgate(
+        &server,
+        &["push", "orders", r#"{"n":2}"#, "--delay", "60s"],
+    ));
+    let stats = stdout(&lockgate(&server, &["stats", "orders"]));
+    assert!(
+        stats.contains("due     1") && stats.contains("later   1"),
+        "{stats}"
+    );
+
+    // Bury one through the library, then list and re-drive it.
+    let queue: Queue<serde_json::Value> =
+        Queue::new(server.connection_manager().await.unwrap(), "orders").unwrap();
+    let job = queue
+        .claim(1, std::time::Duration::from_secs(60))
+        .await
+        .unwrap()
+        .jobs
+        .remove(0);
+    queue
+        .bury(&job, "the payment service said no")
+        .await
+        .unwrap();
+    let dead = stdout(&lockgate(&server, &["dead", "orders"]));
+    assert!(
+        dead.contains("the payment service said no") && dead.contains(r#"{"n":1}"#),
+        "{dead}"
+    );
+    assert!(stdout(&lockgate(&server, &["requeue", "orders", "--all"])).contains("re-drove 1"));
+    assert!(stdout(&lockgate(&server, &["remove", "orders", "a"])).contains("removed a"));
+
+    let locker = Locker::new(server.connection_manager().await.unwrap());
+    let lease = locker.acquire("acc-1").await.unwrap().lease().unwrap();
+    let fence = locker.fence(&lease).await.unwrap();
+    let lock = stdout(&lockgate(&server, &["lock", "acc-1"]));
+    assert!(
+        lock.contains("held") && lock.contains(&fence.to_string()),
+        "{lock}"
+    );
+
+    // Permits in use, with their holders' leases and fences.
+    let first = locker
+        .acquire_permit("tenant-7", 3)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let _second = locker
+        .acquire_permit("tenant-7", 3)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let fence = locker.fence(&first).await.unwrap();
+    let permits = stdout(&lockgate(&server, &["permits", "tenant-7"]));
+    assert!(
+        permits.contains("2 permit(s) in use")
+            && permits.contains(first.token())
+            && permits.contains(&fence.to_string())
+            && permits.contains("expires in"),
+        "{permits}"
+    );
+
+    // Bad input: a clear message and a failing exit status, never a panic;
+    // 3 for what does not exist, 2 for a malformed command line.
+    for (bad, code) in [
+        (&["push", "orders", "not json"][..], 1),
+        (&["push", "orders", "{}", "--delay", "soon"], 2),
+        (&["requeue", "orders", "nope"], 3),
+        (&["stats", "no-such-queue"], 3),
+        (&["unlock", "nobody-holds-this", "--force"], 3),
+        (&["bogus"], 2),
+        (&["stats"], 2),
+        (&["unlock", "acc-1"], 2),
+    ] {
+        let output = lockgate(&server, bad);
+        assert_eq!(output.status.code(), Some(code), "{bad:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if code != 2 {
+            assert!(stderr.starts_with("lockgate: "), "{bad:?}: {stderr}");
+            assert_eq!(stderr.trim_end().lines().count(), 1, "{bad:?}: {stderr}");
+        }
+    }
+    let unreachable = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["--url", "redis://127.0.0.1:1/", "queues"])
+        .output()
+        .unwrap();
+    assert_eq!(unreachable.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&unreachable.stderr).contains("cannot connect"));
+}
+
+fn json(server: &RedisServer, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    serde_json::from_str(&stdout(&lockgate(server, &all))).expect("one JSON document")
+}
+
+#[tokio::test]
+async fn finds_queues_among_other_keys_and_speaks_json() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    for (queue, n) in [("emails", 3), ("orders", 1), ("odd}name", 2)] {
+        let q: Queue<serde_json::Value> = Queue::new(conn.clone(), queue).unwrap();
+        for i in 0..n {
+            q.push(serde_json::json!({ "i": i })).await.unwrap();
+        }
+    }
+    // Keys that are not queues: plain keys, a lock, a queue's parking keys,
+    // and a queue under another prefix.
+    let _: () = redis::cmd("SET")
+        .arg("lockgate:{x}:something")
+        .arg(1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("unrelated")
+        .arg(1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let locker = Locker::new(conn.clone());
+    let lease = locker.acquire("order:7").await.unwrap().lease().unwrap();
+    let other: Queue<serde_json::Value> = Queue::new(conn.clone(), "elsewhere")
+        .unwrap()
+        .prefix("other")
+        .unwrap();
+    other.push(serde_json::json!(1)).await.unwrap();
+
+    let human = stdout(&lockgate(&server, &["queues"]));
+    assert!(
+        human.contains("emails") && human.contains("odd}name"),
+        "{human}"
+    );
+    let queues = json(&server, &["queues"]);
+    let names: Vec<&str> = queues["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["queue"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["emails", "odd}name", "orders"]);
+    assert_eq!(queues["queues"][0]["due"], 3);
+    let elsewhere = json(&server, &["--prefix", "other", "queues"]);
+    assert_eq!(elsewhere["queues"][0]["queue"], "elsewhere");
+
+    let stats = json(&server, &["stats", "emails"]);
+    assert_eq!(
+        (stats["due"].clone(), stats["dead"].clone()),
+        (3.into(), 0.into())
+    );
+
+    // Locks: listed with a pattern, one read, one forced open.
+    let locks = json(&server, &["locks", "--match", "order:*"]);
+    assert_eq!(locks["locks"][0]["key"], "order:7");
+    assert_eq!(locks["locks"][0]["token"], lease.token());
+    assert!(locks["locks"][0]["remaining_ms"].as_u64().unwrap() > 0);
+    assert_eq!(
+        json(&server, &["locks", "--match", "nothing:*"])["locks"],
+        serde_json::json!([])
+    );
+    let unlocked = stdout(&lockgate(&server, &["unlock", "order:7", "--force"]));
+    assert!(unlocked.contains("runs on without it"), "{unlocked}");
+    assert!(locker.inspect("order:7").await.unwrap().is_none());
+
+    // Dead letters, paged.
+    let q: Queue<serde_json::Value> = Queue::new(conn.clone(), "emails").unwrap();
+    let claimed = q
+        .claim(3, std::time::Duration::from_secs(60))
+        .await
+        .unwrap();
+    for job in &claimed.jobs {
+        q.bury(job, "bounced").await.unwrap();
+    }
+    let page = json(&server, &["dead", "emails", "--limit", "2"]);
+    assert_eq!(page["dead"].as_array().unwrap().len(), 2);
+    assert_eq!(page["dead"][0]["error"], "bounced");
+    assert_eq!(page["next"], 2);
+    let rest = json(&server, &["dead", "emails", "--limit", "2", "--after", "2"]);
+    assert_eq!(rest["dead"].as_array().unwrap().len(), 1);
+    assert!(rest["next"].is_null());
+
+    // Pushes at a time, and purges only when told.
+    let at = json(
+        &server,
+        &[
+            "push",
+            "orders",
+            "{}",
+            "--at",
+            "2099-01-01T00:00:00Z",
+            "--id",
+            "later",
+        ],
+    );
+    assert_eq!(at["id"], "later");
+    assert_eq!(at["due"], 4_070_908_800_000u64);
+    let refused = lockgate(&server, &["purge", "orders"]);
+    assert_eq!(
+        refused.status.code(),
+        Some(1),
+        "purge without --yes, not on a terminal"
+    );
+    stdout(&lockgate(&server, &["purge", "orders", "--yes"]));
+    let left = json(&server, &["queues"]);
+    assert!(!left.to_string().contains("\"orders\""), "{left}");
+}
