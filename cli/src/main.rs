@@ -5,6 +5,8 @@
 //! exit: 3 when the queue, message or lock asked for does not exist, 1 for
 //! any other failure, 2 for a malformed command line.
 
+mod bench;
+
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -111,6 +113,20 @@ enum Command {
     },
     /// The holders of a key's permits: leases left, fences.
     Permits { key: String },
+    /// Runs BENCHMARKS.md's workloads against this Redis, each beside its
+    /// same-run comparator, under a throwaway prefix that is deleted
+    /// afterwards (also on Ctrl-C).
+    Bench {
+        /// How long each timed workload runs.
+        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// Messages through the worker (and, up to 10,000, delayed ones).
+        #[arg(long, default_value_t = 100_000)]
+        messages: usize,
+        /// Run even when the server's maxmemory-policy may evict keys.
+        #[arg(long)]
+        allow_eviction: bool,
+    },
 }
 
 /// A failure, with its exit code.
@@ -119,6 +135,8 @@ enum Failure {
     NotFound(String),
     /// Anything else (exit 1).
     Failed(BoxError),
+    /// Ctrl-C (exit 130).
+    Interrupted,
 }
 
 impl<E: Into<BoxError>> From<E> for Failure {
@@ -144,6 +162,7 @@ async fn main() -> ExitCode {
             eprintln!("lockgate: {}", one_line(&*error));
             ExitCode::FAILURE
         }
+        Err(Failure::Interrupted) => ExitCode::from(130),
     }
 }
 
@@ -181,6 +200,15 @@ async fn connect(url: &str) -> Result<ConnectionManager, Failure> {
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     let conn = connect(&cli.url).await?;
+    if let Command::Bench {
+        duration,
+        messages,
+        allow_eviction,
+    } = cli.command
+    {
+        let size = bench::Size { duration, messages };
+        return run_bench(&cli, conn, size, allow_eviction).await;
+    }
     let out = Output { json: cli.json };
     let queue = |name: &str| -> Result<Queue<Value, ConnectionManager>, Failure> {
         Ok(Queue::new(conn.clone(), name)?.prefix(&cli.prefix)?)
@@ -342,7 +370,67 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             let holders = locker()?.permit_holders(&key).await?;
             out.permits(&key, &holders);
         }
+        Command::Bench { .. } => unreachable!("handled above"),
     }
+    Ok(())
+}
+
+/// `lockgate bench`: refuses a server that may evict its keys (unless
+/// told), runs under a fresh prefix, and deletes it afterwards, also when
+/// interrupted.
+async fn run_bench(
+    cli: &Cli,
+    conn: ConnectionManager,
+    size: bench::Size,
+    allow_eviction: bool,
+) -> Result<(), Failure> {
+    let policy = Locker::new(conn.clone()).check_eviction().await?;
+    if policy.may_evict_locks() && !allow_eviction {
+        return Err(format!(
+            "the server's maxmemory-policy is {}: it may evict the benchmark's keys (and any lock); pass --allow-eviction to run anyway",
+            policy.name()
+        )
+        .into());
+    }
+    let client = redis::Client::open(cli.url.as_str())?;
+    let nonce = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+        ^ u128::from(std::process::id());
+    let prefix = format!("{}-bench-{:x}", cli.prefix, nonce & 0xffff_ffff_ffff);
+    let progress = if cli.json || !std::io::stdout().is_terminal() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(0)
+    };
+    let outcome = tokio::select! {
+        rows = bench::run(&client, &conn, &prefix, size, &progress) => Some(rows),
+        _ = tokio::signal::ctrl_c() => None,
+    };
+    progress.finish_and_clear();
+    let cleaned = bench::clean_up(&conn, &prefix).await;
+    let Some(rows) = outcome else {
+        eprintln!("lockgate: interrupted; the benchmark's keys under {prefix}: are deleted");
+        return Err(Failure::Interrupted);
+    };
+    let rows = rows?;
+    cleaned?;
+    if cli.json {
+        Output { json: true }.print(&json!({ "prefix": prefix, "results": rows }));
+        return Ok(());
+    }
+    println!("| workload | lockgate | same-run comparator | ratio |");
+    println!("|---|---|---|---|");
+    for row in rows {
+        let ratio = row
+            .ratio
+            .map_or("—".into(), |r| format!("{:.1} %", 100.0 * r));
+        println!(
+            "| {} | {} | {} | {ratio} |",
+            row.workload, row.lockgate, row.comparator
+        );
+    }
+    println!("(keys under {prefix}: deleted)");
     Ok(())
 }
 

@@ -247,3 +247,117 @@ async fn finds_queues_among_other_keys_and_speaks_json() {
     let left = json(&server, &["queues"]);
     assert!(!left.to_string().contains("\"orders\""), "{left}");
 }
+
+/// Keys in the server's database.
+async fn dbsize(server: &RedisServer) -> u64 {
+    redis::cmd("DBSIZE")
+        .query_async(&mut server.connection_manager().await.unwrap())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn bench_prints_its_tables_and_cleans_up_after_itself() {
+    let server = RedisServer::start().unwrap();
+    let report = json(
+        &server,
+        &["bench", "--duration", "100ms", "--messages", "300"],
+    );
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4, "{report}");
+    assert!(
+        results[0]["figures"]["layer_cycles_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(
+        results[0]["figures"]["plain_pair_cycles_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert!(results[2]["figures"]["handled_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(results[3]["figures"]["messages"], 300);
+    let table = stdout(&lockgate(
+        &server,
+        &["bench", "--duration", "100ms", "--messages", "200"],
+    ));
+    assert!(
+        table.contains("| lock cycle, 50 tasks, distinct keys |"),
+        "{table}"
+    );
+    assert_eq!(dbsize(&server).await, 0, "the benchmark left keys behind");
+}
+
+#[tokio::test]
+async fn bench_refuses_a_server_that_may_evict_unless_told() {
+    let server = RedisServer::start().unwrap();
+    let mut conn = server.connection_manager().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("500mb")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let refused = lockgate(
+        &server,
+        &["bench", "--duration", "50ms", "--messages", "50"],
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("allkeys-lru") && stderr.contains("--allow-eviction"),
+        "{stderr}"
+    );
+    stdout(&lockgate(
+        &server,
+        &[
+            "bench",
+            "--duration",
+            "50ms",
+            "--messages",
+            "50",
+            "--allow-eviction",
+        ],
+    ));
+}
+
+#[tokio::test]
+async fn an_interrupted_bench_deletes_its_keys() {
+    let server = RedisServer::start().unwrap();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["bench", "--duration", "20s", "--messages", "1000"])
+        .env("REDIS_URL", server.url())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Until the benchmark has written keys.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while dbsize(&server).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the benchmark wrote nothing"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let interrupted = Command::new("kill")
+        .args(["-INT", &bench.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupted.success());
+    let status = bench.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut bench.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert_eq!(
+        dbsize(&server).await,
+        0,
+        "the interrupted benchmark left keys behind"
+    );
+}

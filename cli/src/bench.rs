@@ -1,0 +1,364 @@
+//! `lockgate bench`: the workloads of BENCHMARKS.md, against the user's own
+//! Redis, under a throwaway prefix that is deleted afterwards (also on
+//! Ctrl-C).
+//!
+//! Each figure stands beside a comparator measured in the same run, as in
+//! BENCHMARKS.md: the lock cycle beside the bare `SET NX PX` +
+//! compare-and-delete pair, hot keys beside the uncontended cycle, the
+//! worker beside the push rate.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use lockgate::{
+    Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, ReleaseListener, Worker,
+};
+use redis::aio::ConnectionManager;
+use serde::Serialize;
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+
+/// How big a run is.
+#[derive(Debug, Clone, Copy)]
+pub struct Size {
+    /// How long each timed workload runs.
+    pub duration: Duration,
+    /// Messages through the worker, and delayed messages.
+    pub messages: usize,
+}
+
+/// One figure and its same-run comparator.
+#[derive(Debug, Serialize)]
+pub struct Row {
+    pub workload: &'static str,
+    pub lockgate: String,
+    pub comparator: String,
+    /// lockgate's rate over the comparator's, when both are rates.
+    pub ratio: Option<f64>,
+    /// The numbers behind the row, by name (rates per second, times in ms).
+    pub figures: serde_json::Value,
+}
+
+const TASKS: usize = 50;
+
+/// One cycle of a timed workload (boxed: the workloads differ in type).
+type Cycle = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), BoxError>> + Send>>;
+
+/// Runs every workload under `prefix`; `progress` shows which.
+pub async fn run(
+    client: &redis::Client,
+    conn: &ConnectionManager,
+    prefix: &str,
+    size: Size,
+    progress: &ProgressBar,
+) -> Result<Vec<Row>, BoxError> {
+    progress.set_length(4);
+    progress.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut rows = Vec::new();
+
+    progress.set_message("lock cycle");
+    let locker = Locker::new(conn.clone())
+        .prefix(prefix)?
+        .ttl(Duration::from_secs(10))?;
+    let plain = plain_pair(conn, prefix, size.duration).await?;
+    let layer = layer_cycles(&locker, size.duration).await?;
+    rows.push(Row {
+        workload: "lock cycle, 50 tasks, distinct keys",
+        lockgate: format!("{layer:.0} cycles/s through the LockLayer"),
+        comparator: format!("{plain:.0} cycles/s: SET NX PX + compare-and-delete script"),
+        ratio: Some(layer / plain),
+        figures: serde_json::json!({"layer_cycles_per_s": layer, "plain_pair_cycles_per_s": plain}),
+    });
+    progress.inc(1);
+
+    progress.set_message("hot keys");
+    let listener = ReleaseListener::connect(client.clone()).await?;
+    let (hot, p50, p99) = hot_keys(&locker, listener, size.duration).await?;
+    rows.push(Row {
+        workload: "50 tasks over 5 hot keys, retry woken by the release",
+        lockgate: format!("{hot:.0} acquisitions/s, call p50 {p50:.2} ms, p99 {p99:.2} ms"),
+        comparator: format!("{layer:.0} cycles/s on distinct keys (above)"),
+        ratio: Some(hot / layer),
+        figures: serde_json::json!({"acquisitions_per_s": hot, "call_p50_ms": p50, "call_p99_ms": p99}),
+    });
+    progress.inc(1);
+
+    progress.set_message("queue end to end");
+    let (pushed, handled) = end_to_end(client, conn, prefix, size.messages).await?;
+    rows.push(Row {
+        workload: "queue end to end: push, worker at concurrency 50, no-op handler, ack",
+        lockgate: format!("{handled:.0} messages/s handled"),
+        comparator: format!("{pushed:.0} messages/s pushed (batches of 100)"),
+        ratio: Some(handled / pushed),
+        figures: serde_json::json!({"handled_per_s": handled, "pushed_per_s": pushed}),
+    });
+    progress.inc(1);
+
+    progress.set_message("delayed messages");
+    let count = size.messages.min(10_000);
+    let (p50, p99) = delayed_lag(client, conn, prefix, count).await?;
+    rows.push(Row {
+        workload: "delayed messages, due → handler start",
+        lockgate: format!("p50 {p50:.2} ms, p99 {p99:.2} ms ({count} messages due over 2 s)"),
+        comparator: "—".into(),
+        ratio: None,
+        figures: serde_json::json!({"lag_p50_ms": p50, "lag_p99_ms": p99, "messages": count}),
+    });
+    progress.inc(1);
+    progress.finish_and_clear();
+    Ok(rows)
+}
+
+/// The bare pair: `SET NX PX`, then a compare-and-delete script.
+async fn plain_pair(
+    conn: &ConnectionManager,
+    prefix: &str,
+    duration: Duration,
+) -> Result<f64, BoxError> {
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+    let release = Arc::new(release);
+    let (conn, prefix) = (conn.clone(), prefix.to_owned());
+    timed(duration, move |task| {
+        let (mut conn, release) = (conn.clone(), release.clone());
+        let key = format!("{prefix}:bare:{task}");
+        Box::pin(async move {
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&key)
+                .arg("token")
+                .arg("NX")
+                .arg("PX")
+                .arg(10_000)
+                .query_async(&mut conn)
+                .await?;
+            if set.is_some() {
+                let _: i64 = release
+                    .key(&key)
+                    .arg("token")
+                    .invoke_async(&mut conn)
+                    .await?;
+            }
+            Ok(())
+        }) as Cycle
+    })
+    .await
+}
+
+/// The request is the key (a key function takes `&Request`).
+#[allow(clippy::ptr_arg)]
+fn own_key(key: &String) -> String {
+    key.clone()
+}
+
+/// The LockLayer's cycle: acquire, a no-op handler, release.
+async fn layer_cycles(
+    locker: &Locker<ConnectionManager>,
+    duration: Duration,
+) -> Result<f64, BoxError> {
+    let svc = LockLayer::new(locker.clone(), own_key).layer(tower::service_fn(|_: String| async {
+        Ok::<_, BoxError>(())
+    }));
+    timed(duration, move |task| {
+        let svc = svc.clone();
+        Box::pin(async move {
+            let mut svc = svc;
+            let _ = svc.ready().await?.call(format!("cycle-{task}")).await?;
+            Ok(())
+        }) as Cycle
+    })
+    .await
+}
+
+/// 50 tasks over 5 keys, retrying woken by the release: rate, p50, p99.
+async fn hot_keys(
+    locker: &Locker<ConnectionManager>,
+    listener: ReleaseListener,
+    duration: Duration,
+) -> Result<(f64, f64, f64), BoxError> {
+    let backoff = Backoff::exponential(Duration::from_micros(500), Duration::from_millis(8))?
+        .unlimited_attempts()
+        .max_elapsed(Duration::from_secs(30));
+    let svc = LockLayer::new(locker.clone(), |key: &String| key.clone())
+        .on_conflict(OnConflict::retry(backoff))
+        .wake_on_release(listener)
+        .layer(tower::service_fn(|_: String| async {
+            Ok::<_, BoxError>(())
+        }));
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let rate = timed(duration, {
+        let latencies = latencies.clone();
+        move |task| {
+            let (svc, latencies) = (svc.clone(), latencies.clone());
+            Box::pin(async move {
+                let started = Instant::now();
+                let mut svc = svc;
+                let _ = svc.ready().await?.call(format!("hot-{}", task % 5)).await?;
+                if let Ok(mut l) = latencies.lock() {
+                    l.push(started.elapsed());
+                }
+                Ok(())
+            }) as Cycle
+        }
+    })
+    .await?;
+    let mut latencies = latencies.lock().map_err(|_| "poisoned")?.clone();
+    Ok((
+        rate,
+        percentile(&mut latencies, 0.5),
+        percentile(&mut latencies, 0.99),
+    ))
+}
+
+/// Pushes `messages`, then lets a worker (concurrency 50) handle them all.
+/// Returns (push rate, handling rate).
+async fn end_to_end(
+    client: &redis::Client,
+    conn: &ConnectionManager,
+    prefix: &str,
+    messages: usize,
+) -> Result<(f64, f64), BoxError> {
+    let queue: Queue<u64> = Queue::new(conn.clone(), "bench-e2e")?.prefix(prefix)?;
+    let started = Instant::now();
+    let payloads: Vec<u64> = (0..messages as u64).collect();
+    for chunk in payloads.chunks(100) {
+        queue.push_many(chunk).await?;
+    }
+    let pushed = messages as f64 / started.elapsed().as_secs_f64();
+    let handled = Arc::new(AtomicU64::new(0));
+    let service = {
+        let handled = handled.clone();
+        tower::service_fn(move |_: Job<u64>| {
+            handled.fetch_add(1, Ordering::Relaxed);
+            async { Ok::<_, BoxError>(()) }
+        })
+    };
+    let started = Instant::now();
+    let done = {
+        let handled = handled.clone();
+        async move {
+            while handled.load(Ordering::Relaxed) < messages as u64 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    Worker::new(client.clone(), queue, service)
+        .concurrency(50)?
+        .run_until(done)
+        .await?;
+    Ok((pushed, messages as f64 / started.elapsed().as_secs_f64()))
+}
+
+/// `count` messages due over the next 2 s; the lag from each one's due time
+/// to its handler's start: (p50, p99) in ms.
+async fn delayed_lag(
+    client: &redis::Client,
+    conn: &ConnectionManager,
+    prefix: &str,
+    count: usize,
+) -> Result<(f64, f64), BoxError> {
+    let queue: Queue<u64> = Queue::new(conn.clone(), "bench-delayed")?.prefix(prefix)?;
+    let spread = Duration::from_secs(2);
+    let start = SystemTime::now() + Duration::from_millis(500);
+    for i in 0..count {
+        let at = start + spread.mul_f64(i as f64 / count.max(1) as f64);
+        queue
+            .push_with(i as u64, lockgate::PushOptions::new().at(at))
+            .await?;
+    }
+    let lags = Arc::new(std::sync::Mutex::new(Vec::with_capacity(count)));
+    let service = {
+        let lags = lags.clone();
+        tower::service_fn(move |job: Job<u64>| {
+            let lag = SystemTime::now()
+                .duration_since(job.due_at())
+                .unwrap_or_default();
+            if let Ok(mut l) = lags.lock() {
+                l.push(lag);
+            }
+            async { Ok::<_, BoxError>(()) }
+        })
+    };
+    let done = {
+        let lags = lags.clone();
+        async move {
+            while lags.lock().map(|l| l.len()).unwrap_or(count) < count {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    Worker::new(client.clone(), queue, service)
+        .concurrency(50)?
+        .run_until(done)
+        .await?;
+    let mut lags = lags.lock().map_err(|_| "poisoned")?.clone();
+    Ok((percentile(&mut lags, 0.5), percentile(&mut lags, 0.99)))
+}
+
+/// Runs `TASKS` tasks, each repeating `cycle(task)` until `duration` ends;
+/// returns cycles per second.
+async fn timed<F>(duration: Duration, cycle: F) -> Result<f64, BoxError>
+where
+    F: Fn(usize) -> Cycle + Send + Sync + 'static + Clone,
+{
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for task in 0..TASKS {
+        let (stop, count, cycle) = (stop.clone(), count.clone(), cycle.clone());
+        tasks.spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                cycle(task).await?;
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<_, BoxError>(())
+        });
+    }
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(count.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The `q` quantile of `values`, in ms.
+fn percentile(values: &mut [Duration], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort();
+    let at = ((values.len() - 1) as f64 * q).round() as usize;
+    values[at].as_secs_f64() * 1000.0
+}
+
+/// Deletes every key under `prefix` (SCAN, then DEL in batches).
+pub async fn clean_up(conn: &ConnectionManager, prefix: &str) -> Result<usize, BoxError> {
+    let mut conn = conn.clone();
+    let mut cursor: u64 = 0;
+    let mut deleted = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            let n: usize = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await?;
+            deleted += n;
+        }
+        if next == 0 {
+            return Ok(deleted);
+        }
+        cursor = next;
+    }
+}
