@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime};
 use clap::{Parser, Subcommand};
 use lockgate::queue::{DeadLetter, Stats};
 use lockgate::{BoxError, Locker, PushOptions, Queue};
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -22,14 +22,19 @@ use serde_json::{Value, json};
 #[derive(Parser)]
 #[command(name = "lockgate", version, about)]
 struct Cli {
-    /// The Redis server (`redis://` or `rediss://`).
+    /// The Redis server (`redis://` or `rediss://`); for a Redis Cluster,
+    /// its seed nodes, comma-separated or repeated.
     #[arg(
         long,
         env = "REDIS_URL",
         default_value = "redis://127.0.0.1:6379/",
+        value_delimiter = ',',
         global = true
     )]
-    url: String,
+    url: Vec<String>,
+    /// The servers are a Redis Cluster (implied by more than one URL).
+    #[arg(long, global = true)]
+    cluster: bool,
     /// The key prefix the queues and locks live under.
     #[arg(long, default_value = "lockgate", global = true)]
     prefix: String,
@@ -198,8 +203,33 @@ async fn connect(url: &str) -> Result<ConnectionManager, Failure> {
         .map_err(|e| Failure::Failed(format!("cannot connect to {url}: {e}").into()))
 }
 
+/// Connects to the cluster whose seed nodes are `urls`.
+async fn connect_cluster(
+    urls: &[String],
+) -> Result<redis::cluster_async::ClusterConnection, Failure> {
+    let client = redis::cluster::ClusterClient::builder(urls.iter().cloned())
+        .connection_timeout(Duration::from_secs(5))
+        .build()?;
+    client.get_async_connection().await.map_err(|e| {
+        Failure::Failed(format!("cannot connect to the cluster at {urls:?}: {e}").into())
+    })
+}
+
 async fn run(cli: Cli) -> Result<(), Failure> {
-    let conn = connect(&cli.url).await?;
+    if cli.cluster || cli.url.len() > 1 {
+        if matches!(cli.command, Command::Bench { .. }) {
+            return Err(
+                "bench runs against a single server (give one --url, without --cluster)".into(),
+            );
+        }
+        let conn = connect_cluster(&cli.url).await?;
+        return commands(cli, conn).await;
+    }
+    let url = cli
+        .url
+        .first()
+        .map_or("redis://127.0.0.1:6379/", String::as_str);
+    let conn = connect(url).await?;
     if let Command::Bench {
         duration,
         messages,
@@ -207,19 +237,32 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     } = cli.command
     {
         let size = bench::Size { duration, messages };
-        return run_bench(&cli, conn, size, allow_eviction).await;
+        return run_bench(&cli, url, conn, size, allow_eviction).await;
     }
-    let out = Output { json: cli.json };
-    let queue = |name: &str| -> Result<Queue<Value, ConnectionManager>, Failure> {
-        Ok(Queue::new(conn.clone(), name)?.prefix(&cli.prefix)?)
+    commands(cli, conn).await
+}
+
+/// Every command but `bench`, on a server's or a cluster's connection.
+async fn commands<C>(cli: Cli, conn: C) -> Result<(), Failure>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let Cli {
+        prefix,
+        json,
+        command,
+        ..
+    } = cli;
+    let out = Output { json };
+    let queue = |name: &str| -> Result<Queue<Value, C>, Failure> {
+        Ok(Queue::new(conn.clone(), name)?.prefix(&prefix)?)
     };
-    let locker = || -> Result<Locker<ConnectionManager>, Failure> {
-        Ok(Locker::new(conn.clone()).prefix(&cli.prefix)?)
-    };
-    match cli.command {
+    let locker =
+        || -> Result<Locker<C>, Failure> { Ok(Locker::new(conn.clone()).prefix(&prefix)?) };
+    match command {
         Command::Queues => {
             let mut rows = Vec::new();
-            for name in lockgate::queue::queue_names(&conn, &cli.prefix).await? {
+            for name in lockgate::queue::queue_names(&conn, &prefix).await? {
                 let stats = queue(&name)?.stats().await?;
                 rows.push((name, stats));
             }
@@ -237,7 +280,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                             _ = tokio::signal::ctrl_c() => return Ok(()),
                         }
                         let stats = q.stats().await?;
-                        if !out.json && std::io::stdout().is_terminal() {
+                        if !json && std::io::stdout().is_terminal() {
                             print!("\x1b[H\x1b[2J"); // refresh in place
                         }
                         out.stats(&name, &stats);
@@ -380,6 +423,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 /// interrupted.
 async fn run_bench(
     cli: &Cli,
+    url: &str,
     conn: ConnectionManager,
     size: bench::Size,
     allow_eviction: bool,
@@ -392,7 +436,7 @@ async fn run_bench(
         )
         .into());
     }
-    let client = redis::Client::open(cli.url.as_str())?;
+    let client = redis::Client::open(url)?;
     let nonce = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos())
@@ -435,10 +479,10 @@ async fn run_bench(
 }
 
 /// The queue, if it has any key in Redis.
-async fn existing(
-    queue: Queue<Value, ConnectionManager>,
-    name: &str,
-) -> Result<Queue<Value, ConnectionManager>, Failure> {
+async fn existing<C>(queue: Queue<Value, C>, name: &str) -> Result<Queue<Value, C>, Failure>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
     if queue.exists().await? {
         Ok(queue)
     } else {
@@ -480,6 +524,7 @@ struct QueueRow<'a> {
     active: u64,
     dead: u64,
     oldest_due_age_ms: Option<u64>,
+    next_due_in_ms: Option<u64>,
 }
 
 impl<'a> QueueRow<'a> {
@@ -491,6 +536,7 @@ impl<'a> QueueRow<'a> {
             active: stats.active,
             dead: stats.dead,
             oldest_due_age_ms: millis(stats.oldest_due_age),
+            next_due_in_ms: millis(stats.next_due_in),
         }
     }
 }
@@ -551,6 +597,9 @@ impl Output {
         println!("  dead    {}", row.dead);
         if let Some(ms) = row.oldest_due_age_ms {
             println!("  oldest due message waiting for {ms} ms");
+        }
+        if let Some(ms) = row.next_due_in_ms {
+            println!("  next message due in {ms} ms");
         }
     }
 

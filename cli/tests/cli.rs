@@ -46,7 +46,9 @@ async fn operates_queues_and_reads_locks() {
     ));
     let stats = stdout(&lockgate(&server, &["stats", "orders"]));
     assert!(
-        stats.contains("due     1") && stats.contains("later   1"),
+        stats.contains("due     1")
+            && stats.contains("later   1")
+            && stats.contains("next message due in"),
         "{stats}"
     );
 
@@ -360,4 +362,37 @@ async fn an_interrupted_bench_deletes_its_keys() {
         0,
         "the interrupted benchmark left keys behind"
     );
+}
+
+#[tokio::test]
+async fn operates_a_queue_and_a_lock_on_a_cluster() {
+    let cluster = lockgate::testing::RedisCluster::start().unwrap();
+    let seeds = cluster.urls().join(",");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lockgate"))
+            .args(["--url", &seeds])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let pushed = run(&["--json", "push", "orders", r#"{"n":1}"#, "--id", "a"]);
+    assert!(
+        pushed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pushed.stderr)
+    );
+    let stats = run(&["--json", "stats", "orders"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["due"], 1);
+
+    let conn = cluster.connection().await.unwrap();
+    let locker = Locker::new(conn);
+    let lease = locker.acquire("order:9").await.unwrap().lease().unwrap();
+    let lock = run(&["--json", "lock", "order:9"]);
+    let lock: serde_json::Value = serde_json::from_slice(&lock.stdout).unwrap();
+    assert_eq!(lock["locks"][0]["token"], lease.token());
+    assert!(run(&["unlock", "order:9", "--force"]).status.success());
+    assert!(locker.inspect("order:9").await.unwrap().is_none());
+    let bench = run(&["bench"]);
+    assert_eq!(bench.status.code(), Some(1), "bench is for a single server");
 }

@@ -358,6 +358,8 @@ pub struct Stats {
     pub dead: u64,
     /// How long the oldest due message has been due.
     pub oldest_due_age: Option<Duration>,
+    /// How long until the next message that is not due yet becomes due.
+    pub next_due_in: Option<Duration>,
 }
 
 /// What an acknowledgement found for one message.
@@ -932,7 +934,7 @@ where
 
     /// Counts the queue's messages in each state.
     pub async fn stats(&self) -> Result<Stats> {
-        let v: (u64, u64, u64, u64, i64, i64) = Scripts::get()
+        let v: (u64, u64, u64, u64, i64, i64, i64) = Scripts::get()
             .stats
             .key(&self.keys.schedule)
             .key(&self.keys.active)
@@ -943,14 +945,15 @@ where
                 "reading stats of queue `{}`",
                 self.name()
             )))?;
-        let (due, later, active, dead, oldest, now) = v;
+        let (due, later, active, dead, oldest, now, next_due) = v;
+        let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
         Ok(Stats {
             due,
             later,
             active,
             dead,
-            oldest_due_age: (oldest >= 0)
-                .then(|| Duration::from_millis(u64::try_from(now - oldest).unwrap_or(0))),
+            oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
+            next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
         })
     }
 
