@@ -157,6 +157,9 @@ fn not_found(what: impl Into<String>) -> Failure {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // rediss:// runs on rustls, with ring's cryptography. (Fails only if a
+    // provider is installed already: then that one serves.)
+    let _ = rustls::crypto::ring::default_provider().install_default();
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::NotFound(what)) => {

