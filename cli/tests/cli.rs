@@ -469,3 +469,38 @@ async fn speaks_tls_to_a_rediss_url() {
     assert_eq!(queue.stats().await.unwrap().due, 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn stats_watch_refreshes_and_permits_speak_json() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn.clone(), "watched").unwrap();
+    q.push(serde_json::json!(1)).await.unwrap();
+    let watch = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["--json", "stats", "watched", "--watch", "100ms"])
+        .env("REDIS_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    let _ = Command::new("kill")
+        .args(["-INT", &watch.id().to_string()])
+        .status();
+    let output = watch.wait_with_output().unwrap();
+    assert!(output.status.success(), "Ctrl-C ends --watch cleanly");
+    let documents = String::from_utf8_lossy(&output.stdout)
+        .matches("\"queue\": \"watched\"")
+        .count();
+    assert!(documents >= 3, "refreshed {documents} times");
+
+    let locker = Locker::new(conn);
+    let lease = locker
+        .acquire_permit("tenant", 2)
+        .await
+        .unwrap()
+        .lease()
+        .unwrap();
+    let permits = json(&server, &["permits", "tenant"]);
+    assert_eq!(permits["holders"][0]["token"], lease.token());
+    assert!(permits["holders"][0]["remaining_ms"].as_u64().unwrap() > 0);
+}
