@@ -13,8 +13,8 @@
 //! | `lockgate_messages_done_total` | counter | `queue` | handled and acknowledged |
 //! | `lockgate_messages_retried_total` | counter | `queue` | failed, scheduled for another attempt |
 //! | `lockgate_messages_deferred_total` | counter | `queue` | deferred because their key was busy (parked ones included) |
-//! | `lockgate_messages_parked_total` | counter | `queue` | parked on their key until released (`DeferDelay::until_released`) |
-//! | `lockgate_messages_dead_total` | counter | `queue` | moved to the dead letters |
+//! | `lockgate_messages_parked_total` | counter | `queue` | parkings on a busy key (`DeferDelay::until_released`); a parked message that comes back before its turn and parks again counts again, as it does in `deferred` |
+//! | `lockgate_messages_dead_total` | counter | `queue` | moved to the dead letters (stalled too often included) |
 //! | `lockgate_leases_lost_total` | counter | `queue` | claims that ran out while their handler ran |
 //! | `lockgate_messages_recovered_total` | counter | `queue` | messages of dead workers requeued or buried |
 //! | `lockgate_redis_errors_total` | counter | `queue` | Redis errors a worker met |

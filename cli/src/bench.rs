@@ -264,12 +264,33 @@ async fn delayed_lag(
 ) -> Result<(f64, f64), BoxError> {
     let queue: Queue<u64> = Queue::new(conn.clone(), "bench-delayed")?.prefix(prefix)?;
     let spread = Duration::from_secs(2);
-    let start = SystemTime::now() + Duration::from_millis(500);
-    for i in 0..count {
-        let at = start + spread.mul_f64(i as f64 / count.max(1) as f64);
-        queue
-            .push_with(i as u64, lockgate::PushOptions::new().at(at))
-            .await?;
+    // Far enough ahead that every push lands before the first is due:
+    // pushed by 50 tasks, a round trip each.
+    let pushing = Instant::now();
+    let start =
+        SystemTime::now() + Duration::from_millis(500) + Duration::from_micros(200) * count as u32;
+    let mut pushes = tokio::task::JoinSet::new();
+    for task in 0..TASKS {
+        let queue = queue.clone();
+        pushes.spawn(async move {
+            for i in (task..count).step_by(TASKS) {
+                let at = start + spread.mul_f64(i as f64 / count.max(1) as f64);
+                queue
+                    .push_with(i as u64, lockgate::PushOptions::new().at(at))
+                    .await?;
+            }
+            Ok::<_, BoxError>(())
+        });
+    }
+    while let Some(pushed) = pushes.join_next().await {
+        pushed??;
+    }
+    if SystemTime::now() > start {
+        return Err(format!(
+            "pushing {count} delayed messages took {:?}, past their due times: use fewer --messages",
+            pushing.elapsed()
+        )
+        .into());
     }
     let lags = Arc::new(std::sync::Mutex::new(Vec::with_capacity(count)));
     let service = {
@@ -338,6 +359,18 @@ fn percentile(values: &mut [Duration], q: f64) -> f64 {
     values[at].as_secs_f64() * 1000.0
 }
 
+/// `text` with the glob characters of `SCAN MATCH` escaped.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Deletes every key under `prefix` (SCAN, then DEL in batches).
 pub async fn clean_up(conn: &ConnectionManager, prefix: &str) -> Result<usize, BoxError> {
     let mut conn = conn.clone();
@@ -347,7 +380,7 @@ pub async fn clean_up(conn: &ConnectionManager, prefix: &str) -> Result<usize, B
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
-            .arg(format!("{prefix}:*"))
+            .arg(format!("{}:*", glob_escape(prefix)))
             .arg("COUNT")
             .arg(1000)
             .query_async(&mut conn)

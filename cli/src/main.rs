@@ -53,15 +53,15 @@ enum Command {
     Stats {
         queue: String,
         /// Refresh in place every INTERVAL (default 1s) until Ctrl-C.
-        #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = humantime::parse_duration)]
+        #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = positive_duration)]
         watch: Option<Duration>,
     },
     /// Dead letters, oldest first, with their errors and payloads.
     Dead {
         queue: String,
         /// At most this many (1 to 1000).
-        #[arg(long, default_value_t = 20)]
-        limit: usize,
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        limit: u16,
         /// Start after this many (the `next` cursor of the page before).
         #[arg(long, default_value_t = 0)]
         after: usize,
@@ -132,6 +132,15 @@ enum Command {
         #[arg(long)]
         allow_eviction: bool,
     },
+}
+
+/// A duration above zero (`500ms`, `2s`).
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("must be above zero".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// A failure, with its exit code.
@@ -226,7 +235,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
         }
         let conn = connect_cluster(&cli.url).await?;
-        return commands(cli, conn).await;
+        let nodes = masters(&cli.url[0], &mut conn.clone()).await?;
+        return commands(cli, conn, nodes).await;
     }
     let url = cli
         .url
@@ -242,11 +252,45 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         let size = bench::Size { duration, messages };
         return run_bench(&cli, url, conn, size, allow_eviction).await;
     }
-    commands(cli, conn).await
+    commands(cli, conn, Vec::new()).await
 }
 
-/// Every command but `bench`, on a server's or a cluster's connection.
-async fn commands<C>(cli: Cli, conn: C) -> Result<(), Failure>
+/// The URLs of a cluster's masters (from `CLUSTER NODES`), with the seed
+/// URL's scheme and credentials: `SCAN` walks one node's keys, so listings
+/// ask each master.
+async fn masters(
+    seed: &str,
+    conn: &mut redis::cluster_async::ClusterConnection,
+) -> Result<Vec<String>, Failure> {
+    let nodes: String = redis::cmd("CLUSTER").arg("NODES").query_async(conn).await?;
+    let (scheme, rest) = seed.split_once("://").unwrap_or(("redis", seed));
+    let credentials = rest.split_once('@').map_or("", |(c, _)| c);
+    let at = if credentials.is_empty() { "" } else { "@" };
+    Ok(nodes
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(' ');
+            let address = fields.nth(1)?.split(['@', ',']).next()?;
+            let flags = fields.next()?;
+            let live_master =
+                flags.split(',').any(|f| f == "master") && !flags.split(',').any(|f| f == "fail");
+            live_master.then(|| format!("{scheme}://{credentials}{at}{address}/"))
+        })
+        .collect())
+}
+
+/// A connection to each of `nodes`.
+async fn node_connections(nodes: &[String]) -> Result<Vec<ConnectionManager>, Failure> {
+    let mut conns = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        conns.push(connect(node).await?);
+    }
+    Ok(conns)
+}
+
+/// Every command but `bench`, on a server's or a cluster's connection (then
+/// `nodes` are its masters' URLs, for the listings).
+async fn commands<C>(cli: Cli, conn: C, nodes: Vec<String>) -> Result<(), Failure>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
@@ -264,8 +308,17 @@ where
         || -> Result<Locker<C>, Failure> { Ok(Locker::new(conn.clone()).prefix(&prefix)?) };
     match command {
         Command::Queues => {
+            let mut names = Vec::new();
+            if nodes.is_empty() {
+                names = lockgate::queue::queue_names(&conn, &prefix).await?;
+            }
+            for node in node_connections(&nodes).await? {
+                names.extend(lockgate::queue::queue_names(&node, &prefix).await?);
+            }
+            names.sort();
+            names.dedup();
             let mut rows = Vec::new();
-            for name in lockgate::queue::queue_names(&conn, &prefix).await? {
+            for name in names {
                 let stats = queue(&name)?.stats().await?;
                 rows.push((name, stats));
             }
@@ -296,13 +349,7 @@ where
             limit,
             after,
         } => {
-            if !(1..=lockgate::queue::MAX_BATCH).contains(&limit) {
-                return Err(format!(
-                    "--limit must be between 1 and {}, got {limit}",
-                    lockgate::queue::MAX_BATCH
-                )
-                .into());
-            }
+            let limit = usize::from(limit);
             let q = existing(queue(&name)?, &name).await?;
             let dead = q.dead_letters(after, limit).await?;
             let next = (dead.len() == limit).then_some(after + limit);
@@ -375,7 +422,15 @@ where
             );
         }
         Command::Locks { pattern } => {
-            let held = locker()?.held_locks(&pattern).await?;
+            let mut held = Vec::new();
+            if nodes.is_empty() {
+                held = locker()?.held_locks(&pattern).await?;
+            }
+            for node in node_connections(&nodes).await? {
+                let locker = Locker::new(node).prefix(&prefix)?;
+                held.extend(locker.held_locks(&pattern).await?);
+            }
+            held.sort_by(|a, b| a.0.cmp(&b.0));
             out.locks(&held);
         }
         Command::Lock { key } => {
@@ -457,7 +512,14 @@ async fn run_bench(
     progress.finish_and_clear();
     let cleaned = bench::clean_up(&conn, &prefix).await;
     let Some(rows) = outcome else {
-        eprintln!("lockgate: interrupted; the benchmark's keys under {prefix}: are deleted");
+        match cleaned {
+            Ok(_) => {
+                eprintln!("lockgate: interrupted; the benchmark's keys under {prefix}: are deleted")
+            }
+            Err(error) => eprintln!(
+                "lockgate: interrupted, and could not delete the benchmark's keys under {prefix}: ({error})"
+            ),
+        }
         return Err(Failure::Interrupted);
     };
     let rows = rows?;

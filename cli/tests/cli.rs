@@ -116,6 +116,8 @@ async fn operates_queues_and_reads_locks() {
         (&["bogus"], 2),
         (&["stats"], 2),
         (&["unlock", "acc-1"], 2),
+        (&["dead", "orders", "--limit", "0"], 2),
+        (&["stats", "orders", "--watch", "0s"], 2),
     ] {
         let output = lockgate(&server, bad);
         assert_eq!(output.status.code(), Some(code), "{bad:?}");
@@ -246,8 +248,12 @@ async fn finds_queues_among_other_keys_and_speaks_json() {
         "purge without --yes, not on a terminal"
     );
     stdout(&lockgate(&server, &["purge", "orders", "--yes"]));
+    // emails was claimed: its claim counter outlives the purge, and does not
+    // make it a queue.
+    stdout(&lockgate(&server, &["purge", "emails", "--yes"]));
     let left = json(&server, &["queues"]);
     assert!(!left.to_string().contains("\"orders\""), "{left}");
+    assert!(!left.to_string().contains("\"emails\""), "{left}");
 }
 
 /// Keys in the server's database.
@@ -391,6 +397,20 @@ async fn operates_a_queue_and_a_lock_on_a_cluster() {
     let lock = run(&["--json", "lock", "order:9"]);
     let lock: serde_json::Value = serde_json::from_slice(&lock.stdout).unwrap();
     assert_eq!(lock["locks"][0]["token"], lease.token());
+    let other = locker.acquire("account:3").await.unwrap().lease().unwrap();
+    let listed = run(&["--json", "locks"]);
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let keys: Vec<&str> = listed["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["account:3", "order:9"], "every master's locks");
+    drop(other);
+    let queues = run(&["--json", "queues"]);
+    let queues: serde_json::Value = serde_json::from_slice(&queues.stdout).unwrap();
+    assert_eq!(queues["queues"][0]["queue"], "orders");
     assert!(run(&["unlock", "order:9", "--force"]).status.success());
     assert!(locker.inspect("order:9").await.unwrap().is_none());
     let bench = run(&["bench"]);
@@ -476,22 +496,25 @@ async fn stats_watch_refreshes_and_permits_speak_json() {
     let conn = server.connection_manager().await.unwrap();
     let q: Queue<serde_json::Value> = Queue::new(conn.clone(), "watched").unwrap();
     q.push(serde_json::json!(1)).await.unwrap();
-    let watch = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_lockgate"))
         .args(["--json", "stats", "watched", "--watch", "100ms"])
         .env("REDIS_URL", server.url())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    // Three documents printed: it refreshes (and listens for Ctrl-C, which
+    // it does before the first).
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
+    let mut documents = 0;
+    while documents < 3 {
+        let line = lines.next().expect("more output").unwrap();
+        documents += usize::from(line.contains("\"queue\": \"watched\""));
+    }
     let _ = Command::new("kill")
         .args(["-INT", &watch.id().to_string()])
         .status();
-    let output = watch.wait_with_output().unwrap();
-    assert!(output.status.success(), "Ctrl-C ends --watch cleanly");
-    let documents = String::from_utf8_lossy(&output.stdout)
-        .matches("\"queue\": \"watched\"")
-        .count();
-    assert!(documents >= 3, "refreshed {documents} times");
+    let status = watch.wait().unwrap();
+    assert!(status.success(), "Ctrl-C ends --watch cleanly: {status}");
 
     let locker = Locker::new(conn);
     let lease = locker

@@ -477,9 +477,13 @@ impl Ticket {
         self.parking.is_none() || self.permits.is_some()
     }
 
-    /// Whether this lock's key parks messages (`DeferDelay::until_released`).
+    /// Whether giving up on this lock parks the message asking for it
+    /// (`DeferDelay::until_released`, for a message of the parking queue;
+    /// any other request is pushed into the queue instead).
     pub(crate) fn parks(&self) -> bool {
-        self.parking.is_some()
+        self.parking
+            .as_deref()
+            .is_some_and(|parking| parking.message.is_some())
     }
 
     /// The holder's random token.
@@ -1090,7 +1094,8 @@ where
     /// on the user's key: `*` for all, `order:*`), with their holders,
     /// sorted by key. Found with `SCAN`, so the server is never blocked;
     /// a lock taken or released meanwhile may or may not be listed. On a
-    /// Redis Cluster `SCAN` reads one node: ask each master's connection.
+    /// Redis Cluster, call it with a connection to each master in turn
+    /// (`SCAN` walks one node's keys).
     pub async fn held_locks(&self, pattern: &str) -> Result<Vec<(String, Holder)>> {
         let attempted = || format!("listing locks matching `{pattern}`");
         let mut conn = self.conn.clone();
@@ -1098,23 +1103,25 @@ where
         let lock_keys = keys::scan(&mut conn, &format!("{prefix}:lock:{{{pattern}}}"))
             .await
             .map_err(|e| Error::redis(attempted())(e))?;
+        // One key at a time: on a cluster, keys of one pipeline must share
+        // a slot.
+        let start = format!("{}:lock:{{", self.config.prefix);
         let mut held = Vec::with_capacity(lock_keys.len());
-        for batch in lock_keys.chunks(100) {
-            let mut pipe = redis::pipe();
-            for lock_key in batch {
-                pipe.get(lock_key).pttl(lock_key);
-            }
-            let replies: Vec<(Option<String>, i64)> = pipe
+        for lock_key in &lock_keys {
+            let Some(tag) = lock_key
+                .strip_prefix(&start)
+                .and_then(|rest| rest.strip_suffix('}'))
+            else {
+                continue;
+            };
+            let (value, pttl): (Option<String>, i64) = redis::pipe()
+                .get(lock_key)
+                .pttl(lock_key)
                 .query_async(&mut conn)
                 .await
                 .map_err(|e| Error::redis(attempted())(e))?;
-            for (lock_key, (value, pttl)) in batch.iter().zip(replies) {
-                let tag = lock_key
-                    .strip_prefix(&format!("{}:lock:{{", self.config.prefix))
-                    .and_then(|rest| rest.strip_suffix('}'));
-                if let (Some(tag), Some(value)) = (tag, value) {
-                    held.push((keys::untag(tag), Holder::read(&value, pttl)));
-                }
+            if let Some(value) = value {
+                held.push((keys::untag(tag), Holder::read(&value, pttl)));
             }
         }
         held.sort_by(|a, b| a.0.cmp(&b.0));

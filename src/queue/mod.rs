@@ -375,15 +375,16 @@ pub(crate) enum Acked {
     Gone,
 }
 
-/// The keys every queue may have, after `<prefix>:{<name>}:`.
-const QUEUE_KEYS: [&str; 7] = [
-    "data", "schedule", "active", "dead", "errors", "claims", "bell",
-];
+/// The keys that hold a queue's messages and errors, after
+/// `<prefix>:{<name>}:` (the same ones `Queue::exists` looks at: the claim
+/// counter and the doorbell outlive a purge).
+const QUEUE_KEYS: [&str; 5] = ["data", "schedule", "active", "dead", "errors"];
 
 /// The names of the queues under `prefix` (`"lockgate"` by default) that
 /// have any key in Redis, sorted. Found with `SCAN`, so the server is never
 /// blocked, and other keys are told apart by their exact layout. On a Redis
-/// Cluster `SCAN` reads one node: ask each master's connection.
+/// Cluster, call it with a connection to each master in turn (`SCAN` walks
+/// one node's keys).
 pub async fn queue_names<C>(conn: &C, prefix: &str) -> Result<Vec<String>>
 where
     C: ConnectionLike + Clone + Send,

@@ -1091,9 +1091,12 @@ where
             }
         }
         match shared.queue.recover(shared.config.max_stalls).await {
-            Ok(recovered) => shared
-                .metrics
-                .add_recovered((recovered.requeued + recovered.buried) as u64),
+            Ok(recovered) => {
+                shared
+                    .metrics
+                    .add_recovered((recovered.requeued + recovered.buried) as u64);
+                shared.metrics.add_dead(recovered.buried as u64);
+            }
             Err(error) => {
                 shared.metrics.count_error();
                 tracing::warn!(%error, "could not recover expired leases");
