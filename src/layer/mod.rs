@@ -406,10 +406,12 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// [`lost`](HeldLock::lost). When all are taken, the strategy applies:
     /// `fail` with [`Contended::retry_after`](crate::Contended::retry_after)
     /// the time until the first holder's lease ends, `retry` (woken by a
-    /// release under [`wake_on_release`](Self::wake_on_release)), or a
-    /// timed `defer`. Parking until released is for locks only: a parking
-    /// strategy fails a call for permits with
-    /// [`Error::Config`](crate::Error::Config).
+    /// release under [`wake_on_release`](Self::wake_on_release): a
+    /// release hands its permit to the first waiter in line), a timed
+    /// `defer`, or parking until a permit frees
+    /// ([`DeferDelay::until_released`](crate::layer::DeferDelay::until_released)):
+    /// the key's permits then live in the queue's hash slot, as a parking
+    /// lock does.
     ///
     /// One key shared by every call makes a global limit: "at most 20
     /// handlers of this queue across the fleet" is

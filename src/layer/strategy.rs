@@ -205,6 +205,13 @@ impl DeferDelay {
     /// needs the messages to come from a [`Worker`](crate::Worker) on that
     /// queue (it knows each message's id); any other request is pushed into
     /// the queue, due at once, and parks when it is handled there.
+    ///
+    /// With [`LockLayer::permits`](crate::LockLayer::permits) (or
+    /// [`Permits`](crate::Permits) from the key function) a message parks
+    /// until one of the key's permits frees: each release brings the first
+    /// parked message back, and one that takes a permit brings the next back
+    /// at once while permits are left. The key's permits then live in the
+    /// queue's slot too, `<prefix>:{q}:permits:<key>`.
     pub fn until_released() -> Self {
         DeferDelay::UntilReleased
     }
