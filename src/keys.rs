@@ -85,6 +85,33 @@ pub(crate) async fn scan(
     }
 }
 
+/// Deletes every key whose name starts with `<prefix>:` (`SCAN`, then
+/// `DEL` in batches), and returns how many went: for throwaway prefixes
+/// such as a benchmark's. Never point it at a prefix in use: it deletes
+/// locks and messages alike. On a Redis Cluster, call it with a connection
+/// to each master in turn.
+pub async fn delete_prefix(
+    conn: &(impl redis::aio::ConnectionLike + Clone + Send),
+    prefix: &str,
+) -> Result<usize> {
+    check_prefix(prefix)?;
+    let attempted = || format!("deleting the keys under `{prefix}:`");
+    let mut conn = conn.clone();
+    let found = scan(&mut conn, &format!("{}:*", glob_escape(prefix)))
+        .await
+        .map_err(|e| Error::redis(attempted())(e))?;
+    let mut deleted = 0;
+    for batch in found.chunks(1000) {
+        let n: usize = redis::cmd("DEL")
+            .arg(batch)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        deleted += n;
+    }
+    Ok(deleted)
+}
+
 /// A key name made of a name and a suffix, written into a command without
 /// building a `String` (for keys named on every acquire and release).
 #[derive(Clone, Copy)]

@@ -510,7 +510,7 @@ async fn run_bench(
         _ = tokio::signal::ctrl_c() => None,
     };
     progress.finish_and_clear();
-    let cleaned = bench::clean_up(&conn, &prefix).await;
+    let cleaned = lockgate::delete_prefix(&conn, &prefix).await;
     let Some(rows) = outcome else {
         match cleaned {
             Ok(_) => {
