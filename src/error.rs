@@ -128,6 +128,22 @@ impl Error {
         }
     }
 
+    /// Whether the server refused the connection's user: a command, key or
+    /// channel its ACL rule does not allow (`NOPERM`, whose message names
+    /// what is missing), or failed authentication. Waiting does not help, so
+    /// a [`Worker`](crate::Worker) stops with such an error rather than
+    /// retrying it.
+    pub fn is_denied(&self) -> bool {
+        match self {
+            Error::Redis { source, .. } => matches!(
+                source.kind(),
+                redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
+                    | redis::ErrorKind::AuthenticationFailed
+            ),
+            _ => false,
+        }
+    }
+
     /// The underlying redis-rs error, if Redis was involved.
     pub fn redis_error(&self) -> Option<&redis::RedisError> {
         match self {

