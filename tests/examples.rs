@@ -1,4 +1,5 @@
-//! Runs every example in `examples/` against a throwaway redis-server and
+//! Runs every example in `examples/` against a throwaway redis-server (and
+//! nats-server, for the broker pipeline) and
 //! checks that it succeeds and says something.
 //!
 //! The examples are run through `cargo run --example` (Cargo gives tests no
@@ -7,7 +8,7 @@
 
 use std::process::Command;
 
-use lockgate::testing::RedisServer;
+use lockgate::testing::{NatsServer, RedisServer};
 
 const EXAMPLES: &[&str] = &[
     "quickstart",
@@ -16,12 +17,15 @@ const EXAMPLES: &[&str] = &[
     "pipeline",
     "limits",
     "prometheus",
+    "nats",
 ];
 
 #[test]
 fn every_example_runs() {
     let server =
         RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"));
+    // For examples/nats.rs: JetStream in front of the pipeline.
+    let nats = NatsServer::start().unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
     for name in EXAMPLES {
         let output = Command::new(env!("CARGO"))
             .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -34,6 +38,7 @@ fn every_example_runs() {
                 "test-util",
             ])
             .env("REDIS_URL", server.url())
+            .env("NATS_URL", nats.url())
             // For examples/prometheus.rs: a free port, and a short run.
             .env("METRICS_ADDR", free_address())
             .env("RUN_FOR_MS", "1000")

@@ -451,6 +451,47 @@ async fn defer_pushes_a_plain_message_into_the_queue() {
 }
 
 #[tokio::test]
+async fn a_message_deferred_under_its_broker_id_is_pushed_once_however_often_it_is_redelivered() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = locker(conn.clone(), ms(2000));
+    let _lease = acquired(&holder, "hot").await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "redelivered").unwrap();
+    let counter = Counter::default();
+    let mut svc = LockLayer::new(locker(manager(&server).await, ms(300)), key_of)
+        .on_conflict(OnConflict::defer(queue.clone(), secs(2)))
+        .layer(counter.clone());
+
+    let mut ids = Vec::new();
+    // The first delivery, and two redeliveries of the same broker message.
+    for _ in 0..3 {
+        let ready = svc.ready().await.unwrap();
+        let call = lockgate::layer::with_message_id("stream-1:17", || ready.call(msg("hot", 17)));
+        let Outcome::Deferred { id, .. } = call.await.unwrap() else {
+            panic!("expected a deferral");
+        };
+        ids.push(id);
+    }
+    assert_eq!(ids, ["stream-1:17"; 3]);
+    // Another message without an id gets a fresh one; the id is taken by the
+    // layer, not left for later calls.
+    let outcome = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(msg("hot", 18))
+        .await
+        .unwrap();
+    let Outcome::Deferred { id, .. } = outcome else {
+        panic!("expected a deferral");
+    };
+    assert_ne!(id, "stream-1:17");
+    assert_eq!(counter.calls(), 0);
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(stats.later, 2, "{stats:?}");
+}
+
+#[tokio::test]
 async fn defer_until_the_holders_ttl_runs_out() {
     let server = server();
     let conn = manager(&server).await;

@@ -135,6 +135,37 @@ pub use self::future::ResponseFuture;
 pub use self::rate::{RateLimit, RateLimitLayer, RateSlot};
 pub use self::service::Lock;
 pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
+
+/// Calls `call` (a service's `call`: synchronously, as a worker does) with
+/// `id` as the message's id for the first [`LockLayer`]
+/// or [`RateLimitLayer`] its request passes: if that layer defers the
+/// request into a queue, the message is pushed under `id` instead of a
+/// fresh one.
+///
+/// For consumers of a broker that redelivers what was not acknowledged
+/// (NATS JetStream, SQS, Kafka after a rebalance): give each message its
+/// broker identity (stream and sequence, say), and a copy redelivered after
+/// a crash between the deferral and the acknowledgement finds the deferred
+/// message still waiting and is not pushed twice ([`Queue::push_with`]
+/// adds nothing for an id that exists; a message that already ran and was
+/// acknowledged has no id left, so a redelivery then is pushed and handled
+/// again: at least once). The layer answers [`Outcome::Deferred`] either
+/// way, so the consumer acknowledges the copy.
+///
+/// ```no_run
+/// # async fn demo<S: tower::Service<String>>(mut service: S) -> Result<(), S::Error> {
+/// use tower::ServiceExt;
+///
+/// let ready = service.ready().await?;
+/// let outcome = lockgate::layer::with_message_id("orders:42", || ready.call("hi".into())).await?;
+/// # Ok(()) }
+/// ```
+///
+/// [`Queue::push_with`]: crate::Queue::push_with
+/// [`Outcome::Deferred`]: crate::Outcome::Deferred
+pub fn with_message_id<R>(id: impl Into<String>, call: impl FnOnce() -> R) -> R {
+    crate::queue::provide_message_id(id.into(), call)
+}
 use crate::lock::Locker;
 
 /// What happens to a running handler whose lock was found lost.

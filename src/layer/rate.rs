@@ -15,7 +15,7 @@ use crate::BoxError;
 use crate::lock::rate::{Decision, Rate, server_time};
 use crate::lock::{Locker, Token};
 use crate::outcome::Outcome;
-use crate::queue::RunningJob;
+use crate::queue::Handoff;
 
 tokio::task_local! {
     static CURRENT: RateSlot;
@@ -216,12 +216,12 @@ where
         let config = self.config.clone();
         // The worker's running job, as for the LockLayer: to defer it in
         // place, or to hand it on to the layers inside once admitted.
-        let running = key.as_ref().and_then(|_| RunningJob::take());
+        let running = key.as_ref().map(|_| Handoff::take()).unwrap_or_default();
         ResponseFuture::new(Box::pin(async move {
             match key {
                 None => {
                     let mut inner = inner;
-                    let call = RunningJob::provide(running, || inner.call(req));
+                    let call = running.provide(|| inner.call(req));
                     call.await.map(Outcome::Done).map_err(Into::into)
                 }
                 Some(key) => admitted_call(config, inner, key, req, running).await,
@@ -236,7 +236,7 @@ async fn admitted_call<S, C, F, D, Req>(
     mut inner: S,
     key: String,
     req: Req,
-    running: Option<RunningJob>,
+    running: Handoff,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -255,6 +255,7 @@ where
     // A message deferred until its slot reserves it under its own id, and
     // finds it when it comes back.
     let reserves = running
+        .job
         .as_ref()
         .filter(|job| then.defers_in_place_until_allowed(job))
         .map(|job| job.token.id().to_owned());
@@ -293,7 +294,7 @@ where
         };
         tracing::debug!(%key, tries, ?wait, "over the rate; giving up");
         let busy = crate::Contended::new(key, wait);
-        let give_up = RunningJob::provide(running, || then.give_up(req, busy));
+        let give_up = running.provide(|| then.give_up(req, busy));
         let (id, due) = Box::pin(give_up).await?;
         return Ok(Outcome::Deferred { id, due });
     };
@@ -301,7 +302,7 @@ where
         key,
         at: server_time(at),
     };
-    let call = RunningJob::provide(running, || inner.call(req));
+    let call = running.provide(|| inner.call(req));
     CURRENT
         .scope(slot, call)
         .await

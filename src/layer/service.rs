@@ -18,7 +18,7 @@ use crate::BoxError;
 use crate::lock::wake::Woken;
 use crate::lock::{Acquisition, Lease, Line, Locker, Released, Ticket};
 use crate::outcome::Outcome;
-use crate::queue::RunningJob;
+use crate::queue::Handoff;
 use futures_util::future::BoxFuture;
 
 /// Runs the inner service while holding a per-key lock. Made by
@@ -102,7 +102,7 @@ where
         // other layers must not be mistaken for it.
         // A layer that needs no lock for this request leaves it for the
         // next one.
-        let running = key.as_ref().and_then(|_| RunningJob::take());
+        let running = key.as_ref().map(|_| Handoff::take()).unwrap_or_default();
         ResponseFuture::new(Box::pin(async move {
             match key {
                 None => call_ready(inner, req).await,
@@ -131,7 +131,7 @@ async fn locked_call<S, C, F, D, Req>(
     key: String,
     permits: Option<u32>,
     req: Req,
-    running: Option<RunningJob>,
+    running: Handoff,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -161,6 +161,7 @@ where
     let ticket = match config.on_conflict.then.parking(&key, permits.is_some()) {
         Some(mut parking) => {
             parking.message = running
+                .job
                 .as_ref()
                 .filter(|job| job.queue.data == parking.data)
                 .map(|job| job.token.id().to_owned());
@@ -191,9 +192,8 @@ where
                         let retry_after = Box::pin(locker.remaining_ticket(&ticket)).await?;
                         let busy = crate::Contended::new(key.to_owned(), retry_after)
                             .with_permits(ticket.permits());
-                        let give_up = RunningJob::provide(running, || {
-                            config.on_conflict.then.give_up(req, busy)
-                        });
+                        let give_up =
+                            running.provide(|| config.on_conflict.then.give_up(req, busy));
                         let gave_up = Box::pin(give_up).await;
                         let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
                         return Ok(Outcome::Deferred { id, due });
@@ -358,7 +358,7 @@ where
             tokio::spawn(async move { locker.release_ticket(&ticket).await });
         }
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
-        let give_up = RunningJob::provide(running, || config.on_conflict.then.give_up(req, busy));
+        let give_up = running.provide(|| config.on_conflict.then.give_up(req, busy));
         let gave_up = Box::pin(give_up).await;
         let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
         return Ok(Outcome::Deferred { id, due });
@@ -387,7 +387,7 @@ where
     // the layers inside: one of them may defer the job in place.
     let mut inner = inner;
     let call = held.clone().scope(async move {
-        let call = RunningJob::provide(running, || inner.call(req));
+        let call = running.provide(|| inner.call(req));
         call.await.map_err(Into::<BoxError>::into)
     });
     hold(

@@ -322,6 +322,9 @@ where
         // the claim, never the payload's bytes, which another producer may
         // have written differently. Anything else is pushed as a new message.
         let running = RunningJob::take().filter(|job| &job.queue == queue.keys());
+        // The id a consumer gave the message (`with_message_id`), for a new
+        // message: a redelivered copy finds it and is not pushed twice.
+        let id = crate::queue::take_message_id();
         let parks = self.delay == DeferDelay::UntilReleased;
         Box::pin(async move {
             match running {
@@ -340,9 +343,11 @@ where
                     .await
                 }
                 None => {
-                    let pushed = queue
-                        .push_with(req, PushOptions::new().after(delay))
-                        .await?;
+                    let mut options = PushOptions::new().after(delay);
+                    if let Some(id) = id {
+                        options = options.id(id);
+                    }
+                    let pushed = queue.push_with(req, options).await?;
                     let due = pushed.due.unwrap_or_else(SystemTime::now);
                     tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
                     Ok((pushed.id, due))

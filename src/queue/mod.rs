@@ -94,7 +94,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use self::job::{DeadLetter, Job};
-pub(crate) use self::running::RunningJob;
+pub(crate) use self::running::{Handoff, RunningJob, provide_message_id, take_message_id};
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};

@@ -44,6 +44,51 @@ tokio::task_local! {
     /// own calls through another `LockLayer`) find the slot empty and treat
     /// their requests as the new messages they are.
     static RUNNING: RefCell<Option<RunningJob>>;
+
+    /// The id a consumer gave the message it is calling the service for
+    /// (see `layer::with_message_id`), until the first `LockLayer` on the
+    /// way takes it: a deferral of that layer pushes the message under it.
+    static MESSAGE_ID: RefCell<Option<String>>;
+}
+
+/// What the first lock or rate layer a request passes takes in its `call`:
+/// the worker's running job, and the id a consumer gave the message. Handed
+/// on to the layers inside when that layer did not need them.
+#[derive(Debug, Default)]
+pub(crate) struct Handoff {
+    /// The claim a worker is running.
+    pub(crate) job: Option<RunningJob>,
+    /// The id to push the request under if it is deferred as a new message.
+    pub(crate) id: Option<String>,
+}
+
+impl Handoff {
+    /// Takes what the current call was handed.
+    pub(crate) fn take() -> Self {
+        Self {
+            job: RunningJob::take(),
+            id: take_message_id(),
+        }
+    }
+
+    /// Calls `f` with what this handoff holds available to [`Handoff::take`].
+    pub(crate) fn provide<R>(self, f: impl FnOnce() -> R) -> R {
+        let Self { job, id } = self;
+        RunningJob::provide(job, || MESSAGE_ID.sync_scope(RefCell::new(id), f))
+    }
+}
+
+/// Calls `f` with `id` available to the first layer that takes it.
+pub(crate) fn provide_message_id<R>(id: String, f: impl FnOnce() -> R) -> R {
+    MESSAGE_ID.sync_scope(RefCell::new(Some(id)), f)
+}
+
+/// Takes the id the current call's message was given, if no one took it.
+pub(crate) fn take_message_id() -> Option<String> {
+    MESSAGE_ID
+        .try_with(|slot| slot.borrow_mut().take())
+        .ok()
+        .flatten()
 }
 
 /// The right to reschedule the claim a worker is running: what an in-place

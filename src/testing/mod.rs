@@ -48,6 +48,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! With the `tls` feature, [`ServerBuilder::tls`] and [`ClusterBuilder::tls`]
+//! start servers that serve TLS alone, with a certificate made at start.
+//! [`NatsServer`] starts a `nats-server -js`, for broker pipelines.
+//!
 //! The `redis-server` binary is taken from `LOCKGATE_REDIS_SERVER` when set,
 //! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
 //! [`StartError::NotInstalled`], whose message says how to install it.
@@ -59,10 +63,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod nats;
 mod replica;
 #[cfg(feature = "tls")]
 mod tls;
 
+pub use nats::NatsServer;
 pub use replica::ReplicaPair;
 #[cfg(feature = "tls")]
 pub use tls::certificates;
@@ -89,6 +95,17 @@ pub enum StartError {
         /// The binary that was looked for.
         binary: String,
     },
+    /// No `nats-server` binary was found (for [`NatsServer`]).
+    #[error(
+        "`{binary}` was not found. lockgate's broker tests start their own nats-server \
+         (>= 2.9, with JetStream). Install it with `sudo apt-get install nats-server` \
+         (Debian/Ubuntu) or `brew install nats-server` (macOS), or point \
+         LOCKGATE_NATS_SERVER at the binary."
+    )]
+    NatsNotInstalled {
+        /// The binary that was looked for.
+        binary: String,
+    },
     /// Spawning the process failed for another reason.
     #[error("could not run `{binary}`: {source}")]
     Spawn {
@@ -99,7 +116,7 @@ pub enum StartError {
         source: std::io::Error,
     },
     /// The server exited or did not answer `PING` in time.
-    #[error("redis-server on port {port} did not come up: {reason}\n--- server log ---\n{log}")]
+    #[error("the test server on port {port} did not come up: {reason}\n--- server log ---\n{log}")]
     NotReady {
         /// The port it was told to listen on.
         port: u16,
@@ -745,7 +762,7 @@ pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), crat
 
 /// A port that was free a moment ago (0 if none could be found, which
 /// makes the start fail with a clear error).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -779,6 +796,26 @@ fn server_pid(port: u16) -> Option<u32> {
         }
     }
     None
+}
+
+/// Where an example should find NATS, as [`local_or_throwaway`] does for
+/// Redis: `NATS_URL` when it is set (and not empty); else
+/// `nats://127.0.0.1:4222` when a server listens there; else a throwaway
+/// [`NatsServer`] (returned too, so it lives as long as the caller keeps it).
+pub fn nats_or_throwaway() -> Result<(String, Option<NatsServer>), crate::BoxError> {
+    if let Some(url) = std::env::var("NATS_URL").ok().filter(|u| !u.is_empty()) {
+        return Ok((url, None));
+    }
+    if TcpStream::connect_timeout(
+        &(Ipv4Addr::LOCALHOST, 4222).into(),
+        Duration::from_millis(500),
+    )
+    .is_ok()
+    {
+        return Ok(("nats://127.0.0.1:4222".into(), None));
+    }
+    let server = NatsServer::start()?;
+    Ok((server.url(), Some(server)))
 }
 
 /// Whether a Redis server answers `PING` on a loopback port.
