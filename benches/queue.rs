@@ -35,6 +35,12 @@ async fn main() -> Result<(), BoxError> {
     if run("throughput") {
         end_to_end().await?;
     }
+    if run("priorit") {
+        priority_claim_cost().await?;
+    }
+    if run("events") {
+        events_cost().await?;
+    }
     if run("lag") {
         lag(size(10_000, 200), Duration::from_secs(2)).await?;
         lag(200, Duration::from_secs(2)).await?;
@@ -389,6 +395,154 @@ async fn lag(n: usize, over: Duration) -> Result<(), BoxError> {
         ms(quantile(&lags, 0.95)),
         ms(quantile(&lags, 0.99)),
         ms(quantile(&lags, 1.0)),
+    );
+    Ok(())
+}
+
+/// The claim script before priorities, with today's prelude: the
+/// comparator of the claim cost of a queue without priorities.
+fn claim_before_priorities() -> redis::Script {
+    redis::Script::new(&format!(
+        "{}\n{}",
+        include_str!("../src/queue/lua/prelude.lua"),
+        include_str!("baseline/claim_before_priorities.lua")
+    ))
+}
+
+/// Claims of 10 due messages beside 100,000 messages due later: mean
+/// latency from one client and the server's CPU time per claim, for the
+/// claim script before priorities, today's claim on a queue without
+/// priorities, and today's claim with every message prioritized (spread over
+/// the 9 levels), same run.
+async fn priority_claim_cost() -> Result<(), BoxError> {
+    let later = size(100_000, 1_000);
+    let rounds = size(5_000, 50);
+    let repeats = if full_run() { 3 } else { 1 };
+    println!(
+        "## claim cost with and without priorities: claim 10 due messages beside {later} later ones ({rounds} claims, median of {repeats}), same run"
+    );
+    println!("| claim | mean latency | server CPU per claim |\n|---|---|---|");
+    let variants = [
+        "before priorities (previous script)",
+        "no priorities",
+        "every message prioritized (levels 1–9)",
+    ];
+    let mut results: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); variants.len()];
+    for _ in 0..repeats {
+        for (v, result) in results.iter_mut().enumerate() {
+            let server = RedisServer::start()?;
+            let conn = server.connection_manager().await?;
+            let cpu_conn = server.multiplexed().await?;
+            let queue: Queue<String> = Queue::new(conn.clone(), "prio")?;
+            let msg = payload();
+            let options = |i: usize| {
+                let options = PushOptions::new();
+                if v == 2 {
+                    options.priority((i % 9 + 1) as u8)
+                } else {
+                    options
+                }
+            };
+            queue
+                .push_many_with(
+                    (0..later).map(|i| (&msg, options(i).after(Duration::from_secs(3600)))),
+                )
+                .await?;
+            queue
+                .push_many_with((0..rounds * 10).map(|i| (&msg, options(i))))
+                .await?;
+            let baseline = claim_before_priorities();
+            let keys = ["data", "schedule", "active", "claims", "bell"]
+                .map(|k| format!("lockgate:{{prio}}:{k}"));
+            let cpu_before = server_cpu(&cpu_conn).await?;
+            let start = Instant::now();
+            for _ in 0..rounds {
+                let got = if v == 0 {
+                    let mut call = baseline.prepare_invoke();
+                    for key in &keys {
+                        call.key(key);
+                    }
+                    let reply: Vec<redis::Value> = call
+                        .arg(10)
+                        .arg(60_000)
+                        .invoke_async(&mut conn.clone())
+                        .await?;
+                    (reply.len() - 3) / 3
+                } else {
+                    queue.claim(10, Duration::from_secs(60)).await?.jobs.len()
+                };
+                assert_eq!(got, 10);
+            }
+            let elapsed = start.elapsed();
+            let cpu = server_cpu(&cpu_conn).await? - cpu_before;
+            result.0.push(elapsed.as_secs_f64() * 1e6 / rounds as f64);
+            result.1.push(cpu.as_secs_f64() * 1e6 / rounds as f64);
+        }
+    }
+    for (name, (latency, cpu)) in variants.iter().zip(results) {
+        println!(
+            "| {name} | {:.1} µs | {:.1} µs |",
+            median(latency),
+            median(cpu)
+        );
+    }
+    println!();
+    Ok(())
+}
+
+/// Push and worker throughput with lifecycle events off and on (cap
+/// 10,000), same run.
+async fn events_cost() -> Result<(), BoxError> {
+    let n = size(100_000, 2_000);
+    let rounds = if full_run() { 3 } else { 1 };
+    println!(
+        "## lifecycle events off and on: push {n} messages, then a worker at concurrency 50 with a no-op handler (median of {rounds}), same run"
+    );
+    println!(
+        "| events | push_many messages/s | worker messages/s | stream entries after |\n|---|---|---|---|"
+    );
+    let mut rows = Vec::new();
+    for events in [false, true] {
+        let (mut pushes, mut works, mut entries) = (Vec::new(), Vec::new(), 0);
+        for _ in 0..rounds {
+            let server = RedisServer::start()?;
+            let mut conn = server.connection_manager().await?;
+            let mut queue: Queue<String> = Queue::new(conn.clone(), "events")?;
+            if events {
+                queue = queue.record_events(10_000)?;
+            }
+            let msg = payload();
+            let start = Instant::now();
+            queue.push_many(std::iter::repeat_n(&msg, n)).await?;
+            pushes.push(n as f64 / start.elapsed().as_secs_f64());
+            let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
+            let worker = Worker::new(server.client(), queue.clone(), service).concurrency(50)?;
+            let metrics = worker.metrics();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let start = Instant::now();
+            let run = tokio::spawn(worker.run_until(stopped));
+            while metrics.snapshot().done < n as u64 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            works.push(n as f64 / start.elapsed().as_secs_f64());
+            let _ = stop.send(());
+            run.await??;
+            entries = redis::cmd("XLEN")
+                .arg("lockgate:{events}:events")
+                .query_async::<u64>(&mut conn)
+                .await?;
+        }
+        let (push, work) = (median(pushes), median(works));
+        println!(
+            "| {} | {push:.0} | {work:.0} | {entries} |",
+            if events { "on" } else { "off" }
+        );
+        rows.push((push, work));
+    }
+    println!(
+        "events on / off: push {:.1} %, worker {:.1} %\n",
+        100.0 * rows[1].0 / rows[0].0,
+        100.0 * rows[1].1 / rows[0].1
     );
     Ok(())
 }

@@ -518,7 +518,14 @@ async fn every_queue_operation_stays_in_one_slot() {
     }
     let (b, node_b) = b.expect("a candidate name on another node");
 
-    let queue_a: Queue<Msg, _> = Queue::new(conn.clone(), a).unwrap();
+    // With events and completed retention on, so that every script's
+    // optional keys are exercised in the queue's slot too.
+    let queue_a: Queue<Msg, _> = Queue::new(conn.clone(), a)
+        .unwrap()
+        .record_events(1000)
+        .unwrap()
+        .keep_completed(Some(10), None)
+        .unwrap();
     let queue_b: Queue<Msg, _> = Queue::new(connect(&cluster).await, b).unwrap();
     // Both at once, so that their commands interleave on the cluster.
     tokio::time::timeout(Duration::from_secs(30), async {
@@ -529,6 +536,62 @@ async fn every_queue_operation_stays_in_one_slot() {
     })
     .await
     .expect("the queue walk-through finished in time");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priorities_and_events_work_on_the_cluster() {
+    use futures_util::StreamExt;
+    use lockgate::PushOptions;
+    use lockgate::queue::{EventKind, EventsFrom};
+
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<Msg, _> = Queue::new(conn, "prio{eu}")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    let mut events = Box::pin(queue.events(cluster.client(), EventsFrom::Beginning));
+    let priorities = [0u8, 4, 9, 0, 4, 9, 1];
+    for (n, p) in priorities.iter().enumerate() {
+        queue
+            .push_with(msg(n as u32, "prio"), PushOptions::new().priority(*p))
+            .await
+            .unwrap();
+    }
+    queue
+        .push_with(
+            msg(99, "prio"),
+            PushOptions::new().priority(9).after(ms(100)),
+        )
+        .await
+        .unwrap();
+    let first = queue.claim(100, Duration::from_secs(30)).await.unwrap();
+    let order: Vec<(u8, u32)> = first.jobs.iter().map(|j| (j.priority(), j.n)).collect();
+    assert_eq!(
+        order,
+        [(9, 2), (9, 5), (4, 1), (4, 4), (1, 6), (0, 0), (0, 3)]
+    );
+    tokio::time::sleep(ms(150)).await;
+    let later = queue.claim(100, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(later.jobs.len(), 1);
+    assert_eq!((later.jobs[0].priority(), later.jobs[0].n), (9, 99));
+    queue
+        .ack_many(first.jobs.iter().chain(&later.jobs))
+        .await
+        .unwrap();
+
+    let mut kinds: HashMap<EventKind, usize> = HashMap::new();
+    while kinds.values().sum::<usize>() < 24 {
+        let event = tokio::time::timeout(Duration::from_secs(5), events.next())
+            .await
+            .expect("an event in time")
+            .unwrap()
+            .unwrap();
+        *kinds.entry(event.kind).or_default() += 1;
+    }
+    assert_eq!(kinds[&EventKind::Pushed], 8);
+    assert_eq!(kinds[&EventKind::Claimed], 8);
+    assert_eq!(kinds[&EventKind::Done], 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

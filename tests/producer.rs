@@ -134,3 +134,41 @@ async fn a_python_producer_using_the_shipped_script_cannot_make_a_message_claima
     let s = stats(&q).await;
     assert_eq!((s.due, s.later, s.active, s.dead), (0, 1, 0, 0));
 }
+
+#[tokio::test]
+async fn a_python_producer_pushes_with_priorities() {
+    let server = server();
+    let q: Queue<Order> = Queue::new(manager(&server).await, "py-prio").unwrap();
+    let order = |n: u64| json!({"order": n, "note": "p"});
+    let results = python(
+        &server,
+        "py-prio",
+        json!([[
+            ["plain", "0", order(1)],
+            ["urgent", "0/9", order(2)],
+            ["later", "0/3", order(3)],
+            ["bad", "0/10", order(4)],
+        ]]),
+    )
+    .await;
+    // The bad priority refuses the whole call, before any write.
+    assert!(results[0].get("error").is_some(), "{results:?}");
+    let results = python(
+        &server,
+        "py-prio",
+        json!([[
+            ["plain", "0", order(1)],
+            ["urgent", "0/9", order(2)],
+            ["later", "0/3", order(3)],
+        ]]),
+    )
+    .await;
+    assert!(results[0].get("error").is_none(), "{results:?}");
+    let claimed = q.claim(10, LONG).await.unwrap();
+    let got: Vec<(u8, &str)> = claimed
+        .jobs
+        .iter()
+        .map(|j| (j.priority(), j.id()))
+        .collect();
+    assert_eq!(got, [(9, "urgent"), (3, "later"), (0, "plain")]);
+}

@@ -439,19 +439,22 @@ pub(crate) struct Parking {
     pub(crate) dead: String,
     pub(crate) schedule: String,
     pub(crate) bell: String,
+    /// The queue's prioritized set (after the bell in the scripts' keys).
+    pub(crate) prioritized: String,
     /// The id of the message asking for the lock, when the request is one.
     pub(crate) message: Option<String>,
 }
 
 impl Parking {
     /// Appends the queue's keys the parking scripts take after the lock:
-    /// the parked set, data, dead set, schedule and bell.
+    /// the parked set, data, dead set, schedule, bell and prioritized set.
     pub(crate) fn queue_keys<'c>(&self, cmd: &'c mut redis::Cmd) -> &'c mut redis::Cmd {
         cmd.arg(&self.parked)
             .arg(&self.data)
             .arg(&self.dead)
             .arg(&self.schedule)
             .arg(&self.bell)
+            .arg(&self.prioritized)
     }
 }
 
@@ -985,7 +988,7 @@ where
             }
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_acquire;
-                let mut cmd = script::evalsha(script, 6);
+                let mut cmd = script::evalsha(script, 7);
                 cmd.arg(ticket.lock_key());
                 parking
                     .queue_keys(&mut cmd)
@@ -1237,7 +1240,7 @@ where
             }
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_release;
-                let mut cmd = script::evalsha(script, 6);
+                let mut cmd = script::evalsha(script, 7);
                 cmd.arg(ticket.lock_key());
                 parking.queue_keys(&mut cmd).arg(ticket.token).arg(publish);
                 (script, cmd)

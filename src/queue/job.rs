@@ -24,6 +24,8 @@ pub struct Job<T> {
     deferrals: u32,
     /// Times a lease on it ran out (its worker died or stalled).
     stalls: u32,
+    /// Its priority (0: none).
+    priority: u8,
     /// When it was first pushed (server clock).
     enqueued_at: SystemTime,
     /// When it was due (server clock).
@@ -33,7 +35,8 @@ pub struct Job<T> {
 }
 
 /// A record's header fields and payload:
-/// `<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>`.
+/// `<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>`, prefixed
+/// `p<priority>:` for a message with a priority.
 ///
 /// Records written before the stall counter existed have three counters
 /// (`<enqueued_ms>:<failures>:<deferrals>:<payload>`) and read as 0 stalls.
@@ -48,6 +51,10 @@ pub(crate) fn split_record(record: &[u8]) -> Option<Record<'_>> {
         }
         std::str::from_utf8(part).ok()?.parse().ok()
     }
+    let (priority, record) = match record {
+        [b'p', digit @ b'1'..=b'9', b':', rest @ ..] => (digit - b'0', rest),
+        _ => (0, record),
+    };
     let mut parts = record.splitn(4, |b| *b == b':');
     let enqueued = i64::try_from(num(parts.next()?)?).ok()?;
     let failures = u32::try_from(num(parts.next()?)?).ok()?;
@@ -67,6 +74,7 @@ pub(crate) fn split_record(record: &[u8]) -> Option<Record<'_>> {
         deferrals,
         stalls,
         payload,
+        priority,
     })
 }
 
@@ -78,6 +86,7 @@ pub(crate) struct Record<'a> {
     pub(crate) deferrals: u32,
     pub(crate) stalls: u32,
     pub(crate) payload: &'a [u8],
+    pub(crate) priority: u8,
 }
 
 impl<T: DeserializeOwned> Job<T> {
@@ -97,12 +106,14 @@ impl<T: DeserializeOwned> Job<T> {
             deferrals,
             stalls,
             payload,
+            priority,
         } = parsed.unwrap_or(Record {
             enqueued: 0,
             failures: 0,
             deferrals: 0,
             stalls: 0,
             payload: record,
+            priority: 0,
         });
         let job = Job {
             id,
@@ -111,6 +122,7 @@ impl<T: DeserializeOwned> Job<T> {
             failures,
             deferrals,
             stalls,
+            priority,
             enqueued_at: from_unix_ms(enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
@@ -167,6 +179,11 @@ impl<T> Job<T> {
         self.stalls
     }
 
+    /// Its priority, 0 (none) to 9 ([`PushOptions::priority`](super::PushOptions::priority)).
+    pub fn priority(&self) -> u8 {
+        self.priority
+    }
+
     /// When the message was first pushed (server clock).
     pub fn enqueued_at(&self) -> SystemTime {
         self.enqueued_at
@@ -201,6 +218,7 @@ impl<T> Job<T> {
             failures: self.failures,
             deferrals: self.deferrals,
             stalls: self.stalls,
+            priority: self.priority,
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
@@ -338,6 +356,7 @@ mod tests {
                 deferrals,
                 stalls,
                 payload,
+                priority: 0,
             })
         };
         assert_eq!(
@@ -357,5 +376,11 @@ mod tests {
         assert_eq!(split_record(b"1:x:2:p"), None);
         assert_eq!(split_record(b"1:+2:2:p"), None);
         assert_eq!(split_record(b"1:2:3"), None);
+        // A message with a priority.
+        let prioritized = split_record(b"p7:17:1:2:3:{}").unwrap();
+        assert_eq!((prioritized.priority, prioritized.stalls), (7, 3));
+        assert_eq!(split_record(b"p7:17:1:2:{}").unwrap().priority, 7);
+        assert_eq!(split_record(b"p0:17:1:2:{}"), None);
+        assert_eq!(split_record(b"p10:17:1:2:{}"), None);
     }
 }

@@ -78,6 +78,7 @@
 //! Waiting for work without polling is [`Waiter`]'s job; driving a tower
 //! service from a queue is the [`Worker`](crate::Worker)'s.
 
+mod events;
 mod job;
 mod running;
 pub(crate) mod scripts;
@@ -93,6 +94,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+pub use self::events::{Event, EventKind, EventsFrom};
 pub use self::job::{DeadLetter, Job};
 pub(crate) use self::running::{Handoff, RunningJob, provide_message_id, take_message_id};
 pub(crate) use self::wait::BLOCK;
@@ -119,6 +121,10 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
     keys: Arc<QueueKeys>,
     /// How many dead letters, and for how long, burials keep.
     retention: Retention,
+    /// The lifecycle events' cap, when they are recorded.
+    events: Option<usize>,
+    /// How many completed messages, and for how long, are kept.
+    completed: Option<Retention>,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
     _message: PhantomData<fn(T) -> T>,
 }
@@ -135,6 +141,8 @@ impl<T, C: Clone> Clone for Queue<T, C> {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
             retention: self.retention,
+            events: self.events,
+            completed: self.completed,
             _message: PhantomData,
         }
     }
@@ -167,6 +175,8 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
             .field("name", &self.keys.name)
             .field("prefix", &self.keys.prefix)
             .field("retention", &self.retention)
+            .field("events", &self.events)
+            .field("completed", &self.completed)
             .finish_non_exhaustive()
     }
 }
@@ -180,11 +190,14 @@ pub(crate) struct QueueKeys {
     pub(crate) prefix: String,
     pub(crate) data: String,
     pub(crate) schedule: String,
+    pub(crate) prioritized: String,
     pub(crate) active: String,
     pub(crate) dead: String,
     pub(crate) errors: String,
     pub(crate) claims: String,
     pub(crate) bell: String,
+    pub(crate) events: String,
+    pub(crate) completed: String,
 }
 
 impl QueueKeys {
@@ -196,11 +209,14 @@ impl QueueKeys {
             prefix: prefix.to_owned(),
             data: format!("{base}:data"),
             schedule: format!("{base}:schedule"),
+            prioritized: format!("{base}:prioritized"),
             active: format!("{base}:active"),
             dead: format!("{base}:dead"),
             errors: format!("{base}:errors"),
             claims: format!("{base}:claims"),
             bell: format!("{base}:bell"),
+            events: format!("{base}:events"),
+            completed: format!("{base}:completed"),
         }
     }
 
@@ -231,15 +247,19 @@ impl QueueKeys {
             dead: self.dead.clone(),
             schedule: self.schedule.clone(),
             bell: self.bell.clone(),
+            prioritized: self.prioritized.clone(),
             message: None,
         }
     }
 
     /// The keys `purge` deletes: all but the claim counter.
-    fn all(&self) -> [&str; 6] {
+    fn all(&self) -> [&str; 9] {
         [
             &self.data,
             &self.schedule,
+            &self.prioritized,
+            &self.events,
+            &self.completed,
             &self.active,
             &self.dead,
             &self.errors,
@@ -260,7 +280,12 @@ pub struct PushOptions {
     id: Option<String>,
     /// When the message is due; now when `None`.
     when: Option<When>,
+    /// Its priority: 0 (none) to [`MAX_PRIORITY`].
+    priority: u8,
 }
+
+/// The highest priority a message can have ([`PushOptions::priority`]).
+pub const MAX_PRIORITY: u8 = 9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum When {
@@ -296,12 +321,29 @@ impl PushOptions {
         self
     }
 
-    /// The argument the push and reschedule scripts take.
+    /// Claimed before due messages of lower priorities: 1 to
+    /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is no priority,
+    /// claimed after every priority. Among due messages of one priority,
+    /// the earliest due goes first (for messages due at once: push order).
+    /// The message keeps its priority when it is retried, deferred, parked,
+    /// recovered or re-driven from the dead letters. Pushing fails with
+    /// [`Error::Config`] above 9.
+    pub fn priority(mut self, priority: u8) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The `when` argument of the push script: the due time, and a priority
+    /// as `/<priority>`.
     fn when_arg(&self) -> String {
-        match self.when {
+        let when = match self.when {
             None => "0".to_owned(),
             Some(When::After(d)) => millis(d).to_string(),
             Some(When::At(t)) => format!("@{}", unix_ms(t)),
+        };
+        match self.priority {
+            0 => when,
+            p => format!("{when}/{p}"),
         }
     }
 }
@@ -344,6 +386,20 @@ pub struct Recovered {
     pub buried: usize,
 }
 
+/// A completed message kept by [`Queue::keep_completed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Completed {
+    /// The message id.
+    pub id: String,
+    /// The attempt that completed it.
+    pub attempt: u32,
+    /// When it was acknowledged (server clock).
+    pub completed_at: SystemTime,
+    /// Its payload, as stored (JSON).
+    pub payload: Vec<u8>,
+}
+
 /// A snapshot of a queue's size, read at one instant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -378,7 +434,16 @@ pub(crate) enum Acked {
 /// The keys that hold a queue's messages and errors, after
 /// `<prefix>:{<name>}:` (the same ones `Queue::exists` looks at: the claim
 /// counter and the doorbell outlive a purge).
-const QUEUE_KEYS: [&str; 5] = ["data", "schedule", "active", "dead", "errors"];
+const QUEUE_KEYS: [&str; 8] = [
+    "data",
+    "schedule",
+    "prioritized",
+    "active",
+    "dead",
+    "errors",
+    "completed",
+    "events",
+];
 
 /// The names of the queues under `prefix` (`"lockgate"` by default) that
 /// have any key in Redis, sorted. Found with `SCAN`, so the server is never
@@ -432,6 +497,8 @@ where
             conn,
             keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
             retention: Retention::default(),
+            events: None,
+            completed: None,
             _message: PhantomData,
         })
     }
@@ -503,6 +570,12 @@ where
         let mut encoded = Vec::new();
         for (msg, options) in msgs {
             let payload = serde_json::to_vec(msg.borrow()).map_err(Error::Encode)?;
+            if options.priority > MAX_PRIORITY {
+                return Err(Error::config(format_args!(
+                    "message priority must be 0..={MAX_PRIORITY}, got {}",
+                    options.priority
+                )));
+            }
             let id = match &options.id {
                 Some(id) if id.is_empty() => {
                     return Err(Error::InvalidKey("message id must not be empty".into()));
@@ -517,7 +590,11 @@ where
             let mut call = Scripts::get().push.prepare_invoke();
             call.key(&self.keys.data)
                 .key(&self.keys.schedule)
-                .key(&self.keys.bell);
+                .key(&self.keys.bell)
+                .key(&self.keys.prioritized);
+            if let Some(cap) = self.events {
+                call.key(&self.keys.events).arg(cap);
+            }
             for (id, when, payload) in batch {
                 call.arg(id).arg(when).arg(payload);
             }
@@ -567,8 +644,11 @@ where
             .key(&self.keys.active)
             .key(&self.keys.claims)
             .key(&self.keys.bell)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
             .arg(max)
             .arg(millis(lease))
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| Error::redis(attempted())(e))?;
@@ -626,14 +706,21 @@ where
     /// message is gone already (completed or removed).
     pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
         let job = job.claim_ref();
+        let completed = self.completed.unwrap_or_default().args();
         let acked: i64 = Scripts::get()
             .ack
             .key(&self.keys.data)
             .key(&self.keys.active)
             .key(&self.keys.errors)
+            .key(&self.keys.completed)
+            .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
             .arg(if job.failures() > 0 { "1" } else { "0" })
+            .arg(self.events_arg())
+            .arg(if self.completed.is_some() { "1" } else { "" })
+            .arg(&completed.0)
+            .arg(&completed.1)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -664,9 +751,16 @@ where
         I: IntoIterator<Item = &'a J>,
     {
         let mut call = Scripts::get().ack_many.prepare_invoke();
+        let completed = self.completed.unwrap_or_default().args();
         call.key(&self.keys.data)
             .key(&self.keys.active)
-            .key(&self.keys.errors);
+            .key(&self.keys.errors)
+            .key(&self.keys.completed)
+            .key(&self.keys.events)
+            .arg(self.events_arg())
+            .arg(if self.completed.is_some() { "1" } else { "" })
+            .arg(completed.0)
+            .arg(completed.1);
         let mut count = 0;
         for job in jobs {
             let job = job.claim_ref();
@@ -750,11 +844,14 @@ where
             .key(&parking.lock)
             .key(&self.keys.dead)
             .key(&self.keys.bell)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
             .arg(PARK_CHECK.as_millis() as u64)
             .arg(max_deferrals.map_or(String::new(), |n| n.to_string()))
             .arg(permits.map_or(String::new(), |n| n.to_string()))
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -789,11 +886,14 @@ where
             .key(&self.keys.active)
             .key(&self.keys.errors)
             .key(&self.keys.bell)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
             .arg(when)
             .arg(counter)
             .arg(error)
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -826,12 +926,14 @@ where
             .key(&self.keys.dead)
             .key(&self.keys.errors)
             .key(&self.keys.data)
+            .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
             .arg(error)
             .arg(if failed { "1" } else { "0" })
             .arg(max_count)
             .arg(max_age)
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("burying message `{}`", job.id())))?;
@@ -892,10 +994,13 @@ where
                 .key(&self.keys.dead)
                 .key(&self.keys.errors)
                 .key(&self.keys.bell)
+                .key(&self.keys.prioritized)
+                .key(&self.keys.events)
                 .arg(max_stalls.max(1))
                 .arg(MAX_BATCH)
                 .arg(&max_count)
                 .arg(&max_age)
+                .arg(self.events_arg())
                 .invoke_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(format_args!(
@@ -921,6 +1026,9 @@ where
         let found: u32 = redis::cmd("EXISTS")
             .arg(&keys.data)
             .arg(&keys.schedule)
+            .arg(&keys.prioritized)
+            .arg(&keys.completed)
+            .arg(&keys.events)
             .arg(&keys.active)
             .arg(&keys.dead)
             .arg(&keys.errors)
@@ -940,6 +1048,7 @@ where
             .key(&self.keys.schedule)
             .key(&self.keys.active)
             .key(&self.keys.dead)
+            .key(&self.keys.prioritized)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -1046,9 +1155,12 @@ where
             .key(&self.keys.dead)
             .key(&self.keys.errors)
             .key(&self.keys.bell)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
             .arg(id)
             .arg(MAX_BATCH)
             .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -1075,6 +1187,127 @@ where
         }
     }
 
+    /// Records lifecycle events: every change of a message this handle
+    /// makes (pushed, claimed, done, retried, deferred, parked, released,
+    /// dead, recovered, re-driven, removed) is appended, with the message
+    /// id, the attempt and the server's time, to the queue's events stream
+    /// (`<prefix>:{<name>}:events`), capped near `max_len` entries (each
+    /// script call writes one entry, for one message or a batch). Follow
+    /// them with [`events`](Self::events). Off by default, and then a
+    /// message costs exactly what it costs without events. Turn it on for
+    /// every handle that changes the queue (producers, workers, the layer's
+    /// deferrals): a handle without it leaves gaps. Errors on 0.
+    pub fn record_events(self, max_len: usize) -> Result<Self> {
+        if max_len == 0 {
+            return Err(Error::config(
+                "the events stream needs room for at least 1 entry",
+            ));
+        }
+        Ok(Self {
+            events: Some(max_len),
+            ..self
+        })
+    }
+
+    /// Keeps completed messages (BullMQ's `removeOnComplete` with a count
+    /// or an age): each acknowledgement appends the message's id, attempt
+    /// and payload to the queue's completed stream
+    /// (`<prefix>:{<name>}:completed`, its entry id the completion time),
+    /// trimmed in the same script to the last `max_count` and to those of
+    /// the last `max_age` (`None`: no limit on that side). Read them with
+    /// [`completed`](Self::completed). By default acknowledged messages are
+    /// deleted. Errors when both are `None` (nothing would ever be
+    /// trimmed) or on a count of 0.
+    pub fn keep_completed(
+        self,
+        max_count: Option<usize>,
+        max_age: Option<Duration>,
+    ) -> Result<Self> {
+        if max_count.is_none() && max_age.is_none() {
+            return Err(Error::config(
+                "keeping completed messages needs a limit: a count, an age, or both",
+            ));
+        }
+        if max_count == Some(0) {
+            return Err(Error::config(
+                "keeping 0 completed messages keeps none: leave it off",
+            ));
+        }
+        Ok(Self {
+            completed: Some(Retention { max_count, max_age }),
+            ..self
+        })
+    }
+
+    /// The events' cap as the scripts take it ("" when events are off).
+    fn events_arg(&self) -> String {
+        self.events.map(|cap| cap.to_string()).unwrap_or_default()
+    }
+
+    /// Follows the queue's lifecycle events (recorded by the handles with
+    /// [`record_events`](Self::record_events)), from `from`, on a
+    /// connection of its own opened through `connector` (`XREAD BLOCK`
+    /// blocks it). The stream survives connection losses: it reconnects
+    /// with backoff and resumes after the last entry it delivered, missing
+    /// nothing the events stream still holds; it ends, with the error, only
+    /// when the server refuses the connection's user ([`Error::is_denied`]).
+    /// A follower that falls further behind than the stream's cap misses
+    /// what was trimmed.
+    pub fn events<K: Connector>(
+        &self,
+        connector: K,
+        from: EventsFrom,
+    ) -> impl futures_util::Stream<Item = Result<Event>> + Send + 'static {
+        events::follow(connector, self.keys.events.clone(), from)
+    }
+
+    /// The most recent completed messages kept by
+    /// [`keep_completed`](Self::keep_completed), newest first, at most
+    /// `limit` (at most [`MAX_BATCH`]).
+    pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
+        if limit > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "a page of completed messages holds at most {MAX_BATCH}, got {limit}"
+            )));
+        }
+        let attempted = || format!("listing completed messages of queue `{}`", self.name());
+        /// An entry: its id and its fields.
+        type Entry = (String, Vec<(String, Vec<u8>)>);
+        let reply: Vec<Entry> = redis::cmd("XREVRANGE")
+            .arg(&self.keys.completed)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(limit)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        reply
+            .into_iter()
+            .map(|(entry, fields)| {
+                let field = |name: &str| {
+                    fields
+                        .iter()
+                        .find(|(k, _)| k == name)
+                        .map(|(_, v)| v.clone())
+                };
+                let ms: Option<u64> = entry.split('-').next().and_then(|ms| ms.parse().ok());
+                let attempt: Option<u32> = field("attempt")
+                    .and_then(|a| String::from_utf8(a).ok())
+                    .and_then(|a| a.parse().ok());
+                match (field("id"), attempt, ms, field("payload")) {
+                    (Some(id), Some(attempt), Some(ms), Some(payload)) => Ok(Completed {
+                        id: String::from_utf8_lossy(&id).into_owned(),
+                        attempt,
+                        completed_at: UNIX_EPOCH + Duration::from_millis(ms),
+                        payload,
+                    }),
+                    _ => Err(Error::reply(attempted(), format_args!("entry {entry}"))),
+                }
+            })
+            .collect()
+    }
+
     /// Deletes a scheduled or dead message; returns whether it did. A message
     /// being processed is left to its worker (`false`): deleting it then
     /// would let that worker's claim act on a later message with the same id.
@@ -1085,7 +1318,10 @@ where
             .key(&self.keys.schedule)
             .key(&self.keys.dead)
             .key(&self.keys.errors)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
             .arg(id)
+            .arg(self.events_arg())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("removing message `{id}`")))?;

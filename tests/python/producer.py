@@ -56,7 +56,8 @@ class Producer:
             self.script = f.read()
         self.sha = redis.call("SCRIPT", "LOAD", self.script).decode()
         base = "lockgate:{%s}" % queue
-        self.keys = [base + ":data", base + ":schedule", base + ":bell"]
+        # The fourth key lets it push messages with a priority ("0/5").
+        self.keys = [base + ":data", base + ":schedule", base + ":bell", base + ":prioritized"]
 
     def push(self, messages):
         """messages: (id, when, payload) triplets; `when` is a delay in ms
@@ -65,12 +66,12 @@ class Producer:
         for msg_id, when, payload in messages:
             argv += [msg_id, when, json.dumps(payload)]
         try:
-            reply = self.redis.call("EVALSHA", self.sha, 3, *self.keys, *argv)
+            reply = self.redis.call("EVALSHA", self.sha, len(self.keys), *self.keys, *argv)
         except RedisError as e:
             if not str(e).startswith("NOSCRIPT"):
                 raise
             # The server restarted or flushed its script cache.
-            reply = self.redis.call("EVAL", self.script, 3, *self.keys, *argv)
+            reply = self.redis.call("EVAL", self.script, len(self.keys), *self.keys, *argv)
         return [reply[i:i + 2] for i in range(0, len(reply), 2)]
 
 

@@ -31,7 +31,7 @@ struct Msg {
 pub async fn everything<C, K>(conn: C, connector: K, listener: ReleaseListener, prefix: &str)
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
-    K: Connector,
+    K: Connector + Clone,
 {
     let locker = Locker::new(conn.clone())
         .prefix(prefix)
@@ -93,6 +93,10 @@ where
     let queue: Queue<Msg, C> = Queue::new(conn.clone(), "story")
         .unwrap()
         .prefix(prefix)
+        .unwrap()
+        .record_events(10_000)
+        .unwrap()
+        .keep_completed(Some(10), Some(Duration::from_secs(60)))
         .unwrap();
     let total: u32 = 60;
     let keys = ["a", "b", "c"];
@@ -114,7 +118,10 @@ where
         n: u32::MAX,
         key: "poison".into(),
     };
-    queue.push(&poison).await.expect("push");
+    queue
+        .push_with(&poison, lockgate::PushOptions::new().priority(9))
+        .await
+        .expect("push with a priority");
 
     let holds = Holds::default();
     let backoff = Backoff::exponential(ms(1), ms(5)).unwrap().max_attempts(2);
@@ -142,7 +149,7 @@ where
                 }
             }
         });
-    let worker = Worker::new(connector, queue.clone(), service)
+    let worker = Worker::new(connector.clone(), queue.clone(), service)
         .concurrency(8)
         .unwrap()
         .max_attempts(1)
@@ -177,5 +184,18 @@ where
     let dead = queue.dead_letters(0, 10).await.expect("dead letters");
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert!(queue.requeue_dead(&dead[0].id).await.expect("requeue"));
+    assert_eq!(queue.completed(100).await.expect("completed").len(), 10);
+    // The events, read back from the start: the first is a push.
+    let mut events =
+        std::pin::pin!(queue.events(connector, lockgate::queue::EventsFrom::Beginning));
+    let first = tokio::time::timeout(
+        Duration::from_secs(5),
+        futures_util::StreamExt::next(&mut events),
+    )
+    .await
+    .expect("an event in time")
+    .expect("the stream goes on")
+    .expect("an event");
+    assert_eq!(first.kind, lockgate::queue::EventKind::Pushed);
     queue.purge().await.expect("purge");
 }

@@ -224,7 +224,7 @@ where
             }
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_permit_acquire;
-                let mut cmd = script::evalsha(script, 7);
+                let mut cmd = script::evalsha(script, 8);
                 cmd.arg(keys.set);
                 parking
                     .queue_keys(&mut cmd)
@@ -294,7 +294,7 @@ where
             }
             Some(parking) => {
                 let script = &crate::queue::scripts::Scripts::get().park_permit_release;
-                let mut cmd = script::evalsha(script, 8);
+                let mut cmd = script::evalsha(script, 9);
                 cmd.arg(keys.set);
                 parking
                     .queue_keys(&mut cmd)

@@ -1,16 +1,32 @@
 -- Completes many claimed messages at once: deletes each whose claim the
 -- caller still holds.
--- KEYS[1]: data   KEYS[2]: active   KEYS[3]: errors
--- ARGV: triplets of (active member "<id>:<claim>", id, "1" when the message
---       may have an error entry to delete)
+-- KEYS[1]: data   KEYS[2]: active   KEYS[3]: errors   KEYS[4]: completed
+-- KEYS[5]: events
+-- ARGV[1]: the events' cap ("" for no events)
+-- ARGV[2]: "1" to keep them on the completed stream, ARGV[3] and ARGV[4] its
+--          limits (see ack.lua)
+-- ARGV[5..]: triplets of (active member "<id>:<claim>", id, "1" when the
+--          message may have an error entry to delete)
 -- Returns per message 1; 0 when its claim is no longer held but the message
 -- still exists (its lease ran out); -1 when the message is gone (already
 -- completed, say by an earlier copy of this call whose reply was lost).
 local out = {}
-for i = 1, #ARGV, 3 do
+local observed = ARGV[1] ~= '' or ARGV[2] == '1'
+local now = observed and now_ms()
+local done = {}
+for i = 5, #ARGV, 3 do
   if redis.call('ZREM', KEYS[2], ARGV[i]) == 1 then
-    redis.call('HDEL', KEYS[1], ARGV[i + 1])
-    if ARGV[i + 2] == '1' then redis.call('HDEL', KEYS[3], ARGV[i + 1]) end
+    local id = ARGV[i + 1]
+    if observed then
+      local record = redis.call('HGET', KEYS[1], id)
+      if ARGV[2] == '1' and record then
+        keep_completed(KEYS[4], ARGV[3], ARGV[4], now, id, record)
+      end
+      done[#done + 1] = id
+      done[#done + 1] = attempt_of(record)
+    end
+    redis.call('HDEL', KEYS[1], id)
+    if ARGV[i + 2] == '1' then redis.call('HDEL', KEYS[3], id) end
     out[#out + 1] = 1
   elseif redis.call('HEXISTS', KEYS[1], ARGV[i + 1]) == 0 then
     out[#out + 1] = -1
@@ -18,4 +34,5 @@ for i = 1, #ARGV, 3 do
     out[#out + 1] = 0
   end
 end
+if observed then emit(KEYS[5], ARGV[1], 'done', now, nil, done) end
 return out

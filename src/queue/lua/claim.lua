@@ -1,5 +1,7 @@
--- Claims up to ARGV[1] due messages, in due order, under a lease.
+-- Claims up to ARGV[1] due messages under a lease: those with a priority
+-- first, highest first, then the schedule's; in due order within each.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims   KEYS[5]: bell
+-- KEYS[6]: prioritized   KEYS[7]: events   ARGV[3]: the events' cap ("" for none)
 -- ARGV[1]: how many at most (bounded by the caller)   ARGV[2]: lease in ms
 -- Returns {claim, next due ms or -1, now, then per message id, due ms, record}.
 -- A scheduled id whose record is missing (removed by hand) is dropped.
@@ -7,13 +9,54 @@
 -- wakes one idle worker, and this passes the wake-up on to the next, so a
 -- backlog reaches every idle worker, not just the first.
 local now, now_us = server_time()
-local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))
-if #due == 0 then
-  return {0, head_due(KEYS[2]) or -1, now}
+local max = tonumber(ARGV[1])
+-- ids[i] was due at dues[i].
+local ids, dues = {}, {}
+local prioritized = redis.call('EXISTS', KEYS[6]) == 1
+if prioritized then
+  local from = 0
+  while #ids < max do
+    -- The highest priority with a message at all, then its due ones.
+    local first = redis.call('ZRANGEBYSCORE', KEYS[6], from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if not first[2] then break end
+    local priority = unband(tonumber(first[2]))
+    local low = band(priority)
+    local due = redis.call('ZRANGEBYSCORE', KEYS[6], low, low + now, 'WITHSCORES',
+      'LIMIT', 0, max - #ids)
+    local taken = {}
+    for i = 1, #due, 2 do
+      taken[#taken + 1] = due[i]
+      ids[#ids + 1] = due[i]
+      -- As a string, as the schedule's scores come ('%d': no exponent).
+      dues[#dues + 1] = string.format('%d', tonumber(due[i + 1]) - low)
+    end
+    if #taken > 0 then redis.call('ZREM', KEYS[6], unpack(taken)) end
+    if priority <= 1 then break end
+    from = band(priority - 1)
+  end
 end
-local ids = {}
-for i = 1, #due, 2 do ids[#ids + 1] = due[i] end
-redis.call('ZREM', KEYS[2], unpack(ids))
+if #ids < max then
+  local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES', 'LIMIT', 0, max - #ids)
+  local taken = {}
+  for i = 1, #due, 2 do
+    taken[#taken + 1] = due[i]
+    ids[#ids + 1] = due[i]
+    dues[#dues + 1] = due[i + 1]
+  end
+  if #taken > 0 then redis.call('ZREM', KEYS[2], unpack(taken)) end
+end
+-- The next due time over the schedule and every priority.
+local function next_due()
+  local head = head_due(KEYS[2])
+  if prioritized then
+    local other = prioritized_head(KEYS[6])
+    if other and (not head or other < head) then head = other end
+  end
+  return head
+end
+if #ids == 0 then
+  return {0, next_due() or -1, now}
+end
 local records = redis.call('HMGET', KEYS[1], unpack(ids))
 -- The claim number is the larger of the last one + 1 and the server's time
 -- in microseconds. A plain INCR would hand out old numbers again after the
@@ -29,17 +72,23 @@ local tag = string.format('%d', claim)
 redis.call('SET', KEYS[4], tag)
 local deadline = now + tonumber(ARGV[2])
 local leases = {}
-local next_due = head_due(KEYS[2])
-if next_due and next_due <= now then ring(KEYS[5]) end
-local out = {claim, next_due or -1, now}
+local next_at = next_due()
+if next_at and next_at <= now then ring(KEYS[5]) end
+local out = {claim, next_at or -1, now}
+local events = ARGV[3] ~= '' and {} or nil
 for i, id in ipairs(ids) do
   if records[i] then
     leases[#leases + 1] = deadline
     leases[#leases + 1] = id .. ':' .. tag
     out[#out + 1] = id
-    out[#out + 1] = due[2 * i]
+    out[#out + 1] = dues[i]
     out[#out + 1] = records[i]
+    if events then
+      events[#events + 1] = id
+      events[#events + 1] = attempt_of(records[i])
+    end
   end
 end
 if #leases > 0 then redis.call('ZADD', KEYS[3], unpack(leases)) end
+if events then emit(KEYS[7], ARGV[3], 'claimed', now, nil, events) end
 return out

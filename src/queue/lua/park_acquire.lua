@@ -1,7 +1,7 @@
 -- Takes a key's lock for a message of the queue, unless messages parked on
 -- the key come first (see parking.lua).
 -- KEYS[1]: lock   KEYS[2]: parked set   KEYS[3]: data   KEYS[4]: dead
--- KEYS[5]: schedule   KEYS[6]: bell
+-- KEYS[5]: schedule   KEYS[6]: bell   KEYS[7]: prioritized
 -- ARGV[1]: holder token   ARGV[2]: lock TTL in ms
 -- ARGV[3]: "1" to mark the lock as waited for (its release publishes)
 -- ARGV[4]: id of the message asking ("" for a request that is none)
@@ -12,7 +12,7 @@ local held = redis.call('GET', KEYS[1])
 if held and owns(held, ARGV[1]) then
   return {1, redis.call('PTTL', KEYS[1])}
 end
-local head, dropped = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4])
+local head, dropped = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7], ARGV[4])
 if held or (head and head ~= ARGV[4]) then
   local pttl = 0
   if held then
@@ -23,7 +23,7 @@ if held or (head and head ~= ARGV[4]) then
   end
   if dropped and head then
     -- A new head after dropped ones: due when the lock ends.
-    bring_forward(KEYS[5], KEYS[6], head, now_ms() + math.max(pttl, 0))
+    bring_forward(KEYS[5], KEYS[7], KEYS[6], head, now_ms() + math.max(pttl, 0))
   end
   local ahead = 0
   if head and head ~= ARGV[4] then ahead = 1 end
@@ -32,9 +32,9 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if head then -- it is this message: it leaves the parked set
   redis.call('ZREM', KEYS[2], head)
-  local next = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  local next = first_live(KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
   if next then
-    bring_forward(KEYS[5], KEYS[6], next, now_ms() + tonumber(ARGV[2]))
+    bring_forward(KEYS[5], KEYS[7], KEYS[6], next, now_ms() + tonumber(ARGV[2]))
   end
 end
 return {1, tonumber(ARGV[2])}

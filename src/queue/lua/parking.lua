@@ -28,14 +28,14 @@
 -- none is parked. Also returns whether a dead head was dropped (the new
 -- head then needs to be scheduled). `live` names an id known to be live
 -- (the caller's own message), which needs no check; a message waiting on
--- the schedule is live too (one lookup); else it is live if it exists and
+-- the schedule (or the prioritized set) is live too; else it is live if it exists and
 -- is not a dead letter (it is claimed).
-local function first_live(parked, data, dead, schedule, live)
+local function first_live(parked, data, dead, schedule, prioritized, live)
   local dropped = false
   for _ = 1, 100 do
     local head = redis.call('ZRANGE', parked, 0, 0)[1]
     if not head then return nil, dropped end
-    if head == live or redis.call('ZSCORE', schedule, head)
+    if head == live or waiting(schedule, prioritized, head)
       or (redis.call('HEXISTS', data, head) == 1 and not redis.call('ZSCORE', dead, head)) then
       return head, dropped
     end
@@ -45,11 +45,20 @@ local function first_live(parked, data, dead, schedule, live)
   return nil, dropped
 end
 
--- Brings a parked id forward to `due` if it is waiting on the schedule
--- (not if it is claimed right now); rings the bell when it moved.
-local function bring_forward(schedule, bell, id, due)
+-- Brings a parked id forward to `due` if it is waiting on the schedule or
+-- the prioritized set, in its band (not if it is claimed right now); rings
+-- the bell when it moved.
+local function bring_forward(schedule, prioritized, bell, id, due)
   if redis.call('ZADD', schedule, 'XX', 'LT', 'CH', due, id) == 1 then
     ring(bell)
+    return
+  end
+  local score = redis.call('ZSCORE', prioritized, id)
+  if score then
+    local priority = unband(tonumber(score))
+    if redis.call('ZADD', prioritized, 'XX', 'LT', 'CH', band(priority) + due, id) == 1 then
+      ring(bell)
+    end
   end
 end
 

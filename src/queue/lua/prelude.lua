@@ -4,8 +4,13 @@
 --
 -- Keys of queue <q> under prefix <p> (all in hash slot {q}):
 --   <p>:{q}:data      hash   id -> record
---                            "<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>"
+--                            "<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>",
+--                            prefixed "p<priority>:" for a message with one
 --   <p>:{q}:schedule  zset   id -> due time (ms); due-now messages are simply due
+--   <p>:{q}:prioritized zset id -> (10 - priority) * 1e13 + due time (ms), for
+--                            messages with a priority (1 to 9): one band of
+--                            scores per priority, higher priorities lower
+--                            (see PRIORITY_BAND)
 --   <p>:{q}:active    zset   "<id>:<claim>" -> lease deadline (ms)
 --   <p>:{q}:dead      zset   id -> time it was buried (ms)
 --   <p>:{q}:errors    hash   id -> last error text
@@ -42,10 +47,41 @@ local function parse_when(now, when)
   return now + n
 end
 
+-- Priorities. A message pushed with priority 1 to 9 waits on the prioritized
+-- set, scored (10 - priority) * PRIORITY_BAND + due time: each priority has
+-- its band of scores, the highest the lowest, and within a band messages
+-- order by due time (then id), as on the schedule. A claim looks into the
+-- bands from priority 9 down to 1 for due messages before the schedule; a
+-- queue whose prioritized set is empty pays one lookup of an empty key. Due
+-- times stay below the band (1e13 ms is the year 2286), and every score is
+-- exact in a double.
+local PRIORITY_BAND = 1e13
+local MAX_PRIORITY = 9
+
+-- The lowest score of a priority's band.
+local function band(priority)
+  return (10 - priority) * PRIORITY_BAND
+end
+
+-- The priority and due time a prioritized set's score stands for.
+local function unband(score)
+  local priority = 10 - math.floor(score / PRIORITY_BAND)
+  return priority, score - band(priority)
+end
+
 -- Due time of the schedule's head, or nil when the schedule is empty.
 local function head_due(schedule)
   local head = redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')
   if head[2] then return tonumber(head[2]) end
+  return nil
+end
+
+-- Due time of the head of a priority's band of the prioritized set, or nil.
+local function head_due_in_band(prioritized, priority)
+  local low = band(priority)
+  local head = redis.call('ZRANGEBYSCORE', prioritized, low, '(' .. (low + PRIORITY_BAND),
+    'WITHSCORES', 'LIMIT', 0, 1)
+  if head[2] then return tonumber(head[2]) - low end
   return nil
 end
 
@@ -64,34 +100,46 @@ end
 -- two forms cannot be confused: the four-counter pattern is tried first, and
 -- it matches an old record only if its payload starts with "<digits>:",
 -- which no JSON text does (a JSON number is never followed by ':').
+-- The sixth value is the priority (0 for none): a record that starts with
+-- "p<digit>:" has one (a record otherwise starts with a digit).
 local function parse(record)
+  local priority, rest = string.match(record, '^p(%d):(.*)$')
+  if priority then
+    record = rest
+    priority = tonumber(priority)
+  else
+    priority = 0
+  end
   local enq, failures, deferrals, stalls, payload =
     string.match(record, '^(%d+):(%d+):(%d+):(%d+):(.*)$')
   if enq then
-    return enq, tonumber(failures), tonumber(deferrals), tonumber(stalls), payload
+    return enq, tonumber(failures), tonumber(deferrals), tonumber(stalls), payload, priority
   end
   enq, failures, deferrals, payload = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
   if not enq then return nil end
-  return enq, tonumber(failures), tonumber(deferrals), 0, payload
+  return enq, tonumber(failures), tonumber(deferrals), 0, payload, priority
 end
 
 -- Like parse, but keeps a malformed record whole as the payload (cannot
 -- happen for records written by lockgate; the message is kept anyway).
 local function parse_or_keep(record)
-  local enq, failures, deferrals, stalls, payload = parse(record)
-  if not enq then return '0', 0, 0, 0, record end
-  return enq, failures, deferrals, stalls, payload
+  local enq, failures, deferrals, stalls, payload, priority = parse(record)
+  if not enq then return '0', 0, 0, 0, record, 0 end
+  return enq, failures, deferrals, stalls, payload, priority
 end
 
 -- Builds a record: the three-counter form while the message has not
 -- stalled (what lockgate 0.1 wrote and reads, so old and new workers can
 -- share a queue during an upgrade, and 2 bytes less per message), the
 -- four-counter form once it has.
-local function make_record(enq, failures, deferrals, stalls, payload)
+-- A priority above 0 prefixes "p<priority>:".
+local function make_record(enq, failures, deferrals, stalls, payload, priority)
+  local head = ''
+  if priority and priority > 0 then head = 'p' .. priority .. ':' end
   if stalls == 0 then
-    return enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload
+    return head .. enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload
   end
-  return enq .. ':' .. failures .. ':' .. deferrals .. ':' .. stalls .. ':' .. payload
+  return head .. enq .. ':' .. failures .. ':' .. deferrals .. ':' .. stalls .. ':' .. payload
 end
 
 -- Dead-letter retention: deletes, oldest first, dead letters buried more
@@ -118,15 +166,90 @@ local function trim_dead(dead, data, errors, now, max_count, max_age, budget)
   end
 end
 
--- Puts an id (back) on the schedule at `due`, ringing the bell when it is now
--- the earliest message, so a waiter sleeping towards a later head wakes.
-local function schedule_at(schedule, bell, id, due)
+-- The earliest due time on the prioritized set, or nil when it is empty
+-- (at most one lookup per priority in use).
+local function prioritized_head(prioritized)
+  local earliest = nil
+  local from = 0
+  while true do
+    local first = redis.call('ZRANGEBYSCORE', prioritized, from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if not first[2] then return earliest end
+    local priority, due = unband(tonumber(first[2]))
+    if earliest == nil or due < earliest then earliest = due end
+    from = band(priority - 1) -- the next band up (a lower priority)
+    if priority <= 1 then return earliest end
+  end
+end
+
+-- Puts an id (back) on the schedule at `due` (on the prioritized set, in
+-- its band, for a priority above 0), ringing the bell when it is now the
+-- earliest message of its set, so a waiter sleeping towards a later head
+-- wakes (a ring more than needed costs a wake-up, never a message).
+local function schedule_at(schedule, prioritized, bell, id, due, priority)
+  if priority and priority > 0 then
+    local head = head_due_in_band(prioritized, priority)
+    redis.call('ZADD', prioritized, band(priority) + due, id)
+    if head == nil or due < head then ring(bell) end
+    return
+  end
   local head = head_due(schedule)
   redis.call('ZADD', schedule, due, id)
   if head == nil or due < head then ring(bell) end
 end
 
+-- Where an id waits, and its due time: the schedule, the prioritized set
+-- (with its priority), or nil when it is not waiting (claimed, dead, gone).
+local function waiting(schedule, prioritized, id)
+  local due = redis.call('ZSCORE', schedule, id)
+  if due then return schedule, tonumber(due), 0 end
+  local score = redis.call('ZSCORE', prioritized, id)
+  if score then
+    local priority, at = unband(tonumber(score))
+    return prioritized, at, priority
+  end
+  return nil
+end
+
 -- Splits an active-set member "<id>:<claim>" into its id.
 local function member_id(member)
   return string.match(member, '^(.*):%d+$')
+end
+
+-- Lifecycle events (Queue::record_events): when the caller passes the
+-- queue's events stream and a cap ("" when events are off), each change of
+-- a message is appended to the stream, one entry per script call and kind:
+--   e <kind> t <server ms> [x <error>] then pairs of <id> <attempt>
+-- (`x` for the kinds that carry an error: retried and dead). The stream is
+-- capped near `cap` entries (MAXLEN ~). With events off nothing is written.
+local function emit(stream, cap, kind, now, error, pairs)
+  if cap == nil or cap == '' or #pairs == 0 then return end
+  if error then
+    redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'e', kind, 't', now, 'x', error,
+      unpack(pairs))
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'e', kind, 't', now, unpack(pairs))
+  end
+end
+
+-- The attempt a record's next delivery is: its failures plus one.
+local function attempt_of(record)
+  local _, failures = parse(record or '')
+  return (failures or 0) + 1
+end
+
+-- Keeps a completed message on the completed stream (Queue::keep_completed):
+-- an entry `id <id> attempt <attempt> payload <payload>` at the server's
+-- time, the stream trimmed exactly to at most `max_count` entries and to
+-- those of the last `max_age` ms (either "" for no limit).
+local function keep_completed(stream, max_count, max_age, now, id, record)
+  local _, failures, _, _, payload = parse_or_keep(record)
+  if max_count ~= '' then
+    redis.call('XADD', stream, 'MAXLEN', max_count, '*', 'id', id, 'attempt', failures + 1,
+      'payload', payload)
+  else
+    redis.call('XADD', stream, '*', 'id', id, 'attempt', failures + 1, 'payload', payload)
+  end
+  if max_age ~= '' then
+    redis.call('XTRIM', stream, 'MINID', string.format('%d', now - tonumber(max_age)))
+  end
 end

@@ -2,51 +2,90 @@
 -- its record, its place (scheduled, being processed, dead) and its due time
 -- do not change, so pushing again, retrying a push whose reply was lost, or
 -- pushing an id a worker holds never makes a message claimable twice.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: bell
+-- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: bell   KEYS[4]: prioritized
 --          (queue <q> under prefix <p>: "<p>:{<q>}:data", "<p>:{<q>}:schedule",
---          "<p>:{<q>}:bell"; lockgate's default prefix is "lockgate")
+--          "<p>:{<q>}:bell", "<p>:{<q>}:prioritized"; lockgate's default
+--          prefix is "lockgate"; KEYS[4] may be left out by a producer that
+--          pushes no priorities)   KEYS[5]: events (optional: Queue::record_events;
+--          then ARGV[1] is the stream's cap and the triplets follow)
 -- ARGV: triplets of (id, when, payload): id non-empty; `when` a delay in ms
 --       relative to the server's clock ("0" for now), or "@<unix ms>" for an
---       absolute time (a past time is due now); payload the message as JSON.
+--       absolute time (a past time is due now), optionally followed by
+--       "/<priority>" (1 to 9, higher first; "0" or none: no priority);
+--       payload the message as JSON.
 -- Returns per message {added (1|0), due ms (-1 if it exists but is not scheduled)}.
 -- Bad arguments are refused before anything is written, with an error reply
 -- starting "lockgate push:".
-if #ARGV % 3 ~= 0 then
+local first, cap = 1, nil
+if KEYS[5] then first, cap = 2, ARGV[1] end
+if (#ARGV - first + 1) % 3 ~= 0 then
   return redis.error_reply('ERR lockgate push: arguments must be triplets (id, when, payload), got '
-    .. #ARGV .. ' arguments')
+    .. (#ARGV - first + 1) .. ' arguments')
 end
 local now = now_ms()
-local dues = {}
-for i = 1, #ARGV, 3 do
-  local n = (i + 2) / 3
+local dues, priorities = {}, {}
+for i = first, #ARGV, 3 do
+  local n = (i - first) / 3 + 1
   if ARGV[i] == '' then
     return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an empty id')
   end
-  local due = parse_when(now, ARGV[i + 1])
+  local when, priority = string.match(ARGV[i + 1], '^(.-)/(%d)$')
+  if not when then when, priority = ARGV[i + 1], '0' end
+  priority = tonumber(priority)
+  if priority > 0 and not KEYS[4] then
+    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
+      .. '") has a priority, but the prioritized key (KEYS[4]) was not passed')
+  end
+  local due = parse_when(now, when)
   if not due then
     return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
       .. '") has a bad `when` "' .. ARGV[i + 1]
-      .. '": expected a delay in ms or "@<unix ms>"')
+      .. '": expected a delay in ms or "@<unix ms>", optionally followed by "/<priority 0-9>"')
   end
   dues[n] = due
+  priorities[n] = priority
 end
-local head = head_due(KEYS[2])
+-- The heads of the schedule and of the bands pushed to, read once.
+local heads = {}
+local function head_of(priority)
+  if heads[priority] == nil then
+    if priority > 0 then
+      heads[priority] = head_due_in_band(KEYS[4], priority) or false
+    else
+      heads[priority] = head_due(KEYS[2]) or false
+    end
+  end
+  return heads[priority]
+end
 local wake = false
 local out = {}
-for i = 1, #ARGV, 3 do
-  local id, due = ARGV[i], dues[(i + 2) / 3]
-  if redis.call('HSETNX', KEYS[1], id, now .. ':0:0:' .. ARGV[i + 2]) == 1 then
-    redis.call('ZADD', KEYS[2], due, id)
-    if head == nil or due < head then
-      head = due
+local pushed = {}
+for i = first, #ARGV, 3 do
+  local n = (i - first) / 3 + 1
+  local id, due, priority = ARGV[i], dues[n], priorities[n]
+  local header = now .. ':0:0:'
+  if priority > 0 then header = 'p' .. priority .. ':' .. header end
+  if redis.call('HSETNX', KEYS[1], id, header .. ARGV[i + 2]) == 1 then
+    local head = head_of(priority)
+    if priority > 0 then
+      redis.call('ZADD', KEYS[4], band(priority) + due, id)
+    else
+      redis.call('ZADD', KEYS[2], due, id)
+    end
+    if not head or due < head then
+      heads[priority] = due
       wake = true
     end
+    pushed[#pushed + 1] = id
+    pushed[#pushed + 1] = 1
     out[#out + 1] = 1
     out[#out + 1] = due
   else
     out[#out + 1] = 0
-    out[#out + 1] = tonumber(redis.call('ZSCORE', KEYS[2], id) or '-1')
+    local _, at = waiting(KEYS[2], KEYS[4] or KEYS[2], id)
+    out[#out + 1] = at or -1
   end
 end
 if wake then ring(KEYS[3]) end
+emit(KEYS[5], cap, 'pushed', now, nil, pushed)
 return out

@@ -5,38 +5,46 @@
 -- every time), then applies the dead-letter retention. Safe to run from any
 -- number of processes at once.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: dead
--- KEYS[5]: errors   KEYS[6]: bell
+-- KEYS[5]: errors   KEYS[6]: bell   KEYS[7]: prioritized   KEYS[8]: events
 -- ARGV[1]: max stalls   ARGV[2]: how many at most in this call
 -- ARGV[3]: keep at most this many dead letters ("" for no limit)
 -- ARGV[4]: keep dead letters at most this many ms ("" for no limit)
+-- ARGV[5]: the events' cap ("" for no events)
 -- Returns {requeued, buried, examined}: a caller loops while examined is the
 -- batch size (entries without a record are dropped and not counted otherwise).
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local max_stalls = tonumber(ARGV[1])
 local requeued, buried = 0, 0
+local back, dead = {}, {}
 for _, member in ipairs(expired) do
   redis.call('ZREM', KEYS[3], member)
   local id = member_id(member)
   local record = id and redis.call('HGET', KEYS[1], id)
   if record then
-    local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+    local enq, failures, deferrals, stalls, payload, priority = parse_or_keep(record)
     stalls = stalls + 1
-    redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload))
+    redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload, priority))
     if stalls >= max_stalls then
       redis.call('HSET', KEYS[5], id, 'lease expired ' .. stalls .. ' times (limit '
         .. max_stalls .. '): its worker died or stalled every time it held the message')
       redis.call('ZADD', KEYS[4], now, id)
       buried = buried + 1
+      dead[#dead + 1] = id
+      dead[#dead + 1] = failures + 1
     else
       redis.call('HSET', KEYS[5], id, 'lease expired: the worker died or stalled')
-      schedule_at(KEYS[2], KEYS[6], id, now)
+      schedule_at(KEYS[2], KEYS[7], KEYS[6], id, now, priority)
       requeued = requeued + 1
+      back[#back + 1] = id
+      back[#back + 1] = failures + 1
     end
   end
 end
 -- Retention runs on every call, not only when something was buried: the
 -- workers call recover periodically, so old letters of a queue that stopped
 -- failing still go (an idle trim is one range query and one ZCARD).
+emit(KEYS[8], ARGV[5], 'recovered', now, nil, back)
+emit(KEYS[8], ARGV[5], 'dead', now, 'lease expired too many times', dead)
 trim_dead(KEYS[4], KEYS[1], KEYS[5], now, ARGV[3], ARGV[4], 100 + buried)
 return {requeued, buried, #expired}

@@ -2,11 +2,17 @@
 -- left alone (its worker settles it): deleting it under the worker would let
 -- that worker's claim act on a new message pushed later with the same id.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors
--- ARGV[1]: id
+-- KEYS[5]: prioritized   KEYS[6]: events
+-- ARGV[1]: id   ARGV[2]: the events' cap ("" for no events)
 -- Returns 1 when removed, 0 when absent or being processed.
-if redis.call('ZREM', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then
+if redis.call('ZREM', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1])
+    + redis.call('ZREM', KEYS[5], ARGV[1]) == 0 then
   return 0
 end
 redis.call('HDEL', KEYS[4], ARGV[1])
+if ARGV[2] ~= '' then
+  emit(KEYS[6], ARGV[2], 'removed', now_ms(), nil,
+    {ARGV[1], attempt_of(redis.call('HGET', KEYS[1], ARGV[1]))})
+end
 redis.call('HDEL', KEYS[1], ARGV[1])
 return 1

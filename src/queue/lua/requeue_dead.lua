@@ -1,9 +1,11 @@
 -- Re-drives dead letters: due now, attempt, deferral and stall counts reset.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors   KEYS[5]: bell
+-- KEYS[6]: prioritized (a message keeps its priority)   KEYS[7]: events
 -- ARGV[1]: an id, or "" for the oldest ARGV[2] dead letters buried at or
 --          before ARGV[3]
 -- ARGV[2]: how many at most when ARGV[1] is ""
 -- ARGV[3]: a time in ms (when the caller's re-drive started), or "" for now
+-- ARGV[4]: the events' cap ("" for no events)
 -- Returns {re-driven, examined, the cutoff time used}; a dead entry without a
 -- record is dropped. A caller that re-drives everything passes the cutoff of
 -- its first call to the next ones: letters buried again meanwhile (a poison
@@ -17,16 +19,20 @@ else
   ids = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[2]))
 end
 local count = 0
+local redriven = {}
 for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[3], id) == 1 then
     local record = redis.call('HGET', KEYS[1], id)
     redis.call('HDEL', KEYS[4], id)
     if record then
-      local enq, _, _, _, payload = parse_or_keep(record)
-      redis.call('HSET', KEYS[1], id, make_record(enq, 0, 0, 0, payload))
-      schedule_at(KEYS[2], KEYS[5], id, now)
+      local enq, _, _, _, payload, priority = parse_or_keep(record)
+      redis.call('HSET', KEYS[1], id, make_record(enq, 0, 0, 0, payload, priority))
+      schedule_at(KEYS[2], KEYS[6], KEYS[5], id, now, priority)
       count = count + 1
+      redriven[#redriven + 1] = id
+      redriven[#redriven + 1] = 1
     end
   end
 end
+emit(KEYS[7], ARGV[4], 'redriven', now, nil, redriven)
 return {count, #ids, cutoff}

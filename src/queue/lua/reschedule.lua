@@ -1,14 +1,18 @@
 -- Retries (a failure), defers (lock contention) or releases (hands back at
 -- shutdown, counting nothing) a claimed message.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: errors   KEYS[5]: bell
+-- KEYS[6]: prioritized (a message keeps its priority)   KEYS[7]: events
 -- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id
 -- ARGV[3]: delay in ms from the server's now, or "@<unix ms>"
 -- ARGV[4]: "failure", "deferral" or "release": which counter to bump
 -- ARGV[5]: error text to record ("" for none)
+-- ARGV[6]: the events' cap ("" for no events): retried (with the error),
+--          deferred or released
 -- Returns the new due time in ms, or -1 when the claim is no longer held.
 -- Validated before any write (the caller is lockgate, but a bad argument must
 -- never leave a message off every structure).
-local due = parse_when(now_ms(), ARGV[3])
+local now = now_ms()
+local due = parse_when(now, ARGV[3])
 if not due then
   return redis.error_reply('ERR lockgate reschedule: bad `when` "' .. ARGV[3] .. '"')
 end
@@ -16,11 +20,17 @@ if redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then return -1 end
 local id = ARGV[2]
 local record = redis.call('HGET', KEYS[1], id)
 if not record then return -1 end
-local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+local enq, failures, deferrals, stalls, payload, priority = parse_or_keep(record)
+if ARGV[6] ~= '' then
+  local kinds = {failure = 'retried', deferral = 'deferred', release = 'released'}
+  local error = nil
+  if ARGV[4] == 'failure' then error = ARGV[5] end
+  emit(KEYS[7], ARGV[6], kinds[ARGV[4]] or ARGV[4], now, error, {id, failures + 1})
+end
 if ARGV[4] ~= 'release' then
   if ARGV[4] == 'failure' then failures = failures + 1 else deferrals = deferrals + 1 end
-  redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload))
+  redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload, priority))
 end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[4], id, ARGV[5]) end
-schedule_at(KEYS[2], KEYS[5], id, due)
+schedule_at(KEYS[2], KEYS[6], KEYS[5], id, due, priority)
 return due

@@ -1,0 +1,332 @@
+//! Lifecycle events: what happens to a queue's messages, appended by the
+//! queue's scripts to a capped Redis Stream, `<prefix>:{<queue>}:events`,
+//! and followed by any process with [`Queue::events`](super::Queue::events).
+//!
+//! A stream rather than pub/sub: a follower that starts late, or lost its
+//! connection for a moment, reads back what the stream still holds (the
+//! last `max_len` or so entries) instead of missing it, and a dashboard can
+//! show the last minutes as soon as it opens.
+
+use std::collections::VecDeque;
+use std::time::{Duration, SystemTime};
+
+use futures_util::Stream;
+use redis::Value;
+
+use super::wait::{BLOCK, Connector, MARGIN};
+use crate::error::{Error, Result};
+
+/// What happened to a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// Pushed (a push of an id that existed already adds no event).
+    Pushed,
+    /// Claimed by a worker for an attempt.
+    Claimed,
+    /// Handled and acknowledged.
+    Done,
+    /// Its attempt failed; scheduled again ([`Event::error`] says why).
+    Retried,
+    /// Deferred because its key was busy.
+    Deferred,
+    /// Parked on its busy key until the key frees.
+    Parked,
+    /// Handed back unhandled by a worker shutting down.
+    Released,
+    /// Moved to the dead letters ([`Event::error`] says why).
+    Dead,
+    /// Its lease ran out (its worker died or stalled): scheduled again.
+    Recovered,
+    /// Re-driven from the dead letters.
+    Redriven,
+    /// Removed by hand.
+    Removed,
+}
+
+impl EventKind {
+    fn parse(name: &[u8]) -> Option<Self> {
+        Some(match name {
+            b"pushed" => Self::Pushed,
+            b"claimed" => Self::Claimed,
+            b"done" => Self::Done,
+            b"retried" => Self::Retried,
+            b"deferred" => Self::Deferred,
+            b"parked" => Self::Parked,
+            b"released" => Self::Released,
+            b"dead" => Self::Dead,
+            b"recovered" => Self::Recovered,
+            b"redriven" => Self::Redriven,
+            b"removed" => Self::Removed,
+            _ => return None,
+        })
+    }
+
+    /// The name the scripts write (`"pushed"`, `"claimed"`, ...).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Pushed => "pushed",
+            Self::Claimed => "claimed",
+            Self::Done => "done",
+            Self::Retried => "retried",
+            Self::Deferred => "deferred",
+            Self::Parked => "parked",
+            Self::Released => "released",
+            Self::Dead => "dead",
+            Self::Recovered => "recovered",
+            Self::Redriven => "redriven",
+            Self::Removed => "removed",
+        }
+    }
+}
+
+impl std::fmt::Display for EventKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One change of one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Event {
+    /// What happened.
+    pub kind: EventKind,
+    /// The message id.
+    pub id: String,
+    /// The delivery attempt it concerns: 1 for a message never tried (for
+    /// [`Retried`](EventKind::Retried) and [`Dead`](EventKind::Dead), the
+    /// attempt that failed).
+    pub attempt: u32,
+    /// When, by the server's clock.
+    pub at: SystemTime,
+    /// The error, for [`Retried`](EventKind::Retried) and
+    /// [`Dead`](EventKind::Dead).
+    pub error: Option<String>,
+    /// The stream entry it came in (several events share one when a script
+    /// changed several messages): resume after it with
+    /// [`EventsFrom::After`].
+    pub entry: String,
+}
+
+/// Where [`Queue::events`](super::Queue::events) starts reading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EventsFrom {
+    /// Only what happens from now on.
+    Now,
+    /// Everything the stream still holds, then what happens from now on.
+    Beginning,
+    /// After this stream entry ([`Event::entry`]): to resume where an
+    /// earlier reader stopped.
+    After(String),
+}
+
+/// The state of an event stream between items.
+struct Reader<K: Connector> {
+    connector: K,
+    key: String,
+    conn: Option<K::Connection>,
+    /// The last entry read; `None` until `EventsFrom::Now` is resolved.
+    last: Option<String>,
+    ready: VecDeque<Event>,
+    failures: u32,
+}
+
+/// Follows a queue's events (see [`Queue::events`](super::Queue::events)).
+pub(crate) fn follow<K: Connector>(
+    connector: K,
+    key: String,
+    from: EventsFrom,
+) -> impl Stream<Item = Result<Event>> + Send + 'static {
+    let last = match from {
+        EventsFrom::Now => None,
+        EventsFrom::Beginning => Some("0-0".to_owned()),
+        EventsFrom::After(id) => Some(id),
+    };
+    let reader = Reader {
+        connector,
+        key,
+        conn: None,
+        last,
+        ready: VecDeque::new(),
+        failures: 0,
+    };
+    futures_util::stream::unfold(Some(reader), |state| async move {
+        let mut reader = state?;
+        loop {
+            if let Some(event) = reader.ready.pop_front() {
+                return Some((Ok(event), Some(reader)));
+            }
+            match reader.read().await {
+                Ok(()) => reader.failures = 0,
+                Err(error) if error.is_denied() => {
+                    // A refusal lasts: say so, and end.
+                    return Some((Err(error), None));
+                }
+                Err(error) => {
+                    // Reconnect and resume after the last entry seen.
+                    reader.conn = None;
+                    let pause = Duration::from_millis(100 * 2u64.pow(reader.failures.min(5)));
+                    reader.failures += 1;
+                    tracing::warn!(%error, ?pause, stream = %reader.key, "queue events: reconnecting");
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
+    })
+}
+
+impl<K: Connector> Reader<K> {
+    /// One blocking read (or a reconnect and the read).
+    async fn read(&mut self) -> Result<()> {
+        let attempted = || format!("reading the events of `{}`", self.key);
+        let conn = match &mut self.conn {
+            Some(conn) => conn,
+            None => {
+                let conn = self
+                    .connector
+                    .connect()
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+                self.conn.insert(conn)
+            }
+        };
+        let last = match &self.last {
+            Some(last) => last.clone(),
+            None => {
+                // "$" resolved once: reads after it must not skip what was
+                // added between two of them.
+                let newest: Value = redis::cmd("XREVRANGE")
+                    .arg(&self.key)
+                    .arg("+")
+                    .arg("-")
+                    .arg("COUNT")
+                    .arg(1)
+                    .query_async(conn)
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+                let id = entries(newest)
+                    .into_iter()
+                    .next()
+                    .map(|(id, _)| id)
+                    .unwrap_or_else(|| "0-0".to_owned());
+                self.last = Some(id.clone());
+                id
+            }
+        };
+        let mut xread = redis::cmd("XREAD");
+        xread
+            .arg("COUNT")
+            .arg(1000)
+            .arg("BLOCK")
+            .arg(BLOCK.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.key)
+            .arg(&last);
+        let read = xread.query_async::<Value>(conn);
+        let reply = match tokio::time::timeout(BLOCK + MARGIN, read).await {
+            Ok(reply) => reply.map_err(Error::redis(attempted()))?,
+            Err(_) => {
+                return Err(Error::redis(attempted())(redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "no answer to XREAD within its block time",
+                ))));
+            }
+        };
+        // Nil on a timeout; else [[key, entries]] (a map under RESP3).
+        let streams: Vec<Value> = match reply {
+            Value::Array(streams) => streams
+                .into_iter()
+                .filter_map(|stream| match stream {
+                    Value::Array(mut pair) if pair.len() == 2 => pair.pop(),
+                    _ => None,
+                })
+                .collect(),
+            Value::Map(streams) => streams.into_iter().map(|(_, entries)| entries).collect(),
+            _ => return Ok(()),
+        };
+        for stream in streams {
+            for (id, fields) in entries(stream) {
+                self.ready.extend(decode(&id, fields));
+                self.last = Some(id);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The entries of an `XRANGE`/`XREAD` reply: (id, flat fields).
+fn entries(reply: Value) -> Vec<(String, Vec<Value>)> {
+    let Value::Array(entries) = reply else {
+        return Vec::new();
+    };
+    entries
+        .into_iter()
+        .filter_map(|entry| {
+            let Value::Array(mut parts) = entry else {
+                return None;
+            };
+            if parts.len() != 2 {
+                return None;
+            }
+            let fields = match parts.pop()? {
+                Value::Array(fields) => fields,
+                Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+                _ => return None,
+            };
+            let id = bytes(parts.pop()?)?;
+            Some((String::from_utf8(id).ok()?, fields))
+        })
+        .collect()
+}
+
+fn bytes(v: Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        _ => None,
+    }
+}
+
+/// The events of one entry: `e <kind> t <ms> [x <error>] <id> <attempt> ...`.
+/// An entry lockgate did not write is skipped (and logged).
+pub(crate) fn decode(entry: &str, fields: Vec<Value>) -> Vec<Event> {
+    let mut fields = fields.into_iter().map(bytes);
+    let mut next = || fields.next().flatten();
+    let header = (next(), next(), next(), next());
+    let (Some(e), Some(kind), Some(t), Some(ms)) = header else {
+        tracing::warn!(entry, "queue events: malformed entry");
+        return Vec::new();
+    };
+    let kind = EventKind::parse(&kind);
+    let ms: Option<u64> = std::str::from_utf8(&ms).ok().and_then(|m| m.parse().ok());
+    let (Some(kind), Some(ms), b"e", b"t") = (kind, ms, &e[..], &t[..]) else {
+        tracing::warn!(entry, "queue events: malformed entry");
+        return Vec::new();
+    };
+    let error = match kind {
+        EventKind::Retried | EventKind::Dead => {
+            let (_x, error) = (next(), next());
+            error.map(|e| String::from_utf8_lossy(&e).into_owned())
+        }
+        _ => None,
+    };
+    let at = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
+    let mut events = Vec::new();
+    while let (Some(id), Some(attempt)) = (next(), next()) {
+        let attempt = std::str::from_utf8(&attempt)
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(0);
+        events.push(Event {
+            kind,
+            id: String::from_utf8_lossy(&id).into_owned(),
+            attempt,
+            at,
+            error: error.clone(),
+            entry: entry.to_owned(),
+        });
+    }
+    events
+}
