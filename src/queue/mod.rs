@@ -721,6 +721,7 @@ where
             .arg(if self.completed.is_some() { "1" } else { "" })
             .arg(&completed.0)
             .arg(&completed.1)
+            .arg(job.failed_attempts())
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -766,7 +767,8 @@ where
             let job = job.claim_ref();
             call.arg(job.member())
                 .arg(job.id())
-                .arg(if job.failures() > 0 { "1" } else { "0" });
+                .arg(if job.failures() > 0 { "1" } else { "0" })
+                .arg(job.failed_attempts());
             count += 1;
         }
         if count == 0 {
@@ -1424,6 +1426,10 @@ impl ClaimRef<'_> {
     }
     fn member(&self) -> String {
         format!("{}:{}", self.id, self.claim)
+    }
+    /// Failed attempts before this one (the attempt is this plus one).
+    fn failed_attempts(&self) -> u32 {
+        self.failures
     }
 }
 

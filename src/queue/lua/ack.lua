@@ -7,6 +7,7 @@
 -- ARGV[5]: "1" to keep it on the completed stream (Queue::keep_completed),
 --          ARGV[6] and ARGV[7] the stream's limits: the most entries, and
 --          the most ms to keep one ("" for no limit)
+-- ARGV[8]: its failed attempts before this one (for the event's attempt)
 -- Returns 1; 0 when the claim is no longer held but the message still exists
 -- (its lease ran out: it is scheduled again, claimed by another worker, or a
 -- dead letter); -1 when the message is gone (already completed: say by an
@@ -18,11 +19,11 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
 end
 if ARGV[4] ~= '' or ARGV[5] == '1' then
   local now = now_ms()
-  local record = redis.call('HGET', KEYS[1], ARGV[2])
-  if ARGV[5] == '1' and record then
-    keep_completed(KEYS[4], ARGV[6], ARGV[7], now, ARGV[2], record)
+  if ARGV[5] == '1' then
+    local record = redis.call('HGET', KEYS[1], ARGV[2])
+    if record then keep_completed(KEYS[4], ARGV[6], ARGV[7], now, ARGV[2], record) end
   end
-  emit(KEYS[5], ARGV[4], 'done', now, nil, {ARGV[2], attempt_of(record)})
+  emit(KEYS[5], ARGV[4], 'done', now, nil, {ARGV[2], tonumber(ARGV[8]) + 1})
 end
 redis.call('HDEL', KEYS[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('HDEL', KEYS[3], ARGV[2]) end

@@ -5,8 +5,9 @@
 -- ARGV[1]: the events' cap ("" for no events)
 -- ARGV[2]: "1" to keep them on the completed stream, ARGV[3] and ARGV[4] its
 --          limits (see ack.lua)
--- ARGV[5..]: triplets of (active member "<id>:<claim>", id, "1" when the
---          message may have an error entry to delete)
+-- ARGV[5..]: quadruplets of (active member "<id>:<claim>", id, "1" when the
+--          message may have an error entry to delete, its failed attempts
+--          before this one)
 -- Returns per message 1; 0 when its claim is no longer held but the message
 -- still exists (its lease ran out); -1 when the message is gone (already
 -- completed, say by an earlier copy of this call whose reply was lost).
@@ -14,16 +15,16 @@ local out = {}
 local observed = ARGV[1] ~= '' or ARGV[2] == '1'
 local now = observed and now_ms()
 local done = {}
-for i = 5, #ARGV, 3 do
+for i = 5, #ARGV, 4 do
   if redis.call('ZREM', KEYS[2], ARGV[i]) == 1 then
     local id = ARGV[i + 1]
     if observed then
-      local record = redis.call('HGET', KEYS[1], id)
-      if ARGV[2] == '1' and record then
-        keep_completed(KEYS[4], ARGV[3], ARGV[4], now, id, record)
+      if ARGV[2] == '1' then
+        local record = redis.call('HGET', KEYS[1], id)
+        if record then keep_completed(KEYS[4], ARGV[3], ARGV[4], now, id, record) end
       end
       done[#done + 1] = id
-      done[#done + 1] = attempt_of(record)
+      done[#done + 1] = tonumber(ARGV[i + 3]) + 1
     end
     redis.call('HDEL', KEYS[1], id)
     if ARGV[i + 2] == '1' then redis.call('HDEL', KEYS[3], id) end

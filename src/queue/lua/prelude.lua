@@ -231,10 +231,12 @@ local function emit(stream, cap, kind, now, error, pairs)
   end
 end
 
--- The attempt a record's next delivery is: its failures plus one.
+-- The attempt a record's next delivery is: its failures plus one (read
+-- without copying the payload).
 local function attempt_of(record)
-  local _, failures = parse(record or '')
-  return (failures or 0) + 1
+  if not record then return 1 end
+  local failures = string.match(record, '^%d+:(%d+):') or string.match(record, '^p%d:%d+:(%d+):')
+  return (tonumber(failures) or 0) + 1
 end
 
 -- Keeps a completed message on the completed stream (Queue::keep_completed):
