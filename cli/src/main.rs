@@ -7,6 +7,7 @@
 
 mod bench;
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -330,16 +331,39 @@ where
                 None => out.stats(&name, &q.stats().await?),
                 Some(every) => {
                     let mut ticks = tokio::time::interval(every);
+                    // Rates from the queue's lifecycle events, when its
+                    // handles record them: what happened since the last look.
+                    let mut seen = q.last_event_entry().await?;
+                    let mut since = std::time::Instant::now();
                     loop {
                         tokio::select! {
                             _ = ticks.tick() => {}
                             _ = tokio::signal::ctrl_c() => return Ok(()),
                         }
                         let stats = q.stats().await?;
+                        let mut counts: BTreeMap<&'static str, u64> = BTreeMap::new();
+                        if seen.is_none() {
+                            seen = q.last_event_entry().await?;
+                        } else {
+                            // Bounded: a queue busier than this is shown
+                            // as far as it was read.
+                            for _ in 0..100 {
+                                let Some(after) = seen.clone() else { break };
+                                let events = q.events_after(&after, 1000).await?;
+                                let Some(last) = events.last() else { break };
+                                seen = Some(last.entry.clone());
+                                for event in &events {
+                                    *counts.entry(event.kind.as_str()).or_default() += 1;
+                                }
+                            }
+                        }
+                        let elapsed = since.elapsed().as_secs_f64().max(0.001);
+                        since = std::time::Instant::now();
                         if !json && std::io::stdout().is_terminal() {
                             print!("\x1b[H\x1b[2J"); // refresh in place
                         }
                         out.stats(&name, &stats);
+                        out.rates(seen.is_some(), &counts, elapsed);
                     }
                 }
             }
@@ -648,6 +672,26 @@ impl Output {
                     .map_or("-".into(), |ms| format!("{ms} ms"))
             );
         }
+    }
+
+    /// Per-second rates of the events seen since the last refresh.
+    fn rates(&self, recorded: bool, counts: &BTreeMap<&'static str, u64>, secs: f64) {
+        // The JSON output stays one document per refresh: the stats.
+        if self.json {
+            return;
+        }
+        let rates: BTreeMap<&str, f64> =
+            counts.iter().map(|(k, n)| (*k, *n as f64 / secs)).collect();
+        if !recorded {
+            return println!("  rates   (no lifecycle events recorded: Queue::record_events)");
+        }
+        let line: Vec<String> = [
+            "pushed", "claimed", "done", "retried", "deferred", "parked", "dead",
+        ]
+        .iter()
+        .map(|kind| format!("{kind} {:.0}/s", rates.get(kind).copied().unwrap_or(0.0)))
+        .collect();
+        println!("  rates   {}", line.join("  "));
     }
 
     fn stats(&self, queue: &str, stats: &Stats) {

@@ -527,3 +527,49 @@ async fn stats_watch_refreshes_and_permits_speak_json() {
     assert_eq!(permits["holders"][0]["token"], lease.token());
     assert!(permits["holders"][0]["remaining_ms"].as_u64().unwrap() > 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_watch_shows_rates_from_the_lifecycle_events() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn, "rated")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    q.push(serde_json::json!(0)).await.unwrap();
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["stats", "rated", "--watch", "200ms"])
+        .env("REDIS_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
+    // Pushes while it watches: a refresh shows them as a rate.
+    let pusher = tokio::spawn(async move {
+        for n in 1..=200 {
+            q.push(serde_json::json!(n)).await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    });
+    let (rated, lines) = tokio::task::spawn_blocking(move || {
+        let mut seen = None;
+        for line in lines.by_ref().map_while(Result::ok) {
+            if line.contains("rates") && !line.contains("pushed 0/s") {
+                seen = Some(line);
+                break;
+            }
+        }
+        (seen, lines)
+    })
+    .await
+    .unwrap();
+    pusher.await.unwrap();
+    let _ = Command::new("kill")
+        .args(["-INT", &watch.id().to_string()])
+        .status();
+    // Read to the end, so that it never writes to a closed pipe.
+    let _rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(watch.wait().unwrap().success());
+    let line = rated.expect("a rates line with pushes");
+    assert!(line.contains("pushed ") && line.contains("/s"), "{line}");
+}

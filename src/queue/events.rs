@@ -257,7 +257,7 @@ impl<K: Connector> Reader<K> {
 }
 
 /// The entries of an `XRANGE`/`XREAD` reply: (id, flat fields).
-fn entries(reply: Value) -> Vec<(String, Vec<Value>)> {
+pub(crate) fn entries(reply: Value) -> Vec<(String, Vec<Value>)> {
     let Value::Array(entries) = reply else {
         return Vec::new();
     };

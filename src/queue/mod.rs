@@ -1263,6 +1263,47 @@ where
         events::follow(connector, self.keys.events.clone(), from)
     }
 
+    /// Reads, without blocking, up to `limit` events (at most
+    /// [`MAX_BATCH`] stream entries' worth) recorded after the stream entry
+    /// `after` (`"0-0"`: from the beginning; see [`Event::entry`] and
+    /// [`last_event_entry`](Self::last_event_entry)): for a periodic
+    /// look, such as rates over the last seconds, where
+    /// [`events`](Self::events) would hold a connection.
+    pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
+        let attempted = || format!("reading the events of queue `{}`", self.name());
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(&self.keys.events)
+            .arg(format!("({after}"))
+            .arg("+")
+            .arg("COUNT")
+            .arg(limit.clamp(1, MAX_BATCH))
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        Ok(events::entries(reply)
+            .into_iter()
+            .flat_map(|(entry, fields)| events::decode(&entry, fields))
+            .collect())
+    }
+
+    /// The newest entry of the events stream, if any: where
+    /// [`events_after`](Self::events_after) starts to see only what comes.
+    pub async fn last_event_entry(&self) -> Result<Option<String>> {
+        let reply: Value = redis::cmd("XREVRANGE")
+            .arg(&self.keys.events)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "reading the events of queue `{}`",
+                self.name()
+            )))?;
+        Ok(events::entries(reply).into_iter().next().map(|(id, _)| id))
+    }
+
     /// The most recent completed messages kept by
     /// [`keep_completed`](Self::keep_completed), newest first, at most
     /// `limit` (at most [`MAX_BATCH`]).
