@@ -550,7 +550,12 @@ async fn priorities_and_events_work_on_the_cluster() {
         .unwrap()
         .record_events(1000)
         .unwrap();
-    let mut events = Box::pin(queue.events(cluster.client(), EventsFrom::Beginning));
+    let mut events = Box::pin(
+        queue
+            .events(cluster.client(), EventsFrom::Beginning)
+            .await
+            .unwrap(),
+    );
     let priorities = [0u8, 4, 9, 0, 4, 9, 1];
     for (n, p) in priorities.iter().enumerate() {
         queue

@@ -32,7 +32,7 @@ async fn child() {
     let client = redis::Client::open(url).unwrap();
     let queue: Queue<u32> =
         Queue::new(client.get_connection_manager().await.unwrap(), name).unwrap();
-    let mut events = std::pin::pin!(queue.events(client, EventsFrom::Beginning));
+    let mut events = std::pin::pin!(queue.events(client, EventsFrom::Beginning).await.unwrap());
     println!("following");
     while let Some(event) = events.next().await {
         let event = event.unwrap();
@@ -222,16 +222,17 @@ async fn a_follower_reconnected_after_client_kill_misses_nothing() {
         .unwrap()
         .record_events(10_000)
         .unwrap();
-    let mut events = Box::pin(queue.events(server.client(), EventsFrom::Now));
-    // Resolving "now" happens on the first poll: give it one before pushing.
-    let first = tokio::spawn(async move {
-        let event = events.next().await;
-        (event, events)
-    });
-    tokio::time::sleep(ms(200)).await;
+    // Something before: "now" starts after it.
+    queue.push(1000).await.unwrap();
+    let mut events = Box::pin(
+        queue
+            .events(server.client(), EventsFrom::Now)
+            .await
+            .unwrap(),
+    );
+    // Pushed right away: "now" was resolved when `events` returned.
     queue.push_many(0..100u32).await.unwrap();
-    let (event, mut events) = first.await.unwrap();
-    let mut pushed = vec![event.unwrap().unwrap()];
+    let mut pushed = Vec::new();
     while pushed.len() < 100 {
         pushed.push(
             timeout(secs(5), events.next())

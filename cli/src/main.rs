@@ -6,6 +6,7 @@
 //! any other failure, 2 for a malformed command line.
 
 mod bench;
+mod dashboard;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
@@ -133,6 +134,17 @@ enum Command {
         #[arg(long)]
         allow_eviction: bool,
     },
+    /// Serves a web dashboard: queues, dead letters, locks, live rates.
+    Dashboard {
+        /// Where to listen. Loopback by default; any other address needs
+        /// `--token`.
+        #[arg(long, default_value = "127.0.0.1:7070")]
+        bind: std::net::SocketAddr,
+        /// A secret the browser must present (once, at `/login?token=…`)
+        /// before it sees anything or changes anything.
+        #[arg(long, env = "LOCKGATE_DASHBOARD_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+    },
 }
 
 /// A duration above zero (`500ms`, `2s`).
@@ -167,6 +179,17 @@ fn not_found(what: impl Into<String>) -> Failure {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Dashboard { bind, token: None } = &cli.command
+        && !bind.ip().is_loopback()
+    {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                format!("the dashboard listens on {bind}, beyond this machine: give it --token (or LOCKGATE_DASHBOARD_TOKEN)"),
+            )
+            .exit();
+    }
     // rediss:// runs on rustls, with ring's cryptography. (Fails only if a
     // provider is installed already: then that one serves.)
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -496,6 +519,20 @@ where
             out.permits(&key, &holders);
         }
         Command::Bench { .. } => unreachable!("handled above"),
+        Command::Dashboard { bind, token } => {
+            let csrf: String = (0..32)
+                .map(|_| char::from_digit(rand::random_range(0..16), 16).unwrap_or('0'))
+                .collect();
+            let board = dashboard::Dashboard {
+                conn: conn.clone(),
+                nodes: node_connections(&nodes).await?,
+                prefix: prefix.clone(),
+                token: token.filter(|t| !t.is_empty()),
+                csrf,
+                names: std::sync::Mutex::new(None),
+            };
+            dashboard::serve(board, bind).await?;
+        }
     }
     Ok(())
 }

@@ -446,9 +446,9 @@ where
                 // Claimed from another queue: copy it into the deferral queue.
                 // The worker that claimed it acknowledges the original when it
                 // sees a deferral under another id.
-                let pushed = queue
-                    .push_with(job.into_payload(), PushOptions::new().after(delay))
-                    .await?;
+                // It keeps its priority.
+                let options = PushOptions::new().after(delay).priority(job.priority());
+                let pushed = queue.push_with(job.into_payload(), options).await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();

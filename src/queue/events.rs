@@ -160,8 +160,8 @@ pub(crate) fn follow<K: Connector>(
             }
             match reader.read().await {
                 Ok(()) => reader.failures = 0,
-                Err(error) if error.is_denied() => {
-                    // A refusal lasts: say so, and end.
+                Err(error) if !error.is_retryable() => {
+                    // A refusal or a bad reply lasts: say so, and end.
                     return Some((Err(error), None));
                 }
                 Err(error) => {
@@ -184,11 +184,11 @@ impl<K: Connector> Reader<K> {
         let conn = match &mut self.conn {
             Some(conn) => conn,
             None => {
-                let conn = self
-                    .connector
-                    .connect()
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                let connect = tokio::time::timeout(BLOCK + MARGIN, self.connector.connect()).await;
+                let conn = match connect {
+                    Ok(conn) => conn.map_err(Error::redis(attempted()))?,
+                    Err(_) => return Err(timed_out(attempted(), "connecting")),
+                };
                 self.conn.insert(conn)
             }
         };
@@ -197,15 +197,19 @@ impl<K: Connector> Reader<K> {
             None => {
                 // "$" resolved once: reads after it must not skip what was
                 // added between two of them.
-                let newest: Value = redis::cmd("XREVRANGE")
+                let mut xrevrange = redis::cmd("XREVRANGE");
+                xrevrange
                     .arg(&self.key)
                     .arg("+")
                     .arg("-")
                     .arg("COUNT")
-                    .arg(1)
-                    .query_async(conn)
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                    .arg(1);
+                let newest =
+                    tokio::time::timeout(BLOCK + MARGIN, xrevrange.query_async::<Value>(conn));
+                let newest = match newest.await {
+                    Ok(reply) => reply.map_err(Error::redis(attempted()))?,
+                    Err(_) => return Err(timed_out(attempted(), "XREVRANGE")),
+                };
                 let id = entries(newest)
                     .into_iter()
                     .next()
@@ -227,12 +231,7 @@ impl<K: Connector> Reader<K> {
         let read = xread.query_async::<Value>(conn);
         let reply = match tokio::time::timeout(BLOCK + MARGIN, read).await {
             Ok(reply) => reply.map_err(Error::redis(attempted()))?,
-            Err(_) => {
-                return Err(Error::redis(attempted())(redis::RedisError::from((
-                    redis::ErrorKind::Io,
-                    "no answer to XREAD within its block time",
-                ))));
-            }
+            Err(_) => return Err(timed_out(attempted(), "XREAD")),
         };
         // Nil on a timeout; else [[key, entries]] (a map under RESP3).
         let streams: Vec<Value> = match reply {
@@ -253,6 +252,24 @@ impl<K: Connector> Reader<K> {
             }
         }
         Ok(())
+    }
+}
+
+/// A retryable error for a command that got no answer in time.
+fn timed_out(attempted: String, what: &'static str) -> Error {
+    Error::redis(attempted)(redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "no answer in time",
+        what.to_owned(),
+    )))
+}
+
+/// Whether `id` is a stream entry id, `<ms>-<seq>` (or `<ms>`).
+pub(crate) fn is_entry_id(id: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
+    match id.split_once('-') {
+        Some((ms, seq)) => digits(ms) && digits(seq),
+        None => digits(id),
     }
 }
 

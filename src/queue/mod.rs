@@ -284,6 +284,10 @@ pub struct PushOptions {
     priority: u8,
 }
 
+/// The most entries [`Queue::record_events`] and [`Queue::keep_completed`]
+/// keep.
+pub const MAX_KEPT: usize = 100_000_000;
+
 /// The highest priority a message can have ([`PushOptions::priority`]).
 pub const MAX_PRIORITY: u8 = 9;
 
@@ -384,6 +388,52 @@ pub struct Recovered {
     pub requeued: usize,
     /// Messages whose lease ran out for the `max_stalls`-th time.
     pub buried: usize,
+}
+
+/// What [`Queue::peek`] saw.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Peek {
+    /// The next waiting messages, soonest due first; `at` is the due time.
+    pub waiting: Vec<Peeked>,
+    /// Active messages, soonest lease end first; `at` is the lease's end.
+    pub active: Vec<Peeked>,
+}
+
+/// A message seen by [`Queue::peek`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Peeked {
+    /// The message id.
+    pub id: String,
+    /// When it is due (waiting) or when its lease ends (active).
+    pub at: SystemTime,
+    /// Its priority (0: none).
+    pub priority: u8,
+    /// Failed attempts so far.
+    pub failures: u32,
+    /// Deferrals so far.
+    pub deferrals: u32,
+    /// Its payload as stored (JSON); empty when its record is gone.
+    pub payload: Vec<u8>,
+}
+
+impl Peeked {
+    fn new(id: String, at: SystemTime, priority: u8, record: Option<Vec<u8>>) -> Self {
+        let record = record.unwrap_or_default();
+        let (failures, deferrals, payload) = match job::split_record(&record) {
+            Some(r) => (r.failures, r.deferrals, r.payload.to_vec()),
+            None => (0, 0, record.clone()),
+        };
+        Self {
+            id,
+            at,
+            priority,
+            failures,
+            deferrals,
+            payload,
+        }
+    }
 }
 
 /// A completed message kept by [`Queue::keep_completed`].
@@ -1200,10 +1250,10 @@ where
     /// every handle that changes the queue (producers, workers, the layer's
     /// deferrals): a handle without it leaves gaps. Errors on 0.
     pub fn record_events(self, max_len: usize) -> Result<Self> {
-        if max_len == 0 {
-            return Err(Error::config(
-                "the events stream needs room for at least 1 entry",
-            ));
+        if max_len == 0 || max_len > MAX_KEPT {
+            return Err(Error::config(format_args!(
+                "the events stream's cap must be 1..={MAX_KEPT}, got {max_len}"
+            )));
         }
         Ok(Self {
             events: Some(max_len),
@@ -1235,6 +1285,16 @@ where
                 "keeping 0 completed messages keeps none: leave it off",
             ));
         }
+        if max_count.is_some_and(|n| n > MAX_KEPT) {
+            return Err(Error::config(format_args!(
+                "keeping more than {MAX_KEPT} completed messages is not bounded memory"
+            )));
+        }
+        if max_age.is_some_and(|age| age > Duration::from_secs(366 * 86_400)) {
+            return Err(Error::config(
+                "keeping completed messages for more than a year is not bounded memory",
+            ));
+        }
         Ok(Self {
             completed: Some(Retention { max_count, max_age }),
             ..self
@@ -1255,12 +1315,96 @@ where
     /// when the server refuses the connection's user ([`Error::is_denied`]).
     /// A follower that falls further behind than the stream's cap misses
     /// what was trimmed.
-    pub fn events<K: Connector>(
+    ///
+    /// `EventsFrom::Now` is resolved before this returns (the stream's
+    /// newest entry, read on the queue's connection), so nothing that
+    /// happens after the call is missed. One stream entry holds the events
+    /// of one script call; [`Event::entry`] names it, and
+    /// [`EventsFrom::After`] resumes after the whole entry: a follower that
+    /// stores it should store it once it handled every event of the entry.
+    pub async fn events<K: Connector>(
         &self,
         connector: K,
         from: EventsFrom,
-    ) -> impl futures_util::Stream<Item = Result<Event>> + Send + 'static {
-        events::follow(connector, self.keys.events.clone(), from)
+    ) -> Result<impl futures_util::Stream<Item = Result<Event>> + Send + 'static> {
+        let from = match from {
+            EventsFrom::Now => EventsFrom::After(
+                self.last_event_entry()
+                    .await?
+                    .unwrap_or_else(|| "0-0".into()),
+            ),
+            EventsFrom::After(id) if !events::is_entry_id(&id) => {
+                return Err(Error::config(format_args!(
+                    "`{id}` is not a stream entry id (`<ms>-<seq>`)"
+                )));
+            }
+            from => from,
+        };
+        Ok(events::follow(connector, self.keys.events.clone(), from))
+    }
+
+    /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
+    /// soonest due first (a message with a priority is listed with it; the
+    /// claim order among due messages puts priorities first), and the
+    /// first `limit` active ones, soonest lease end first. Changes nothing.
+    pub async fn peek(&self, limit: usize) -> Result<Peek> {
+        let limit = limit.clamp(1, MAX_BATCH);
+        let attempted = || format!("looking into queue `{}`", self.name());
+        let reply: Vec<Value> = Scripts::get()
+            .peek
+            .key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.active)
+            .arg(limit)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        let bad = || Error::reply(attempted(), "bad entry");
+        let mut values = reply.into_iter();
+        let waiting_count = values.next().as_ref().and_then(as_int).ok_or_else(bad)?;
+        let mut waiting = Vec::new();
+        for _ in 0..waiting_count {
+            let (Some(id), Some(due), Some(priority), Some(record)) =
+                (values.next(), values.next(), values.next(), values.next())
+            else {
+                return Err(bad());
+            };
+            let due = as_string(due)
+                .and_then(|d| d.parse::<f64>().ok())
+                .ok_or_else(bad)?;
+            let priority = as_int(&priority)
+                .and_then(|p| u8::try_from(p).ok())
+                .ok_or_else(bad)?;
+            waiting.push(Peeked::new(
+                as_string(id).ok_or_else(bad)?,
+                from_unix_ms(due as i64),
+                priority,
+                as_bytes(record),
+            ));
+        }
+        waiting.sort_by_key(|w| w.at);
+        waiting.truncate(limit);
+        let mut active = Vec::new();
+        while let (Some(id), Some(deadline), Some(record)) =
+            (values.next(), values.next(), values.next())
+        {
+            let deadline = as_string(deadline)
+                .and_then(|d| d.parse::<f64>().ok())
+                .ok_or_else(bad)?;
+            let record = as_bytes(record);
+            let priority = record
+                .as_deref()
+                .and_then(job::split_record)
+                .map_or(0, |r| r.priority);
+            active.push(Peeked::new(
+                as_string(id).ok_or_else(bad)?,
+                from_unix_ms(deadline as i64),
+                priority,
+                record,
+            ));
+        }
+        Ok(Peek { waiting, active })
     }
 
     /// Reads, without blocking, up to `limit` events (at most

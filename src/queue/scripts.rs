@@ -18,6 +18,7 @@ pub(crate) struct Scripts {
     pub(crate) remove: Script,
     pub(crate) stats: Script,
     pub(crate) dead: Script,
+    pub(crate) peek: Script,
     /// The parking scripts (`DeferDelay::until_released`): the key's lock
     /// lives in the queue's hash slot, so they see both.
     pub(crate) park: Script,
@@ -68,6 +69,7 @@ impl Scripts {
             remove: load(include_str!("lua/remove.lua")),
             stats: load(include_str!("lua/stats.lua")),
             dead: load(include_str!("lua/dead.lua")),
+            peek: load(include_str!("lua/peek.lua")),
             park: load_parking(include_str!("lua/park.lua")),
             park_acquire: load_parking(include_str!("lua/park_acquire.lua")),
             park_release: load_parking(include_str!("lua/park_release.lua")),

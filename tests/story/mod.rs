@@ -186,8 +186,12 @@ where
     assert!(queue.requeue_dead(&dead[0].id).await.expect("requeue"));
     assert_eq!(queue.completed(100).await.expect("completed").len(), 10);
     // The events, read back from the start: the first is a push.
-    let mut events =
-        std::pin::pin!(queue.events(connector, lockgate::queue::EventsFrom::Beginning));
+    let mut events = std::pin::pin!(
+        queue
+            .events(connector, lockgate::queue::EventsFrom::Beginning)
+            .await
+            .expect("events")
+    );
     let first = tokio::time::timeout(
         Duration::from_secs(5),
         futures_util::StreamExt::next(&mut events),

@@ -185,6 +185,35 @@ where
             .collect())
     }
 
+    /// The keys with permits held whose key matches the glob `pattern`
+    /// (`*` for all), with their holders, sorted by key. Found with `SCAN`
+    /// (on a Redis Cluster, call it with a connection to each master: `SCAN`
+    /// walks one node's keys). Keys whose leases all ran out are left out.
+    pub async fn held_permits(&self, pattern: &str) -> Result<Vec<(String, Vec<PermitHolder>)>> {
+        let attempted = || format!("listing permits matching `{pattern}`");
+        let prefix = keys::glob_escape(&self.config.prefix);
+        let sets = keys::scan(
+            &mut self.conn.clone(),
+            &format!("{prefix}:permits:{{{pattern}}}"),
+        )
+        .await
+        .map_err(|e| Error::redis(attempted())(e))?;
+        let start = format!("{}:permits:{{", self.config.prefix);
+        let mut held = Vec::new();
+        for set in &sets {
+            let Some(tag) = set.strip_prefix(&start).and_then(|r| r.strip_suffix('}')) else {
+                continue;
+            };
+            let key = keys::untag(tag);
+            let holders = self.permit_holders(&key).await?;
+            if !holders.is_empty() {
+                held.push((key, holders));
+            }
+        }
+        held.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(held)
+    }
+
     /// Prepares an attempt at one of `permits` permits on `key`.
     pub(crate) fn permit_ticket(&self, key: String, permits: u32) -> Result<Arc<Ticket>> {
         if key.is_empty() {

@@ -17,14 +17,13 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then
   if redis.call('HEXISTS', KEYS[1], ARGV[2]) == 0 then return -1 end
   return 0
 end
-if ARGV[4] ~= '' or ARGV[5] == '1' then
-  local now = now_ms()
-  if ARGV[5] == '1' then
-    local record = redis.call('HGET', KEYS[1], ARGV[2])
-    if record then keep_completed(KEYS[4], ARGV[6], ARGV[7], now, ARGV[2], record) end
-  end
-  emit(KEYS[5], ARGV[4], 'done', now, nil, {ARGV[2], tonumber(ARGV[8]) + 1})
-end
+local record = ARGV[5] == '1' and redis.call('HGET', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[1], ARGV[2])
 if ARGV[3] == '1' then redis.call('HDEL', KEYS[3], ARGV[2]) end
+-- Last: a failing stream write leaves the message completed.
+if ARGV[4] ~= '' or ARGV[5] == '1' then
+  local now = now_ms()
+  if record then keep_completed(KEYS[4], ARGV[6], ARGV[7], now, ARGV[2], record) end
+  emit(KEYS[5], ARGV[4], 'done', now, nil, {ARGV[2], tonumber(ARGV[8]) + 1})
+end
 return 1

@@ -14,14 +14,17 @@
 local out = {}
 local observed = ARGV[1] ~= '' or ARGV[2] == '1'
 local now = observed and now_ms()
-local done = {}
+local done, kept = {}, {}
 for i = 5, #ARGV, 4 do
   if redis.call('ZREM', KEYS[2], ARGV[i]) == 1 then
     local id = ARGV[i + 1]
     if observed then
       if ARGV[2] == '1' then
         local record = redis.call('HGET', KEYS[1], id)
-        if record then keep_completed(KEYS[4], ARGV[3], ARGV[4], now, id, record) end
+        if record then
+          kept[#kept + 1] = id
+          kept[#kept + 1] = record
+        end
       end
       done[#done + 1] = id
       done[#done + 1] = tonumber(ARGV[i + 3]) + 1
@@ -34,6 +37,10 @@ for i = 5, #ARGV, 4 do
   else
     out[#out + 1] = 0
   end
+end
+-- Last: a failing stream write leaves the messages completed.
+for i = 1, #kept, 2 do
+  keep_completed(KEYS[4], ARGV[3], ARGV[4], now, kept[i], kept[i + 1])
 end
 if observed then emit(KEYS[5], ARGV[1], 'done', now, nil, done) end
 return out

@@ -19,8 +19,9 @@ if ARGV[4] == '1' then
   end
 end
 local now = now_ms()
-emit(KEYS[5], ARGV[7], 'dead', now, ARGV[3], {ARGV[2], attempt_of(record)})
 redis.call('ZADD', KEYS[2], now, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 trim_dead(KEYS[2], KEYS[4], KEYS[3], now, ARGV[5], ARGV[6], 100)
+-- Last: a failing events write leaves the letter where it belongs.
+emit(KEYS[5], ARGV[7], 'dead', now, ARGV[3], {ARGV[2], attempt_of(record)})
 return 1

@@ -10,8 +10,11 @@
 -- backlog reaches every idle worker, not just the first.
 local now, now_us = server_time()
 local max = tonumber(ARGV[1])
--- ids[i] was due at dues[i].
+-- ids[i] was due at dues[i]. Reads first, writes last: the events' entry
+-- (the one write that can fail, say for a user without XADD) goes before
+-- them, so a failing claim changes nothing.
 local ids, dues = {}, {}
+local from_prioritized, from_schedule = {}, {}
 local prioritized = redis.call('EXISTS', KEYS[6]) == 1
 if prioritized then
   local from = 0
@@ -23,27 +26,23 @@ if prioritized then
     local low = band(priority)
     local due = redis.call('ZRANGEBYSCORE', KEYS[6], low, low + now, 'WITHSCORES',
       'LIMIT', 0, max - #ids)
-    local taken = {}
     for i = 1, #due, 2 do
-      taken[#taken + 1] = due[i]
+      from_prioritized[#from_prioritized + 1] = due[i]
       ids[#ids + 1] = due[i]
       -- As a string, as the schedule's scores come ('%d': no exponent).
       dues[#dues + 1] = string.format('%d', tonumber(due[i + 1]) - low)
     end
-    if #taken > 0 then redis.call('ZREM', KEYS[6], unpack(taken)) end
     if priority <= 1 then break end
     from = band(priority - 1)
   end
 end
 if #ids < max then
   local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES', 'LIMIT', 0, max - #ids)
-  local taken = {}
   for i = 1, #due, 2 do
-    taken[#taken + 1] = due[i]
+    from_schedule[#from_schedule + 1] = due[i]
     ids[#ids + 1] = due[i]
     dues[#dues + 1] = due[i + 1]
   end
-  if #taken > 0 then redis.call('ZREM', KEYS[2], unpack(taken)) end
 end
 -- The next due time over the schedule and every priority.
 local function next_due()
@@ -58,6 +57,18 @@ if #ids == 0 then
   return {0, next_due() or -1, now}
 end
 local records = redis.call('HMGET', KEYS[1], unpack(ids))
+if ARGV[3] ~= '' then
+  local events = {}
+  for i, id in ipairs(ids) do
+    if records[i] then
+      events[#events + 1] = id
+      events[#events + 1] = attempt_of(records[i])
+    end
+  end
+  emit(KEYS[7], ARGV[3], 'claimed', now, nil, events)
+end
+if #from_prioritized > 0 then redis.call('ZREM', KEYS[6], unpack(from_prioritized)) end
+if #from_schedule > 0 then redis.call('ZREM', KEYS[2], unpack(from_schedule)) end
 -- The claim number is the larger of the last one + 1 and the server's time
 -- in microseconds. A plain INCR would hand out old numbers again after the
 -- server lost recent writes (a restart from an older snapshot, a promoted
@@ -75,7 +86,6 @@ local leases = {}
 local next_at = next_due()
 if next_at and next_at <= now then ring(KEYS[5]) end
 local out = {claim, next_at or -1, now}
-local events = ARGV[3] ~= '' and {} or nil
 for i, id in ipairs(ids) do
   if records[i] then
     leases[#leases + 1] = deadline
@@ -83,12 +93,7 @@ for i, id in ipairs(ids) do
     out[#out + 1] = id
     out[#out + 1] = dues[i]
     out[#out + 1] = records[i]
-    if events then
-      events[#events + 1] = id
-      events[#events + 1] = attempt_of(records[i])
-    end
   end
 end
 if #leases > 0 then redis.call('ZADD', KEYS[3], unpack(leases)) end
-if events then emit(KEYS[7], ARGV[3], 'claimed', now, nil, events) end
 return out

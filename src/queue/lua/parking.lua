@@ -56,7 +56,7 @@ local function bring_forward(schedule, prioritized, bell, id, due)
   local score = redis.call('ZSCORE', prioritized, id)
   if score then
     local priority = unband(tonumber(score))
-    if redis.call('ZADD', prioritized, 'XX', 'LT', 'CH', band(priority) + due, id) == 1 then
+    if redis.call('ZADD', prioritized, 'XX', 'LT', 'CH', band_score(priority, due), id) == 1 then
       ring(bell)
     end
   end

@@ -63,6 +63,13 @@ local function band(priority)
   return (10 - priority) * PRIORITY_BAND
 end
 
+-- The score of a message of `priority` due at `due`: the due time is kept
+-- within the band (a due time before 1970 or after 2286 is held at the
+-- band's edge, as soon or as late as a band allows).
+local function band_score(priority, due)
+  return band(priority) + math.min(math.max(due, 0), PRIORITY_BAND - 1)
+end
+
 -- The priority and due time a prioritized set's score stands for.
 local function unband(score)
   local priority = 10 - math.floor(score / PRIORITY_BAND)
@@ -188,7 +195,7 @@ end
 local function schedule_at(schedule, prioritized, bell, id, due, priority)
   if priority and priority > 0 then
     local head = head_due_in_band(prioritized, priority)
-    redis.call('ZADD', prioritized, band(priority) + due, id)
+    redis.call('ZADD', prioritized, band_score(priority, due), id)
     if head == nil or due < head then ring(bell) end
     return
   end
@@ -252,6 +259,6 @@ local function keep_completed(stream, max_count, max_age, now, id, record)
     redis.call('XADD', stream, '*', 'id', id, 'attempt', failures + 1, 'payload', payload)
   end
   if max_age ~= '' then
-    redis.call('XTRIM', stream, 'MINID', string.format('%d', now - tonumber(max_age)))
+    redis.call('XTRIM', stream, 'MINID', string.format('%d', math.max(0, now - tonumber(max_age))))
   end
 end

@@ -68,7 +68,7 @@ for i = first, #ARGV, 3 do
   if redis.call('HSETNX', KEYS[1], id, header .. ARGV[i + 2]) == 1 then
     local head = head_of(priority)
     if priority > 0 then
-      redis.call('ZADD', KEYS[4], band(priority) + due, id)
+      redis.call('ZADD', KEYS[4], band_score(priority, due), id)
     else
       redis.call('ZADD', KEYS[2], due, id)
     end

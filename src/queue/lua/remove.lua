@@ -9,10 +9,10 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1])
     + redis.call('ZREM', KEYS[5], ARGV[1]) == 0 then
   return 0
 end
+local record = ARGV[2] ~= '' and redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
-if ARGV[2] ~= '' then
-  emit(KEYS[6], ARGV[2], 'removed', now_ms(), nil,
-    {ARGV[1], attempt_of(redis.call('HGET', KEYS[1], ARGV[1]))})
-end
 redis.call('HDEL', KEYS[1], ARGV[1])
+if ARGV[2] ~= '' then
+  emit(KEYS[6], ARGV[2], 'removed', now_ms(), nil, {ARGV[1], attempt_of(record or nil)})
+end
 return 1

@@ -21,16 +21,18 @@ local id = ARGV[2]
 local record = redis.call('HGET', KEYS[1], id)
 if not record then return -1 end
 local enq, failures, deferrals, stalls, payload, priority = parse_or_keep(record)
-if ARGV[6] ~= '' then
-  local kinds = {failure = 'retried', deferral = 'deferred', release = 'released'}
-  local error = nil
-  if ARGV[4] == 'failure' then error = ARGV[5] end
-  emit(KEYS[7], ARGV[6], kinds[ARGV[4]] or ARGV[4], now, error, {id, failures + 1})
-end
+local attempt = failures + 1
 if ARGV[4] ~= 'release' then
   if ARGV[4] == 'failure' then failures = failures + 1 else deferrals = deferrals + 1 end
   redis.call('HSET', KEYS[1], id, make_record(enq, failures, deferrals, stalls, payload, priority))
 end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[4], id, ARGV[5]) end
 schedule_at(KEYS[2], KEYS[6], KEYS[5], id, due, priority)
+-- Last: a failing events write leaves the message where it belongs.
+if ARGV[6] ~= '' then
+  local kinds = {failure = 'retried', deferral = 'deferred', release = 'released'}
+  local error = nil
+  if ARGV[4] == 'failure' then error = ARGV[5] end
+  emit(KEYS[7], ARGV[6], kinds[ARGV[4]] or ARGV[4], now, error, {id, attempt})
+end
 return due

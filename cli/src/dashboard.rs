@@ -1,0 +1,854 @@
+//! `lockgate dashboard`: queues, dead letters, locks and live rates in the
+//! browser.
+//!
+//! Server-rendered HTML (maud escapes everything it is given, so a payload
+//! or an error text from Redis renders as text), one small script of our
+//! own that refreshes the live parts, a stylesheet; both embedded, so the
+//! binary is all it takes. Reads go through lockgate's public API. Mutations
+//! are POSTs carrying a per-process CSRF token; GETs change nothing. On a
+//! non-loopback address a token is required, asked for once (`/login`) and
+//! kept in an HttpOnly cookie.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{Form, Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use lockgate::queue::{DeadLetter, EventKind, Peeked, Stats};
+use lockgate::{Locker, Queue};
+use maud::{DOCTYPE, Markup, html};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// How long a list of queue names is reused before `SCAN` runs again.
+const DISCOVERY_TTL: Duration = Duration::from_secs(10);
+/// Dead letters per page.
+const PAGE: usize = 25;
+/// Waiting and active messages shown per queue page.
+const PEEK: usize = 20;
+/// Payloads longer than this are folded.
+const FOLD: usize = 400;
+/// The live chart: buckets of this many seconds, over this many buckets.
+const BUCKET_SECS: u64 = 10;
+const BUCKETS: u64 = 30;
+
+const SCRIPT: &str = include_str!("dashboard/app.js");
+const STYLE: &str = include_str!("dashboard/style.css");
+
+/// What the dashboard serves from.
+pub(crate) struct Dashboard<C> {
+    /// The server's (or the cluster's) connection.
+    pub(crate) conn: C,
+    /// On a cluster, a connection to each master, for the listings.
+    pub(crate) nodes: Vec<ConnectionManager>,
+    pub(crate) prefix: String,
+    /// Required (as the `lockgate_token` cookie) when set.
+    pub(crate) token: Option<String>,
+    /// The per-process CSRF token every form carries.
+    pub(crate) csrf: String,
+    /// Discovered queue names, and when.
+    pub(crate) names: Mutex<Option<(Instant, Vec<String>)>>,
+}
+
+type Shared<C> = Arc<Dashboard<C>>;
+
+/// Serves the dashboard on `bind` until Ctrl-C.
+pub(crate) async fn serve<C>(dashboard: Dashboard<C>, bind: SocketAddr) -> std::io::Result<()>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let shared = Arc::new(dashboard);
+    let app = Router::new()
+        .route("/", get(overview::<C>))
+        .route("/fragment/overview", get(overview_fragment::<C>))
+        .route("/queue/{name}", get(queue_page::<C>))
+        .route("/fragment/queue/{name}", get(queue_fragment::<C>))
+        .route("/queue/{name}/requeue", post(requeue::<C>))
+        .route("/queue/{name}/remove", post(remove::<C>))
+        .route("/queue/{name}/purge", post(purge::<C>))
+        .route("/locks", get(locks::<C>))
+        .route("/login", get(login::<C>))
+        .route(
+            "/assets/app.js",
+            get(|| async { asset(SCRIPT, "text/javascript") }),
+        )
+        .route(
+            "/assets/style.css",
+            get(|| async { asset(STYLE, "text/css") }),
+        )
+        .layer(middleware::from_fn_with_state(shared.clone(), guard::<C>))
+        .with_state(shared);
+    let listener = tokio::net::TcpListener::bind(bind).await?;
+    println!("lockgate dashboard on http://{}/", listener.local_addr()?);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+}
+
+fn asset(body: &'static str, kind: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, kind),
+            (header::CACHE_CONTROL, "max-age=300"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// Security headers on every answer; the token, when one is required.
+async fn guard<C>(State(d): State<Shared<C>>, request: Request, next: Next) -> Response
+where
+    C: Send + Sync + 'static,
+{
+    let path = request.uri().path().to_owned();
+    let open = path == "/login" || path.starts_with("/assets/");
+    if let (Some(token), false) = (&d.token, open) {
+        let sent = cookie(request.headers(), "lockgate_token");
+        if !sent.is_some_and(|sent| same(sent.as_bytes(), token.as_bytes())) {
+            let page = layout(
+                "Token required",
+                html! {
+                    h1 { "Token required" }
+                    p { "This dashboard asks for its token. Open "
+                        code { "/login?token=<token>" } " once; a cookie keeps it." }
+                },
+            );
+            return (StatusCode::UNAUTHORIZED, page).into_response();
+        }
+    }
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    response
+}
+
+/// Constant-time comparison of two secrets.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v)
+}
+
+#[derive(Deserialize)]
+struct LoginQuery {
+    token: String,
+}
+
+async fn login<C>(State(d): State<Shared<C>>, Query(q): Query<LoginQuery>) -> Response {
+    match &d.token {
+        Some(token) if same(q.token.as_bytes(), token.as_bytes()) => {
+            let cookie = format!("lockgate_token={token}; HttpOnly; SameSite=Strict; Path=/");
+            let mut response = Redirect::to("/").into_response();
+            if let Ok(value) = HeaderValue::from_str(&cookie) {
+                response.headers_mut().insert(header::SET_COOKIE, value);
+            }
+            response
+        }
+        Some(_) => (StatusCode::UNAUTHORIZED, "wrong token").into_response(),
+        None => Redirect::to("/").into_response(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Pages
+
+fn layout(title: &str, body: Markup) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                title { (title) " · lockgate" }
+                link rel="stylesheet" href="/assets/style.css";
+                script src="/assets/app.js" defer {}
+            }
+            body {
+                nav {
+                    a href="/" { "lockgate" }
+                    a href="/" { "Queues" }
+                    a href="/locks" { "Locks" }
+                }
+                main { (body) }
+            }
+        }
+    }
+}
+
+/// A page that could not reach Redis: says so, and the script retries.
+fn unreachable(error: &lockgate::Error) -> Response {
+    let page = layout(
+        "Redis unreachable",
+        html! {
+            h1 { "Redis is unreachable" }
+            p.error { (error) }
+            p { "Retrying every few seconds." }
+            div data-refresh="/" data-reload="1" {}
+        },
+    );
+    (StatusCode::SERVICE_UNAVAILABLE, page).into_response()
+}
+
+impl<C> Dashboard<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn queue(&self, name: &str) -> lockgate::Result<Queue<Value, C>> {
+        Queue::new(self.conn.clone(), name)?.prefix(&self.prefix)
+    }
+
+    /// The queues under the prefix, discovered with SCAN at most every
+    /// `DISCOVERY_TTL`.
+    async fn names(&self) -> lockgate::Result<Vec<String>> {
+        if let Ok(cache) = self.names.lock()
+            && let Some((at, names)) = cache.as_ref()
+            && at.elapsed() < DISCOVERY_TTL
+        {
+            return Ok(names.clone());
+        }
+        let mut names = Vec::new();
+        if self.nodes.is_empty() {
+            names = lockgate::queue::queue_names(&self.conn, &self.prefix).await?;
+        }
+        for node in &self.nodes {
+            names.extend(lockgate::queue::queue_names(node, &self.prefix).await?);
+        }
+        names.sort();
+        names.dedup();
+        if let Ok(mut cache) = self.names.lock() {
+            *cache = Some((Instant::now(), names.clone()));
+        }
+        Ok(names)
+    }
+}
+
+/// A queue's numbers for the overview: its stats and its recent rates.
+struct Row {
+    name: String,
+    stats: Stats,
+    rates: Option<Rates>,
+}
+
+/// Rates from the lifecycle events of the last minutes (when recorded).
+struct Rates {
+    done_per_sec: f64,
+    failed_per_sec: f64,
+    /// Done per bucket, oldest first.
+    buckets: Vec<u64>,
+}
+
+async fn rates<C>(queue: &Queue<Value, C>) -> lockgate::Result<Option<Rates>>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let from = now.saturating_sub(BUCKET_SECS * BUCKETS);
+    let events = queue
+        .events_after(&format!("{}-0", from * 1000), 1000)
+        .await?;
+    if events.is_empty() && queue.last_event_entry().await?.is_none() {
+        return Ok(None);
+    }
+    let mut buckets = vec![0u64; BUCKETS as usize];
+    let (mut done, mut failed) = (0u64, 0u64);
+    for event in &events {
+        let at = event
+            .at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let recent = at + 60 > now;
+        match event.kind {
+            EventKind::Done => {
+                let i = (at.saturating_sub(from) / BUCKET_SECS).min(BUCKETS - 1);
+                buckets[i as usize] += 1;
+                done += u64::from(recent);
+            }
+            EventKind::Retried | EventKind::Dead => failed += u64::from(recent),
+            _ => {}
+        }
+    }
+    Ok(Some(Rates {
+        done_per_sec: done as f64 / 60.0,
+        failed_per_sec: failed as f64 / 60.0,
+        buckets,
+    }))
+}
+
+async fn rows<C>(d: &Dashboard<C>) -> lockgate::Result<Vec<Row>>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let mut rows = Vec::new();
+    for name in d.names().await? {
+        let queue = d.queue(&name)?;
+        let stats = queue.stats().await?;
+        let rates = rates(&queue).await?;
+        rows.push(Row { name, stats, rates });
+    }
+    Ok(rows)
+}
+
+async fn overview<C>(State(d): State<Shared<C>>) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match rows(&d).await {
+        Ok(rows) => layout(
+            "Queues",
+            html! {
+                h1 { "Queues" }
+                div id="live" data-refresh="/fragment/overview" { (overview_table(&rows)) }
+            },
+        )
+        .into_response(),
+        Err(e) => unreachable(&e),
+    }
+}
+
+async fn overview_fragment<C>(State(d): State<Shared<C>>) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match rows(&d).await {
+        Ok(rows) => overview_table(&rows).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            html! { p.error { "Redis is unreachable: " (e) } },
+        )
+            .into_response(),
+    }
+}
+
+fn overview_table(rows: &[Row]) -> Markup {
+    html! {
+        @if rows.is_empty() {
+            p { "No queues under this prefix yet." }
+        } @else {
+            table.queues {
+                thead { tr {
+                    th { "queue" } th.n { "due" } th.n { "later" } th.n { "active" } th.n { "dead" }
+                    th.n { "done/s" } th.n { "failed/s" } th { "oldest due" } th { "done, last 5 min" }
+                } }
+                tbody {
+                    @for row in rows {
+                        tr data-queue=(row.name) {
+                            td { a href=(format!("/queue/{}", encode(&row.name))) { (row.name) } }
+                            td.n.due { (row.stats.due) }
+                            td.n { (row.stats.later) }
+                            td.n { (row.stats.active) }
+                            td.n.dead { (row.stats.dead) }
+                            @match &row.rates {
+                                Some(r) => {
+                                    td.n { (format!("{:.1}", r.done_per_sec)) }
+                                    td.n { (format!("{:.1}", r.failed_per_sec)) }
+                                }
+                                None => { td.n.muted title="record_events is off" { "–" } td.n.muted { "–" } }
+                            }
+                            td { (age(row.stats.oldest_due_age)) }
+                            td { @if let Some(r) = &row.rates { (sparkline(&r.buckets)) } @else { span.muted { "events off" } } }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn age(age: Option<Duration>) -> String {
+    match age {
+        None => "–".into(),
+        Some(d) if d < Duration::from_secs(1) => format!("{} ms", d.as_millis()),
+        Some(d) => humantime::format_duration(Duration::from_secs(d.as_secs())).to_string(),
+    }
+}
+
+/// A small line chart of `values`, as inline SVG.
+fn sparkline(values: &[u64]) -> Markup {
+    let (w, h) = (150.0, 28.0);
+    let max = values.iter().copied().max().unwrap_or(0).max(1) as f64;
+    let step = w / (values.len().max(2) - 1) as f64;
+    let points: Vec<String> = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            format!(
+                "{:.1},{:.1}",
+                i as f64 * step,
+                h - 2.0 - (*v as f64 / max) * (h - 4.0)
+            )
+        })
+        .collect();
+    html! {
+        svg.spark width=(w) height=(h) viewBox=(format!("0 0 {w} {h}")) role="img" aria-label="done per 10 s" {
+            polyline points=(points.join(" ")) {}
+        }
+    }
+}
+
+/// Percent-encodes a path segment.
+fn encode(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[derive(Deserialize, Default)]
+struct QueueQuery {
+    #[serde(default)]
+    offset: usize,
+    notice: Option<String>,
+}
+
+async fn queue_page<C>(
+    State(d): State<Shared<C>>,
+    Path(name): Path<String>,
+    Query(q): Query<QueueQuery>,
+) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let body = match queue_body(&d, &name, q.offset).await {
+        Ok(Some(body)) => body,
+        Ok(None) => {
+            let page = layout(
+                "Not found",
+                html! { h1 { "No queue " code { (name) } } p { a href="/" { "All queues" } } },
+            );
+            return (StatusCode::NOT_FOUND, page).into_response();
+        }
+        Err(e) => return unreachable(&e),
+    };
+    let path = format!("/fragment/queue/{}?offset={}", encode(&name), q.offset);
+    layout(
+        &name,
+        html! {
+            h1 { "Queue " code { (name) } }
+            @if let Some(notice) = &q.notice { p.notice { (notice) } }
+            div id="live" data-refresh=(path) { (body) }
+            (actions(&d, &name))
+        },
+    )
+    .into_response()
+}
+
+async fn queue_fragment<C>(
+    State(d): State<Shared<C>>,
+    Path(name): Path<String>,
+    Query(q): Query<QueueQuery>,
+) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match queue_body(&d, &name, q.offset).await {
+        Ok(Some(body)) => body.into_response(),
+        Ok(None) => (StatusCode::NOT_FOUND, html! { p { "The queue is gone." } }).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            html! { p.error { "Redis is unreachable: " (e) } },
+        )
+            .into_response(),
+    }
+}
+
+/// The live part of a queue's page; `None` when the queue does not exist.
+async fn queue_body<C>(
+    d: &Dashboard<C>,
+    name: &str,
+    offset: usize,
+) -> lockgate::Result<Option<Markup>>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let queue = d.queue(name)?;
+    if !queue.exists().await? {
+        return Ok(None);
+    }
+    let stats = queue.stats().await?;
+    let peek = queue.peek(PEEK).await?;
+    let dead = queue.dead_letters(offset, PAGE).await?;
+    let now = SystemTime::now();
+    Ok(Some(html! {
+        table.stats { tr {
+            td { "due " b.due { (stats.due) } }
+            td { "later " b { (stats.later) } }
+            td { "active " b { (stats.active) } }
+            td { "dead " b.dead { (stats.dead) } }
+            td { "oldest due " b { (age(stats.oldest_due_age)) } }
+        } }
+        h2 { "Next waiting" }
+        (message_table(&peek.waiting, "due", now, None))
+        h2 { "Active" }
+        (message_table(&peek.active, "lease ends", now, None))
+        h2 id="dead" { "Dead letters" }
+        @if dead.is_empty() && offset == 0 {
+            p.muted { "None." }
+        } @else {
+            (dead_table(d, name, &dead))
+            p.pager {
+                @if offset > 0 {
+                    a href=(format!("/queue/{}?offset={}#dead", encode(name), offset.saturating_sub(PAGE))) { "← newer page" }
+                }
+                " " (offset + 1) "–" (offset + dead.len()) " of " (stats.dead) " "
+                @if dead.len() == PAGE {
+                    a href=(format!("/queue/{}?offset={}#dead", encode(name), offset + PAGE)) { "older page →" }
+                }
+            }
+        }
+    }))
+}
+
+fn message_table(messages: &[Peeked], when: &str, now: SystemTime, _: Option<()>) -> Markup {
+    html! {
+        @if messages.is_empty() {
+            p.muted { "None." }
+        } @else {
+            table.messages {
+                thead { tr { th { "id" } th { (when) } th.n { "priority" } th.n { "attempts" } th.n { "deferrals" } th { "payload" } } }
+                tbody {
+                    @for m in messages {
+                        tr {
+                            td { code { (m.id) } }
+                            td { (relative(m.at, now)) }
+                            td.n { (m.priority) }
+                            td.n { (m.failures + 1) }
+                            td.n { (m.deferrals) }
+                            td { (payload(&m.payload)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn relative(at: SystemTime, now: SystemTime) -> String {
+    match at.duration_since(now) {
+        Ok(ahead) => format!(
+            "in {}",
+            humantime::format_duration(Duration::from_millis(ahead.as_millis() as u64))
+        ),
+        Err(past) => format!(
+            "{} ago",
+            humantime::format_duration(Duration::from_millis(past.duration().as_millis() as u64))
+        ),
+    }
+}
+
+/// A payload as pretty JSON (or as text when it is not JSON), escaped, long
+/// ones folded.
+fn payload(bytes: &[u8]) -> Markup {
+    let text = match serde_json::from_slice::<Value>(bytes) {
+        Ok(value) => serde_json::to_string_pretty(&value).unwrap_or_default(),
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    };
+    html! {
+        @if text.len() > FOLD {
+            details { summary { (format!("{} bytes", bytes.len())) } pre { (text) } }
+        } @else {
+            pre { (text) }
+        }
+    }
+}
+
+fn dead_table<C>(d: &Dashboard<C>, name: &str, dead: &[DeadLetter]) -> Markup {
+    html! {
+        table.dead {
+            thead { tr { th { "id" } th { "buried" } th.n { "attempts" } th { "error" } th { "payload" } th {} } }
+            tbody {
+                @for letter in dead {
+                    tr data-id=(letter.id) {
+                        td { code { (letter.id) } }
+                        td { (relative(letter.buried_at, SystemTime::now())) }
+                        td.n { (letter.failures) }
+                        td.error { (letter.error.as_deref().unwrap_or("")) }
+                        td { (payload(&letter.payload)) }
+                        td.actions {
+                            form method="post" action=(format!("/queue/{}/requeue", encode(name))) {
+                                input type="hidden" name="csrf" value=(d.csrf);
+                                input type="hidden" name="id" value=(letter.id);
+                                button.requeue type="submit" { "Requeue" }
+                            }
+                            form method="post" action=(format!("/queue/{}/remove", encode(name))) {
+                                input type="hidden" name="csrf" value=(d.csrf);
+                                input type="hidden" name="id" value=(letter.id);
+                                button.remove type="submit" data-confirm="Delete this message?" { "Remove" }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn actions<C>(d: &Dashboard<C>, name: &str) -> Markup {
+    html! {
+        h2 { "Actions" }
+        div.actions {
+            form method="post" action=(format!("/queue/{}/requeue", encode(name))) {
+                input type="hidden" name="csrf" value=(d.csrf);
+                input type="hidden" name="all" value="1";
+                button id="requeue-all" type="submit" { "Requeue all dead letters" }
+            }
+            form method="post" action=(format!("/queue/{}/purge", encode(name))) {
+                input type="hidden" name="csrf" value=(d.csrf);
+                label { "Type the queue's name to purge it: " input type="text" name="confirm" autocomplete="off"; }
+                button.danger type="submit" { "Purge" }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Actions
+
+#[derive(Deserialize)]
+struct ActionForm {
+    csrf: String,
+    id: Option<String>,
+    all: Option<String>,
+    confirm: Option<String>,
+}
+
+/// Whether a POST may act: the page's CSRF token, and not from another site.
+fn allowed<C>(d: &Dashboard<C>, headers: &HeaderMap, form: &ActionForm) -> bool {
+    let cross_site = headers
+        .get("sec-fetch-site")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v == "cross-site");
+    !cross_site && same(form.csrf.as_bytes(), d.csrf.as_bytes())
+}
+
+fn forbidden() -> Response {
+    (
+        StatusCode::FORBIDDEN,
+        layout("Refused", html! { h1 { "Refused" } p { "This action needs the page's form token. Reload the page and try again." } }),
+    )
+        .into_response()
+}
+
+fn back(name: &str, notice: &str) -> Response {
+    let notice: String = notice
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    Redirect::to(&format!("/queue/{}?notice={notice}", encode(name))).into_response()
+}
+
+async fn requeue<C>(
+    State(d): State<Shared<C>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<ActionForm>,
+) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    if !allowed(&d, &headers, &form) {
+        return forbidden();
+    }
+    let result = async {
+        let queue = d.queue(&name)?;
+        match (&form.id, form.all.as_deref()) {
+            (_, Some("1")) => Ok(format!(
+                "re-drove {} dead letters",
+                queue.requeue_all_dead().await?
+            )),
+            (Some(id), _) if queue.requeue_dead(id).await? => Ok(format!("re-drove {id}")),
+            (Some(id), _) => Ok(format!("{id} is not a dead letter (any more)")),
+            (None, _) => Ok("nothing to re-drive".to_owned()),
+        }
+    };
+    match result.await {
+        Ok(notice) => back(&name, &notice),
+        Err(e) => unreachable(&e),
+    }
+}
+
+async fn remove<C>(
+    State(d): State<Shared<C>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<ActionForm>,
+) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    if !allowed(&d, &headers, &form) {
+        return forbidden();
+    }
+    let Some(id) = form.id.clone() else {
+        return back(&name, "no message given");
+    };
+    match d.queue(&name) {
+        Ok(queue) => match queue.remove(&id).await {
+            Ok(true) => back(&name, &format!("removed {id}")),
+            Ok(false) => back(&name, &format!("{id} is not waiting or dead (any more)")),
+            Err(e) => unreachable(&e),
+        },
+        Err(e) => unreachable(&e),
+    }
+}
+
+async fn purge<C>(
+    State(d): State<Shared<C>>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<ActionForm>,
+) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    if !allowed(&d, &headers, &form) {
+        return forbidden();
+    }
+    if form.confirm.as_deref() != Some(name.as_str()) {
+        return back(&name, "not purged: type the queue's name to confirm");
+    }
+    match d.queue(&name) {
+        Ok(queue) => match queue.purge().await {
+            Ok(()) => {
+                if let Ok(mut cache) = d.names.lock() {
+                    *cache = None;
+                }
+                Redirect::to("/").into_response()
+            }
+            Err(e) => unreachable(&e),
+        },
+        Err(e) => unreachable(&e),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Locks
+
+#[derive(Deserialize)]
+struct LocksQuery {
+    #[serde(rename = "match")]
+    pattern: Option<String>,
+}
+
+async fn locks<C>(State(d): State<Shared<C>>, Query(q): Query<LocksQuery>) -> Response
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let pattern = q
+        .pattern
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "*".into());
+    let listed = async {
+        let mut locks = Vec::new();
+        let mut permits = BTreeMap::new();
+        let conns: Vec<Locker<C>> = if d.nodes.is_empty() {
+            vec![Locker::new(d.conn.clone()).prefix(&d.prefix)?]
+        } else {
+            Vec::new()
+        };
+        for locker in &conns {
+            locks.extend(locker.held_locks(&pattern).await?);
+            permits.extend(locker.held_permits(&pattern).await?);
+        }
+        for node in &d.nodes {
+            let locker = Locker::new(node.clone()).prefix(&d.prefix)?;
+            locks.extend(locker.held_locks(&pattern).await?);
+            permits.extend(locker.held_permits(&pattern).await?);
+        }
+        locks.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok::<_, lockgate::Error>((locks, permits))
+    };
+    let (locks, permits) = match listed.await {
+        Ok(listed) => listed,
+        Err(e) => return unreachable(&e),
+    };
+    layout(
+        "Locks",
+        html! {
+            h1 { "Locks" }
+            form.search method="get" action="/locks" {
+                input type="search" name="match" value=(pattern) placeholder="order:*";
+                button type="submit" { "Search" }
+            }
+            h2 { "Held locks" }
+            @if locks.is_empty() { p.muted { "None match." } } @else {
+                table.locks {
+                    thead { tr { th { "key" } th.n { "fence" } th { "remaining" } th { "holder" } } }
+                    tbody {
+                        @for (key, holder) in &locks {
+                            tr {
+                                td { code { (key) } }
+                                td.n { (holder.fence.map_or("–".to_owned(), |f| f.to_string())) }
+                                td { (holder.remaining.map_or("no expiry".to_owned(), |r| format!("{} ms", r.as_millis()))) }
+                                td { code.token { (holder.token) } }
+                            }
+                        }
+                    }
+                }
+            }
+            h2 { "Permits" }
+            @if permits.is_empty() { p.muted { "None match." } } @else {
+                table.locks {
+                    thead { tr { th { "key" } th.n { "holders" } th { "leases" } } }
+                    tbody {
+                        @for (key, holders) in &permits {
+                            tr {
+                                td { code { (key) } }
+                                td.n { (holders.len()) }
+                                td {
+                                    @for h in holders {
+                                        span.lease { "fence " (h.fence.map_or("–".to_owned(), |f| f.to_string())) ", " (h.remaining.as_millis()) " ms" }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    )
+    .into_response()
+}
