@@ -159,16 +159,7 @@ async fn bytes_left() -> Result<(), BoxError> {
     let server = RedisServer::start()?;
     let conn = server.multiplexed().await?;
     let used = async || -> Result<(i64, i64), BoxError> {
-        let info: String = redis::cmd("INFO")
-            .arg("memory")
-            .query_async(&mut conn.clone())
-            .await?;
-        let bytes = info
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))
-            .ok_or("no used_memory in INFO")?
-            .trim()
-            .parse()?;
+        let bytes = used_memory(&server)?;
         let count: i64 = redis::cmd("DBSIZE").query_async(&mut conn.clone()).await?;
         Ok((bytes, count))
     };

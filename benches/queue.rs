@@ -53,14 +53,6 @@ fn payload() -> String {
     "x".repeat(98)
 }
 
-async fn used_memory(conn: &mut Conn) -> Result<i64, BoxError> {
-    let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| "no used_memory in INFO".into())
-}
-
 async fn memory() -> Result<(), BoxError> {
     let n = size(100_000, 1_000);
     println!("## Redis memory per waiting message ({n} messages, 100-byte payload)");
@@ -73,15 +65,15 @@ async fn memory() -> Result<(), BoxError> {
         ),
     ] {
         let server = RedisServer::start()?;
-        let mut conn = server.connection_manager().await?;
-        let queue: Queue<String> = Queue::new(conn.clone(), "mem")?;
+        let conn = server.connection_manager().await?;
+        let queue: Queue<String> = Queue::new(conn, "mem")?;
         queue.push(payload()).await?; // create the keys first
-        let before = used_memory(&mut conn).await?;
+        let before = used_memory(&server)?;
         let msg = payload();
         queue
             .push_many_with((0..n).map(|_| (&msg, options.clone())))
             .await?;
-        let after = used_memory(&mut conn).await?;
+        let after = used_memory(&server)?;
         println!("| {label} | {:.0} |", (after - before) as f64 / n as f64);
     }
     println!();
@@ -200,23 +192,7 @@ async fn end_to_end() -> Result<(), BoxError> {
         queue.push_many(std::iter::repeat_n(&msg, n)).await?;
         push_rates.push(n as f64 / start.elapsed().as_secs_f64());
 
-        let done = Arc::new(AtomicU64::new(0));
-        let counter = done.clone();
-        let service = tower::service_fn(move |_: Job<String>| {
-            counter.fetch_add(1, Ordering::Relaxed);
-            async { Ok::<_, BoxError>(()) }
-        });
-        let worker = Worker::new(server.client(), queue.clone(), service).concurrency(50)?;
-        let metrics = worker.metrics();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let start = Instant::now();
-        let run = tokio::spawn(worker.run_until(stopped));
-        while metrics.snapshot().done < n as u64 {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        worker_rates.push(n as f64 / start.elapsed().as_secs_f64());
-        let _ = stop.send(());
-        run.await??;
+        worker_rates.push(work_through(&server, &queue, n).await?);
         let after = commandstats(&mut conn).await?;
         let delta = |name: &str| after.get(name).unwrap_or(&0) - before.get(name).unwrap_or(&0);
         let all: u64 = after.keys().map(|k| delta(k)).sum::<u64>() - delta("info");
@@ -275,6 +251,28 @@ async fn end_to_end() -> Result<(), BoxError> {
         per_message.0, per_message.1
     );
     Ok(())
+}
+
+/// Runs a worker at concurrency 50 with a no-op handler until `n` messages
+/// are acknowledged; returns messages per second.
+async fn work_through(
+    server: &RedisServer,
+    queue: &Queue<String>,
+    n: usize,
+) -> Result<f64, BoxError> {
+    let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
+    let worker = Worker::new(server.client(), queue.clone(), service).concurrency(50)?;
+    let metrics = worker.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let start = Instant::now();
+    let run = tokio::spawn(worker.run_until(stopped));
+    while metrics.snapshot().done < n as u64 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let _ = stop.send(());
+    run.await??;
+    Ok(rate)
 }
 
 /// The least a Redis queue can do: claim up to 100 due ids with their
@@ -515,18 +513,7 @@ async fn events_cost() -> Result<(), BoxError> {
             let start = Instant::now();
             queue.push_many(std::iter::repeat_n(&msg, n)).await?;
             pushes.push(n as f64 / start.elapsed().as_secs_f64());
-            let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
-            let worker = Worker::new(server.client(), queue.clone(), service).concurrency(50)?;
-            let metrics = worker.metrics();
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let start = Instant::now();
-            let run = tokio::spawn(worker.run_until(stopped));
-            while metrics.snapshot().done < n as u64 {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            works.push(n as f64 / start.elapsed().as_secs_f64());
-            let _ = stop.send(());
-            run.await??;
+            works.push(work_through(&server, &queue, n).await?);
             entries = redis::cmd("XLEN")
                 .arg("lockgate:{events}:events")
                 .query_async::<u64>(&mut conn)

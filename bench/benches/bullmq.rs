@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bullmq::options::RedisConnectionOptions;
 use bullmq::types::RemoveOnFinish;
 use bullmq::{BulkJob, QueueOptions, WorkerOptions};
-use common::{full_run, median, ms, quantile, size};
+use common::{full_run, median, ms, quantile, size, used_memory};
 use lockgate::testing::RedisServer;
 use lockgate::{BoxError, Job, PushOptions, Queue, Worker};
 use tokio::sync::Mutex;
@@ -65,14 +65,6 @@ fn micros_since_epoch(at: SystemTime) -> u64 {
         .as_micros() as u64
 }
 
-async fn used_memory(server: &RedisServer) -> Result<i64, BoxError> {
-    let info: String = server.query(redis::cmd("INFO").arg("memory"))?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| "no used_memory in INFO".into())
-}
-
 // ---------------------------------------------------------------------------
 // Memory per waiting message
 
@@ -99,13 +91,13 @@ async fn lockgate_memory(n: usize, delay: Option<Duration>) -> Result<f64, BoxEr
     let server = RedisServer::start()?;
     let queue: Queue<String> = Queue::new(server.connection_manager().await?, "mem")?;
     queue.push(payload()).await?; // the keys exist before the first reading
-    let before = used_memory(&server).await?;
+    let before = used_memory(&server)?;
     let options = delay.map_or_else(PushOptions::new, |d| PushOptions::new().after(d));
     let msg = payload();
     queue
         .push_many_with((0..n).map(|_| (&msg, options.clone())))
         .await?;
-    Ok((used_memory(&server).await? - before) as f64 / n as f64)
+    Ok((used_memory(&server)? - before) as f64 / n as f64)
 }
 
 async fn bullmq_memory(n: usize, delay: Option<Duration>) -> Result<f64, BoxError> {
@@ -114,9 +106,9 @@ async fn bullmq_memory(n: usize, delay: Option<Duration>) -> Result<f64, BoxErro
         bullmq::Queue::with_options("mem", QueueOptions::new().connection(connection(&server)))
             .await?;
     queue.add("m", payload()).await?;
-    let before = used_memory(&server).await?;
+    let before = used_memory(&server)?;
     add_bulk(&queue, n, delay).await?;
-    let bytes = (used_memory(&server).await? - before) as f64 / n as f64;
+    let bytes = (used_memory(&server)? - before) as f64 / n as f64;
     queue.close().await;
     Ok(bytes)
 }

@@ -49,6 +49,19 @@ pub fn process_cpu() -> Duration {
     Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
+/// The server's `used_memory` (`INFO memory`), in bytes.
+pub fn used_memory(
+    server: &lockgate::testing::RedisServer,
+) -> Result<i64, Box<dyn std::error::Error + Send + Sync>> {
+    let info: String = server.query(redis::cmd("INFO").arg("memory"))?;
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .ok_or("no used_memory in INFO")?
+        .trim()
+        .parse()?)
+}
+
 /// CPU time the server has used (user + system, `INFO cpu`).
 pub async fn server_cpu(conn: &redis::aio::MultiplexedConnection) -> redis::RedisResult<Duration> {
     let info: String = redis::cmd("INFO")
