@@ -371,3 +371,35 @@ async fn with_events_off_nothing_is_written() {
         );
     }
 }
+
+#[tokio::test]
+async fn activity_counts_what_a_queue_did_in_one_round_trip() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<u32> = Queue::new(conn.clone(), "busy")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    queue.push_many(0..10u32).await.unwrap();
+    let claimed = queue.claim(10, secs(30)).await.unwrap().jobs;
+    queue.ack_many(&claimed[..7]).await.unwrap();
+    queue.retry(&claimed[7], Duration::ZERO, "x").await.unwrap();
+    queue.bury(&claimed[8], "y").await.unwrap();
+    let activity = queue.activity(secs(60), 6).await.unwrap();
+    assert!(activity.recorded);
+    assert_eq!(activity.bucket, secs(10));
+    assert_eq!((activity.done.len(), activity.failed.len()), (6, 6));
+    assert_eq!(activity.done.iter().sum::<u64>(), 7);
+    assert_eq!(activity.failed.iter().sum::<u64>(), 2);
+    assert_eq!(activity.done[5], 7, "everything happened in the last bucket");
+    assert_eq!((activity.stats.due, activity.stats.active, activity.stats.dead), (1, 1, 1));
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.later, stats.active, stats.dead), (1, 0, 1, 1));
+
+    let quiet: Queue<u32> = Queue::new(conn, "quiet-activity").unwrap();
+    quiet.push(1).await.unwrap();
+    let activity = quiet.activity(secs(60), 6).await.unwrap();
+    assert!(!activity.recorded);
+    assert_eq!(activity.done, [0; 6]);
+    assert_eq!(activity.stats.due, 1);
+}

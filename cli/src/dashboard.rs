@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::extract::{Form, Path, Query, Request, State};
@@ -20,7 +20,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use lockgate::queue::{DeadLetter, EventKind, Peeked, Stats};
+use lockgate::queue::{DeadLetter, Peeked, Stats};
 use lockgate::{Locker, Queue};
 use maud::{DOCTYPE, Markup, html};
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -269,45 +269,27 @@ struct Rates {
     buckets: Vec<u64>,
 }
 
-async fn rates<C>(queue: &Queue<Value, C>) -> lockgate::Result<Option<Rates>>
+/// A queue's row: its stats and rates in one round trip.
+async fn row<C>(queue: &Queue<Value, C>, name: String) -> lockgate::Result<Row>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs();
-    let from = now.saturating_sub(BUCKET_SECS * BUCKETS);
-    let events = queue
-        .events_after(&format!("{}-0", from * 1000), 1000)
+    let activity = queue
+        .activity(Duration::from_secs(BUCKET_SECS * BUCKETS), BUCKETS as u32)
         .await?;
-    if events.is_empty() && queue.last_event_entry().await?.is_none() {
-        return Ok(None);
-    }
-    let mut buckets = vec![0u64; BUCKETS as usize];
-    let (mut done, mut failed) = (0u64, 0u64);
-    for event in &events {
-        let at = event
-            .at
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
-        let recent = at + 60 > now;
-        match event.kind {
-            EventKind::Done => {
-                let i = (at.saturating_sub(from) / BUCKET_SECS).min(BUCKETS - 1);
-                buckets[i as usize] += 1;
-                done += u64::from(recent);
-            }
-            EventKind::Retried | EventKind::Dead => failed += u64::from(recent),
-            _ => {}
-        }
-    }
-    Ok(Some(Rates {
-        done_per_sec: done as f64 / 60.0,
-        failed_per_sec: failed as f64 / 60.0,
-        buckets,
-    }))
+    // Rates over the last minute: the last buckets.
+    let last = (60 / BUCKET_SECS) as usize;
+    let recent = |counts: &[u64]| counts.iter().rev().take(last).sum::<u64>() as f64 / 60.0;
+    let rates = activity.recorded.then(|| Rates {
+        done_per_sec: recent(&activity.done),
+        failed_per_sec: recent(&activity.failed),
+        buckets: activity.done.clone(),
+    });
+    Ok(Row {
+        name,
+        stats: activity.stats,
+        rates,
+    })
 }
 
 async fn rows<C>(d: &Dashboard<C>) -> lockgate::Result<Vec<Row>>
@@ -317,9 +299,7 @@ where
     let mut rows = Vec::new();
     for name in d.names().await? {
         let queue = d.queue(&name)?;
-        let stats = queue.stats().await?;
-        let rates = rates(&queue).await?;
-        rows.push(Row { name, stats, rates });
+        rows.push(row(&queue, name).await?);
     }
     Ok(rows)
 }

@@ -436,6 +436,22 @@ impl Peeked {
     }
 }
 
+/// What [`Queue::activity`] read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Activity {
+    /// The queue's counts.
+    pub stats: Stats,
+    /// Whether the queue has an events stream (its handles record events).
+    pub recorded: bool,
+    /// The width of one bucket.
+    pub bucket: Duration,
+    /// Messages done per bucket, oldest first.
+    pub done: Vec<u64>,
+    /// Messages that failed (retried or dead) per bucket, oldest first.
+    pub failed: Vec<u64>,
+}
+
 /// A completed message kept by [`Queue::keep_completed`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1116,6 +1132,55 @@ where
             dead,
             oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
             next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
+        })
+    }
+
+    /// The queue's stats and what it did over the last `window`, in one
+    /// round trip (one script): per bucket of `window / buckets` (oldest
+    /// first), the messages done and those that failed (retried or dead),
+    /// counted from its lifecycle events (the last 1000 stream entries at
+    /// most; none when the queue's handles do not
+    /// [`record_events`](Self::record_events)). For dashboards.
+    pub async fn activity(&self, window: Duration, buckets: u32) -> Result<Activity> {
+        let buckets = buckets.clamp(1, 1000);
+        let width = (millis(window) / u64::from(buckets)).max(1);
+        let attempted = || format!("reading the activity of queue `{}`", self.name());
+        let reply: Vec<i64> = Scripts::get()
+            .stats
+            .key(&self.keys.schedule)
+            .key(&self.keys.active)
+            .key(&self.keys.dead)
+            .key(&self.keys.prioritized)
+            .key(&self.keys.events)
+            .arg(width * u64::from(buckets))
+            .arg(width)
+            .arg(buckets)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(|e| Error::redis(attempted())(e))?;
+        let n = buckets as usize;
+        if reply.len() != 8 + 2 * n {
+            return Err(Error::reply(
+                attempted(),
+                format_args!("{} values", reply.len()),
+            ));
+        }
+        let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        let count = |v: i64| u64::try_from(v).unwrap_or(0);
+        let (oldest, now, next_due) = (reply[4], reply[5], reply[6]);
+        Ok(Activity {
+            stats: Stats {
+                due: count(reply[0]),
+                later: count(reply[1]),
+                active: count(reply[2]),
+                dead: count(reply[3]),
+                oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
+                next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
+            },
+            recorded: reply[7] == 1,
+            bucket: Duration::from_millis(width),
+            done: reply[8..8 + n].iter().copied().map(count).collect(),
+            failed: reply[8 + n..].iter().copied().map(count).collect(),
         })
     }
 

@@ -1,5 +1,7 @@
 -- Counts, read at one instant of the server's clock.
 -- KEYS[1]: schedule   KEYS[2]: active   KEYS[3]: dead   KEYS[4]: prioritized
+-- KEYS[5]: events (optional: Queue::activity), with ARGV[1] the window in
+--          ms, ARGV[2] the bucket width in ms, ARGV[3] the number of buckets
 -- Returns {due, later, active, dead, due time of the oldest due message or -1,
 -- now, due time of the next message not due yet or -1}, over the schedule and
 -- every priority.
@@ -35,4 +37,32 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
     end
   end
 end
-return {due, later, redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]), oldest, now, next_due}
+local out = {due, later, redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]), oldest, now, next_due}
+if KEYS[5] then
+  -- Then: 1 if the queue records events, and per bucket of the window
+  -- (oldest first) the messages done, then those that failed (retried or
+  -- dead), counted from the last 1000 entries at most.
+  local width, count = tonumber(ARGV[2]), tonumber(ARGV[3])
+  local since = now - tonumber(ARGV[1])
+  local done, failed = {}, {}
+  for i = 1, count do
+    done[i] = 0
+    failed[i] = 0
+  end
+  out[#out + 1] = redis.call('EXISTS', KEYS[5])
+  local entries = redis.call('XRANGE', KEYS[5], string.format('%d', since), '+', 'COUNT', 1000)
+  for _, entry in ipairs(entries) do
+    local fields = entry[2]
+    local kind, at = fields[2], tonumber(fields[4]) or since
+    local failure = kind == 'retried' or kind == 'dead'
+    local first = failure and 7 or 5
+    local n = math.floor((#fields - first + 1) / 2)
+    local b = math.floor((at - since) / width) + 1
+    if b >= 1 and b <= count then
+      if kind == 'done' then done[b] = done[b] + n elseif failure then failed[b] = failed[b] + n end
+    end
+  end
+  for i = 1, count do out[#out + 1] = done[i] end
+  for i = 1, count do out[#out + 1] = failed[i] end
+end
+return out
