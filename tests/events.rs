@@ -391,10 +391,23 @@ async fn activity_counts_what_a_queue_did_in_one_round_trip() {
     assert_eq!((activity.done.len(), activity.failed.len()), (6, 6));
     assert_eq!(activity.done.iter().sum::<u64>(), 7);
     assert_eq!(activity.failed.iter().sum::<u64>(), 2);
-    assert_eq!(activity.done[5], 7, "everything happened in the last bucket");
-    assert_eq!((activity.stats.due, activity.stats.active, activity.stats.dead), (1, 1, 1));
+    assert_eq!(
+        activity.done[5], 7,
+        "everything happened in the last bucket"
+    );
+    assert_eq!(
+        (
+            activity.stats.due,
+            activity.stats.active,
+            activity.stats.dead
+        ),
+        (1, 1, 1)
+    );
     let stats = queue.stats().await.unwrap();
-    assert_eq!((stats.due, stats.later, stats.active, stats.dead), (1, 0, 1, 1));
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (1, 0, 1, 1)
+    );
 
     let quiet: Queue<u32> = Queue::new(conn, "quiet-activity").unwrap();
     quiet.push(1).await.unwrap();
