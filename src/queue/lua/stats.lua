@@ -57,8 +57,9 @@ if KEYS[5] then
     local failure = kind == 'retried' or kind == 'dead'
     local first = failure and 7 or 5
     local n = math.floor((#fields - first + 1) / 2)
-    local b = math.floor((at - since) / width) + 1
-    if b >= 1 and b <= count then
+    -- An event of this very millisecond belongs to the last bucket.
+    local b = math.min(math.floor((at - since) / width) + 1, count)
+    if b >= 1 then
       if kind == 'done' then done[b] = done[b] + n elseif failure then failed[b] = failed[b] + n end
     end
   end
