@@ -130,9 +130,9 @@ impl Error {
 
     /// Whether the server refused the connection's user: a command, key or
     /// channel its ACL rule does not allow (`NOPERM`, whose message names
-    /// what is missing), or failed authentication. Waiting does not help, so
-    /// a [`Worker`](crate::Worker) stops with such an error rather than
-    /// retrying it.
+    /// what is missing), or failed authentication. Waiting seldom helps: a
+    /// [`Worker`](crate::Worker) stops with such an error once it has lasted
+    /// 5 s.
     pub fn is_denied(&self) -> bool {
         match self {
             Error::Redis { source, .. } => matches!(

@@ -82,7 +82,8 @@ async fn a_worker_whose_user_may_not_block_stops_with_an_error_naming_blpop() {
         }
     });
     let worker = Worker::new(client, queue.clone(), service);
-    let error = tokio::time::timeout(secs(10), worker.run_until(std::future::pending::<()>()))
+    // It stops once the refusal has lasted 5 s.
+    let error = tokio::time::timeout(secs(30), worker.run_until(std::future::pending::<()>()))
         .await
         .expect("the worker stopped rather than waiting for a permission")
         .expect_err("the worker ran without BLPOP");

@@ -354,10 +354,12 @@ where
     /// Runs until `shutdown` completes, then shuts down gracefully.
     ///
     /// Redis failures do not end the loop (they are logged and retried with
-    /// backoff), except a refusal that waiting cannot cure: when the server
-    /// denies the connection's user a command, key or channel its work
-    /// needs ([`Error::is_denied`]), `run_until` hands back what it claimed
-    /// and returns that error, whose message names what is missing. It also
+    /// backoff), except a refusal that waiting does not cure: when the
+    /// server has denied the connection's user a command, key or channel its
+    /// work needs ([`Error::is_denied`]) for 5 s without a success between
+    /// (a shorter refusal, an ACL being changed, is retried), `run_until`
+    /// hands back what it claimed and returns that error, whose message names
+    /// what is missing. It also
     /// returns an error when the service fails in `poll_ready`, which in
     /// tower means it can serve no more requests.
     pub async fn run_until(mut self, shutdown: impl Future) -> Result<()> {
@@ -387,6 +389,11 @@ where
         let mut tasks = JoinSet::new();
         let mut waiter = self.queue.waiter(self.connector);
         let mut failures = 0;
+        // Since when the server has refused this worker's user (NOPERM,
+        // authentication) its claims, and its idle waits, each without a
+        // success of the same in between.
+        let (mut claims_denied, mut waits_denied): (Option<Instant>, Option<Instant>) =
+            (None, None);
         let mut next_seq = 0u64;
         tokio::pin!(shutdown);
 
@@ -418,12 +425,13 @@ where
                 match shared.claim(max, &mut buffer, &mut next_seq).await {
                     Ok((full, due)) => {
                         failures = 0;
+                        claims_denied = None;
                         maybe_due = full;
                         next_due = due;
                     }
                     Err(error) => {
                         self.metrics.count_error();
-                        if error.is_denied() {
+                        if denied_for_good(&error, &mut claims_denied) {
                             break Err(error);
                         }
                         if pause_after_error(&error, &mut failures, &mut shutdown).await {
@@ -555,11 +563,16 @@ where
                 woken = waiter.wait(Some(deadline)) => woken,
             };
             maybe_due = true;
+            match &woken {
+                Ok(_) => waits_denied = None,
+                Err(error) if denied_for_good(error, &mut waits_denied) => {
+                    self.metrics.count_error();
+                    break Err(woken.expect_err("matched an error"));
+                }
+                Err(_) => {}
+            }
             if let Err(error) = woken {
                 self.metrics.count_error();
-                if error.is_denied() {
-                    break Err(error);
-                }
                 if pause_after_error(&error, &mut failures, &mut shutdown).await {
                     break Ok(());
                 }
@@ -1134,6 +1147,20 @@ async fn pause_after_error(
         _ = shutdown => true,
         () = tokio::time::sleep(pause) => false,
     }
+}
+
+/// How long the server may refuse the worker's user (an ACL change under
+/// way, a password being rotated) before the worker gives up with the error.
+const DENIED_GRACE: Duration = Duration::from_secs(5);
+
+/// Whether `error` is a refusal that has lasted `DENIED_GRACE` (keeping
+/// track of since when in `since`): then waiting does not help.
+fn denied_for_good(error: &Error, since: &mut Option<Instant>) -> bool {
+    if !error.is_denied() {
+        return false;
+    }
+    let first = *since.get_or_insert_with(Instant::now);
+    first.elapsed() >= DENIED_GRACE
 }
 
 /// Warns when the server may evict keys: an evicted queue key loses messages.
