@@ -220,11 +220,9 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
         done_if(left == (0, false), left)
     })
     .await;
-    let stats = queue.stats().await.unwrap();
-    assert_eq!(
-        (stats.due, stats.later, stats.active, stats.dead),
-        (0, 0, 0, 0)
-    );
+    // The last acknowledgement may still be on its way (the worker writes
+    // them after the handler returns, in batches).
+    support::queue_drained(&queue).await;
     worker.abort();
 }
 
@@ -467,11 +465,9 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
         done_if(left == (0, false), left)
     })
     .await;
-    let stats = queue.stats().await.unwrap();
-    assert_eq!(
-        (stats.due, stats.later, stats.active, stats.dead),
-        (0, 0, 0, 0)
-    );
+    // The last acknowledgement may still be on its way (the worker writes
+    // them after the handler returns, in batches).
+    support::queue_drained(&queue).await;
     worker.abort();
 }
 
