@@ -333,7 +333,8 @@ where
                     .arg(publish)
                     .arg(fenced)
                     .arg(permits)
-                    .arg(handoff);
+                    .arg(handoff)
+                    .arg(parking.message.as_deref().unwrap_or(""));
                 (script, cmd)
             }
         };
