@@ -206,18 +206,11 @@ impl ServerBuilder {
             binary: self.binary,
             tls: self.tls,
         };
-        // Another process may grab the port between our probe and the
-        // server's bind; a few attempts make that race harmless.
-        let mut last = None;
-        for _ in 0..5 {
-            server.port = free_port();
-            match server.spawn() {
-                Ok(()) => return Ok(server),
-                Err(e @ StartError::NotReady { .. }) => last = Some(e),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last.expect("five attempts were made"))
+        on_a_free_port(|port| {
+            server.port = port;
+            server.spawn()
+        })?;
+        Ok(server)
     }
 }
 
@@ -758,6 +751,23 @@ pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), crat
     }
     let server = RedisServer::start()?;
     Ok((server.client(), Some(server)))
+}
+
+/// Runs `start` on a port that was free a moment ago, up to five times:
+/// another process may grab the port between the probe and the server's
+/// bind, and a server that did not come up (`NotReady`) gets another port.
+pub(crate) fn on_a_free_port<T>(
+    mut start: impl FnMut(u16) -> Result<T, StartError>,
+) -> Result<T, StartError> {
+    let mut last = None;
+    for _ in 0..5 {
+        match start(free_port()) {
+            Ok(started) => return Ok(started),
+            Err(e @ StartError::NotReady { .. }) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.expect("five attempts were made"))
 }
 
 /// A port that was free a moment ago (0 if none could be found, which

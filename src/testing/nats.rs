@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{START_TIMEOUT, StartError, free_port};
+use super::{START_TIMEOUT, StartError, on_a_free_port};
 
 /// A private `nats-server -js` on a free loopback port, its JetStream
 /// store in a temporary directory; killed (the directory removed) when
@@ -45,18 +45,11 @@ impl NatsServer {
             port: 0,
             dir,
         };
-        // As for redis-server: a port taken between the probe and the bind
-        // costs one more attempt.
-        let mut last = None;
-        for _ in 0..5 {
-            server.port = free_port();
-            match server.spawn() {
-                Ok(()) => return Ok(server),
-                Err(e @ StartError::NotReady { .. }) => last = Some(e),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last.expect("five attempts were made"))
+        on_a_free_port(|port| {
+            server.port = port;
+            server.spawn()
+        })?;
+        Ok(server)
     }
 
     /// The loopback port it listens on.
