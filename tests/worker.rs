@@ -261,6 +261,134 @@ async fn a_nested_deferral_does_not_take_over_the_running_job() {
     assert!(locker.release(&holder).await.unwrap());
 }
 
+/// A middleware that calls its inner service from its own future (here an
+/// `async` wrapper around a `map_request` to the payload): the LockLayer
+/// inside still defers the worker's job in place. Same id, deferrals counted
+/// up to `max_deferrals`, and the stored JSON kept as another producer wrote
+/// it (a field `Msg` does not know survives). Fails if the claim reaches
+/// the layer only during the wrapper's synchronous `call`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferring_behind_an_async_middleware_reschedules_the_running_job_in_place() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "wrapped").unwrap();
+    let locker = Locker::new(conn.clone()).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    let inner = ServiceBuilder::new()
+        .map_request(|job: Job<Msg>| job.into_payload())
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), ms(10)).max_deferrals(3)),
+        )
+        .service_fn(|_: Msg| async { Ok::<_, BoxError>(()) });
+    // A logging wrapper as users write them: the inner call is made inside
+    // the wrapper's future, not in its `call`.
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let inner = inner.clone();
+        async move {
+            tokio::task::yield_now().await;
+            // (Boxed to help the compiler see that it is `Send`.)
+            let call: std::pin::Pin<
+                Box<dyn Future<Output = Result<lockgate::Outcome<()>, BoxError>> + Send>,
+            > = Box::pin(tower::ServiceExt::oneshot(inner, job));
+            call.await
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .max_attempts(1)
+        .unwrap();
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    // Another producer's JSON: spacing, field order and a field of its own.
+    let raw: Queue<serde_json::Value> = Queue::new(conn.clone(), "wrapped").unwrap();
+    let pushed = raw
+        .push(serde_json::json!({"key": "busy", "extra": "kept", "n": 1}))
+        .await
+        .unwrap();
+    eventually("the message is dead-lettered", secs(10), || async {
+        let s = stats(&queue).await;
+        done_if(s.dead == 1, (s, metrics.snapshot()))
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    let dead = queue.dead_letters(0, 100).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].id, pushed.id,
+        "the message was copied, not rescheduled"
+    );
+    assert_eq!(dead[0].deferrals, 3);
+    let stored: serde_json::Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(
+        stored["extra"], "kept",
+        "the stored JSON was rewritten: {stored}"
+    );
+    assert_eq!(metrics.snapshot().deferred, 3);
+    assert_eq!(metrics.snapshot().copied, 0);
+    assert!(locker.release(&holder).await.unwrap());
+}
+
+/// Behind tower's `Buffer` the LockLayer runs on the buffer's task, where
+/// the worker's claim cannot reach: a deferral pushes a copy under a new id.
+/// The worker says so (`copied`, and a warning) and acknowledges the
+/// original; nothing is lost and nothing is handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferral_behind_a_buffer_is_a_copy_and_the_worker_counts_it() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "buffered").unwrap();
+    let locker = Locker::new(conn.clone()).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let log = handled.clone();
+    let service = ServiceBuilder::new()
+        .buffer(8)
+        .map_request(|job: Job<Msg>| job.into_payload())
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), ms(200))),
+        )
+        .service_fn(move |m: Msg| {
+            log.lock().unwrap().push(m.n);
+            async { Ok::<_, BoxError>(()) }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    let pushed = queue
+        .push(Msg {
+            n: 7,
+            key: "busy".into(),
+        })
+        .await
+        .unwrap();
+    eventually("the copy is counted", secs(10), || async {
+        done_if(metrics.snapshot().copied >= 1, metrics.snapshot())
+    })
+    .await;
+    assert!(locker.release(&holder).await.unwrap());
+    eventually("the copy is handled", secs(10), || async {
+        let s = stats(&queue).await;
+        done_if(
+            handled.lock().unwrap().len() == 1 && s.due + s.later + s.active == 0,
+            s,
+        )
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(*handled.lock().unwrap(), vec![7], "handled once");
+    let snapshot = metrics.snapshot();
+    assert_eq!((snapshot.copied, snapshot.dead), (1, 0), "{snapshot:?}");
+    assert!(
+        !queue.remove(&pushed.id).await.unwrap(),
+        "the original was acknowledged"
+    );
+}
+
 /// A backlog reaches every idle worker: one push rings once and wakes one
 /// worker, whose claim passes the wake-up on while due messages remain. Six
 /// handlers over three workers with two slots each must all run at once

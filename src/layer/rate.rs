@@ -216,7 +216,7 @@ where
         let config = self.config.clone();
         // The worker's running job, as for the LockLayer: to defer it in
         // place, or to hand it on to the layers inside once admitted.
-        let running = key.as_ref().map(|_| Handoff::take()).unwrap_or_default();
+        let running = Handoff::take();
         ResponseFuture::new(Box::pin(async move {
             match key {
                 None => {
@@ -257,7 +257,7 @@ where
     let reserves = running
         .job
         .as_ref()
-        .filter(|job| then.defers_in_place_until_allowed(job))
+        .filter(|job| !job.unverified && then.defers_in_place_until_allowed(job))
         .map(|job| job.token.id().to_owned());
     let token = Token::random();
     let member = reserves.as_deref().unwrap_or(token.as_str());

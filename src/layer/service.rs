@@ -97,15 +97,14 @@ where
         let key = (self.config.key_fn)(&req).into_lock_key_and_permits();
         let config = self.config.clone();
         // A worker's running job belongs to the first lock layer its request
-        // passes, taken here in `call` (the worker offers it only while it
-        // calls the service): calls a handler makes from its future through
-        // other layers must not be mistaken for it.
-        // A layer that needs no lock for this request leaves it for the
-        // next one.
-        let running = key.as_ref().map(|_| Handoff::take()).unwrap_or_default();
+        // passes, taken here in `call` (see `RunningJob`): calls a handler
+        // makes from its future through other layers must not be mistaken
+        // for it. A layer that needs no lock for this request hands it on to
+        // the layers it wraps, and only to them.
+        let running = Handoff::take();
         ResponseFuture::new(Box::pin(async move {
             match key {
-                None => call_ready(inner, req).await,
+                None => call_ready(inner, req, running).await,
                 Some((key, permits)) => {
                     let permits = permits.or(config.permits);
                     locked_call(config, inner, key, permits, req, running).await
@@ -115,13 +114,19 @@ where
     }
 }
 
-/// Calls an already ready service for a message that needs no lock.
-async fn call_ready<S, Req>(mut inner: S, req: Req) -> Result<Outcome<S::Response>, BoxError>
+/// Calls an already ready service for a message that needs no lock,
+/// handing `running` on to the layers it wraps.
+async fn call_ready<S, Req>(
+    mut inner: S,
+    req: Req,
+    running: Handoff,
+) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req>,
     S::Error: Into<BoxError>,
 {
-    inner.call(req).await.map(Outcome::Done).map_err(Into::into)
+    let call = running.provide(|| inner.call(req));
+    call.await.map(Outcome::Done).map_err(Into::into)
 }
 
 /// Acquire (retrying as configured), call while holding, release.
@@ -163,7 +168,9 @@ where
             parking.message = running
                 .job
                 .as_ref()
-                .filter(|job| job.queue.data == parking.data)
+                // (One taken unverified parks as a new message would: see
+                // `RunningJob`; its deferral checks it.)
+                .filter(|job| job.queue.data == parking.data && !job.unverified)
                 .map(|job| job.token.id().to_owned());
             locker.parking_ticket(key, parking, permits)?
         }

@@ -17,33 +17,47 @@
 //! for a queue with the job's own keys (a `Defer` into another queue pushes
 //! a new message).
 //!
-//! The worker offers it only while it *calls* the service (synchronously):
-//! the first `LockLayer` whose `call` runs inside that call (the request
-//! passing through `map_request` and similar layers) takes it. Calls a
-//! handler makes from its future, through other `LockLayer`s, come later,
-//! find nothing, and push their requests as the new messages they are. A
-//! layer that calls its inner service only later, from its own future (a
-//! `Buffer`, say), hides the claim: such a deferral pushes a copy under a
-//! new id, and the worker acknowledges the original. The one case the claim
-//! cannot tell apart: a service whose own `call` (not its future) first
-//! calls another `LockLayer` that needs a lock, for another message, hands
-//! the claim to that layer. Make such calls from the future. (A layer whose
-//! key function returns `None` leaves the claim for the next one.)
+//! The worker offers the claim for the whole of the call: while it calls
+//! the service and while it polls the future the call returned, on the
+//! worker's task. The first `LockLayer` (or `RateLimitLayer`) that needs a
+//! lock for the request takes it in its `call`, wherever that call is made
+//! from: directly, through `map_request` and the like, or from the future of
+//! a middleware that calls its inner service later (an `async` wrapper,
+//! `and_then`, `ServiceExt::oneshot` in a `service_fn`). Once taken, the
+//! slot is empty: calls a handler makes through other `LockLayer`s find
+//! nothing and push their requests as the new messages they are. A layer
+//! that took it and did not need it (it does not defer into the job's
+//! queue), or that needs no lock for this request, hands it on to the
+//! layers it wraps, but only while it calls them (synchronously): never to
+//! the handler's own calls.
+//!
+//! What the claim cannot reach: a service that calls its inner service on
+//! another task (tower's `Buffer`), and a layer wrapped by another lock
+//! layer through a middleware that calls later. A deferral there pushes a
+//! copy under a new id (its counts start again, fields the payload type
+//! does not know are lost) and the worker acknowledges the original; the
+//! worker sees that no layer took its claim and counts it as
+//! [`copied`](crate::worker::MetricsSnapshot::copied), with a warning. The
+//! one case the claim cannot tell apart: a worker whose service has no
+//! layer that takes it before the handler, and whose handler calls a
+//! `LockLayer` that defers into the worker's own queue: that layer takes
+//! the running job. Put a lock layer (a key function may return `None`) in
+//! front of such a handler.
 
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::job::Job;
 use super::{Claim, ClaimToken, QueueKeys};
 
 tokio::task_local! {
-    /// The claim of the job a [`Worker`](crate::Worker) is calling the
-    /// service for, until the first `LockLayer` on the way takes it: that
-    /// layer reschedules the job in place when it defers into the job's own
-    /// queue, instead of pushing a copy. Layers further down (a handler's
-    /// own calls through another `LockLayer`) find the slot empty and treat
-    /// their requests as the new messages they are.
-    static RUNNING: RefCell<Option<RunningJob>>;
+    /// The claim of the job a [`Worker`](crate::Worker) is running, until
+    /// the first `LockLayer` on the way takes it: that layer reschedules the
+    /// job in place when it defers into the job's own queue, instead of
+    /// pushing a copy. Layers further down (a handler's own calls through
+    /// another `LockLayer`) find the slot empty and treat their requests as
+    /// the new messages they are.
+    static RUNNING: Slot;
 
     /// The id a consumer gave the message it is calling the service for
     /// (see `layer::with_message_id`), until the first `LockLayer` on the
@@ -71,10 +85,61 @@ impl Handoff {
         }
     }
 
-    /// Calls `f` with what this handoff holds available to [`Handoff::take`].
+    /// Calls `f` with what this handoff holds available to [`Handoff::take`]
+    /// while `f` runs (not while the future it returns is polled: that is
+    /// where a handler makes calls of its own).
     pub(crate) fn provide<R>(self, f: impl FnOnce() -> R) -> R {
         let Self { job, id } = self;
-        RunningJob::provide(job, || MESSAGE_ID.sync_scope(RefCell::new(id), f))
+        RUNNING.sync_scope(Slot::new(job), || {
+            MESSAGE_ID.sync_scope(RefCell::new(id), f)
+        })
+    }
+}
+
+/// Where a worker offers the claim it is running, for the whole call (see
+/// the module's documentation). Shared by the worker and the task-local,
+/// so that the worker learns afterwards whether a layer took it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Slot {
+    /// The claim, until a layer takes it.
+    job: Arc<Mutex<Option<RunningJob>>>,
+    /// Offered while the worker's future is polled, where a handler's own
+    /// calls come from too: a layer that takes it from there must check
+    /// that its request is the job's payload before rescheduling the job.
+    unverified: bool,
+}
+
+impl Slot {
+    pub(crate) fn new(job: Option<RunningJob>) -> Self {
+        Self {
+            job: Arc::new(Mutex::new(job)),
+            unverified: false,
+        }
+    }
+
+    /// Calls `f` with this slot offered to [`RunningJob::take`].
+    pub(crate) fn provide<R>(&self, f: impl FnOnce() -> R) -> R {
+        RUNNING.sync_scope(self.clone(), f)
+    }
+
+    /// Offers this slot to [`RunningJob::take`] while `call` is polled, for
+    /// requests that prove to be the job's payload.
+    pub(crate) fn scope<F: Future>(&self, call: F) -> impl Future<Output = F::Output> + use<F> {
+        let slot = Self {
+            job: self.job.clone(),
+            unverified: true,
+        };
+        RUNNING.scope(slot, call)
+    }
+
+    /// Takes what the slot holds: `None` once a layer took it.
+    pub(crate) fn take(&self) -> Option<RunningJob> {
+        // Held for one `Option::take`: nothing can poison it.
+        let job = self.job.lock().unwrap_or_else(|e| e.into_inner()).take();
+        job.map(|job| RunningJob {
+            unverified: job.unverified || self.unverified,
+            ..job
+        })
     }
 }
 
@@ -101,6 +166,9 @@ pub(crate) struct RunningJob {
     pub(crate) token: ClaimToken,
     /// Deferrals before this delivery.
     pub(crate) deferrals: u32,
+    /// Taken while the worker's future was polled: a deferral must first
+    /// check that its request is this job's payload (see [`Slot`]).
+    pub(crate) unverified: bool,
 }
 
 impl RunningJob {
@@ -109,20 +177,13 @@ impl RunningJob {
             queue: job.queue_keys().clone(),
             token: job.claim_ref().to_token(),
             deferrals: job.deferrals(),
+            unverified: false,
         }
     }
 
     /// Takes the job the current task's worker is running, if no one took
     /// it before.
     pub(crate) fn take() -> Option<Self> {
-        RUNNING
-            .try_with(|slot| slot.borrow_mut().take())
-            .ok()
-            .flatten()
-    }
-
-    /// Calls `f` with `job` (if any) available to [`RunningJob::take`].
-    pub(crate) fn provide<R>(job: Option<Self>, f: impl FnOnce() -> R) -> R {
-        RUNNING.sync_scope(RefCell::new(job), f)
+        RUNNING.try_with(Slot::take).ok().flatten()
     }
 }

@@ -18,6 +18,7 @@ struct Counters {
     done: AtomicU64,
     retried: AtomicU64,
     deferred: AtomicU64,
+    copied: AtomicU64,
     dead: AtomicU64,
     lost_leases: AtomicU64,
     unconfirmed: AtomicU64,
@@ -37,6 +38,12 @@ pub struct MetricsSnapshot {
     pub retried: u64,
     /// Messages deferred because their lock was busy.
     pub deferred: u64,
+    /// Deferred messages that were pushed as a copy under a new id (their
+    /// counts starting again) because no `LockLayer` on the worker's task
+    /// took the claim: the deferral ran on another task, behind tower's
+    /// `Buffer` for example (see the [`layer`](crate::layer) docs). Counted
+    /// in `deferred` too. Zero in a pipeline that defers in place.
+    pub copied: u64,
     /// Messages moved to the dead letters (failed for the last time, too
     /// many deferrals, or undecodable).
     pub dead: u64,
@@ -68,6 +75,7 @@ impl Metrics {
             done: c.done.load(Relaxed),
             retried: c.retried.load(Relaxed),
             deferred: c.deferred.load(Relaxed),
+            copied: c.copied.load(Relaxed),
             dead: c.dead.load(Relaxed),
             lost_leases: c.lost_leases.load(Relaxed),
             unconfirmed: c.unconfirmed.load(Relaxed),
@@ -110,6 +118,9 @@ impl Metrics {
     pub(crate) fn count_deferred(&self) {
         self.0.deferred.fetch_add(1, Relaxed);
         self.record(|i| i.deferred.increment(1));
+    }
+    pub(crate) fn count_copied(&self) {
+        self.0.copied.fetch_add(1, Relaxed);
     }
     pub(crate) fn add_dead(&self, n: u64) {
         self.0.dead.fetch_add(n, Relaxed);

@@ -96,7 +96,9 @@ use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob};
+use crate::queue::{
+    Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob, Slot,
+};
 
 /// The most handlers one worker runs at once.
 pub const MAX_CONCURRENCY: usize = 100_000;
@@ -498,10 +500,10 @@ where
                 // `call` itself may panic (code before a service_fn's async
                 // block, a key function): that fails this message, not the
                 // worker.
-                // The job's claim is offered to the first LockLayer whose
-                // `call` runs inside this one (see `RunningJob`), so that a
-                // deferral of its request reschedules it in place.
-                let running = RunningJob::of(&job);
+                // The job's claim is offered to the first LockLayer called
+                // during this call or its future (see `RunningJob`), so that
+                // a deferral of its request reschedules it in place.
+                let running = Slot::new(Some(RunningJob::of(&job)));
                 if let Some(instruments) = self.metrics.instruments() {
                     // Due time by the server's clock, start by this host's.
                     let lag = std::time::SystemTime::now()
@@ -511,7 +513,7 @@ where
                 }
                 let started = Instant::now();
                 let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    RunningJob::provide(Some(running), || self.service.call(job))
+                    running.provide(|| self.service.call(job))
                 }));
                 match call {
                     Ok(call) => {
@@ -520,7 +522,7 @@ where
                             acks.clone(),
                             seq,
                             token,
-                            (call, started),
+                            (running.scope(call), started, running),
                             permit,
                         );
                         tasks.spawn(handled.instrument(span));
@@ -922,9 +924,10 @@ async fn handle<T, C, R, E>(
     acks: AckQueue,
     seq: u64,
     token: ClaimToken,
-    (call, started): (
+    (call, started, running): (
         impl Future<Output = std::result::Result<R, E>> + Send,
         Instant,
+        Slot,
     ),
     _permit: OwnedSemaphorePermit,
 ) where
@@ -964,8 +967,15 @@ async fn handle<T, C, R, E>(
                 None
             }
             // Copied into another queue: acknowledge the original.
-            Some(_) => {
+            Some(copy) => {
                 shared.metrics.count_deferred();
+                if running.take().is_some() {
+                    // No layer on this task took the claim: the deferral ran
+                    // elsewhere (behind a `Buffer`, say) and pushed a copy,
+                    // maybe into this very queue (see `RunningJob`).
+                    shared.metrics.count_copied();
+                    tracing::warn!(id = %token.id(), %copy, "deferred as a copy under a new id: no LockLayer on the worker's task took its claim (is it behind a Buffer?); the original is acknowledged and the copy's counts start again");
+                }
                 Some((Settlement::Ack, false))
             }
             None => Some((Settlement::Ack, true)),
