@@ -1,7 +1,8 @@
 //! Contention across processes: hot keys shared by several processes, and
 //! how soon a release in one process lets a waiter in another one start,
-//! with waiters polling with backoff and with waiters woken by the release
-//! (`LockLayer::wake_on_release`), in the same run.
+//! with waiters polling with backoff (`LockLayer::poll_only`) and with
+//! waiters woken by the release (the default of a locker made by
+//! `Locker::connect`, nothing wired by hand), in the same run.
 //!
 //! The bench spawns its own child processes (this executable again, told
 //! what to do by `LOCKGATE_CONTENTION_CHILD`); they share one redis-server
@@ -17,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::*;
 use lockgate::testing::RedisServer;
-use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict, ReleaseListener};
+use lockgate::{Backoff, BoxError, LockLayer, Locker, OnConflict};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tower::{Service, ServiceExt};
@@ -55,9 +56,9 @@ async fn main() -> Result<(), BoxError> {
 
 fn mode(wake: bool) -> &'static str {
     if wake {
-        "woken by the release"
+        "woken by default (Locker::connect)"
     } else {
-        "polling, backoff 0.5–8 ms"
+        "polling (poll_only), backoff 0.5–8 ms"
     }
 }
 
@@ -215,17 +216,19 @@ async fn layer(
     client: &redis::Client,
     wake: bool,
     permits: u32,
-) -> Result<LockLayer<redis::aio::MultiplexedConnection, fn(&String) -> String>, BoxError> {
+) -> Result<LockLayer<redis::aio::ConnectionManager, fn(&String) -> String>, BoxError> {
     #[allow(clippy::ptr_arg)] // the requests are `String`s
     fn key(k: &String) -> String {
         k.clone()
     }
-    let conn = client.get_multiplexed_async_connection().await?;
     let backoff = Backoff::exponential(Duration::from_micros(500), Duration::from_millis(8))?
         .unlimited_attempts()
         .max_elapsed(Duration::from_secs(30));
+    // Built as the README's first example builds it: a locker made from the
+    // client wakes its waiters by itself; polling is the explicit opt-out.
+    let locker = Locker::connect(client.clone()).await?;
     let layer = LockLayer::new(
-        Locker::new(conn).ttl(Duration::from_secs(10))?,
+        locker.ttl(Duration::from_secs(10))?,
         key as fn(&String) -> String,
     )
     .on_conflict(OnConflict::retry(backoff));
@@ -234,11 +237,7 @@ async fn layer(
     } else {
         layer
     };
-    Ok(if wake {
-        layer.wake_on_release(ReleaseListener::connect(client.clone()).await?)
-    } else {
-        layer
-    })
+    Ok(if wake { layer } else { layer.poll_only() })
 }
 
 async fn child(spec: &str) -> Result<(), BoxError> {

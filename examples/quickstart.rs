@@ -22,9 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockgate::layer::DeferDelay;
-use lockgate::{
-    Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Queue, ReleaseListener, Worker,
-};
+use lockgate::{Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Queue, Worker};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
@@ -53,15 +51,17 @@ async fn run() -> Result<(), BoxError> {
         None => println!("using Redis at {}", client.get_connection_info().addr()),
     }
     let conn = client.get_connection_manager().await?;
-    // One subscriber per process: waiters sleep until the release they wait
-    // for is published, in whatever process it happens.
-    let listener = ReleaseListener::connect(client.clone()).await?;
 
     let queue: Queue<Order> = Queue::new(conn.clone(), "quickstart-orders")?;
     queue.purge().await?; // a clean start for the example's own queue
 
     // The lock: one per account, 2 s TTL (renewed while a handler runs long).
-    let locker = Locker::new(conn).ttl(Duration::from_secs(2))?;
+    // A locker made from the client wakes its waiters when the lock they
+    // wait for is released, in whatever process (one subscriber per process,
+    // opened on the first wait).
+    let locker = Locker::connect(client.clone())
+        .await?
+        .ttl(Duration::from_secs(2))?;
     let ms = Duration::from_millis;
     // Wait up to ~50 ms for the account, then park the order on it.
     let strategy = OnConflict::retry(Backoff::exponential(ms(5), ms(20))?.max_elapsed(ms(50)))
@@ -70,11 +70,7 @@ async fn run() -> Result<(), BoxError> {
     let log: Log = Default::default();
     let started = Instant::now();
     let service = ServiceBuilder::new()
-        .layer(
-            LockLayer::new(locker, |job: &Job<Order>| job.account.clone())
-                .on_conflict(strategy)
-                .wake_on_release(listener),
-        )
+        .layer(LockLayer::new(locker, |job: &Job<Order>| job.account.clone()).on_conflict(strategy))
         .service_fn({
             let log = log.clone();
             move |job: Job<Order>| handle(job, log.clone(), started)

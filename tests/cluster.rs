@@ -904,6 +904,7 @@ async fn script_calls_on(cluster: &RedisCluster) -> u64 {
 /// Wake on release on a cluster: the release script's `SPUBLISH` reaches
 /// the listener's `SSUBSCRIBE` on the node of each key, so waiters on keys
 /// of every node sleep without polling and run once their key is released.
+/// The listener is the one `Locker::connect_cluster` opens by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_on_every_node_are_woken_by_the_release() {
     let cluster = cluster();
@@ -919,11 +920,13 @@ async fn waiters_on_every_node_are_woken_by_the_release() {
     }
     assert_eq!(nodes.len(), 3, "the keys reach every node");
 
-    let listener = lockgate::ReleaseListener::connect_cluster(
-        redis::cluster::ClusterClientBuilder::new(cluster.urls()),
-    )
-    .await
-    .unwrap();
+    let urls = cluster.urls();
+    let locker =
+        Locker::connect_cluster(move || redis::cluster::ClusterClientBuilder::new(urls.clone()))
+            .await
+            .unwrap()
+            .ttl(ttl)
+            .unwrap();
     // A backoff that would poll every millisecond, were the waiters not woken.
     let backoff = Backoff::exponential(ms(1), ms(1))
         .unwrap()
@@ -931,11 +934,7 @@ async fn waiters_on_every_node_are_woken_by_the_release() {
         .max_elapsed(Duration::from_secs(20));
     let svc = ServiceBuilder::new()
         .layer(
-            LockLayer::new(Locker::new(conn.clone()).ttl(ttl).unwrap(), |k: &String| {
-                k.clone()
-            })
-            .on_conflict(OnConflict::retry(backoff))
-            .wake_on_release(listener),
+            LockLayer::new(locker, |k: &String| k.clone()).on_conflict(OnConflict::retry(backoff)),
         )
         .service_fn(|k: String| async move { Ok::<_, BoxError>(k) });
     let calls: Vec<_> = keys

@@ -85,6 +85,74 @@ async fn a_waiter_sleeps_until_the_release_and_sends_nothing_meanwhile() {
     assert!(all <= 5, "{all} script calls for one wait");
 }
 
+/// The README's first layer: a locker made from the client, `retry`, no
+/// listener wired by hand. The locker opens the process's listener on the
+/// first wait (polling for the moment it takes), and the waiter then sleeps
+/// until the release.
+#[tokio::test]
+async fn a_locker_made_from_a_client_wakes_waiters_without_wiring() {
+    let server = server();
+    let conn = manager(&server).await;
+    warm_up(&conn).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot").await;
+
+    let locker = Locker::connect(server.client()).await.unwrap();
+    assert!(
+        locker.release_listener().is_none(),
+        "opened before any wait"
+    );
+    let layer = LockLayer::new(locker.clone(), |k: &String| k.clone())
+        .on_conflict(OnConflict::retry(polling_backoff()));
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>("ran") }));
+    let before = script_calls(&conn).await;
+    let call = tokio::spawn(svc.clone().oneshot("hot".to_owned()));
+    support::eventually("the listener is open", BOUNDED, async || {
+        support::done_if(locker.release_listener().is_some(), "not yet")
+    })
+    .await;
+    sleep(ms(50)).await; // the waiter subscribes and marks the lock
+    let settled = script_calls(&conn).await;
+    sleep(ms(400)).await;
+    let while_held = script_calls(&conn).await - settled;
+    assert!(!call.is_finished());
+    assert!(
+        while_held == 0,
+        "the waiter polled while the holder was alive: {while_held} script calls"
+    );
+    assert!(holder.release(&lease).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+    let all = script_calls(&conn).await - before;
+    assert!(all < 100, "{all} script calls for one wait: it polled");
+}
+
+/// `poll_only` opts out: the same waiter polls with its backoff.
+#[tokio::test]
+async fn poll_only_makes_waiters_poll_even_with_a_listener() {
+    let server = server();
+    let conn = manager(&server).await;
+    warm_up(&conn).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot").await;
+    let locker = Locker::connect(server.client()).await.unwrap();
+    let layer = LockLayer::new(locker, |k: &String| k.clone())
+        .on_conflict(OnConflict::retry(polling_backoff()))
+        .poll_only();
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>("ran") }));
+    let before = script_calls(&conn).await;
+    let call = tokio::spawn(svc.oneshot("hot".to_owned()));
+    sleep(ms(300)).await;
+    let while_held = script_calls(&conn).await - before;
+    assert!(
+        while_held > 20,
+        "only {while_held} script calls: it did not poll"
+    );
+    assert!(holder.release(&lease).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+}
+
 #[tokio::test]
 async fn a_holder_that_dies_ends_the_wait_with_its_ttl() {
     let server = server();

@@ -298,7 +298,9 @@ where
         if busy.parked_ahead() {
             // Messages parked on the key go first: waiting cannot help,
             // parking behind them (the strategy's next step) does.
-        } else if let (Some(backoff), Some(listener)) = (retry, &config.listener) {
+        } else if let (Some(backoff), Some(listener)) =
+            (retry, retry.and_then(|_| config.wake.listener(locker)))
+        {
             // Woken by the release: waits are bounded by the budget's time
             // (what `max_attempts` waits would take, or `max_elapsed`), not
             // by counting wake-ups, which a hot key hands out by the dozen.

@@ -117,6 +117,7 @@ pub(crate) mod wake;
 use crate::keys::{self, KeyName};
 use crate::script;
 pub use wake::ReleaseListener;
+mod listen;
 pub(crate) use wake::Watch;
 
 /// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
@@ -170,10 +171,15 @@ pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
 /// Acquires, renews and releases per-key locks on Redis.
 ///
-/// Generic over any redis-rs async connection: a
-/// [`ConnectionManager`](redis::aio::ConnectionManager), a
+/// Start with [`Locker::connect`] (or [`Locker::connect_cluster`]): such a
+/// locker also opens this process's [`ReleaseListener`] on the first wait,
+/// so that a [`LockLayer`](crate::LockLayer) that waits for a busy key is
+/// woken by its release. [`Locker::new`] takes any redis-rs async
+/// connection (a [`ConnectionManager`](redis::aio::ConnectionManager), a
 /// [`MultiplexedConnection`](redis::aio::MultiplexedConnection) or a cluster
-/// connection. Cloning a `Locker` is cheap and shares the connection.
+/// connection) and has no listener of its own: its layers poll unless given
+/// one. Cloning a `Locker` is cheap and shares the connection (and the
+/// listener).
 #[derive(Clone)]
 pub struct Locker<C> {
     /// The connection every command goes through (cloned per call, as
@@ -197,6 +203,9 @@ struct LockerConfig {
     /// How a release tells waiters (`PUBLISH` on a single server,
     /// `SPUBLISH` on a cluster), found out on the first release.
     publish: tokio::sync::OnceCell<&'static str>,
+    /// The release listener this locker opens on first need (a locker made
+    /// by `connect` or `connect_cluster`), shared by its clones.
+    listener: Option<Arc<listen::AutoListener>>,
 }
 
 /// How many replicas must confirm each write, and how long to wait for them.
@@ -533,6 +542,45 @@ impl Lease {
     }
 }
 
+impl Locker<redis::aio::ConnectionManager> {
+    /// Connects to the server `client` points at: a locker over a
+    /// [`ConnectionManager`](redis::aio::ConnectionManager) (which reconnects
+    /// by itself), with the default prefix and TTL, that also opens this
+    /// process's [`ReleaseListener`] the first time a waiter needs one. A
+    /// [`LockLayer`](crate::LockLayer) over it whose strategy waits
+    /// (`OnConflict::retry`) is woken by the release of the lock it waits
+    /// for, in any process, instead of polling (see
+    /// [`LockLayer::poll_only`](crate::LockLayer::poll_only) to opt out).
+    /// Errors when the first connection fails.
+    pub async fn connect(client: redis::Client) -> Result<Self> {
+        let conn = redis::aio::ConnectionManager::new(client.clone())
+            .await
+            .map_err(Error::redis("connecting the locker"))?;
+        Ok(Self::new(conn).listening(listen::Open::Server(Box::new(client))))
+    }
+}
+
+impl Locker<redis::cluster_async::ClusterConnection> {
+    /// Connects to a Redis Cluster: a locker over a cluster connection made
+    /// from `builder()`, that also opens this process's [`ReleaseListener`]
+    /// (sharded pub/sub, see [`ReleaseListener::connect_cluster`]) from
+    /// another `builder()` the first time a waiter needs one. The builder is
+    /// made twice because the subscriber's connection needs settings of its
+    /// own (RESP3 and a push channel). As [`connect`](Locker::connect)
+    /// otherwise.
+    pub async fn connect_cluster(
+        builder: impl Fn() -> redis::cluster::ClusterClientBuilder + Send + Sync + 'static,
+    ) -> Result<Self> {
+        let attempted = "connecting the locker to the cluster";
+        let client = builder().build().map_err(Error::redis(attempted))?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(Error::redis(attempted))?;
+        Ok(Self::new(conn).listening(listen::Open::Cluster(Box::new(builder))))
+    }
+}
+
 impl<C> Locker<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -547,8 +595,19 @@ where
                 durability: None,
                 eviction_checked: AtomicBool::new(false),
                 publish: tokio::sync::OnceCell::new(),
+                listener: None,
             }),
         }
+    }
+
+    /// The release listener of a locker made by [`connect`](Locker::connect)
+    /// or [`connect_cluster`](Locker::connect_cluster), which a
+    /// [`LockLayer`](crate::LockLayer) uses unless told otherwise. Opened on
+    /// the first call (in the background, on the current tokio runtime):
+    /// `None` until it is up, and always `None` for a locker made by
+    /// [`new`](Self::new).
+    pub fn release_listener(&self) -> Option<ReleaseListener> {
+        self.config.listener.as_ref()?.get()
     }
 
     /// Sets the TTL of acquired locks. Errors on a TTL under one millisecond.
@@ -567,6 +626,12 @@ where
         Ok(self.with_config(|c| c.prefix = prefix))
     }
 
+    /// This locker, opening its release listener with `open` on first need.
+    fn listening(self, open: listen::Open) -> Self {
+        let listener = Arc::new(listen::AutoListener::new(open));
+        self.with_config(|c| c.listener = Some(listener))
+    }
+
     fn with_config(self, edit: impl FnOnce(&mut LockerConfig)) -> Self {
         let mut config = LockerConfig {
             prefix: self.config.prefix.clone(),
@@ -574,6 +639,7 @@ where
             durability: self.config.durability,
             eviction_checked: AtomicBool::new(false),
             publish: tokio::sync::OnceCell::new_with(self.config.publish.get().copied()),
+            listener: self.config.listener.clone(),
         };
         edit(&mut config);
         Self {

@@ -1,0 +1,106 @@
+//! The release listener a [`Locker`](super::Locker) opens by itself, so
+//! that waiting is woken by the release without any wiring.
+//!
+//! A locker made by [`Locker::connect`](super::Locker::connect) or
+//! [`Locker::connect_cluster`](super::Locker::connect_cluster) knows how to
+//! reach its server, and opens one [`ReleaseListener`] for itself and all
+//! its clones the first time a waiter needs one: processes that never wait
+//! for a lock never open the subscriber connection. The connection is made
+//! in the background; waiters poll with their backoff until it is up, and
+//! again whenever it is down (the listener reconnects by itself).
+
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::ReleaseListener;
+
+/// How long to wait before trying to open the listener again after a
+/// failed attempt (waiters poll meanwhile).
+const RETRY: Duration = Duration::from_secs(1);
+
+/// Opens a [`ReleaseListener`] on first need; shared by a locker's clones.
+pub(crate) struct AutoListener {
+    /// How to reach the server.
+    open: Open,
+    /// The listener, once open.
+    listener: OnceLock<ReleaseListener>,
+    /// When an attempt to open it is under way (`None`: at the moment, no
+    /// attempt), or when the next may start after one failed.
+    attempt: Mutex<Attempt>,
+}
+
+/// How an [`AutoListener`] reaches its server.
+pub(crate) enum Open {
+    /// A single server (or a primary behind a proxy).
+    Server(Box<redis::Client>),
+    /// A Redis Cluster: makes the builder of the subscriber's connection
+    /// (see [`ReleaseListener::connect_cluster`]).
+    Cluster(Box<dyn Fn() -> redis::cluster::ClusterClientBuilder + Send + Sync>),
+}
+
+enum Attempt {
+    /// Nothing under way; the next may start at once.
+    Idle,
+    /// An attempt is under way.
+    Running,
+    /// The last attempt failed; the next may start then.
+    FailedUntil(Instant),
+}
+
+impl std::fmt::Debug for AutoListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AutoListener")
+            .field("open", &self.listener.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AutoListener {
+    pub(crate) fn new(open: Open) -> Self {
+        Self {
+            open,
+            listener: OnceLock::new(),
+            attempt: Mutex::new(Attempt::Idle),
+        }
+    }
+
+    /// The listener if it is open; else starts opening it in the background
+    /// (on the current tokio runtime, unless an attempt is under way or one
+    /// failed less than a second ago) and returns `None`: the caller polls
+    /// for now.
+    pub(crate) fn get(self: &std::sync::Arc<Self>) -> Option<ReleaseListener> {
+        if let Some(listener) = self.listener.get() {
+            return Some(listener.clone());
+        }
+        {
+            // A few assignments under the lock: nothing to poison.
+            let mut attempt = self.attempt.lock().unwrap_or_else(|e| e.into_inner());
+            match *attempt {
+                Attempt::Running => return None,
+                Attempt::FailedUntil(until) if Instant::now() < until => return None,
+                _ => *attempt = Attempt::Running,
+            }
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let opened = match &this.open {
+                Open::Server(client) => ReleaseListener::connect((**client).clone()).await,
+                Open::Cluster(builder) => ReleaseListener::connect_cluster(builder()).await,
+            };
+            let next = match opened {
+                Ok(listener) => {
+                    let _ = this.listener.set(listener);
+                    Attempt::Idle
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "could not open the release listener; waiters poll meanwhile");
+                    Attempt::FailedUntil(Instant::now() + RETRY)
+                }
+            };
+            *this.attempt.lock().unwrap_or_else(|e| e.into_inner()) = next;
+        });
+        None
+    }
+}
