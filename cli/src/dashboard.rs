@@ -86,7 +86,7 @@ where
         .layer(middleware::from_fn_with_state(shared.clone(), guard::<C>))
         .with_state(shared);
     let listener = tokio::net::TcpListener::bind(bind).await?;
-    println!("lockgate dashboard on http://{}/", listener.local_addr()?);
+    crate::say!("lockgate dashboard on http://{}/", listener.local_addr()?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

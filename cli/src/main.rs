@@ -38,7 +38,7 @@ struct Cli {
     #[arg(long, global = true)]
     cluster: bool,
     /// The key prefix the queues and locks live under.
-    #[arg(long, default_value = "lockgate", global = true)]
+    #[arg(long, default_value = "lockgate", global = true, value_parser = non_empty)]
     prefix: String,
     /// Print one JSON document instead of a table.
     #[arg(long, global = true)]
@@ -53,6 +53,7 @@ enum Command {
     Queues,
     /// A queue's counts: due, later, active, dead, oldest due age.
     Stats {
+        #[arg(value_parser = non_empty)]
         queue: String,
         /// Refresh in place every INTERVAL (default 1s) until Ctrl-C.
         #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = positive_duration)]
@@ -60,6 +61,7 @@ enum Command {
     },
     /// Dead letters, oldest first, with their errors and payloads.
     Dead {
+        #[arg(value_parser = non_empty)]
         queue: String,
         /// At most this many (1 to 1000).
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=1000))]
@@ -70,24 +72,32 @@ enum Command {
     },
     /// Re-drives dead letters: due now, with their counts reset.
     Requeue {
+        #[arg(value_parser = non_empty)]
         queue: String,
         /// The dead letter's id.
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        #[arg(required_unless_present = "all", conflicts_with = "all", value_parser = non_empty)]
         id: Option<String>,
         /// Every dead letter of the queue.
         #[arg(long)]
         all: bool,
     },
     /// Deletes a scheduled or dead message.
-    Remove { queue: String, id: String },
+    Remove {
+        #[arg(value_parser = non_empty)]
+        queue: String,
+        #[arg(value_parser = non_empty)]
+        id: String,
+    },
     /// Deletes every message of a queue (asks first, unless `--yes`).
     Purge {
+        #[arg(value_parser = non_empty)]
         queue: String,
         #[arg(long)]
         yes: bool,
     },
     /// Pushes a JSON message.
     Push {
+        #[arg(value_parser = non_empty)]
         queue: String,
         /// The message, as JSON.
         #[arg(value_name = "JSON")]
@@ -99,19 +109,23 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_rfc3339_weak)]
         at: Option<SystemTime>,
         /// The message's id (a second push with the same id changes nothing).
-        #[arg(long)]
+        #[arg(long, value_parser = non_empty)]
         id: Option<String>,
     },
     /// Held locks with their remaining TTL and fence.
     Locks {
         /// Only keys matching this glob (`order:*`).
-        #[arg(long = "match", default_value = "*")]
+        #[arg(long = "match", default_value = "*", value_parser = non_empty)]
         pattern: String,
     },
     /// One lock: its holder, remaining TTL and fence, or the last fence.
-    Lock { key: String },
+    Lock {
+        #[arg(value_parser = non_empty)]
+        key: String,
+    },
     /// Deletes a lock whoever holds it: an operator's emergency.
     Unlock {
+        #[arg(value_parser = non_empty)]
         key: String,
         /// Required: the holder keeps running without the lock, and another
         /// caller may take the key meanwhile.
@@ -119,17 +133,20 @@ enum Command {
         force: bool,
     },
     /// The holders of a key's permits: leases left, fences.
-    Permits { key: String },
+    Permits {
+        #[arg(value_parser = non_empty)]
+        key: String,
+    },
     /// Runs BENCHMARKS.md's workloads against this Redis, each beside its
     /// same-run comparator, under a throwaway prefix that is deleted
     /// afterwards (also on Ctrl-C).
     Bench {
         /// How long each timed workload runs.
-        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "3s", value_parser = positive_duration)]
         duration: Duration,
         /// Messages through the worker (and, up to 10,000, delayed ones).
-        #[arg(long, default_value_t = 100_000)]
-        messages: usize,
+        #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+        messages: u64,
         /// Run even when the server's maxmemory-policy may evict keys.
         #[arg(long)]
         allow_eviction: bool,
@@ -145,6 +162,40 @@ enum Command {
         #[arg(long, env = "LOCKGATE_DASHBOARD_TOKEN", hide_env_values = true)]
         token: Option<String>,
     },
+}
+
+/// Prints to stdout like `println!`, but a closed pipe (`lockgate … |
+/// head`) ends the command quietly, as it ends `ls`, instead of panicking.
+macro_rules! say {
+    ($($arg:tt)*) => { crate::emit(format_args!("{}\n", format_args!($($arg)*))) };
+}
+/// `print!` as [`say!`] does `println!`.
+macro_rules! say_inline {
+    ($($arg:tt)*) => { crate::emit(format_args!($($arg)*)) };
+}
+pub(crate) use say;
+
+/// Writes to stdout and flushes (so that `--watch` notices a closed pipe at
+/// once). A reader that went away ends the process with success: it chose
+/// to stop reading. Any other write error ends it with a message.
+fn emit(text: std::fmt::Arguments<'_>) {
+    let mut out = std::io::stdout().lock();
+    if let Err(error) = out.write_fmt(text).and_then(|()| out.flush()) {
+        if error.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        let _ = writeln!(std::io::stderr(), "lockgate: writing to stdout: {error}");
+        std::process::exit(1);
+    }
+}
+
+/// A name that is not empty (nor only white space): queues, keys, ids,
+/// prefixes, globs.
+fn non_empty(text: &str) -> Result<String, String> {
+    if text.trim().is_empty() {
+        return Err("must not be empty".into());
+    }
+    Ok(text.to_owned())
 }
 
 /// A duration above zero (`500ms`, `2s`).
@@ -273,6 +324,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         allow_eviction,
     } = cli.command
     {
+        // At most 100,000,000: fits any usize this builds for.
+        let messages = usize::try_from(messages).unwrap_or(usize::MAX);
         let size = bench::Size { duration, messages };
         return run_bench(&cli, url, conn, size, allow_eviction).await;
     }
@@ -383,7 +436,7 @@ where
                         let elapsed = since.elapsed().as_secs_f64().max(0.001);
                         since = std::time::Instant::now();
                         if !json && std::io::stdout().is_terminal() {
-                            print!("\x1b[H\x1b[2J"); // refresh in place
+                            say_inline!("\x1b[H\x1b[2J"); // refresh in place
                         }
                         out.stats(&name, &stats);
                         out.rates(seen.is_some(), &counts, elapsed);
@@ -589,18 +642,20 @@ async fn run_bench(
         Output { json: true }.print(&json!({ "prefix": prefix, "results": rows }));
         return Ok(());
     }
-    println!("| workload | lockgate | same-run comparator | ratio |");
-    println!("|---|---|---|---|");
+    say!("| workload | lockgate | same-run comparator | ratio |");
+    say!("|---|---|---|---|");
     for row in rows {
         let ratio = row
             .ratio
             .map_or("—".into(), |r| format!("{:.1} %", 100.0 * r));
-        println!(
+        say!(
             "| {} | {} | {} | {ratio} |",
-            row.workload, row.lockgate, row.comparator
+            row.workload,
+            row.lockgate,
+            row.comparator
         );
     }
-    println!("(keys under {prefix}: deleted)");
+    say!("(keys under {prefix}: deleted)");
     Ok(())
 }
 
@@ -621,7 +676,7 @@ fn confirm(question: &str) -> Result<bool, Failure> {
     if !std::io::stdin().is_terminal() {
         return Ok(false);
     }
-    print!("{question} [y/N] ");
+    say_inline!("{question} [y/N] ");
     std::io::stdout().flush()?;
     let mut answer = String::new();
     std::io::stdin().lock().read_line(&mut answer)?;
@@ -670,7 +725,7 @@ impl<'a> QueueRow<'a> {
 impl Output {
     fn print(&self, document: &impl Serialize) {
         // Serializing plain data into a string cannot fail.
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(document).unwrap_or_default()
         );
@@ -681,7 +736,7 @@ impl Output {
         if self.json {
             self.print(&document);
         } else {
-            println!("{line}");
+            say!("{line}");
         }
     }
 
@@ -691,14 +746,18 @@ impl Output {
             return self.print(&json!({ "queues": rows }));
         }
         if rows.is_empty() {
-            return println!("no queues");
+            return say!("no queues");
         }
-        println!(
+        say!(
             "{:<24} {:>8} {:>8} {:>8} {:>8}  oldest due",
-            "queue", "due", "later", "active", "dead"
+            "queue",
+            "due",
+            "later",
+            "active",
+            "dead"
         );
         for r in rows {
-            println!(
+            say!(
                 "{:<24} {:>8} {:>8} {:>8} {:>8}  {}",
                 r.queue,
                 r.due,
@@ -720,7 +779,7 @@ impl Output {
         let rates: BTreeMap<&str, f64> =
             counts.iter().map(|(k, n)| (*k, *n as f64 / secs)).collect();
         if !recorded {
-            return println!("  rates   (no lifecycle events recorded: Queue::record_events)");
+            return say!("  rates   (no lifecycle events recorded: Queue::record_events)");
         }
         let line: Vec<String> = [
             "pushed", "claimed", "done", "retried", "deferred", "parked", "dead",
@@ -728,7 +787,7 @@ impl Output {
         .iter()
         .map(|kind| format!("{kind} {:.0}/s", rates.get(kind).copied().unwrap_or(0.0)))
         .collect();
-        println!("  rates   {}", line.join("  "));
+        say!("  rates   {}", line.join("  "));
     }
 
     fn stats(&self, queue: &str, stats: &Stats) {
@@ -736,16 +795,16 @@ impl Output {
         if self.json {
             return self.print(&row);
         }
-        println!("{queue}");
-        println!("  due     {}", row.due);
-        println!("  later   {}", row.later);
-        println!("  active  {}", row.active);
-        println!("  dead    {}", row.dead);
+        say!("{queue}");
+        say!("  due     {}", row.due);
+        say!("  later   {}", row.later);
+        say!("  active  {}", row.active);
+        say!("  dead    {}", row.dead);
         if let Some(ms) = row.oldest_due_age_ms {
-            println!("  oldest due message waiting for {ms} ms");
+            say!("  oldest due message waiting for {ms} ms");
         }
         if let Some(ms) = row.next_due_in_ms {
-            println!("  next message due in {ms} ms");
+            say!("  next message due in {ms} ms");
         }
     }
 
@@ -772,10 +831,10 @@ impl Output {
             return self.print(&json!({ "dead": letters, "next": next }));
         }
         if dead.is_empty() {
-            return println!("no dead letters");
+            return say!("no dead letters");
         }
         for d in dead {
-            println!(
+            say!(
                 "{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
                 d.id,
                 d.failures,
@@ -786,7 +845,7 @@ impl Output {
             );
         }
         if let Some(next) = next {
-            println!("more: --after {next}");
+            say!("more: --after {next}");
         }
     }
 
@@ -807,13 +866,13 @@ impl Output {
             return self.print(&json!({ "locks": locks }));
         }
         if held.is_empty() {
-            return println!("no locks held");
+            return say!("no locks held");
         }
         for (key, h) in held {
             let fence = h.fence.map_or("none issued yet".into(), |f| f.to_string());
             match h.remaining {
-                Some(ttl) => println!("{key}: held, expires in {ttl:?}, fence {fence}"),
-                None => println!("{key}: held without expiry (not set by lockgate), fence {fence}"),
+                Some(ttl) => say!("{key}: held, expires in {ttl:?}, fence {fence}"),
+                None => say!("{key}: held without expiry (not set by lockgate), fence {fence}"),
             }
         }
     }
@@ -832,10 +891,10 @@ impl Output {
                 .collect();
             return self.print(&json!({ "key": key, "holders": holders }));
         }
-        println!("{key}: {} permit(s) in use", holders.len());
+        say!("{key}: {} permit(s) in use", holders.len());
         for h in holders {
             let fence = h.fence.map_or("none issued".into(), |f| f.to_string());
-            println!("  {}  expires in {:?}, fence {fence}", h.token, h.remaining);
+            say!("  {}  expires in {:?}, fence {fence}", h.token, h.remaining);
         }
     }
 }

@@ -573,3 +573,106 @@ async fn stats_watch_shows_rates_from_the_lifecycle_events() {
     let line = rated.expect("a rates line with pushes");
     assert!(line.contains("pushed ") && line.contains("/s"), "{line}");
 }
+
+/// Runs `lockgate` with stdout into a pipe whose reader takes one line and
+/// goes away, as `head -1` does; returns how the command ended and its
+/// stderr. It must end by itself, quietly.
+fn read_one_line_then_close(
+    server: &RedisServer,
+    args: &[&str],
+) -> (std::process::ExitStatus, String) {
+    use std::io::{BufRead, Read};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(args)
+        .env("REDIS_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap();
+    assert!(!first.is_empty(), "printed nothing");
+    drop(reader); // the reader goes away
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "`lockgate {}` kept running after its reader went away",
+                args.join(" ")
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    (status, stderr)
+}
+
+#[tokio::test]
+async fn a_closed_pipe_ends_a_command_quietly() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn.clone(), "piped").unwrap();
+    for n in 0..3 {
+        q.push(serde_json::json!(n)).await.unwrap();
+    }
+    for args in [
+        &["stats", "piped", "--watch", "50ms"][..],
+        &["--json", "stats", "piped", "--watch", "50ms"][..],
+        &["stats", "piped"][..],
+    ] {
+        let (status, stderr) = read_one_line_then_close(&server, args);
+        assert!(
+            status.success() && stderr.is_empty(),
+            "`lockgate {}` ended with {status}: {stderr}",
+            args.join(" ")
+        );
+    }
+}
+
+#[tokio::test]
+async fn empty_names_are_usage_errors() {
+    let server = RedisServer::start().unwrap();
+    for args in [
+        &["lock", ""][..],
+        &["lock", "  "][..],
+        &["unlock", "", "--force"][..],
+        &["permits", ""][..],
+        &["stats", ""][..],
+        &["dead", ""][..],
+        &["requeue", "q", ""][..],
+        &["remove", "q", ""][..],
+        &["remove", "", "id"][..],
+        &["purge", "", "--yes"][..],
+        &["push", "", "1"][..],
+        &["push", "q", "1", "--id", ""][..],
+        &["locks", "--match", ""][..],
+        &["--prefix", "", "queues"][..],
+        &["bench", "--messages", "0"][..],
+        &["bench", "--duration", "0s"][..],
+    ] {
+        let output = lockgate(&server, args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "`lockgate {}`: {stderr}",
+            args.join(" ")
+        );
+        assert!(
+            stderr.contains("error:"),
+            "`lockgate {}`: {stderr}",
+            args.join(" ")
+        );
+    }
+}
