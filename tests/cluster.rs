@@ -1107,3 +1107,66 @@ async fn rate_limits_on_every_node_admit_refuse_and_reserve() {
     }
     assert_eq!(nodes.len(), 3, "the keys reach every node");
 }
+
+/// A release script on a cluster node sees whether a waiter's process still
+/// listens: the presence channel (`<lock key>#<tag>`) has the lock key's
+/// hash tag, so `SSUBSCRIBE` puts it on the key's node, where the script's
+/// `PUBSUB SHARDNUMSUB` counts it. A waiter's line entry names its process
+/// by its token's first 8 characters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_script_sees_a_waiting_process_s_presence_on_the_key_s_node() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let holder = Locker::new(connect(&cluster).await)
+        .ttl(Duration::from_secs(30))
+        .unwrap();
+    for key in lock_keys().into_iter().take(6) {
+        let lease = holder.acquire(&key).await.unwrap().lease().expect("free");
+        let urls = cluster.urls();
+        let locker = Locker::connect_cluster(move || {
+            redis::cluster::ClusterClientBuilder::new(urls.clone())
+        })
+        .await
+        .unwrap();
+        let backoff = Backoff::exponential(ms(1), ms(1))
+            .unwrap()
+            .unlimited_attempts()
+            .max_elapsed(Duration::from_secs(20));
+        let svc = ServiceBuilder::new()
+            .layer(
+                LockLayer::new(locker, |k: &String| k.clone())
+                    .on_conflict(OnConflict::retry(backoff)),
+            )
+            .service_fn(|k: String| async move { Ok::<_, BoxError>(k) });
+        let call = tokio::spawn(tower::ServiceExt::oneshot(svc, key.clone()));
+        let line = format!("{}:waiters", holder.lock_key(&key));
+        let mut member = String::new();
+        support::eventually("the waiter stands in line", support::BOUNDED, async || {
+            let first: Vec<String> = redis::cmd("ZRANGE")
+                .arg(&line)
+                .arg(0)
+                .arg(0)
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+            member = first.first().cloned().unwrap_or_default();
+            support::done_if(!member.is_empty(), &first)
+        })
+        .await;
+        let listening: Vec<redis::Value> = redis::Script::new(
+            "return redis.call('PUBSUB', 'SHARDNUMSUB', KEYS[1] .. '#' .. string.sub(ARGV[1], 1, 8))",
+        )
+        .key(holder.lock_key(&key))
+        .arg(&member)
+        .invoke_async(&mut conn.clone())
+        .await
+        .unwrap();
+        assert_eq!(
+            listening.get(1),
+            Some(&redis::Value::Int(1)),
+            "{key}: {listening:?}"
+        );
+        assert!(holder.release(&lease).await.unwrap());
+        assert_eq!(call.await.unwrap().unwrap(), lockgate::Outcome::Done(key));
+    }
+}

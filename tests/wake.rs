@@ -238,7 +238,7 @@ async fn the_listener_comes_back_after_its_connection_is_killed() {
 // ---------------------------------------------------------------------------
 
 /// Environment variable that turns the ignored test `child` into a worker
-/// process: `<redis url>;<tasks>;<calls per task>;<keys>;<hold ms>`.
+/// process: `<redis url>;<tasks>;<calls per task>;<keys>;<hold ms>[;<permits>]`.
 const CHILD: &str = "LOCKGATE_WAKE_CHILD";
 
 /// A child process: `tasks` tasks each make `calls` calls over the hot
@@ -251,9 +251,11 @@ async fn child() {
         return;
     };
     let parts: Vec<&str> = spec.split(';').collect();
-    let [url, tasks, calls, keys, hold] = parts[..] else {
+    let [url, tasks, calls, keys, hold, ref permits @ ..] = parts[..] else {
         panic!("bad {CHILD}: {spec}");
     };
+    // Optional sixth part: permits per key (a lock when absent).
+    let permits: u32 = permits.first().map_or(1, |p| p.parse().unwrap());
     let (tasks, calls, keys, hold): (usize, usize, usize, u64) = (
         tasks.parse().unwrap(),
         calls.parse().unwrap(),
@@ -268,6 +270,10 @@ async fn child() {
         .unlimited_attempts()
         .max_elapsed(secs(60));
     let layer = waiting_layer(conn, secs(10), backoff, listener);
+    let layer = match permits {
+        1 => layer,
+        n => layer.permits(n).unwrap(),
+    };
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
     let svc = layer.layer(service_fn(move |key: String| {
         record(out.clone(), key, hold)
@@ -429,16 +435,27 @@ async fn waiters_in_other_processes_take_the_lock_in_the_order_they_came() {
     );
 }
 
+/// A waiter whose process is alive (its listener still subscribed) but
+/// which never takes the lock handed to it (a long pause, a blocked thread,
+/// a hang with the connection open) holds the key up for the hand-off time
+/// at most. (A waiter whose process died is skipped at once:
+/// `a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up`.)
 #[tokio::test]
-async fn a_waiter_that_died_in_line_holds_the_lock_up_for_the_hand_off_time_only() {
+async fn a_waiter_that_never_takes_the_lock_holds_it_up_for_the_hand_off_time_only() {
     let server = server();
     let conn = manager(&server).await;
     let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
     let lease = acquired(&holder, "k").await;
-    // What a waiter that died in line leaves: its token, first in line.
+    // A waiter that stands first in line and whose process listens (its
+    // presence channel is subscribed), but that never takes the lock.
     let dead = "deaddeaddeaddeaddeaddeaddeaddead";
     let line = format!("{}:waiters", holder.lock_key("k"));
     let _: i64 = raw(&conn, &["ZADD", &line, "1", dead]).await;
+    let mut stalled = server.client().get_async_pubsub().await.unwrap();
+    stalled
+        .subscribe(format!("{}#deaddead", holder.lock_key("k")))
+        .await
+        .unwrap();
 
     let listener = ReleaseListener::connect(server.client()).await.unwrap();
     let layer = waiting_layer(
@@ -547,4 +564,120 @@ async fn a_handed_lock_is_kept_past_the_hand_off_time() {
     );
     let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
     assert_eq!(outcome, Outcome::Done("ran"));
+}
+
+/// How many entries stand in the line of `line_key`.
+async fn line_len(conn: &ConnectionManager, line_key: &str) -> i64 {
+    raw(conn, &["ZCARD", line_key]).await
+}
+
+/// A process killed (SIGKILL) with waiters in a key's line: the release
+/// skips all of them at once (their process no longer listens) and hands
+/// the key to the live waiter behind them. On the old code each release
+/// handed the key to a dead waiter for the 500 ms hand-off time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let lease = acquired(&holder, "hot-0").await;
+    let line = format!("{}:waiters", holder.lock_key("hot-0"));
+    // A process whose 8 tasks wait for the key (its first in the key's line).
+    let mut child = spawn_child(CHILD, &format!("{};8;1;1;1", server.url()));
+    support::eventually("the child waits in line", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n >= 1, n)
+    })
+    .await;
+    // A live waiter, behind it.
+    let started = Arc::new(std::sync::Mutex::new(None));
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let svc = layer.layer(service_fn({
+        let started = started.clone();
+        move |_k: String| {
+            *started.lock().unwrap() = Some(tokio::time::Instant::now());
+            async { Ok::<_, BoxError>(()) }
+        }
+    }));
+    let before = line_len(&conn, &line).await;
+    let call = tokio::spawn(svc.oneshot("hot-0".to_owned()));
+    support::eventually("the live waiter stands in line", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n > before, n)
+    })
+    .await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let released = tokio::time::Instant::now();
+    assert!(holder.release(&lease).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done(()));
+    let idle = started.lock().unwrap().unwrap() - released;
+    assert!(
+        idle < ms(200),
+        "the key waited {idle:?} for its dead waiters (the hand-off time is 500 ms)"
+    );
+}
+
+/// The same with permits: a process holding none of a key's 3 permits but
+/// with several waiters in its line is killed; each freed permit goes to a
+/// live waiter at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let mut leases = Vec::new();
+    for _ in 0..3 {
+        let lease = holder.acquire_permit("hot-0", 3).await.unwrap().lease();
+        leases.push(lease.expect("a free permit"));
+    }
+    let line = format!("{}:waiters", holder.permits_key("hot-0"));
+    let mut child = spawn_child(CHILD, &format!("{};8;1;1;1;3", server.url()));
+    support::eventually("the child's waiters stand in line", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n >= 3, n)
+    })
+    .await;
+    let started = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    )
+    .permits(3)
+    .unwrap();
+    let svc = layer.layer(service_fn({
+        let started = started.clone();
+        move |_k: String| {
+            started.lock().unwrap().push(tokio::time::Instant::now());
+            async { Ok::<_, BoxError>(()) }
+        }
+    }));
+    let before = line_len(&conn, &line).await;
+    let call = tokio::spawn(svc.oneshot("hot-0".to_owned()));
+    support::eventually("the live waiter stands in line", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n > before, n)
+    })
+    .await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let released = tokio::time::Instant::now();
+    assert!(holder.release(&leases[0]).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done(()));
+    let idle = started.lock().unwrap()[0] - released;
+    assert!(
+        idle < ms(200),
+        "the permit waited {idle:?} for dead waiters (the hand-off time is 500 ms)"
+    );
 }

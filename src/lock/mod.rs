@@ -154,7 +154,13 @@ impl Line {
 }
 
 static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("line.lua"),
+        "\n",
+        include_str!("release.lua")
+    ))
+});
 static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
 static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fence.lua")));
 
@@ -1413,19 +1419,40 @@ pub(crate) enum Released {
     Other,
 }
 
-/// A random token: 128 bits as 32 lowercase hex digits, kept inline and
-/// written without `core::fmt` (one is made for every acquire).
+/// A random token: 32 lowercase hex digits, kept inline and written without
+/// `core::fmt` (one is made for every acquire). The first 8 name this
+/// process ([`process_tag`]), the other 96 bits are random: a release script
+/// can tell from a waiter's token whether its process still listens (see
+/// `release.lua`).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Token([u8; 32]);
 
+/// Hex digits that start every token of this process: random, drawn once.
+const TAG_LEN: usize = 8;
+
+static PROCESS_TAG: LazyLock<[u8; TAG_LEN]> = LazyLock::new(|| hex(rand::random::<u128>()));
+
+/// The 8 hex digits that start this process's tokens, and name its
+/// listener's presence channels (see [`ReleaseListener`]).
+pub(crate) fn process_tag() -> &'static str {
+    // Hex digits only: always UTF-8.
+    std::str::from_utf8(&*PROCESS_TAG).unwrap_or_default()
+}
+
+/// The first `N` hex digits of `bits`.
+fn hex<const N: usize>(bits: u128) -> [u8; N] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0; N];
+    for (i, digit) in out.iter_mut().enumerate() {
+        *digit = HEX[((bits >> (4 * (31 - i))) & 0xf) as usize];
+    }
+    out
+}
+
 impl Token {
     pub(crate) fn random() -> Self {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let bits = rand::random::<u128>();
-        let mut token = [0; 32];
-        for (i, digit) in token.iter_mut().enumerate() {
-            *digit = HEX[((bits >> (4 * (31 - i))) & 0xf) as usize];
-        }
+        let mut token: [u8; 32] = hex(rand::random::<u128>());
+        token[..TAG_LEN].copy_from_slice(&*PROCESS_TAG);
         Self(token)
     }
 

@@ -5,7 +5,9 @@
 -- token is published on the lock key's own channel (which has the lock
 -- key's hash slot: `SPUBLISH` reaches the waiters of a cluster node,
 -- `PUBLISH` those of a single server). So waiters take the lock in the order
--- they came, across processes; a waiter that died meanwhile holds it up for
+-- they came, across processes. Waiters whose process died are skipped
+-- (line.lua, prepended); a waiter that dies after the hand-off reached it,
+-- or whose process hangs with its connection open, holds the lock up for
 -- the hand-off time at most. When the line is empty, the publish is empty:
 -- every waiter listening tries again.
 -- A token that does not hold the lock leaves the line (a waiter that gave
@@ -19,7 +21,8 @@
 -- Returns 1 when released, 0 when the lock was gone (expired, or released
 -- already: a resent release whose first copy ran), -1 when another token
 -- holds it.
--- Usual cost: GET, DEL (a hand-off: ZPOPMIN, SET, ZCARD and a publish).
+-- Usual cost: GET, DEL (a hand-off: ZPOPMIN, PUBSUB NUMSUB, SET, ZCARD and a
+-- publish).
 local value = redis.call('GET', KEYS[1])
 if value == ARGV[1] then -- the usual case: no fence, nobody waiting
   redis.call('DEL', KEYS[1])
@@ -38,7 +41,7 @@ if string.byte(value, -1) ~= 33 then
   return 1
 end
 redis.call('ZREM', KEYS[2], ARGV[1]) -- never hand it to ourselves
-local next = redis.call('ZPOPMIN', KEYS[2])[1]
+local next = pop_live(KEYS[2], KEYS[1], ARGV[2]) -- see line.lua
 if not next then
   redis.call('DEL', KEYS[1])
   redis.call(ARGV[2], KEYS[1], '')

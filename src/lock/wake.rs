@@ -20,6 +20,22 @@ const TICK: Duration = Duration::from_secs(1);
 /// The longest a connection attempt or a check of the connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The channel that tells release scripts this process still listens on
+/// `channel`: `<channel>#<process tag>` (the tag starts every token this
+/// process makes). Subscribed and unsubscribed with `channel`; Redis drops
+/// it by itself when the process's connection closes (it died).
+pub(crate) fn presence(channel: &str) -> String {
+    format!("{channel}#{}", super::process_tag())
+}
+
+/// `names` with their presence channels.
+fn with_presence(names: &[String]) -> Vec<String> {
+    names
+        .iter()
+        .flat_map(|name| [name.clone(), presence(name)])
+        .collect()
+}
+
 /// Wakes this process's lock waiters when the lock they wait for is
 /// released, by any process: one subscriber connection for all keys.
 ///
@@ -50,9 +66,14 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// the lock was handed elsewhere and sleep on. Permits work alike, one
 /// freed permit per waiter. A holder that dies publishes nothing: its
 /// lock's expiry ends the wait instead, since a waiter sleeps at most the
-/// holder's remaining TTL; a waiter that dies in line holds the lock up for
-/// the hand-off time at most (the others, told of the hand-off, try again
-/// when it ends).
+/// holder's remaining TTL. A waiter whose process died is skipped by the
+/// release, with all the waiters of its process: beside each channel, the
+/// listener subscribes a presence channel named after it and this process's
+/// tag (the first 8 characters of its tokens), which Redis drops when the
+/// process's connection closes, and the release script checks it. A waiter
+/// that is alive but does not take what it was handed (a long pause, a hang
+/// with the connection open) holds the lock up for the hand-off time at
+/// most (the others, told of the hand-off, try again when it ends).
 ///
 /// This gives strict FIFO across processes with nothing to poll, and pub/sub
 /// carries it because it costs nothing while nobody waits, needs one
@@ -380,7 +401,7 @@ async fn run(
                     let Some(idle) = take_idle(&shared) else { return };
                     let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
                         if !idle.is_empty() {
-                            sink.unsubscribe(&idle).await?;
+                            sink.unsubscribe(with_presence(&idle)).await?;
                         }
                         sink.ping::<redis::Value>().await
                     })
@@ -443,7 +464,7 @@ async fn run_cluster(
             _ = tick.tick() => {
                 let Some(idle) = take_idle(&shared) else { return };
                 for name in idle {
-                    if let Err(error) = conn.sunsubscribe(&name).await {
+                    if let Err(error) = conn.sunsubscribe(with_presence(std::slice::from_ref(&name))).await {
                         tracing::debug!(%error, channel = %name, "release listener: could not unsubscribe");
                     }
                 }
@@ -471,7 +492,9 @@ async fn subscribe_one(
     shared: &std::sync::Weak<Shared>,
     name: String,
 ) {
-    match tokio::time::timeout(CONNECT_TIMEOUT, conn.ssubscribe(&name)).await {
+    // The presence channel has the channel's hash tag: the same node.
+    let names = with_presence(std::slice::from_ref(&name));
+    match tokio::time::timeout(CONNECT_TIMEOUT, conn.ssubscribe(&names)).await {
         Ok(Ok(())) => confirm(shared, std::slice::from_ref(&name)),
         Ok(Err(error)) => {
             tracing::warn!(%error, channel = %name, "release listener: could not subscribe")
@@ -550,7 +573,8 @@ fn take_idle(shared: &std::sync::Weak<Shared>) -> Option<Vec<String>> {
 /// `SUBSCRIBE`s to `names`, waiting at most `CONNECT_TIMEOUT` for the
 /// confirmation (a hung server must not stall the dispatch of releases).
 async fn subscribe(sink: &mut redis::aio::PubSubSink, names: &[String]) -> redis::RedisResult<()> {
-    match tokio::time::timeout(CONNECT_TIMEOUT, sink.subscribe(names)).await {
+    let names = with_presence(names);
+    match tokio::time::timeout(CONNECT_TIMEOUT, sink.subscribe(&names)).await {
         Ok(subscribed) => subscribed,
         Err(_) => Err(redis::RedisError::from((
             redis::ErrorKind::Io,

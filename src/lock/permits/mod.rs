@@ -39,7 +39,11 @@ use crate::script;
 
 /// The permit functions, prepended to the scripts that take or give back
 /// permits (also the queue's parking scripts for permits).
-pub(crate) const PERMITS_LUA: &str = include_str!("permits.lua");
+pub(crate) const PERMITS_LUA: &str = concat!(
+    include_str!("../line.lua"),
+    "\n",
+    include_str!("permits.lua")
+);
 
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("acquire.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("release.lua")));

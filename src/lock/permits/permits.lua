@@ -65,7 +65,8 @@ end
 
 -- Gives `token`'s permit back. If waiters stand in the key's line, the
 -- permit is handed to the first whose own limit the remaining holders
--- leave room for (of the first 16): leased to it for `handoff` ms (its next
+-- leave room for (of the first 16), skipping the waiters of processes that
+-- died (see line.lua, prepended): leased to it for `handoff` ms (its next
 -- try, or its watchdog, makes that a whole lease), and its token is
 -- published with `publish` ("PUBLISH" or "SPUBLISH") on the set's channel.
 -- When none of them can take it, an empty publish wakes every waiter to
@@ -77,8 +78,8 @@ end
 -- dropped it, or a resent release's first copy ran). A lease that ran out
 -- but is still in the set is released as usual: it was counted as held
 -- until now, so no one else has held that permit meanwhile.
--- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, ZCARD, ZREM, TIME, ZADD,
--- PTTL and a publish too).
+-- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, ZCARD, PUBSUB NUMSUB per
+-- waiter looked at, ZREM, TIME, ZADD, PTTL and a publish too).
 local function free_permit(set, line, fences, token, limit, publish, fenced, handoff)
   if redis.call('ZREM', set, token) == 0 then
     redis.call('ZREM', line, in_line_as(token, limit))
@@ -93,9 +94,15 @@ local function free_permit(set, line, fences, token, limit, publish, fenced, han
   end
   redis.call('ZREM', line, in_line_as(token, limit)) -- never to ourselves
   local held = redis.call('ZCARD', set)
+  local dead = {}
   for _, member in ipairs(waiting) do
     local waiter, allowed = string.match(member, '^(.*)/(%d+)$')
-    if waiter and waiter ~= token and held < tonumber(allowed) then
+    local tag = string.sub(member, 1, 8)
+    if waiter and not dead[tag] and not listens(set, member, publish) then
+      -- Its process died: skip all its waiters (see line.lua).
+      dead[tag] = true
+      drop_process(line, member)
+    elseif waiter and not dead[tag] and waiter ~= token and held < tonumber(allowed) then
       redis.call('ZREM', line, member)
       local t = redis.call('TIME')
       local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
