@@ -619,6 +619,7 @@ async fn a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up() {
     let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
     assert_eq!(outcome, Outcome::Done(()));
     let idle = started.lock().unwrap().unwrap() - released;
+    println!("release → the live waiter starts: {idle:?}");
     assert!(
         idle < ms(200),
         "the key waited {idle:?} for its dead waiters (the hand-off time is 500 ms)"
@@ -676,6 +677,7 @@ async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
     let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
     assert_eq!(outcome, Outcome::Done(()));
     let idle = started.lock().unwrap()[0] - released;
+    println!("release → the live waiter starts: {idle:?}");
     assert!(
         idle < ms(200),
         "the permit waited {idle:?} for dead waiters (the hand-off time is 500 ms)"
