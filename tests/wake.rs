@@ -571,25 +571,38 @@ async fn line_len(conn: &ConnectionManager, line_key: &str) -> i64 {
     raw(conn, &["ZCARD", line_key]).await
 }
 
-/// A process killed (SIGKILL) with waiters in a key's line: the release
-/// skips all of them at once (their process no longer listens) and hands
-/// the key to the live waiter behind them. On the old code each release
-/// handed the key to a dead waiter for the 500 ms hand-off time.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up() {
+/// A child process with 8 tasks waiting for key `hot-0` (a lock, or one of
+/// `permits` permits, all held by this process) stands first in the key's
+/// line, a live waiter of this process behind it; the child is killed
+/// (SIGKILL), then one lock or permit is released. Returns how long after
+/// the release the live waiter's handler started.
+async fn idle_after_killing_waiters(permits: u32) -> Duration {
     let server = server();
     let conn = manager(&server).await;
     let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
-    let lease = acquired(&holder, "hot-0").await;
-    let line = format!("{}:waiters", holder.lock_key("hot-0"));
-    // A process whose 8 tasks wait for the key (its first in the key's line).
-    let mut child = spawn_child(CHILD, &format!("{};8;1;1;1", server.url()));
-    support::eventually("the child waits in line", BOUNDED, async || {
+    let (leases, line) = match permits {
+        1 => (
+            vec![acquired(&holder, "hot-0").await],
+            format!("{}:waiters", holder.lock_key("hot-0")),
+        ),
+        n => {
+            let mut leases = Vec::new();
+            for _ in 0..n {
+                let lease = holder.acquire_permit("hot-0", n).await.unwrap().lease();
+                leases.push(lease.expect("a free permit"));
+            }
+            (leases, format!("{}:waiters", holder.permits_key("hot-0")))
+        }
+    };
+    let spec = format!("{};8;1;1;1;{permits}", server.url());
+    let mut child = spawn_child(CHILD, &spec);
+    // As many of its waiters as may stand in line (one per permit).
+    let expected = i64::from(permits);
+    support::eventually("the child's waiters stand in line", BOUNDED, async || {
         let n = line_len(&conn, &line).await;
-        support::done_if(n >= 1, n)
+        support::done_if(n >= expected, n)
     })
     .await;
-    // A live waiter, behind it.
     let started = Arc::new(std::sync::Mutex::new(None));
     let listener = ReleaseListener::connect(server.client()).await.unwrap();
     let layer = waiting_layer(
@@ -598,68 +611,17 @@ async fn a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up() {
         polling_backoff(),
         listener,
     );
+    let layer = match permits {
+        1 => layer,
+        n => layer.permits(n).unwrap(),
+    };
     let svc = layer.layer(service_fn({
         let started = started.clone();
         move |_k: String| {
-            *started.lock().unwrap() = Some(tokio::time::Instant::now());
-            async { Ok::<_, BoxError>(()) }
-        }
-    }));
-    let before = line_len(&conn, &line).await;
-    let call = tokio::spawn(svc.oneshot("hot-0".to_owned()));
-    support::eventually("the live waiter stands in line", BOUNDED, async || {
-        let n = line_len(&conn, &line).await;
-        support::done_if(n > before, n)
-    })
-    .await;
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let released = tokio::time::Instant::now();
-    assert!(holder.release(&lease).await.unwrap());
-    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
-    assert_eq!(outcome, Outcome::Done(()));
-    let idle = started.lock().unwrap().unwrap() - released;
-    println!("release → the live waiter starts: {idle:?}");
-    assert!(
-        idle < ms(200),
-        "the key waited {idle:?} for its dead waiters (the hand-off time is 500 ms)"
-    );
-}
-
-/// The same with permits: a process holding none of a key's 3 permits but
-/// with several waiters in its line is killed; each freed permit goes to a
-/// live waiter at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
-    let server = server();
-    let conn = manager(&server).await;
-    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
-    let mut leases = Vec::new();
-    for _ in 0..3 {
-        let lease = holder.acquire_permit("hot-0", 3).await.unwrap().lease();
-        leases.push(lease.expect("a free permit"));
-    }
-    let line = format!("{}:waiters", holder.permits_key("hot-0"));
-    let mut child = spawn_child(CHILD, &format!("{};8;1;1;1;3", server.url()));
-    support::eventually("the child's waiters stand in line", BOUNDED, async || {
-        let n = line_len(&conn, &line).await;
-        support::done_if(n >= 3, n)
-    })
-    .await;
-    let started = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let listener = ReleaseListener::connect(server.client()).await.unwrap();
-    let layer = waiting_layer(
-        manager(&server).await,
-        secs(30),
-        polling_backoff(),
-        listener,
-    )
-    .permits(3)
-    .unwrap();
-    let svc = layer.layer(service_fn({
-        let started = started.clone();
-        move |_k: String| {
-            started.lock().unwrap().push(tokio::time::Instant::now());
+            started
+                .lock()
+                .unwrap()
+                .get_or_insert(tokio::time::Instant::now());
             async { Ok::<_, BoxError>(()) }
         }
     }));
@@ -676,8 +638,30 @@ async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
     assert!(holder.release(&leases[0]).await.unwrap());
     let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
     assert_eq!(outcome, Outcome::Done(()));
-    let idle = started.lock().unwrap()[0] - released;
+    let idle = started.lock().unwrap().expect("the handler ran") - released;
     println!("release → the live waiter starts: {idle:?}");
+    idle
+}
+
+/// A process killed (SIGKILL) with waiters in a key's line: the release
+/// skips all of them at once (their process no longer listens) and hands
+/// the key to the live waiter behind them. On the old code each release
+/// handed the key to a dead waiter for the 500 ms hand-off time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_s_waiters_in_line_do_not_hold_the_lock_up() {
+    let idle = idle_after_killing_waiters(1).await;
+    assert!(
+        idle < ms(200),
+        "the key waited {idle:?} for its dead waiters (the hand-off time is 500 ms)"
+    );
+}
+
+/// The same with permits: a process holding none of a key's 3 permits but
+/// with several waiters in its line is killed; a freed permit goes to a
+/// live waiter at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
+    let idle = idle_after_killing_waiters(3).await;
     assert!(
         idle < ms(200),
         "the permit waited {idle:?} for dead waiters (the hand-off time is 500 ms)"

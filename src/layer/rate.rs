@@ -257,7 +257,7 @@ where
     let reserves = running
         .job
         .as_ref()
-        .filter(|job| !job.unverified && then.defers_in_place_until_allowed(job))
+        .filter(|job| then.defers_in_place_until_allowed(job))
         .map(|job| job.token.id().to_owned());
     let token = Token::random();
     let member = reserves.as_deref().unwrap_or(token.as_str());

@@ -168,9 +168,7 @@ where
             parking.message = running
                 .job
                 .as_ref()
-                // (One taken unverified parks as a new message would: see
-                // `RunningJob`; its deferral checks it.)
-                .filter(|job| job.queue.data == parking.data && !job.unverified)
+                .filter(|job| job.queue.data == parking.data)
                 .map(|job| job.token.id().to_owned());
             locker.parking_ticket(key, parking, permits)?
         }

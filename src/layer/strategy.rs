@@ -326,19 +326,7 @@ where
         // message: a redelivered copy finds it and is not pushed twice.
         let id = crate::queue::take_message_id();
         let parks = self.delay == DeferDelay::UntilReleased;
-        let payload = running
-            .as_ref()
-            .filter(|job| job.unverified)
-            .map(|_| serde_json::to_value(&req).unwrap_or_default());
         Box::pin(async move {
-            // Taken where a handler's own calls come from too: it is the
-            // running job only if this request is its payload.
-            let running = match (running, payload) {
-                (Some(job), Some(payload)) if !queue.stores(job.token.id(), &payload).await? => {
-                    None
-                }
-                (running, _) => running,
-            };
             match running {
                 Some(job) if parks => {
                     park_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy).await

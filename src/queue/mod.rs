@@ -1408,27 +1408,6 @@ where
         Ok(events::follow(connector, self.keys.events.clone(), from))
     }
 
-    /// Whether the message stored under `id` is `payload` (a `T` as JSON):
-    /// its stored JSON, read as a `T`, equals it. Compares values, never
-    /// bytes: another producer's JSON may differ in spacing, field order or
-    /// fields `T` does not know. False when no message `id` is stored, or its
-    /// record does not decode.
-    pub(crate) async fn stores(&self, id: &str, payload: &serde_json::Value) -> Result<bool> {
-        let attempted = || format!("reading message `{id}` of queue `{}`", self.name());
-        let record: Option<Vec<u8>> = redis::cmd("HGET")
-            .arg(&self.keys.data)
-            .arg(id)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
-        let stored = record
-            .as_deref()
-            .and_then(job::split_record)
-            .and_then(|record| serde_json::from_slice::<T>(record.payload).ok())
-            .and_then(|stored| serde_json::to_value(stored).ok());
-        Ok(stored.as_ref() == Some(payload))
-    }
-
     /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
     /// soonest due first (a message with a priority is listed with it; the
     /// claim order among due messages puts priorities first), and the

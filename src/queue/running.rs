@@ -18,33 +18,36 @@
 //! a new message).
 //!
 //! The worker offers the claim for the whole of the call: while it calls
-//! the service and while it polls the future the call returned, on the
-//! worker's task. The first `LockLayer` (or `RateLimitLayer`) that needs a
-//! lock for the request takes it in its `call`, wherever that call is made
-//! from: directly, through `map_request` and the like, or from the future of
-//! a middleware that calls its inner service later (an `async` wrapper,
-//! `and_then`, `ServiceExt::oneshot` in a `service_fn`). Once taken, the
-//! slot is empty: calls a handler makes through other `LockLayer`s find
-//! nothing and push their requests as the new messages they are. A layer
-//! that took it and did not need it (it does not defer into the job's
+//! the service, and while it polls the future the call returned, on the
+//! worker's task. During `call`, the first `LockLayer` (or
+//! `RateLimitLayer`) that needs a lock for the request takes it (the request
+//! passing through `map_request` and the like). From the future, where a
+//! middleware that calls its inner service later (an `async` wrapper,
+//! `and_then`, `ServiceExt::oneshot` in a `service_fn`) and a handler's own
+//! calls both come from, a layer takes it only once the job's payload was
+//! taken out of it ([`Job::into_payload`](crate::Job::into_payload), as
+//! `map_request(|job: Job<T>| job.into_payload())` does): that request is
+//! the job. A handler that forwards a copy of its payload (or any other
+//! message) through a `LockLayer` keeps its job, and the forwarded message
+//! is pushed as the new message it is. Once taken, the slot is empty. A
+//! layer that took it and did not need it (it does not defer into the job's
 //! queue), or that needs no lock for this request, hands it on to the
 //! layers it wraps, but only while it calls them (synchronously): never to
 //! the handler's own calls.
 //!
 //! What the claim cannot reach: a service that calls its inner service on
-//! another task (tower's `Buffer`), and a layer wrapped by another lock
-//! layer through a middleware that calls later. A deferral there pushes a
-//! copy under a new id (its counts start again, fields the payload type
-//! does not know are lost) and the worker acknowledges the original; the
-//! worker sees that no layer took its claim and counts it as
-//! [`copied`](crate::worker::MetricsSnapshot::copied), with a warning. The
-//! one case the claim cannot tell apart: a worker whose service has no
-//! layer that takes it before the handler, and whose handler calls a
-//! `LockLayer` that defers into the worker's own queue: that layer takes
-//! the running job. Put a lock layer (a key function may return `None`) in
-//! front of such a handler.
+//! another task (tower's `Buffer`), a layer behind a middleware that calls
+//! later and clones the payload instead of taking it out, and a layer
+//! wrapped by another lock layer through a middleware that calls later. A
+//! deferral there pushes a copy under a new id (its counts start again,
+//! fields the payload type does not know are lost) and the worker
+//! acknowledges the original; when no layer took its claim, the worker
+//! counts it as [`copied`](crate::worker::MetricsSnapshot::copied), with a
+//! warning. A `LockLayer` whose request is the `Job<T>` itself needs none of
+//! this: the job carries its claim.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::job::Job;
@@ -97,23 +100,35 @@ impl Handoff {
 }
 
 /// Where a worker offers the claim it is running, for the whole call (see
-/// the module's documentation). Shared by the worker and the task-local,
-/// so that the worker learns afterwards whether a layer took it.
+/// the module's documentation). Shared by the worker, the job (which says
+/// when its payload is taken out) and the task-local, so that the worker
+/// learns afterwards whether a layer took it.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Slot {
-    /// The claim, until a layer takes it.
-    job: Arc<Mutex<Option<RunningJob>>>,
+    shared: Arc<Offer>,
     /// Offered while the worker's future is polled, where a handler's own
-    /// calls come from too: a layer that takes it from there must check
-    /// that its request is the job's payload before rescheduling the job.
-    unverified: bool,
+    /// calls come from too: there only a request that is the job's own
+    /// payload (taken out with `Job::into_payload`) may take the claim.
+    from_future: bool,
+}
+
+#[derive(Debug, Default)]
+struct Offer {
+    /// The claim, until a layer takes it.
+    job: Mutex<Option<RunningJob>>,
+    /// The job's payload was taken out (`Job::into_payload`): it travels on
+    /// as a request of its own, and is the job.
+    payload_out: AtomicBool,
 }
 
 impl Slot {
     pub(crate) fn new(job: Option<RunningJob>) -> Self {
         Self {
-            job: Arc::new(Mutex::new(job)),
-            unverified: false,
+            shared: Arc::new(Offer {
+                job: Mutex::new(job),
+                payload_out: AtomicBool::new(false),
+            }),
+            from_future: false,
         }
     }
 
@@ -122,24 +137,38 @@ impl Slot {
         RUNNING.sync_scope(self.clone(), f)
     }
 
-    /// Offers this slot to [`RunningJob::take`] while `call` is polled, for
-    /// requests that prove to be the job's payload.
+    /// Offers this slot to [`RunningJob::take`] while `call` is polled, to
+    /// the job's own payload only (see [`Slot::from_future`]).
     pub(crate) fn scope<F: Future>(&self, call: F) -> impl Future<Output = F::Output> + use<F> {
         let slot = Self {
-            job: self.job.clone(),
-            unverified: true,
+            shared: self.shared.clone(),
+            from_future: true,
         };
         RUNNING.scope(slot, call)
     }
 
-    /// Takes what the slot holds: `None` once a layer took it.
+    /// Notes that the job's payload was taken out (`Job::into_payload`).
+    pub(crate) fn hand_over_payload(&self) {
+        self.shared.payload_out.store(true, Ordering::Release);
+    }
+
+    /// Takes what the slot holds: `None` once a layer took it, and, from
+    /// the worker's future, while the job's payload was not taken out (the
+    /// request is then another message: a handler forwarding a copy).
     pub(crate) fn take(&self) -> Option<RunningJob> {
+        if self.from_future && !self.shared.payload_out.load(Ordering::Acquire) {
+            return None;
+        }
         // Held for one `Option::take`: nothing can poison it.
-        let job = self.job.lock().unwrap_or_else(|e| e.into_inner()).take();
-        job.map(|job| RunningJob {
-            unverified: job.unverified || self.unverified,
-            ..job
-        })
+        let mut job = self.shared.job.lock().unwrap_or_else(|e| e.into_inner());
+        job.take()
+    }
+
+    /// Takes the claim whatever the request (the worker, once the call is
+    /// over: `Some` means no layer took it).
+    pub(crate) fn take_back(&self) -> Option<RunningJob> {
+        let mut job = self.shared.job.lock().unwrap_or_else(|e| e.into_inner());
+        job.take()
     }
 }
 
@@ -166,9 +195,6 @@ pub(crate) struct RunningJob {
     pub(crate) token: ClaimToken,
     /// Deferrals before this delivery.
     pub(crate) deferrals: u32,
-    /// Taken while the worker's future was polled: a deferral must first
-    /// check that its request is this job's payload (see [`Slot`]).
-    pub(crate) unverified: bool,
 }
 
 impl RunningJob {
@@ -177,7 +203,6 @@ impl RunningJob {
             queue: job.queue_keys().clone(),
             token: job.claim_ref().to_token(),
             deferrals: job.deferrals(),
-            unverified: false,
         }
     }
 

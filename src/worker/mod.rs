@@ -504,6 +504,8 @@ where
                 // during this call or its future (see `RunningJob`), so that
                 // a deferral of its request reschedules it in place.
                 let running = Slot::new(Some(RunningJob::of(&job)));
+                let mut job = job;
+                job.offer(running.clone());
                 if let Some(instruments) = self.metrics.instruments() {
                     // Due time by the server's clock, start by this host's.
                     let lag = std::time::SystemTime::now()
@@ -969,7 +971,7 @@ async fn handle<T, C, R, E>(
             // Copied into another queue: acknowledge the original.
             Some(copy) => {
                 shared.metrics.count_deferred();
-                if running.take().is_some() {
+                if running.take_back().is_some() {
                     // No layer on this task took the claim: the deferral ran
                     // elsewhere (behind a `Buffer`, say) and pushed a copy,
                     // maybe into this very queue (see `RunningJob`).
