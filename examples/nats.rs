@@ -92,15 +92,19 @@ async fn run() -> Result<(), BoxError> {
     // JetStream: a stream for the orders, one durable consumer that every
     // process of this pipeline shares (each message goes to one of them).
     let js = jetstream::new(async_nats::connect(&nats_url).await?);
-    let stream = js
-        .get_or_create_stream(stream::Config {
+    // A busy server may let a JetStream request time out (processes of the
+    // pipeline starting together create the same stream and consumer): try
+    // again a few times before giving up.
+    let stream = retried(|| {
+        js.get_or_create_stream(stream::Config {
             name: STREAM.into(),
             subjects: vec![format!("{SUBJECT}.*")],
             ..Default::default()
         })
-        .await?;
-    let consumer: PullConsumer = stream
-        .get_or_create_consumer(
+    })
+    .await?;
+    let consumer: PullConsumer = retried(|| {
+        stream.get_or_create_consumer(
             CONSUMER,
             pull::Config {
                 durable_name: Some(CONSUMER.into()),
@@ -109,7 +113,8 @@ async fn run() -> Result<(), BoxError> {
                 ..Default::default()
             },
         )
-        .await?;
+    })
+    .await?;
 
     // lockgate: the queue orders park in, a lock per account.
     let conn = client.get_connection_manager().await?;
@@ -191,6 +196,25 @@ async fn publish(js: &jetstream::Context, n: usize) -> Result<(), BoxError> {
         ack.await?;
     }
     Ok(())
+}
+
+/// Runs `request` until it succeeds, at most 5 times, waiting 200 ms, then
+/// twice as long, between tries.
+async fn retried<T, E, F>(mut request: impl FnMut() -> F) -> Result<T, E>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    let mut wait = Duration::from_millis(200);
+    for _ in 1..5 {
+        match request().await {
+            Ok(done) => return Ok(done),
+            Err(e) => eprintln!("jetstream: {e}; trying again in {wait:?}"),
+        }
+        tokio::time::sleep(wait).await;
+        wait *= 2;
+    }
+    request().await
 }
 
 /// Feeds JetStream messages through the pipeline, `IN_FLIGHT` at a time;
