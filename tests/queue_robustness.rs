@@ -268,6 +268,54 @@ async fn push_rejects_bad_arguments_before_any_write() {
     assert_eq!(stats(&q).await.due, 3);
 }
 
+/// Found by the producer script's model (`tests/model/push.rs`), each
+/// shrunk to one call: an id that is not UTF-8 was stored (then `peek`
+/// failed for the whole queue, and a claim skipped the message and left it
+/// leased); a delay reaching back before 1970 was answered with a negative
+/// due time, which reads as "not scheduled" (-1 exactly is that marker); a
+/// due time from the year 2286 on was stored, beyond what a priority's
+/// score holds; a payload starting with digits and a colon (not JSON) was
+/// read back as a stall count and the rest.
+#[tokio::test]
+async fn push_refuses_what_its_readers_would_misread() {
+    let server = server();
+    let conn = manager(&server).await;
+    let not_utf8 = redis::cmd("EVAL")
+        .arg(PUSH_LUA)
+        .arg(3)
+        .arg(key("odd", "data"))
+        .arg(key("odd", "schedule"))
+        .arg(key("odd", "bell"))
+        .arg(&[128u8][..])
+        .arg("0")
+        .arg("1")
+        .query_async::<redis::Value>(&mut conn.clone())
+        .await;
+    let err = not_utf8.expect_err("an id that is not UTF-8 was accepted");
+    assert!(err.to_string().contains("lockgate push"), "{err}");
+    for when in ["10000000000000", "@10000000000000", "9999999999999"] {
+        let err = eval_push(&conn, "odd", &["m0", when, "1"]).await;
+        let err = err.expect_err(&format!("due time {when} was accepted"));
+        assert!(err.to_string().contains("lockgate push"), "{when}: {err}");
+    }
+    // Not JSON, and read as a stall count then an empty payload.
+    let err = eval_push(&conn, "odd", &["m0", "0", "0:"]).await;
+    let err = err.expect_err("the payload `0:` was accepted");
+    assert!(err.to_string().contains("lockgate push"), "{err}");
+    let n: i64 = raw(&conn, &["EXISTS", &key("odd", "data")]).await;
+    assert_eq!(n, 0, "a refused push wrote");
+    // Before 1970 is due at 0, the earliest time there is.
+    let reply = eval_push(&conn, "early", &["m0", "-2000000000000", "1"]).await;
+    assert_eq!(
+        reply.unwrap(),
+        redis::Value::Array(vec![redis::Value::Int(1), redis::Value::Int(0)])
+    );
+    let q: Queue<u32> = Queue::new(conn.clone(), "early").unwrap();
+    let peek = q.peek(10).await.unwrap();
+    assert_eq!(peek.waiting[0].at, std::time::UNIX_EPOCH);
+    assert_eq!(stats(&q).await.due, 1);
+}
+
 // ---------------------------------------------------------------------------
 // Item 17: bounded work
 // ---------------------------------------------------------------------------

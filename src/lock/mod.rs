@@ -1228,9 +1228,11 @@ where
     /// Hand it to the storage you write to, and have it refuse writes
     /// carrying a lower fence than it has seen.
     ///
-    /// Errors with [`Error::NotHeld`] when the lease no longer holds the
-    /// lock (it expired, or another holder took it): a fence issued then
-    /// could be higher than the next holder's.
+    /// The first call errors with [`Error::NotHeld`] when the lease no
+    /// longer holds the lock (it expired, or another holder took it): a
+    /// fence issued then could be higher than the next holder's. A fence
+    /// once issued stays the lease's, held or not: it is below the next
+    /// holder's, so the storage refuses it once that holder has written.
     pub async fn fence(&self, lease: &Lease) -> Result<u64> {
         self.fence_ticket(&lease.ticket).await
     }

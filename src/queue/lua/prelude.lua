@@ -37,14 +37,19 @@ end
 -- sign: a negative due time would read as the "not scheduled" marker -1).
 -- Returns nil for anything else: tonumber alone would also take " 5",
 -- "0x10", "1e3", "1.5", "inf" and "nan". At most 15 digits, so the due time
--- stays an exact Lua number far beyond any real date.
+-- stays an exact Lua number. A due time before 1970 is 0 (never negative,
+-- which reads as "not scheduled"); one from 1e13 ms on (the year 2286) is
+-- refused: a priority's band of scores holds due times below it.
 local function parse_when(now, when)
   local at, sign, digits = string.match(when, '^(@?)(%-?)(%d+)$')
   if not digits or #digits > 15 or (at == '@' and sign == '-') then return nil end
   local n = tonumber(digits)
-  if at == '@' then return n end
-  if sign == '-' then n = -n end
-  return now + n
+  if at ~= '@' then
+    if sign == '-' then n = -n end
+    n = math.max(now + n, 0)
+  end
+  if n >= 1e13 then return nil end
+  return n
 end
 
 -- Priorities. A message pushed with priority 1 to 9 waits on the prioritized

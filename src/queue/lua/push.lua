@@ -8,14 +8,41 @@
 --          prefix is "lockgate"; KEYS[4] may be left out by a producer that
 --          pushes no priorities)   KEYS[5]: events (optional: Queue::record_events;
 --          then ARGV[1] is the stream's cap and the triplets follow)
--- ARGV: triplets of (id, when, payload): id non-empty; `when` a delay in ms
---       relative to the server's clock ("0" for now), or "@<unix ms>" for an
---       absolute time (a past time is due now), optionally followed by
+-- ARGV: triplets of (id, when, payload): id non-empty UTF-8; `when` a delay
+--       in ms relative to the server's clock ("0" for now), or "@<unix ms>"
+--       for an absolute time (a past time is due now; before 1970 is 0; the
+--       year 2286 and later are refused), optionally followed by
 --       "/<priority>" (1 to 9, higher first; "0" or none: no priority);
---       payload the message as JSON.
--- Returns per message {added (1|0), due ms (-1 if it exists but is not scheduled)}.
+--       payload the message as JSON (one that starts with digits and a
+--       colon, never JSON, is refused: it would be misread).
+-- Returns per message {added (1|0), due ms (-1 if it exists but is not
+-- scheduled, or, when KEYS[4] was left out, waits with a priority)}.
 -- Bad arguments are refused before anything is written, with an error reply
 -- starting "lockgate push:".
+
+-- Whether `s` is UTF-8: every reader of the queue takes ids for strings.
+local function is_utf8(s)
+  if not string.find(s, '[\128-\255]') then return true end
+  local i = 1
+  while i <= #s do
+    local c, len = string.byte(s, i), 1
+    if c >= 0xF0 then len = 4 elseif c >= 0xE0 then len = 3 elseif c >= 0xC2 then len = 2
+    elseif c >= 0x80 then return false end
+    -- The second byte's range rules out overlong forms, surrogates and
+    -- code points beyond U+10FFFF.
+    local low, high = 0x80, 0xBF
+    if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F
+    elseif c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F
+    elseif c > 0xF4 then return false end
+    for j = i + 1, i + len - 1 do
+      local b = string.byte(s, j)
+      if not b or b < low or b > high then return false end
+      low, high = 0x80, 0xBF
+    end
+    i = i + len
+  end
+  return true
+end
 local first, cap = 1, nil
 if KEYS[5] then first, cap = 2, ARGV[1] end
 if (#ARGV - first + 1) % 3 ~= 0 then
@@ -28,6 +55,15 @@ for i = first, #ARGV, 3 do
   local n = (i - first) / 3 + 1
   if ARGV[i] == '' then
     return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an empty id')
+  end
+  if not is_utf8(ARGV[i]) then
+    return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an id that is not UTF-8')
+  end
+  -- JSON never starts so; a record's reader would take the digits for a
+  -- stall count.
+  if string.find(ARGV[i + 2], '^%d+:') then
+    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
+      .. '") has a payload starting with digits and a colon: not JSON')
   end
   local when, priority = string.match(ARGV[i + 1], '^(.-)/(%d)$')
   if not when then when, priority = ARGV[i + 1], '0' end

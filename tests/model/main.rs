@@ -1,0 +1,159 @@
+//! Random histories checked against reference models, on a real
+//! redis-server (issue 22): a key's lock and its permits (`lock`), a
+//! queue's messages through every script that moves them, with lease
+//! expiry, resent requests, dropped connections and restarts from an older
+//! snapshot (`queue`), a key's line of waiters (`line`), its rate limit as
+//! time passes (`rate`), and the producer script's arguments from arbitrary
+//! strings (`push`).
+//!
+//! Each history runs on keys of its own, on one server per test. After
+//! every step the answers of Redis and what it holds are compared with the
+//! model's; proptest shrinks a failing history to the shortest one that
+//! fails, prints it with its seed, and saves the seed under
+//! `tests/proptest-regressions/main.txt` so the next run replays it first. CI runs the
+//! default number of histories per property (see [`config`]);
+//! `PROPTEST_CASES=5000 cargo test --all-features --test model` runs more.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod line;
+mod lock;
+mod push;
+mod queue;
+mod rate;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+/// What goes wrong around a step of a history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// The reply is lost and the same call is made again.
+    Resent,
+    /// The server closes the client's connection just before the call.
+    Dropped,
+}
+
+/// One step in ten resent, one in ten over a dropped connection.
+fn fault() -> impl proptest::strategy::Strategy<Value = Fault> {
+    use proptest::prelude::*;
+    prop_oneof![8 => Just(Fault::None), 1 => Just(Fault::Resent), 1 => Just(Fault::Dropped)]
+}
+
+/// `cases` histories per property, unless `PROPTEST_CASES` says otherwise.
+fn config(cases: u32) -> Config {
+    Config {
+        cases: std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(cases),
+        // Where failing seeds are saved (`tests/proptest-regressions/main.txt`).
+        source_file: Some(file!()),
+        ..Config::default()
+    }
+}
+
+/// How much a property ran: histories, steps, and the longest history.
+#[derive(Default)]
+struct Tally {
+    histories: AtomicUsize,
+    steps: AtomicUsize,
+    longest: AtomicUsize,
+}
+
+impl Tally {
+    /// Counts a history of `len` steps; returns its number (from 0).
+    fn count(&self, len: usize) -> usize {
+        self.steps.fetch_add(len, Ordering::Relaxed);
+        self.longest.fetch_max(len, Ordering::Relaxed);
+        self.histories.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn report(&self, what: &str) {
+        eprintln!(
+            "{what}: {} histories, {} steps, the longest {} steps",
+            self.histories.load(Ordering::Relaxed),
+            self.steps.load(Ordering::Relaxed),
+            self.longest.load(Ordering::Relaxed)
+        );
+    }
+}
+
+/// A single-threaded runtime for the histories (one server round trip at a
+/// time: the models are sequential).
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// Runs `check` over histories drawn from `strategy`, panicking with the
+/// shrunk failing history, and reports how much ran.
+fn run<S, F>(what: &str, cases: u32, strategy: S, check: F)
+where
+    S: proptest::strategy::Strategy,
+    S::Value: std::fmt::Debug,
+    F: Fn(S::Value, usize) -> Result<(), TestCaseError>,
+    S::Value: HistoryLen,
+{
+    let tally = Tally::default();
+    let mut runner = TestRunner::new(config(cases));
+    let result = runner.run(&strategy, |history| {
+        let n = tally.count(history.history_len());
+        check(history, n)
+    });
+    tally.report(what);
+    if let Err(failure) = result {
+        panic!("{what}: {failure}");
+    }
+}
+
+/// The number of steps in a drawn history.
+trait HistoryLen {
+    fn history_len(&self) -> usize;
+}
+
+impl<T> HistoryLen for Vec<T> {
+    fn history_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// Has the server close every client connection but the one asking (the
+/// histories' connections: their next call finds it closed).
+fn drop_connections(server: &lockgate::testing::RedisServer) -> redis::RedisResult<i64> {
+    let kill = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .clone();
+    server.query(&kill)
+}
+
+/// Whether a lockgate error is a connection that was closed under the
+/// call (which then never reached the server) rather than an answer.
+fn dropped(e: &lockgate::Error) -> bool {
+    e.redis_error()
+        .is_some_and(|e| e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal())
+}
+
+/// The server's clock in µs (`TIME`), asked again while the connection is
+/// being re-opened.
+async fn server_us(
+    conn: &mut redis::aio::ConnectionManager,
+) -> Result<i64, proptest::test_runner::TestCaseError> {
+    for _ in 0..100 {
+        let time: redis::RedisResult<(i64, i64)> = redis::cmd("TIME").query_async(conn).await;
+        match time {
+            Ok((s, us)) => return Ok(s * 1_000_000 + us),
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+    Err(TestCaseError::fail("the server's clock could not be read"))
+}
