@@ -1,0 +1,326 @@
+//! Hot keys beside GroupMQ (npm `groupmq` 1.1, the free per-group FIFO queue
+//! on Redis), in the same run: 30,000 messages over 10 keys, then 50,000
+//! over 5 (10,000 per key), all pushed before the workers start, handled by 3 worker processes of
+//! concurrency 8, each handler taking 1 to 4 ms. Reported for both:
+//! messages per second, how busy each key was (the share of the run during
+//! which one of its messages was being handled: with one at a time per key,
+//! the ceiling is 100 %), order inversions per key (a message that started
+//! after a later-pushed one of its key), overlaps (two handlers of one key
+//! at once: must be 0), and Redis commands per message while handling.
+//! Each side gets a fresh redis-server from `lockgate::testing`.
+//!
+//! ```text
+//! cargo bench -p lockgate-bench --bench groupmq --no-run
+//! benches/pin.sh 0 1 cargo bench -p lockgate-bench --bench groupmq   # server on CPU 0, clients on 1
+//! cargo test -p lockgate-bench --bench groupmq                       # smoke run, tiny inputs
+//! ```
+//!
+//! GroupMQ runs from `bench/groupmq/hot.mjs` (installed with `npm ci` there
+//! on first use; needs `node` and `npm`). lockgate runs the recipe its
+//! README gives for keys whose holds are long or whose worker slots are
+//! precious: `LockLayer` with `retry(4).then_defer(queue, until_released())`.
+
+#[path = "../../benches/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lockgate::layer::DeferDelay;
+use lockgate::testing::RedisServer;
+use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use serde::{Deserialize, Serialize};
+use tower::ServiceBuilder;
+
+/// (messages, keys) of each workload; smoke runs use the first, tiny.
+const WORKLOADS: [(usize, usize); 2] = [(30_000, 10), (50_000, 5)];
+const WORKERS: usize = 3;
+const CONCURRENCY: usize = 8;
+/// Handler time, uniform in this range (ms).
+const HANDLER: (u64, u64) = (1, 4);
+const ROLE: &str = "LOCKGATE_BENCH_ROLE";
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Msg {
+    key: String,
+    seq: u64,
+}
+
+/// One run's figures (GroupMQ's script prints the same fields).
+#[derive(Debug, Deserialize)]
+struct Summary {
+    handled: usize,
+    seconds: f64,
+    busy_min: f64,
+    busy_mean: f64,
+    handler_ms: f64,
+    inversions: usize,
+    overlaps: usize,
+    commands: u64,
+}
+
+fn main() -> Result<(), BoxError> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    if std::env::var_os(ROLE).is_some() {
+        let url = std::env::args().nth(1).ok_or("worker: no server url")?;
+        return runtime.block_on(work(&url));
+    }
+    let workloads = match common::full_run() {
+        true => &WORKLOADS[..],
+        false => &[(300, 10)][..],
+    };
+    for &(messages, keys) in workloads {
+        let groupmq = {
+            let server = RedisServer::start()?;
+            groupmq(&server, messages, keys)?
+        };
+        let lockgate = {
+            let server = RedisServer::start()?;
+            runtime.block_on(drive(&server, messages, keys))?
+        };
+        report(messages, keys, &groupmq, &lockgate)?;
+    }
+    Ok(())
+}
+
+/// Prints a workload's table; fails if a side lost a message or ran two
+/// handlers of a key at once.
+fn report(
+    messages: usize,
+    keys: usize,
+    groupmq: &Summary,
+    lockgate: &Summary,
+) -> Result<(), BoxError> {
+    println!(
+        "\nhot keys: {messages} messages over {keys} keys, {WORKERS} worker processes × concurrency {CONCURRENCY}, handlers {}–{} ms",
+        HANDLER.0, HANDLER.1
+    );
+    println!(
+        "| queue | messages/s | key busy (mean, min) | handler ms | order inversions | overlaps | commands per message |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (name, s) in [
+        ("GroupMQ 1.1", groupmq),
+        ("lockgate, park recipe", lockgate),
+    ] {
+        println!(
+            "| {name} | {:.0} | {:.0} %, {:.0} % | {:.2} | {} | {} | {:.1} |",
+            s.handled as f64 / s.seconds,
+            s.busy_mean * 100.0,
+            s.busy_min * 100.0,
+            s.handler_ms,
+            s.inversions,
+            s.overlaps,
+            s.commands as f64 / s.handled as f64
+        );
+    }
+    for (name, s) in [("GroupMQ", groupmq), ("lockgate", lockgate)] {
+        if s.handled != messages || s.overlaps != 0 {
+            let e = format!(
+                "{name}: {} of {messages} handled, {} overlaps",
+                s.handled, s.overlaps
+            );
+            return Err(e.into());
+        }
+    }
+    Ok(())
+}
+
+/// Runs GroupMQ's side (`bench/groupmq/hot.mjs`) against `server`.
+fn groupmq(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary, BoxError> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("groupmq");
+    if !dir.join("node_modules").exists() {
+        let status = Command::new("npm")
+            .args(["ci", "--silent"])
+            .current_dir(&dir)
+            .status()?;
+        if !status.success() {
+            return Err("npm ci in bench/groupmq failed (are node and npm installed?)".into());
+        }
+    }
+    let output = Command::new("node")
+        .arg("hot.mjs")
+        .arg(server.url())
+        .args([messages, keys, WORKERS, CONCURRENCY].map(|n| n.to_string()))
+        .args([HANDLER.0, HANDLER.1].map(|n| n.to_string()))
+        .current_dir(&dir)
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !output.status.success() {
+        return Err(format!("GroupMQ's run failed: {}", output.status).into());
+    }
+    let line = String::from_utf8(output.stdout)?;
+    Ok(serde_json::from_str(line.trim())?)
+}
+
+/// lockgate's side: pushes, starts the worker processes, waits until the
+/// queue is empty, and sums up what the workers recorded.
+async fn drive(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary, BoxError> {
+    let conn = server.connection_manager().await?;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
+    let msgs: Vec<Msg> = (0..messages as u64)
+        .map(|seq| Msg {
+            key: format!("k{}", seq as usize % keys),
+            seq,
+        })
+        .collect();
+    for chunk in msgs.chunks(1000) {
+        queue.push_many(chunk).await?;
+    }
+    let before = commands(&conn).await?;
+    let mut children = Vec::new();
+    for _ in 0..WORKERS {
+        let child = Command::new(std::env::current_exe()?)
+            .arg(server.url())
+            .env(ROLE, "worker")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        children.push(child);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+    loop {
+        let stats = queue.stats().await?;
+        if stats.due + stats.later + stats.active == 0 {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("not done in 600 s: {stats:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let after = commands(&conn).await?;
+    let mut handled = Vec::new();
+    for mut child in children {
+        drop(child.stdin.take());
+        let out = child.wait_with_output()?;
+        for line in out.stdout.lines() {
+            let line = line?;
+            let parts: Vec<&str> = line.split(' ').collect();
+            if let [key, seq, start, end] = parts[..] {
+                handled.push(Handled {
+                    key: key.to_owned(),
+                    seq: seq.parse()?,
+                    start: start.parse()?,
+                    end: end.parse()?,
+                });
+            }
+        }
+    }
+    Ok(summary(&handled, after - before))
+}
+
+/// One handled message, as a worker recorded it (wall clock, ms).
+struct Handled {
+    key: String,
+    seq: u64,
+    start: f64,
+    end: f64,
+}
+
+/// The figures of a run, computed as GroupMQ's script computes them.
+fn summary(handled: &[Handled], commands: u64) -> Summary {
+    let first = handled
+        .iter()
+        .map(|h| h.start)
+        .fold(f64::INFINITY, f64::min);
+    let last = handled.iter().map(|h| h.end).fold(0.0, f64::max);
+    let mut by_key: BTreeMap<&str, Vec<&Handled>> = BTreeMap::new();
+    for h in handled {
+        by_key.entry(&h.key).or_default().push(h);
+    }
+    let (mut inversions, mut overlaps, mut busy) = (0, 0, Vec::new());
+    for list in by_key.values_mut() {
+        list.sort_by(|a, b| a.start.total_cmp(&b.start));
+        for pair in list.windows(2) {
+            inversions += usize::from(pair[1].seq < pair[0].seq);
+            overlaps += usize::from(pair[1].start < pair[0].end);
+        }
+        busy.push(list.iter().map(|h| h.end - h.start).sum::<f64>() / (last - first));
+    }
+    let total: f64 = handled.iter().map(|h| h.end - h.start).sum();
+    Summary {
+        handled: handled.len(),
+        seconds: (last - first) / 1000.0,
+        busy_min: busy.iter().copied().fold(f64::INFINITY, f64::min),
+        busy_mean: busy.iter().sum::<f64>() / busy.len().max(1) as f64,
+        handler_ms: total / handled.len().max(1) as f64,
+        inversions,
+        overlaps,
+        commands,
+    }
+}
+
+/// Calls of every command the server ran so far (INFO commandstats).
+async fn commands(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(info
+        .split("calls=")
+        .skip(1)
+        .filter_map(|c| c.split(',').next()?.parse::<u64>().ok())
+        .sum())
+}
+
+/// A worker process: handles with the park recipe until its stdin closes,
+/// then prints `key seq start end` per handled message.
+async fn work(url: &str) -> Result<(), BoxError> {
+    let client = redis::Client::open(url)?;
+    let conn = client.get_connection_manager().await?;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
+    let locker = Locker::connect(client.clone())
+        .await?
+        .ttl(Duration::from_secs(10))?;
+    let backoff =
+        Backoff::exponential(Duration::from_millis(1), Duration::from_millis(8))?.max_attempts(4);
+    let records = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let service = ServiceBuilder::new()
+        .layer(
+            LockLayer::new(locker, |job: &Job<Msg>| job.key.clone()).on_conflict(
+                OnConflict::retry(backoff).then_defer(queue.clone(), DeferDelay::until_released()),
+            ),
+        )
+        .service_fn({
+            let records = records.clone();
+            move |job: Job<Msg>| {
+                let records = records.clone();
+                async move {
+                    let start = now_ms();
+                    // tokio's timer rounds a sleep up to its next 1 ms tick,
+                    // where node's fires on time: asked 1 ms less, the
+                    // handlers take as long as GroupMQ's (the table shows both).
+                    let ms = (HANDLER.0 - 1) as f64
+                        + rand::random::<f64>() * (HANDLER.1 - HANDLER.0) as f64;
+                    tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+                    let line = format!("{} {} {start} {}", job.key, job.seq, now_ms());
+                    records.lock().unwrap().push(line);
+                    Ok::<_, BoxError>(())
+                }
+            }
+        });
+    let stdin_closed = tokio::task::spawn_blocking(|| {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+    });
+    Worker::new(client, queue, service)
+        .concurrency(CONCURRENCY)?
+        .run_until(async move {
+            let _ = stdin_closed.await;
+        })
+        .await?;
+    let mut out = std::io::stdout().lock();
+    for line in records.lock().unwrap().iter() {
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
+}
+
+fn now_ms() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+}
