@@ -541,81 +541,112 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     let ttl = locker.lease_ttl();
-    // Renew this long before the lease runs out: once a third of it is used.
-    let ahead = ttl - ttl / 3;
-    let renew_time = |expires_at: Instant| expires_at.checked_sub(ahead).unwrap_or(expires_at);
-    let mut expires_at = lease.expires_at();
-    let mut renew_at = renew_time(expires_at);
+    let mut lease_clock = LeaseClock::new(ttl, lease.expires_at());
     let mut renewal = renewal;
     // Set when Redis said the lock is not ours any more (a renewal answered
     // `false`): only then is there nothing to release.
     let mut confirmed_lost = false;
     let result = loop {
         tokio::select! {
-                biased;
-                result = &mut call => break Some(result),
-                (renewed, sent) = async {
-                    match renewal.as_mut() {
-                        Some(renewal) => renewal.await,
-                        None => std::future::pending().await,
-                    }
-                }, if renewal.is_some() => {
-                    renewal = None;
-                    match renewed {
-                        Ok(true) => {
-                            // The server ran it at `sent` or later: its TTL
-                            // runs out no earlier than this. (If that is past
-                            // already, the deadline branch fires next.)
-                            expires_at = sent + ttl;
-                            renew_at = renew_time(expires_at);
-                        }
-                        Ok(false) => {
-                            tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock lost while the handler ran");
-                            confirmed_lost = true;
-                            held.mark_lost();
-                        }
-                        Err(crate::Error::NotReplicated { released: true, .. }) => {
-                            // A durable locker gave the lock up itself: too
-                            // few replicas confirmed the renewal, so it was
-                            // released (fail-closed). Free in Redis now.
-                            tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock released: too few replicas confirmed its renewal");
-                            confirmed_lost = true;
-                            held.mark_lost();
-                        }
-                        Err(error) => {
-                            // Not a verdict: the renewal may have run or not.
-                            // Try again soon, well before the lease runs out;
-                            // the deadline decides when it is lost.
-                            tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
-                            let left = expires_at.saturating_duration_since(Instant::now());
-                            renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
-                        }
-                    }
-                    if held.is_lost() && on_lost == OnLost::Cancel {
-                        break None;
-                    }
+            biased;
+            result = &mut call => break Some(result),
+            (renewed, sent) = async {
+                match renewal.as_mut() {
+                    Some(renewal) => renewal.await,
+                    None => std::future::pending().await,
                 }
-                () = tokio::time::sleep_until(expires_at), if !held.is_lost() => {
-                    // The local deadline: no renewal was confirmed in time.
-                    tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), renewing = renewal.is_some(), "lock lease ran out without a confirmed renewal; the lock counts as lost");
-                    // A late answer would change nothing: lost is final.
-                    renewal = None;
-                    held.mark_lost();
-                    if on_lost == OnLost::Cancel {
-                        break None;
-                    }
+            }, if renewal.is_some() => {
+                renewal = None;
+                confirmed_lost |= lease_clock.answered(renewed, sent, held);
+                if held.is_lost() && on_lost == OnLost::Cancel {
+                    break None;
                 }
-                () = tokio::time::sleep_until(renew_at), if renewal.is_none() && !held.is_lost() => {
-                    let (locker, ticket) = (locker.clone(), lease.ticket().clone());
-                    renewal = Some(Box::pin(async move {
-                        // Taken before the request leaves: conservative.
-                        let sent = Instant::now();
-                        (locker.extend_ticket(&ticket, ttl).await, sent)
-                    }));
+            }
+            () = tokio::time::sleep_until(lease_clock.expires_at), if !held.is_lost() => {
+                // The local deadline: no renewal was confirmed in time.
+                tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), renewing = renewal.is_some(), "lock lease ran out without a confirmed renewal; the lock counts as lost");
+                // A late answer would change nothing: lost is final.
+                renewal = None;
+                held.mark_lost();
+                if on_lost == OnLost::Cancel {
+                    break None;
                 }
+            }
+            () = tokio::time::sleep_until(lease_clock.renew_at), if renewal.is_none() && !held.is_lost() => {
+                let (locker, ticket) = (locker.clone(), lease.ticket().clone());
+                renewal = Some(Box::pin(async move {
+                    // Taken before the request leaves: conservative.
+                    let sent = Instant::now();
+                    (locker.extend_ticket(&ticket, ttl).await, sent)
+                }));
+            }
         }
     };
-    (result, expires_at, confirmed_lost)
+    (result, lease_clock.expires_at, confirmed_lost)
+}
+
+/// When a held lock's lease runs out by this process's clock, and when to
+/// renew it: once a third of it is used.
+struct LeaseClock {
+    ttl: Duration,
+    expires_at: Instant,
+    renew_at: Instant,
+}
+
+impl LeaseClock {
+    fn new(ttl: Duration, expires_at: Instant) -> Self {
+        let mut clock = Self {
+            ttl,
+            expires_at,
+            renew_at: expires_at,
+        };
+        clock.renew_at = clock.renew_time();
+        clock
+    }
+
+    fn renew_time(&self) -> Instant {
+        let ahead = self.ttl - self.ttl / 3;
+        self.expires_at
+            .checked_sub(ahead)
+            .unwrap_or(self.expires_at)
+    }
+
+    /// Takes in a renewal's answer (sent at `sent`); returns whether Redis
+    /// said the lock is not ours any more.
+    fn answered(&mut self, renewed: crate::Result<bool>, sent: Instant, held: &HeldLock) -> bool {
+        match renewed {
+            Ok(true) => {
+                // The server ran it at `sent` or later: its TTL runs out no
+                // earlier than this. (If that is past already, the deadline
+                // branch fires next.)
+                self.expires_at = sent + self.ttl;
+                self.renew_at = self.renew_time();
+                false
+            }
+            Ok(false) => {
+                tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock lost while the handler ran");
+                held.mark_lost();
+                true
+            }
+            Err(crate::Error::NotReplicated { released: true, .. }) => {
+                // A durable locker gave the lock up itself: too few replicas
+                // confirmed the renewal, so it was released (fail-closed).
+                // Free in Redis now.
+                tracing::warn!(key = %held.key(), fence = ?held.issued_fence(), "lock released: too few replicas confirmed its renewal");
+                held.mark_lost();
+                true
+            }
+            Err(error) => {
+                // Not a verdict: the renewal may have run or not. Try again
+                // soon, well before the lease runs out; the deadline decides
+                // when it is lost.
+                tracing::warn!(key = %held.key(), %error, "could not renew lock; will retry");
+                let left = self.expires_at.saturating_duration_since(Instant::now());
+                self.renew_at = Instant::now() + (left / 4).max(Duration::from_millis(1));
+                false
+            }
+        }
+    }
 }
 
 /// Releases the lock when dropped without [`release`](Self::release): the

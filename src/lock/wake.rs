@@ -329,96 +329,147 @@ async fn run(
     mut requests: mpsc::UnboundedReceiver<String>,
 ) {
     let mut pubsub = Some(pubsub);
-    let mut retry = Duration::from_millis(50);
+    let mut retry = RETRY_FIRST;
     loop {
-        let (mut sink, mut stream) = match pubsub.take() {
-            Some(pubsub) => pubsub.split(),
-            None => match connect(&client).await {
-                Ok(pubsub) => pubsub.split(),
-                Err(error) => {
-                    if shared.strong_count() == 0 {
-                        return;
-                    }
-                    tracing::warn!(%error, ?retry, "release listener: reconnecting");
-                    tokio::time::sleep(retry).await;
-                    retry = (retry * 2).min(Duration::from_secs(2));
-                    continue;
-                }
-            },
-        };
-        // Everything waiters listen on now, again (after a reconnection).
-        let Some(names) = shared
-            .upgrade()
-            .map(|shared| shared.channels().keys().cloned().collect::<Vec<_>>())
-        else {
-            return;
-        };
-        if !names.is_empty() {
-            if let Err(error) = subscribe(&mut sink, &names).await {
-                // Refused (say, by an ACL) or no answer: try again later,
-                // on a new connection, without spinning.
-                tracing::warn!(%error, ?retry, "release listener: could not subscribe again");
+        let (mut sink, mut stream) = match reopen(&client, pubsub.take(), &shared).await {
+            Reopened::Listening(sink, stream) => (sink, stream),
+            Reopened::Gone => return,
+            Reopened::Failed(error) => {
+                // Refused (say, by an ACL) or no answer: try again later, on
+                // a new connection, without spinning.
+                tracing::warn!(%error, ?retry, "release listener: reconnecting");
                 tokio::time::sleep(retry).await;
-                retry = (retry * 2).min(Duration::from_secs(2));
+                retry = (retry * 2).min(RETRY_MAX);
                 continue;
             }
-            confirm(&shared, &names);
-        }
-        retry = Duration::from_millis(50);
-        let mut tick = tokio::time::interval(TICK);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let lost = loop {
-            tokio::select! {
-                request = requests.recv() => {
-                    let Some(name) = request else { return };
-                    // Drained here: a burst of waiters subscribes at once.
-                    let mut names = vec![name];
-                    while let Ok(name) = requests.try_recv() {
-                        names.push(name);
-                    }
-                    // Only channels still wanted: one dropped meanwhile
-                    // would stay subscribed for good.
-                    let Some(strong) = shared.upgrade() else { return };
-                    names.retain(|name| strong.channels().contains_key(name));
-                    drop(strong);
-                    if names.is_empty() {
-                        continue;
-                    }
-                    if let Err(error) = subscribe(&mut sink, &names).await {
-                        break error;
-                    }
-                    confirm(&shared, &names);
-                }
-                message = stream.next() => {
-                    let Some(message) = message else {
-                        break redis::RedisError::from((redis::ErrorKind::Io, "connection closed"));
-                    };
-                    if !wake(&shared, message.get_channel_name(), message.get_payload_bytes()) {
-                        return;
-                    }
-                }
-                _ = tick.tick() => {
-                    let Some(idle) = take_idle(&shared) else { return };
-                    let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
-                        if !idle.is_empty() {
-                            sink.unsubscribe(with_presence(&idle)).await?;
-                        }
-                        sink.ping::<redis::Value>().await
-                    })
-                    .await;
-                    match checked {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(error)) => break error,
-                        Err(_) => break redis::RedisError::from((redis::ErrorKind::Io, "no answer to PING")),
-                    }
-                }
-            }
+        };
+        retry = RETRY_FIRST;
+        let Some(lost) = listen(&mut sink, &mut stream, &shared, &mut requests).await else {
+            return;
         };
         tracing::warn!(error = %lost, "release listener: connection lost; waiters poll until it is back");
         // Nothing can be heard until the subscriptions are back: wake every
         // waiter, so that none sleeps through a release it missed.
         wake_all(&shared, false);
     }
+}
+
+/// The first and the longest pause before the listener connects again.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// What opening the listener's connection came to.
+enum Reopened {
+    /// Connected, and subscribed to everything waiters listen on now.
+    Listening(redis::aio::PubSubSink, redis::aio::PubSubStream),
+    /// Nobody holds the listener any more.
+    Gone,
+    Failed(Error),
+}
+
+/// Takes `pubsub` (the first connection) or opens a new one, and subscribes
+/// again to every channel waiters listen on (after a reconnection).
+async fn reopen(
+    client: &redis::Client,
+    pubsub: Option<redis::aio::PubSub>,
+    shared: &std::sync::Weak<Shared>,
+) -> Reopened {
+    let pubsub = match pubsub {
+        Some(pubsub) => pubsub,
+        None => match connect(client).await {
+            Ok(pubsub) => pubsub,
+            Err(_) if shared.strong_count() == 0 => return Reopened::Gone,
+            Err(error) => return Reopened::Failed(error),
+        },
+    };
+    let (mut sink, stream) = pubsub.split();
+    let Some(names) = shared
+        .upgrade()
+        .map(|shared| shared.channels().keys().cloned().collect::<Vec<_>>())
+    else {
+        return Reopened::Gone;
+    };
+    if !names.is_empty() {
+        if let Err(error) = subscribe(&mut sink, &names).await {
+            let error = Error::redis("subscribing the release listener again")(error);
+            return Reopened::Failed(error);
+        }
+        confirm(shared, &names);
+    }
+    Reopened::Listening(sink, stream)
+}
+
+/// Serves the connection: subscribes what waiters ask for, wakes them on
+/// releases, and every tick drops idle channels and checks the connection.
+/// Returns why the connection was lost, or `None` once nobody holds the
+/// listener.
+async fn listen(
+    sink: &mut redis::aio::PubSubSink,
+    stream: &mut redis::aio::PubSubStream,
+    shared: &std::sync::Weak<Shared>,
+    requests: &mut mpsc::UnboundedReceiver<String>,
+) -> Option<redis::RedisError> {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            request = requests.recv() => {
+                if let Err(error) = subscribe_requested(sink, shared, requests, request?).await? {
+                    return Some(error);
+                }
+            }
+            message = stream.next() => {
+                let Some(message) = message else {
+                    return Some(redis::RedisError::from((redis::ErrorKind::Io, "connection closed")));
+                };
+                if !wake(shared, message.get_channel_name(), message.get_payload_bytes()) {
+                    return None;
+                }
+            }
+            _ = tick.tick() => {
+                let idle = take_idle(shared)?;
+                let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
+                    if !idle.is_empty() {
+                        sink.unsubscribe(with_presence(&idle)).await?;
+                    }
+                    sink.ping::<redis::Value>().await
+                })
+                .await;
+                match checked {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => return Some(error),
+                    Err(_) => return Some(redis::RedisError::from((redis::ErrorKind::Io, "no answer to PING"))),
+                }
+            }
+        }
+    }
+}
+
+/// Subscribes `first` and every request queued behind it (a burst of
+/// waiters subscribes at once), but only channels still wanted: one dropped
+/// meanwhile would stay subscribed for good. `None` once nobody holds the
+/// listener.
+async fn subscribe_requested(
+    sink: &mut redis::aio::PubSubSink,
+    shared: &std::sync::Weak<Shared>,
+    requests: &mut mpsc::UnboundedReceiver<String>,
+    first: String,
+) -> Option<redis::RedisResult<()>> {
+    let mut names = vec![first];
+    while let Ok(name) = requests.try_recv() {
+        names.push(name);
+    }
+    let strong = shared.upgrade()?;
+    names.retain(|name| strong.channels().contains_key(name));
+    drop(strong);
+    if names.is_empty() {
+        return Some(Ok(()));
+    }
+    let subscribed = subscribe(sink, &names).await;
+    if subscribed.is_ok() {
+        confirm(shared, &names);
+    }
+    Some(subscribed)
 }
 
 /// The connection task on a cluster: subscribes as asked (one channel at a

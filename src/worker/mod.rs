@@ -74,6 +74,7 @@
 //! ```
 
 mod metrics;
+mod run;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -88,17 +89,14 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tower::{Service, ServiceExt};
-use tracing::Instrument;
+use tower::Service;
 
 pub use self::metrics::{Metrics, MetricsSnapshot};
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
-use crate::queue::{
-    Acked, BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, RunningJob, Slot,
-};
+use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, Slot};
 
 /// The most handlers one worker runs at once.
 pub const MAX_CONCURRENCY: usize = 100_000;
@@ -364,7 +362,7 @@ where
     /// what is missing. It also
     /// returns an error when the service fails in `poll_ready`, which in
     /// tower means it can serve no more requests.
-    pub async fn run_until(mut self, shutdown: impl Future) -> Result<()> {
+    pub async fn run_until(self, shutdown: impl Future) -> Result<()> {
         warn_on_eviction(&self.queue).await;
         let shared = Arc::new(Shared {
             queue: self.queue.clone(),
@@ -387,210 +385,36 @@ where
         });
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
-        let permits = Arc::new(Semaphore::new(self.config.concurrency));
-        let mut tasks = JoinSet::new();
-        let mut waiter = self.queue.waiter(self.connector);
-        let mut failures = 0;
-        // Since when the server has refused this worker's user (NOPERM,
-        // authentication) its claims, and its idle waits, each without a
-        // success of the same in between.
-        let (mut claims_denied, mut waits_denied): (Option<Instant>, Option<Instant>) =
-            (None, None);
-        let mut next_seq = 0u64;
+        let mut run = run::Run {
+            permits: Arc::new(Semaphore::new(self.config.concurrency)),
+            waiter: self.queue.waiter(self.connector),
+            service: self.service,
+            config: self.config,
+            metrics: self.metrics,
+            shared,
+            acks,
+            tasks: JoinSet::new(),
+            buffer: VecDeque::new(),
+            next_seq: 0,
+            failures: 0,
+            claims_denied: None,
+            waits_denied: None,
+            maybe_due: true,
+            next_due: None,
+        };
         tokio::pin!(shutdown);
-
-        let concurrency = self.config.concurrency;
-        let prefetch = self.config.prefetch.unwrap_or(concurrency.min(MAX_BATCH));
-        // Claimed jobs waiting for a free handler slot: leased (and renewed)
-        // like running ones.
-        let mut buffer: VecDeque<(u64, Job<T>)> = VecDeque::new();
-        // Whether a claim may find due messages (we have not seen the
-        // schedule empty of due messages since the last wake-up).
-        let mut maybe_due = true;
-        let mut next_due: Option<Instant> = None;
-
-        let result = 'run: loop {
-            // Checked without waiting on every round, so that a steady backlog
-            // (which never waits) still notices a shutdown.
+        let result = loop {
+            // Checked without waiting on every round, so that a steady
+            // backlog (which never waits) still notices a shutdown.
             if (&mut shutdown).now_or_never().is_some() {
                 break Ok(());
             }
-            while tasks.try_join_next().is_some() {}
-            let running = concurrency - permits.available_permits();
-            let room = (concurrency + prefetch).saturating_sub(running + buffer.len());
-            // Refill once the buffer is down to half the prefetch, in batches
-            // as large as the room allows (few round trips under backlog).
-            if maybe_due && room > 0 && buffer.len() <= prefetch / 2 {
-                let max = room.min(MAX_BATCH);
-                // Not raced against shutdown: a claim cancelled after the
-                // server ran it would strand its jobs until their lease ran out.
-                match shared.claim(max, &mut buffer, &mut next_seq).await {
-                    Ok((full, due)) => {
-                        failures = 0;
-                        claims_denied = None;
-                        maybe_due = full;
-                        next_due = due;
-                    }
-                    Err(error) => {
-                        self.metrics.count_error();
-                        if denied_for_good(&error, &mut claims_denied) {
-                            break Err(error);
-                        }
-                        if pause_after_error(&error, &mut failures, &mut shutdown).await {
-                            break Ok(());
-                        }
-                        continue;
-                    }
-                }
-            }
-
-            // Start as many buffered jobs as there are free slots.
-            while let Some((seq, job)) = buffer.pop_front() {
-                let Ok(permit) = permits.clone().try_acquire_owned() else {
-                    buffer.push_front((seq, job));
-                    break;
-                };
-                let token = job.claim_ref().to_token();
-                if shared.lost_while_buffered(seq, &token) {
-                    continue;
-                }
-                if let Some(max) = self
-                    .config
-                    .max_deferrals
-                    .filter(|max| job.deferrals() > *max)
-                {
-                    let error = format!(
-                        "deferred {} times (limit {max}): its lock stayed busy",
-                        job.deferrals()
-                    );
-                    shared.spawn_settle(
-                        &mut tasks,
-                        seq,
-                        token,
-                        Settlement::BuryDeferred(error),
-                        permit,
-                    );
-                    continue;
-                }
-                let ready = tokio::select! {
-                    biased;
-                    _ = &mut shutdown => {
-                        buffer.push_front((seq, job));
-                        break 'run Ok(());
-                    }
-                    ready = self.service.ready() => ready.map(|_| ()),
-                };
-                if let Err(error) = ready {
-                    // The service is broken for good: hand everything back.
-                    buffer.push_front((seq, job));
-                    break 'run Err(Error::Service(error.into()));
-                }
-                // Field names of OpenTelemetry's messaging conventions, so an
-                // OpenTelemetry subscriber shows them as they are.
-                let span = tracing::info_span!(
-                    "process",
-                    "otel.name" = %format_args!("process {}", self.queue.name()),
-                    "otel.kind" = "consumer",
-                    "messaging.system" = "lockgate",
-                    "messaging.operation.type" = "process",
-                    "messaging.destination.name" = %self.queue.name(),
-                    "messaging.message.id" = %token.id(),
-                    "messaging.lockgate.attempt" = token.attempt(),
-                );
-                // `call` itself may panic (code before a service_fn's async
-                // block, a key function): that fails this message, not the
-                // worker.
-                // The job's claim is offered to the first LockLayer called
-                // during this call or its future (see `RunningJob`), so that
-                // a deferral of its request reschedules it in place.
-                let running = Slot::new(Some(RunningJob::of(&job)));
-                let mut job = job;
-                job.offer(running.clone());
-                if let Some(instruments) = self.metrics.instruments() {
-                    // Due time by the server's clock, start by this host's.
-                    let lag = std::time::SystemTime::now()
-                        .duration_since(job.due_at())
-                        .unwrap_or_default();
-                    instruments.due_lag.record(lag.as_secs_f64());
-                }
-                let started = Instant::now();
-                let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    running.provide(|| self.service.call(job))
-                }));
-                match call {
-                    Ok(call) => {
-                        let handled = handle(
-                            shared.clone(),
-                            acks.clone(),
-                            seq,
-                            token,
-                            (running.scope(call), started, running),
-                            permit,
-                        );
-                        tasks.spawn(handled.instrument(span));
-                    }
-                    Err(panic) => {
-                        let error = format!("service call panicked: {}", panic_message(&*panic));
-                        let settlement = failure(&shared.config, &token, error);
-                        shared.spawn_settle(&mut tasks, seq, token, settlement, permit);
-                    }
-                }
-            }
-
-            if !buffer.is_empty() {
-                // Every slot is busy: wait for one to free up.
-                tokio::select! {
-                    biased;
-                    _ = &mut shutdown => break Ok(()),
-                    permit = permits.clone().acquire_owned() => drop(permit),
-                }
-                continue;
-            }
-            if maybe_due {
-                if permits.available_permits() == 0 && prefetch == 0 {
-                    tokio::select! {
-                        biased;
-                        _ = &mut shutdown => break Ok(()),
-                        permit = permits.clone().acquire_owned() => drop(permit),
-                    }
-                }
-                continue;
-            }
-            // Nothing more is due: sleep until the next due time, or until
-            // the doorbell rings. The cap is a safety net for a ring taken by
-            // a worker that was busy when it came.
-            let now = Instant::now();
-            let deadline = next_due.map_or(now + BLOCK, |due| due.min(now + BLOCK));
-            let woken = tokio::select! {
-                biased;
-                _ = &mut shutdown => break Ok(()),
-                woken = waiter.wait(Some(deadline)) => woken,
-            };
-            maybe_due = true;
-            match &woken {
-                Ok(_) => waits_denied = None,
-                Err(error) if denied_for_good(error, &mut waits_denied) => {
-                    self.metrics.count_error();
-                    break Err(woken.expect_err("matched an error"));
-                }
-                Err(_) => {}
-            }
-            if let Err(error) = woken {
-                self.metrics.count_error();
-                if pause_after_error(&error, &mut failures, &mut shutdown).await {
-                    break Ok(());
-                }
+            if let Some(result) = run.round(&mut shutdown).await {
+                break result;
             }
         };
-
-        // Hand back what was claimed but never started.
-        for (seq, job) in buffer {
-            shared.release(&job.claim_ref().to_token()).await;
-            shared.in_flight().remove(&seq);
-        }
-        shared.drain(tasks).await;
+        run.finish().await;
         // Every handler has finished: let the acker write what is queued.
-        drop(acks);
         let _ = acker.await;
         drop(housekeeping);
         result
@@ -959,7 +783,39 @@ async fn handle<T, C, R, E>(
         .in_flight()
         .remove(&seq)
         .is_some_and(|flight| flight.refused);
-    let settlement = match outcome {
+    let settlement = settlement_of(&shared, &token, &running, outcome);
+    if refused && settlement.is_some() {
+        // The claim is gone for good (claim numbers never repeat), so any
+        // settlement would be refused: count the loss once, write nothing.
+        shared.metrics.count_lost_lease();
+        tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
+        return;
+    }
+    match settlement {
+        Some((Settlement::Ack, done)) => {
+            if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
+                shared.settle(&token, Settlement::Ack).await;
+            }
+        }
+        Some((settlement, _)) => shared.settle(&token, settlement).await,
+        None => {}
+    }
+}
+
+/// How a handled message is settled: `None` when a LockLayer rescheduled it
+/// in place; else the settlement, and for an ack whether the message is
+/// done (not deferred as a copy).
+fn settlement_of<T, C, R, E>(
+    shared: &Shared<T, C>,
+    token: &ClaimToken,
+    running: &Slot,
+    outcome: std::thread::Result<std::result::Result<R, E>>,
+) -> Option<(Settlement, bool)>
+where
+    R: WorkerResponse,
+    E: Into<BoxError>,
+{
+    match outcome {
         Ok(Ok(response)) => match response.deferred_as() {
             // Rescheduled in place by the LockLayer: nothing left to do. That
             // deferral ended the claim, so a renewal racing it was refused:
@@ -984,28 +840,12 @@ async fn handle<T, C, R, E>(
         },
         Ok(Err(error)) => {
             let error = error_chain(&*error.into());
-            Some((failure(&shared.config, &token, error), false))
+            Some((failure(&shared.config, token, error), false))
         }
         Err(panic) => {
             let error = format!("handler panicked: {}", panic_message(&*panic));
-            Some((failure(&shared.config, &token, error), false))
+            Some((failure(&shared.config, token, error), false))
         }
-    };
-    if refused && settlement.is_some() {
-        // The claim is gone for good (claim numbers never repeat), so any
-        // settlement would be refused: count the loss once, write nothing.
-        shared.metrics.count_lost_lease();
-        tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
-        return;
-    }
-    match settlement {
-        Some((Settlement::Ack, done)) => {
-            if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
-                shared.settle(&token, Settlement::Ack).await;
-            }
-        }
-        Some((settlement, _)) => shared.settle(&token, settlement).await,
-        None => {}
     }
 }
 

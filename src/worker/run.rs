@@ -1,0 +1,295 @@
+//! The worker's loop as a type: each round claims into a buffer when it
+//! runs low, starts buffered jobs on free handler slots, and, with nothing
+//! due, sleeps until the doorbell or the next due time.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tower::{Service, ServiceExt};
+use tracing::Instrument;
+
+use super::{
+    AckQueue, Config, Metrics, Settlement, Shared, WorkerResponse, denied_for_good, failure,
+    handle, panic_message, pause_after_error,
+};
+use crate::BoxError;
+use crate::error::{Error, Result};
+use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, RunningJob, Slot, Waiter};
+
+/// What ends the loop: `Some` with how `run_until` returns.
+pub(super) type Stop = Option<Result<()>>;
+
+/// The loop's state between rounds.
+pub(super) struct Run<T, C, K: Connector, S> {
+    pub(super) service: S,
+    pub(super) config: Config,
+    pub(super) metrics: Metrics,
+    pub(super) shared: Arc<Shared<T, C>>,
+    pub(super) acks: AckQueue,
+    pub(super) waiter: Waiter<K, C>,
+    /// One per handler slot.
+    pub(super) permits: Arc<Semaphore>,
+    pub(super) tasks: JoinSet<()>,
+    /// Claimed jobs waiting for a free handler slot: leased (and renewed)
+    /// like running ones.
+    pub(super) buffer: VecDeque<(u64, Job<T>)>,
+    pub(super) next_seq: u64,
+    /// Redis errors in a row, for the pause after each.
+    pub(super) failures: u32,
+    /// Since when the server has refused this worker's user (NOPERM,
+    /// authentication) its claims, and its idle waits, each without a
+    /// success of the same in between.
+    pub(super) claims_denied: Option<Instant>,
+    pub(super) waits_denied: Option<Instant>,
+    /// Whether a claim may find due messages (the schedule was not seen
+    /// empty of due messages since the last wake-up).
+    pub(super) maybe_due: bool,
+    pub(super) next_due: Option<Instant>,
+}
+
+impl<T, C, K, S> Run<T, C, K, S>
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+    K: Connector,
+    S: Service<Job<T>> + Send + 'static,
+    S::Response: WorkerResponse + Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    fn prefetch(&self) -> usize {
+        let concurrency = self.config.concurrency;
+        self.config
+            .prefetch
+            .unwrap_or(concurrency.min(crate::queue::MAX_BATCH))
+    }
+
+    /// One round of the loop.
+    pub(super) async fn round(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        while self.tasks.try_join_next().is_some() {}
+        let (concurrency, prefetch) = (self.config.concurrency, self.prefetch());
+        let running = concurrency - self.permits.available_permits();
+        let room = (concurrency + prefetch).saturating_sub(running + self.buffer.len());
+        // Refill once the buffer is down to half the prefetch, in batches
+        // as large as the room allows (few round trips under backlog).
+        if self.maybe_due && room > 0 && self.buffer.len() <= prefetch / 2 {
+            match self
+                .refill(room.min(crate::queue::MAX_BATCH), shutdown)
+                .await
+            {
+                Refill::Claimed => {}
+                Refill::Again => return None,
+                Refill::Stop(result) => return Some(result),
+            }
+        }
+        if let Some(stop) = self.start_buffered(shutdown).await {
+            return Some(stop);
+        }
+        if !self.buffer.is_empty() {
+            // Every slot is busy: wait for one to free up.
+            return self.wait_for_slot(shutdown).await;
+        }
+        if self.maybe_due {
+            if self.permits.available_permits() == 0 && prefetch == 0 {
+                return self.wait_for_slot(shutdown).await;
+            }
+            return None;
+        }
+        self.idle(shutdown).await
+    }
+
+    /// Claims up to `max` jobs into the buffer. Not raced against shutdown:
+    /// a claim cancelled after the server ran it would strand its jobs
+    /// until their lease ran out.
+    async fn refill(&mut self, max: usize, shutdown: &mut (impl Future + Unpin)) -> Refill {
+        let claimed = self
+            .shared
+            .claim(max, &mut self.buffer, &mut self.next_seq)
+            .await;
+        match claimed {
+            Ok((full, due)) => {
+                self.failures = 0;
+                self.claims_denied = None;
+                self.maybe_due = full;
+                self.next_due = due;
+                Refill::Claimed
+            }
+            Err(error) => {
+                self.metrics.count_error();
+                if denied_for_good(&error, &mut self.claims_denied) {
+                    return Refill::Stop(Err(error));
+                }
+                if pause_after_error(&error, &mut self.failures, shutdown).await {
+                    return Refill::Stop(Ok(()));
+                }
+                Refill::Again
+            }
+        }
+    }
+
+    /// Starts as many buffered jobs as there are free slots.
+    async fn start_buffered(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        while let Some((seq, job)) = self.buffer.pop_front() {
+            let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+                self.buffer.push_front((seq, job));
+                return None;
+            };
+            let token = job.claim_ref().to_token();
+            if self.shared.lost_while_buffered(seq, &token) {
+                continue;
+            }
+            let max_deferrals = self.config.max_deferrals;
+            if let Some(max) = max_deferrals.filter(|max| job.deferrals() > *max) {
+                let error = format!(
+                    "deferred {} times (limit {max}): its lock stayed busy",
+                    job.deferrals()
+                );
+                let settlement = Settlement::BuryDeferred(error);
+                (self.shared).spawn_settle(&mut self.tasks, seq, token, settlement, permit);
+                continue;
+            }
+            let ready = tokio::select! {
+                biased;
+                _ = &mut *shutdown => {
+                    self.buffer.push_front((seq, job));
+                    return Some(Ok(()));
+                }
+                ready = self.service.ready() => ready.map(|_| ()),
+            };
+            if let Err(error) = ready {
+                // The service is broken for good: hand everything back.
+                self.buffer.push_front((seq, job));
+                return Some(Err(Error::Service(error.into())));
+            }
+            self.start(seq, job, token, permit);
+        }
+        None
+    }
+
+    /// Calls the service with `job` and spawns the call's handling.
+    fn start(
+        &mut self,
+        seq: u64,
+        mut job: Job<T>,
+        token: ClaimToken,
+        permit: OwnedSemaphorePermit,
+    ) {
+        // Field names of OpenTelemetry's messaging conventions, so an
+        // OpenTelemetry subscriber shows them as they are.
+        let queue = self.shared.queue.name();
+        let span = tracing::info_span!(
+            "process",
+            "otel.name" = %format_args!("process {queue}"),
+            "otel.kind" = "consumer",
+            "messaging.system" = "lockgate",
+            "messaging.operation.type" = "process",
+            "messaging.destination.name" = %queue,
+            "messaging.message.id" = %token.id(),
+            "messaging.lockgate.attempt" = token.attempt(),
+        );
+        // The job's claim is offered to the first LockLayer called during
+        // this call or its future (see `RunningJob`), so that a deferral of
+        // its request reschedules it in place.
+        let running = Slot::new(Some(RunningJob::of(&job)));
+        job.offer(running.clone());
+        if let Some(instruments) = self.metrics.instruments() {
+            // Due time by the server's clock, start by this host's.
+            let lag = std::time::SystemTime::now()
+                .duration_since(job.due_at())
+                .unwrap_or_default();
+            instruments.due_lag.record(lag.as_secs_f64());
+        }
+        let started = Instant::now();
+        // `call` itself may panic (code before a service_fn's async block, a
+        // key function): that fails this message, not the worker.
+        let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            running.provide(|| self.service.call(job))
+        }));
+        match call {
+            Ok(call) => {
+                let call = (running.scope(call), started, running);
+                let handled = handle(
+                    self.shared.clone(),
+                    self.acks.clone(),
+                    seq,
+                    token,
+                    call,
+                    permit,
+                );
+                self.tasks.spawn(handled.instrument(span));
+            }
+            Err(panic) => {
+                let error = format!("service call panicked: {}", panic_message(&*panic));
+                let settlement = failure(&self.shared.config, &token, error);
+                (self.shared).spawn_settle(&mut self.tasks, seq, token, settlement, permit);
+            }
+        }
+    }
+
+    /// Waits until a handler slot frees up, or shutdown.
+    async fn wait_for_slot(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        tokio::select! {
+            biased;
+            _ = &mut *shutdown => Some(Ok(())),
+            permit = self.permits.clone().acquire_owned() => {
+                drop(permit);
+                None
+            }
+        }
+    }
+
+    /// Nothing more is due: sleeps until the next due time, or until the
+    /// doorbell rings. The cap is a safety net for a ring taken by a worker
+    /// that was busy when it came.
+    async fn idle(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        let now = Instant::now();
+        let deadline = self
+            .next_due
+            .map_or(now + BLOCK, |due| due.min(now + BLOCK));
+        let woken = tokio::select! {
+            biased;
+            _ = &mut *shutdown => return Some(Ok(())),
+            woken = self.waiter.wait(Some(deadline)) => woken,
+        };
+        self.maybe_due = true;
+        let Err(error) = woken else {
+            self.waits_denied = None;
+            return None;
+        };
+        self.metrics.count_error();
+        if denied_for_good(&error, &mut self.waits_denied) {
+            return Some(Err(error));
+        }
+        if pause_after_error(&error, &mut self.failures, shutdown).await {
+            return Some(Ok(()));
+        }
+        None
+    }
+
+    /// After the loop: hands back what was claimed but never started, and
+    /// waits for the running handlers.
+    pub(super) async fn finish(self) {
+        for (seq, job) in self.buffer {
+            self.shared.release(&job.claim_ref().to_token()).await;
+            self.shared.in_flight().remove(&seq);
+        }
+        self.shared.drain(self.tasks).await;
+    }
+}
+
+/// What a refill did.
+enum Refill {
+    /// Claimed (perhaps nothing): go on with this round.
+    Claimed,
+    /// Failed and paused: start the next round.
+    Again,
+    Stop(Result<()>),
+}
