@@ -12,7 +12,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use fantoccini::{ClientBuilder, Locator};
+use fantoccini::elements::Element;
+use fantoccini::error::CmdError;
+use fantoccini::{Client, ClientBuilder, Locator};
 use lockgate::testing::RedisServer;
 use lockgate::{PushOptions, Queue};
 use serde_json::json;
@@ -62,6 +64,32 @@ impl Drop for Driver {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Finds the element `css` selects and applies `read` to it. The pages'
+/// live parts replace their elements on every refresh, so an element found
+/// can be gone before it is read: then it is found again.
+async fn with<T, F, Fut>(browser: &Client, css: &str, read: F) -> Result<T, CmdError>
+where
+    F: Fn(Element) -> Fut,
+    Fut: std::future::Future<Output = Result<T, CmdError>>,
+{
+    let mut tries = 0;
+    loop {
+        let element = browser.find(Locator::Css(css)).await?;
+        match read(element).await {
+            Err(e) if e.is_stale_element_reference() && tries < 50 => tries += 1,
+            done => return done,
+        }
+    }
+}
+
+async fn text(browser: &Client, css: &str) -> Result<String, CmdError> {
+    with(browser, css, |e| async move { e.text().await }).await
+}
+
+async fn click(browser: &Client, css: &str) -> Result<(), CmdError> {
+    with(browser, css, |e| async move { e.click().await.map(drop) }).await
 }
 
 fn screenshots() -> PathBuf {
@@ -157,43 +185,41 @@ async fn a_dead_letter_is_requeued_from_the_browser() {
     let result = async {
         // The overview lists both queues.
         browser.goto(&format!("{}/", board.base)).await?;
-        let emails = browser
+        browser
             .wait()
             .for_element(Locator::Css(r#"a[href="/queue/emails"]"#))
             .await?;
         browser
             .find(Locator::Css(r#"a[href="/queue/invoices"]"#))
             .await?;
-        let chart = browser
-            .find(Locator::Css(r#"tr[data-queue="orders"] svg.spark"#))
-            .await?;
-        assert!(chart.html(false).await?.contains("polyline"));
+        let chart = with(
+            &browser,
+            r#"tr[data-queue="orders"] svg.spark"#,
+            |e| async move { e.html(false).await },
+        );
+        assert!(chart.await?.contains("polyline"));
         std::fs::write(shots.join("overview.png"), browser.screenshot().await?).unwrap();
 
         // Into the queue: one dead letter.
-        emails.click().await?;
+        click(&browser, r#"a[href="/queue/emails"]"#).await?;
         browser
             .wait()
             .for_element(Locator::Css("table.dead"))
             .await?;
-        let dead = browser.find(Locator::Css("b.dead")).await?.text().await?;
+        let dead = text(&browser, "b.dead").await?;
         assert_eq!(dead, "1");
-        let error = browser.find(Locator::Css("td.error")).await?.text().await?;
+        let error = text(&browser, "td.error").await?;
         assert!(error.contains("SMTP 550"), "{error}");
         std::fs::write(shots.join("queue.png"), browser.screenshot().await?).unwrap();
 
         // Requeue it: the page comes back with the counts changed.
-        browser
-            .find(Locator::Css(r#"tr[data-id="mail-0"] button.requeue"#))
-            .await?
-            .click()
-            .await?;
+        click(&browser, r#"tr[data-id="mail-0"] button.requeue"#).await?;
         browser.wait().for_element(Locator::Css("p.notice")).await?;
-        let notice = browser.find(Locator::Css("p.notice")).await?.text().await?;
+        let notice = text(&browser, "p.notice").await?;
         assert!(notice.contains("re-drove mail-0"), "{notice}");
-        let dead = browser.find(Locator::Css("b.dead")).await?.text().await?;
+        let dead = text(&browser, "b.dead").await?;
         assert_eq!(dead, "0");
-        let due = browser.find(Locator::Css("b.due")).await?.text().await?;
+        let due = text(&browser, "b.due").await?;
         assert_eq!(due, "4", "three waiting and the re-driven one");
         std::fs::write(shots.join("requeued.png"), browser.screenshot().await?).unwrap();
 
@@ -201,7 +227,7 @@ async fn a_dead_letter_is_requeued_from_the_browser() {
         q.push(json!({"to": "late@example.com"})).await.unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let due = browser.find(Locator::Css("b.due")).await?.text().await?;
+            let due = text(&browser, "b.due").await?;
             if due == "5" {
                 break;
             }
