@@ -29,6 +29,28 @@ pub(crate) fn tag(key: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// The Redis key of the lock on `key` under `prefix`: `<prefix>:lock:{<key>}`
+/// ([`Locker::lock_key`](crate::Locker::lock_key)), whoever takes it.
+pub(crate) fn lock_key(prefix: &str, key: &str) -> String {
+    // By hand rather than `format!`: this runs on every acquire.
+    let tag = tag(key);
+    let mut lock_key = String::with_capacity(prefix.len() + tag.len() + 8);
+    lock_key.push_str(prefix);
+    lock_key.push_str(":lock:{");
+    lock_key.push_str(&tag);
+    lock_key.push('}');
+    lock_key
+}
+
+/// The hash slot of the lock on `key` (a Redis Cluster's CRC16 of the
+/// lock's hash tag, modulo 16,384).
+pub(crate) fn lock_slot(key: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(tag(key).as_bytes()) % SLOTS
+}
+
+/// A Redis Cluster's number of hash slots.
+pub(crate) const SLOTS: u16 = 16_384;
+
 /// The user key an escaped tag (see [`tag`]) stands for.
 pub(crate) fn untag(tag: &str) -> String {
     let mut out = String::with_capacity(tag.len());

@@ -145,6 +145,9 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
+    if let Some(token) = claimed_with_lock(&running, locker, &key, permits) {
+        return call_holding(config, inner, key, token, req, running).await;
+    }
     let instruments = config
         .instruments
         .get_or_init(crate::telemetry::LockInstruments::register);
@@ -379,17 +382,7 @@ where
         }
     }
     tracing::debug!(%key, "lock acquired");
-    let issue_fence = config
-        .issue_fence
-        .get_or_init(|| {
-            let locker = locker.clone();
-            Arc::new(move |ticket| {
-                let locker = locker.clone();
-                Box::pin(async move { locker.fence_ticket(&ticket).await })
-            })
-        })
-        .clone();
-    let held = HeldLock::new(lease.ticket().clone(), issue_fence);
+    let held = HeldLock::new(lease.ticket().clone(), fence_issuer(&config));
     // The running job, if this layer took it and did not need it, goes on to
     // the layers inside: one of them may defer the job in place.
     let mut inner = inner;
@@ -407,6 +400,62 @@ where
         &instruments.lost,
     )
     .await
+}
+
+/// Issues the fences of [`HeldLock::fence`].
+fn fence_issuer<C, F, D>(config: &Config<C, F, D>) -> super::context::IssueFence
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let locker = &config.locker;
+    config
+        .issue_fence
+        .get_or_init(|| {
+            let locker = locker.clone();
+            Arc::new(move |ticket| {
+                let locker = locker.clone();
+                Box::pin(async move { locker.fence_ticket(&ticket).await })
+            })
+        })
+        .clone()
+}
+
+/// The token of the lock on `key`, when the worker's running job is a
+/// keyed message claimed with that very lock.
+fn claimed_with_lock<C>(
+    running: &Handoff,
+    locker: &crate::Locker<C>,
+    key: &str,
+    permits: Option<u32>,
+) -> Option<crate::lock::Token>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let job = running.job.as_ref().filter(|_| permits.is_none())?;
+    let (held, token) = job.token.held_lock()?;
+    (held == key && job.queue.prefix == locker.key_prefix()).then_some(token)
+}
+
+/// Calls the inner service for a keyed message the worker claimed with its
+/// key's lock: the lock is held already, renewed with the message's lease
+/// and let go by its settlement.
+async fn call_holding<S, C, F, D, Req>(
+    config: Arc<Config<C, F, D>>,
+    mut inner: S,
+    key: String,
+    token: crate::lock::Token,
+    req: Req,
+    running: Handoff,
+) -> Result<Outcome<S::Response>, BoxError>
+where
+    S: Service<Req> + Send + 'static,
+    S::Error: Into<BoxError>,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let ticket = config.locker.held_ticket(key, token);
+    let held = HeldLock::new(ticket, fence_issuer(&config));
+    let call = held.scope(async move { running.provide(|| inner.call(req)).await });
+    call.await.map(Outcome::Done).map_err(Into::into)
 }
 
 /// Sleeps until a release hands the lock to this waiter (true) or to nobody

@@ -117,7 +117,7 @@ pub(crate) mod wake;
 use crate::keys::{self, KeyName};
 use crate::script;
 pub use wake::ReleaseListener;
-mod listen;
+pub(crate) mod listen;
 pub(crate) use wake::Watch;
 
 /// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
@@ -914,6 +914,11 @@ where
         }
     }
 
+    /// The prefix of the lock keys.
+    pub(crate) fn key_prefix(&self) -> &str {
+        &self.config.prefix
+    }
+
     /// The TTL given to acquired locks.
     pub fn lease_ttl(&self) -> Duration {
         self.config.ttl
@@ -926,14 +931,7 @@ where
 
     /// The Redis key of the lock on `key`.
     pub fn lock_key(&self, key: &str) -> String {
-        // By hand rather than `format!`: this runs on every acquire.
-        let (prefix, tag) = (&self.config.prefix, keys::tag(key));
-        let mut lock_key = String::with_capacity(prefix.len() + tag.len() + 8);
-        lock_key.push_str(prefix);
-        lock_key.push_str(":lock:{");
-        lock_key.push_str(&tag);
-        lock_key.push('}');
-        lock_key
+        keys::lock_key(&self.config.prefix, key)
     }
 
     /// Tries once to take the lock on `key`.
@@ -974,6 +972,19 @@ where
     /// Prepares an attempt at the lock on `key` that parks messages of a
     /// queue: its keys are in the queue's hash slot.
     /// With `permits`, one of the key's permits instead of its lock.
+    /// A ticket for the lock on `key` that `token` holds already (a keyed
+    /// message claimed with its key's lock).
+    pub(crate) fn held_ticket(&self, key: String, token: Token) -> Arc<Ticket> {
+        Arc::new(Ticket {
+            lock_key: self.lock_key(&key),
+            key,
+            token,
+            fence: OnceLock::new(),
+            parking: None,
+            permits: None,
+        })
+    }
+
     pub(crate) fn parking_ticket(
         &self,
         key: String,
@@ -1344,22 +1355,7 @@ where
     }
 
     async fn detect_publish_command(&self) -> redis::RedisResult<&'static str> {
-        self.config
-            .publish
-            .get_or_try_init(|| async {
-                let info: redis::RedisResult<redis::Value> = redis::cmd("CLUSTER")
-                    .arg("INFO")
-                    .query_async(&mut self.conn.clone())
-                    .await;
-                match info {
-                    Ok(_) => Ok("SPUBLISH"),
-                    // The server answered: no cluster support.
-                    Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => Ok("PUBLISH"),
-                    Err(e) => Err(e),
-                }
-            })
-            .await
-            .copied()
+        detect_publish(&self.config.publish, &self.conn).await
     }
 
     /// Renews a lock to live `ttl` from now. Returns `true` if it was still
@@ -1421,12 +1417,35 @@ pub(crate) enum Released {
     Other,
 }
 
+/// How a release tells waiters on the server behind `conn`, found out once
+/// into `cell`: `SPUBLISH` on a cluster, `PUBLISH` on a single server
+/// (`CLUSTER INFO` fails on a server without cluster support).
+pub(crate) async fn detect_publish(
+    cell: &tokio::sync::OnceCell<&'static str>,
+    conn: &(impl ConnectionLike + Clone + Send),
+) -> redis::RedisResult<&'static str> {
+    cell.get_or_try_init(|| async {
+        let info: redis::RedisResult<redis::Value> = redis::cmd("CLUSTER")
+            .arg("INFO")
+            .query_async(&mut conn.clone())
+            .await;
+        match info {
+            Ok(_) => Ok("SPUBLISH"),
+            // The server answered: no cluster support.
+            Err(e) if matches!(e.kind(), redis::ErrorKind::Server(_)) => Ok("PUBLISH"),
+            Err(e) => Err(e),
+        }
+    })
+    .await
+    .copied()
+}
+
 /// A random token: 32 lowercase hex digits, kept inline and written without
 /// `core::fmt` (one is made for every acquire). The first 8 name this
 /// process ([`process_tag`]), the other 96 bits are random: a release script
 /// can tell from a waiter's token whether its process still listens (see
 /// `release.lua`).
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Token([u8; 32]);
 
 /// Hex digits that start every token of this process: random, drawn once.

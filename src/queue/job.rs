@@ -6,6 +6,7 @@ use std::time::SystemTime;
 
 use serde::de::DeserializeOwned;
 
+use super::keyed::Held;
 use super::{Claim, ClaimRef, QueueKeys, Slot, from_unix_ms};
 
 /// A message claimed from a [`Queue`](super::Queue), with what is known about
@@ -36,6 +37,8 @@ pub struct Job<T> {
     /// told when the payload is taken out, which makes that payload the
     /// job's own for a `LockLayer` that meets it later.
     offered: Option<Slot>,
+    /// For a keyed message, its key's lock, claimed with it.
+    held: Option<Arc<Held>>,
 }
 
 /// A record's header fields and payload:
@@ -131,6 +134,7 @@ impl<T: DeserializeOwned> Job<T> {
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
             offered: None,
+            held: None,
         };
         if parsed.is_none() {
             return Err(Box::new((
@@ -219,6 +223,19 @@ impl<T> Job<T> {
         self.claim
     }
 
+    /// The message's key, for a keyed message
+    /// ([`PushOptions::key`](super::PushOptions::key)): its handler runs
+    /// holding the key's lock.
+    pub fn key(&self) -> Option<&str> {
+        self.held.as_ref().map(|held| held.key.as_str())
+    }
+
+    /// A keyed job: its key's lock is held with it.
+    pub(crate) fn with_lock(mut self, held: Arc<Held>) -> Self {
+        self.held = Some(held);
+        self
+    }
+
     pub(crate) fn queue_keys(&self) -> &Arc<QueueKeys> {
         &self.queue
     }
@@ -238,6 +255,7 @@ impl<T> Job<T> {
             due_at: self.due_at,
             queue: self.queue,
             offered: self.offered,
+            held: self.held,
         }
     }
 }
@@ -261,6 +279,7 @@ impl<T> Claim for Job<T> {
             claim: self.claim,
             failures: self.failures,
             stalls: self.stalls,
+            held: self.held.as_ref(),
         }
     }
 }

@@ -80,6 +80,8 @@
 
 mod events;
 mod job;
+mod keyed;
+use keyed::{Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
 pub(crate) mod scripts;
 mod wait;
@@ -125,6 +127,8 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
     events: Option<usize>,
     /// How many completed messages, and for how long, are kept.
     completed: Option<Retention>,
+    /// The keyed side's state, shared by clones.
+    keyed: Arc<KeyedState>,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
     _message: PhantomData<fn(T) -> T>,
 }
@@ -132,6 +136,23 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
 impl<T, C> Queue<T, C> {
     pub(crate) fn keys(&self) -> &Arc<QueueKeys> {
         &self.keys
+    }
+
+    /// Opens a release listener with `client` on first need: a keyed
+    /// message whose key's lock other code holds is then claimable as soon
+    /// as that lock is released (else at its expiry).
+    pub(crate) fn wake_keys_with(&self, client: redis::Client) {
+        let open = crate::lock::listen::Open::Server(Box::new(client));
+        let _ = (self.keyed.listener).set(Arc::new(crate::lock::listen::AutoListener::new(open)));
+    }
+
+    /// The queue's keyed messages.
+    fn keyed(&self) -> Keyed<'_, C> {
+        Keyed {
+            conn: &self.conn,
+            keys: &self.keys,
+            state: &self.keyed,
+        }
     }
 }
 
@@ -143,6 +164,7 @@ impl<T, C: Clone> Clone for Queue<T, C> {
             retention: self.retention,
             events: self.events,
             completed: self.completed,
+            keyed: self.keyed.clone(),
             _message: PhantomData,
         }
     }
@@ -198,6 +220,8 @@ pub(crate) struct QueueKeys {
     pub(crate) bell: String,
     pub(crate) events: String,
     pub(crate) completed: String,
+    /// The index of the keyed partitions (see `keyed.rs`).
+    pub(crate) partitions: String,
 }
 
 impl QueueKeys {
@@ -217,6 +241,7 @@ impl QueueKeys {
             bell: format!("{base}:bell"),
             events: format!("{base}:events"),
             completed: format!("{base}:completed"),
+            partitions: format!("{base}:partitions"),
         }
     }
 
@@ -282,6 +307,9 @@ pub struct PushOptions {
     when: Option<When>,
     /// Its priority: 0 (none) to [`MAX_PRIORITY`].
     priority: u8,
+    /// Its key: claimed only with the key's lock, after the key's earlier
+    /// messages.
+    key: Option<String>,
 }
 
 /// The most entries [`Queue::record_events`] and [`Queue::keep_completed`]
@@ -337,6 +365,21 @@ impl PushOptions {
         self
     }
 
+    /// Gives the message a key. A keyed message is claimed only together
+    /// with its key's lock, the lock [`Locker::lock_key`](crate::Locker::lock_key)
+    /// names, which the handler then holds
+    /// ([`HeldLock::current`](crate::HeldLock::current) tells it): no two
+    /// messages of one key run at once, whoever else takes the key's lock
+    /// (a [`Locker`](crate::Locker) in an HTTP handler) is excluded too, and
+    /// a key's messages start in push order (a delayed one in due order).
+    /// A message waiting for a busy key is not claimed, so it costs nothing.
+    /// Keys must be non-empty and free of NUL; a keyed message has no
+    /// priority (pushing both fails with [`Error::Config`]).
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
     /// The `when` argument of the push script: the due time, and a priority
     /// as `/<priority>`.
     fn when_arg(&self) -> String {
@@ -349,6 +392,28 @@ impl PushOptions {
             0 => when,
             p => format!("{when}/{p}"),
         }
+    }
+}
+
+/// Refuses options no message can be pushed with.
+fn check_push(options: &PushOptions) -> Result<()> {
+    if options.priority > MAX_PRIORITY {
+        return Err(Error::config(format_args!(
+            "message priority must be 0..={MAX_PRIORITY}, got {}",
+            options.priority
+        )));
+    }
+    if options.id.as_ref().is_some_and(String::is_empty) {
+        return Err(Error::InvalidKey("message id must not be empty".into()));
+    }
+    match &options.key {
+        Some(key) if key.is_empty() || key.contains('\0') => Err(Error::InvalidKey(
+            "a message key must be non-empty and free of NUL".into(),
+        )),
+        Some(_) if options.priority > 0 => Err(Error::config(
+            "a keyed message has no priority: a key's messages start in push order",
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -565,6 +630,7 @@ where
             retention: Retention::default(),
             events: None,
             completed: None,
+            keyed: Arc::default(),
             _message: PhantomData,
         })
     }
@@ -576,6 +642,7 @@ where
         keys::check_prefix(prefix)?;
         Ok(Self {
             keys: Arc::new(QueueKeys::new(prefix, &self.keys.name)),
+            keyed: Arc::default(),
             ..self
         })
     }
@@ -636,56 +703,71 @@ where
         let mut encoded = Vec::new();
         for (msg, options) in msgs {
             let payload = serde_json::to_vec(msg.borrow()).map_err(Error::Encode)?;
-            if options.priority > MAX_PRIORITY {
-                return Err(Error::config(format_args!(
-                    "message priority must be 0..={MAX_PRIORITY}, got {}",
-                    options.priority
-                )));
-            }
+            check_push(&options)?;
             let id = match &options.id {
-                Some(id) if id.is_empty() => {
-                    return Err(Error::InvalidKey("message id must not be empty".into()));
-                }
                 Some(id) => id.clone(),
                 None => job::new_id(),
             };
-            encoded.push((id, options.when_arg(), payload));
+            encoded.push((id, options.when_arg(), payload, options.key));
         }
         let mut receipts = Vec::with_capacity(encoded.len());
-        for batch in encoded.chunks(MAX_BATCH) {
-            let mut call = Scripts::get().push.prepare_invoke();
-            call.key(&self.keys.data)
-                .key(&self.keys.schedule)
-                .key(&self.keys.bell)
-                .key(&self.keys.prioritized);
-            if let Some(cap) = self.events {
-                call.key(&self.keys.events).arg(cap);
-            }
-            for (id, when, payload) in batch {
-                call.arg(id).arg(when).arg(payload);
-            }
-            let reply: Vec<i64> =
-                call.invoke_async(&mut self.conn.clone())
-                    .await
-                    .map_err(Error::redis(format_args!(
-                        "pushing to queue `{}`",
-                        self.name()
-                    )))?;
-            if reply.len() != batch.len() * 2 {
-                return Err(Error::reply(
-                    format_args!("pushing to queue `{}`", self.name()),
-                    format_args!("{} values for {} messages", reply.len(), batch.len()),
-                ));
-            }
-            for ((id, _, _), pair) in batch.iter().zip(reply.chunks(2)) {
-                receipts.push(Pushed {
-                    id: id.clone(),
-                    due: (pair[1] >= 0).then(|| from_unix_ms(pair[1])),
-                    created: pair[0] == 1,
-                });
-            }
+        let (keyed, plain): (Vec<_>, Vec<_>) = encoded
+            .into_iter()
+            .enumerate()
+            .partition(|(_, (.., key))| key.is_some());
+        for batch in plain.chunks(MAX_BATCH) {
+            let pushed = self.push_batch(batch.iter().map(|(_, m)| m)).await?;
+            receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
         }
-        Ok(receipts)
+        for (n, (id, when, payload, key)) in keyed {
+            let key = key.unwrap_or_default();
+            let (created, due) = self.keyed().push(&key, &id, &when, &payload).await?;
+            let due = (due >= 0).then(|| from_unix_ms(due));
+            receipts.push((n, Pushed { id, due, created }));
+        }
+        receipts.sort_unstable_by_key(|(n, _)| *n);
+        Ok(receipts.into_iter().map(|(_, pushed)| pushed).collect())
+    }
+
+    /// Pushes unkeyed messages (at most [`MAX_BATCH`]) in one script call.
+    async fn push_batch<'a>(
+        &self,
+        batch: impl ExactSizeIterator<Item = &'a (String, String, Vec<u8>, Option<String>)>,
+    ) -> Result<Vec<Pushed>> {
+        let count = batch.len();
+        let mut call = Scripts::get().push.prepare_invoke();
+        call.key(&self.keys.data)
+            .key(&self.keys.schedule)
+            .key(&self.keys.bell)
+            .key(&self.keys.prioritized);
+        if let Some(cap) = self.events {
+            call.key(&self.keys.events).arg(cap);
+        }
+        let mut ids = Vec::with_capacity(count);
+        for (id, when, payload, _) in batch {
+            call.arg(id).arg(when).arg(payload);
+            ids.push(id);
+        }
+        let attempted = || format!("pushing to queue `{}`", self.name());
+        let reply: Vec<i64> = call
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        if reply.len() != count * 2 {
+            return Err(Error::reply(
+                attempted(),
+                format_args!("{} values for {count} messages", reply.len()),
+            ));
+        }
+        Ok(ids
+            .into_iter()
+            .zip(reply.chunks(2))
+            .map(|(id, pair)| Pushed {
+                id: id.clone(),
+                due: (pair[1] >= 0).then(|| from_unix_ms(pair[1])),
+                created: pair[0] == 1,
+            })
+            .collect())
     }
 
     /// Claims up to `max` due messages (at most [`MAX_BATCH`]), in due order,
@@ -696,13 +778,61 @@ where
     /// A claimed payload that does not decode as `T` is not returned: it is
     /// buried with the decoding error and counted in [`Claimed::buried`].
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
-        let attempted = || format!("claiming from queue `{}`", self.name());
         if max == 0 || max > MAX_BATCH {
             return Err(Error::config(format_args!(
                 "claim batch must be 1..={MAX_BATCH}, got {max}"
             )));
         }
         check_lease(lease)?;
+        let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
+        let room = max - claimed.jobs.len();
+        if room > 0 && !slots.is_empty() {
+            self.claim_keyed(&slots, now, room, lease, &mut claimed)
+                .await?;
+        }
+        Ok(claimed)
+    }
+
+    /// Claims keyed messages from the partitions `slots` into `claimed`,
+    /// with their keys' locks; `now` is the server's time.
+    async fn claim_keyed(
+        &self,
+        slots: &[u16],
+        now: i64,
+        max: usize,
+        lease: Duration,
+        claimed: &mut Claimed<T>,
+    ) -> Result<()> {
+        let keyed = self.keyed().claim(slots, now, max, lease).await?;
+        for turn in keyed.turns {
+            let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
+            match Job::<T>::decode(turn.id, turn.claim, enqueued, &turn.record, &self.keys) {
+                Ok(job) => claimed.jobs.push(job.with_lock(turn.held)),
+                Err(bad) => {
+                    let (job, error) = *bad;
+                    let job = job.with_lock(turn.held);
+                    tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
+                    if let Ok(true) = self.bury_with(&job, &error, false).await {
+                        claimed.buried += 1;
+                    }
+                }
+            }
+        }
+        if let Some(at) = keyed.next_at {
+            let wait = Duration::from_millis(u64::try_from(at - now).unwrap_or(0));
+            claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
+        }
+        Ok(())
+    }
+
+    /// Claims unkeyed messages; also returns the keyed partitions that may
+    /// have work, and the server's time.
+    async fn claim_plain(
+        &self,
+        max: usize,
+        lease: Duration,
+    ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
+        let attempted = || format!("claiming from queue `{}`", self.name());
         let reply: Vec<Value> = Scripts::get()
             .claim
             .key(&self.keys.data)
@@ -712,9 +842,11 @@ where
             .key(&self.keys.bell)
             .key(&self.keys.prioritized)
             .key(&self.keys.events)
+            .key(&self.keys.partitions)
             .arg(max)
             .arg(millis(lease))
             .arg(self.events_arg())
+            .arg(keyed::PARTITIONS_PER_CLAIM)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(|e| Error::redis(attempted())(e))?;
@@ -724,6 +856,10 @@ where
         let claim = int(values.next())?;
         let next_due = int(values.next())?;
         let now = int(values.next())?;
+        let slots: Vec<u16> = match values.next() {
+            Some(slots) => redis::from_redis_value(slots).map_err(|_| bad("bad partitions"))?,
+            None => return Err(bad("no partitions")),
+        };
         let claim = u64::try_from(claim).map_err(|_| bad("negative claim"))?;
         let mut claimed = Claimed {
             jobs: Vec::new(),
@@ -763,7 +899,7 @@ where
                 }
             }
         }
-        Ok(claimed)
+        Ok((claimed, slots, now))
     }
 
     /// Completes a claimed message: it is deleted. Returns `false`, changing
@@ -772,6 +908,9 @@ where
     /// message is gone already (completed or removed).
     pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
         let job = job.claim_ref();
+        if let Some(held) = job.held {
+            return self.settle_keyed(job, held, Outcome::Ack).await;
+        }
         let completed = self.completed.unwrap_or_default().args();
         let acked: i64 = Scripts::get()
             .ack
@@ -817,6 +956,10 @@ where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
     {
+        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
+        if jobs.iter().any(|j| j.held.is_some()) {
+            return self.ack_each(&jobs).await;
+        }
         let mut call = Scripts::get().ack_many.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         call.key(&self.keys.data)
@@ -830,7 +973,6 @@ where
             .arg(completed.1);
         let mut count = 0;
         for job in jobs {
-            let job = job.claim_ref();
             call.arg(job.member())
                 .arg(job.id())
                 .arg(if job.failures() > 0 { "1" } else { "0" })
@@ -860,6 +1002,19 @@ where
                 _ => Acked::Gone,
             })
             .collect())
+    }
+
+    /// Acknowledges one by one: a batch with keyed messages (each in its
+    /// key's partition).
+    async fn ack_each(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
+        let mut out = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            out.push(match self.ack(job).await? {
+                true => Acked::Done,
+                false => Acked::NotHeld,
+            });
+        }
+        Ok(out)
     }
 
     /// Puts a claimed message back on the schedule after a failure, due
@@ -947,6 +1102,17 @@ where
         counter: &str,
         error: &str,
     ) -> Result<Option<SystemTime>> {
+        if let Some(held) = job.held {
+            let delay = Duration::from_millis(when.parse().unwrap_or(0));
+            let outcome = match counter {
+                "failure" => Outcome::Retry { delay, error },
+                "deferral" => Outcome::Defer { delay },
+                _ => Outcome::Release,
+            };
+            let settled = self.settle_keyed(job, held, outcome).await?;
+            let due = SystemTime::now() + delay;
+            return Ok(settled.then_some(due));
+        }
         let due: i64 = Scripts::get()
             .reschedule
             .key(&self.keys.data)
@@ -987,6 +1153,9 @@ where
         failed: bool,
     ) -> Result<bool> {
         let job = job.claim_ref();
+        if let Some(held) = job.held {
+            return self.settle_keyed(job, held, Outcome::Bury { error }).await;
+        }
         let (max_count, max_age) = self.retention.args();
         let buried: i64 = Scripts::get()
             .bury
@@ -1017,8 +1186,13 @@ where
         I: IntoIterator<Item = &'a J>,
     {
         check_lease(lease)?;
-        let members: Vec<String> = jobs.into_iter().map(|j| j.claim_ref().member()).collect();
-        let mut out = Vec::with_capacity(members.len());
+        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
+        let members: Vec<String> = jobs
+            .iter()
+            .filter(|j| j.held.is_none())
+            .map(ClaimRef::member)
+            .collect();
+        let mut plain = Vec::with_capacity(members.len());
         // Bounded script calls: one call never keeps the server busy for long.
         for batch in members.chunks(MAX_BATCH) {
             let mut call = Scripts::get().extend.prepare_invoke();
@@ -1036,9 +1210,30 @@ where
                     format_args!("{} values for {} leases", held.len(), batch.len()),
                 ));
             }
-            out.extend(held.into_iter().map(|h| h == 1));
+            plain.extend(held.into_iter().map(|h| h == 1));
+        }
+        let mut plain = plain.into_iter();
+        let mut out = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            out.push(match job.held {
+                Some(held) => self.keyed().extend(held, &job.member(), lease).await?,
+                None => plain.next().unwrap_or(false),
+            });
         }
         Ok(out)
+    }
+
+    /// Ends a keyed message's turn; `false` when its claim was lost.
+    async fn settle_keyed(
+        &self,
+        job: ClaimRef<'_>,
+        held: &Arc<Held>,
+        outcome: Outcome<'_>,
+    ) -> Result<bool> {
+        let settled = (self.keyed())
+            .done(held, (job.id(), job.claim), outcome, None)
+            .await?;
+        Ok(settled != Settled::Lost)
     }
 
     /// Hands messages whose lease ran out back to the schedule, due now,
@@ -1078,6 +1273,9 @@ where
             total.requeued += requeued;
             total.buried += buried;
             if examined < MAX_BATCH {
+                let (requeued, buried) = self.keyed().recover(max_stalls.max(1)).await?;
+                total.requeued += requeued;
+                total.buried += buried;
                 if total.requeued + total.buried > 0 {
                     tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
                 }
@@ -1124,12 +1322,13 @@ where
                 self.name()
             )))?;
         let (due, later, active, dead, oldest, now, next_due) = v;
+        let keyed = self.keyed().counts().await?;
         let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
         Ok(Stats {
-            due,
-            later,
-            active,
-            dead,
+            due: due + keyed.0,
+            later: later + keyed.2,
+            active: active + keyed.1,
+            dead: dead + keyed.3,
             oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
             next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
         })
@@ -1620,6 +1819,7 @@ pub struct ClaimToken {
     claim: u64,
     failures: u32,
     stalls: u32,
+    held: Option<Arc<Held>>,
 }
 
 impl ClaimToken {
@@ -1634,6 +1834,16 @@ impl ClaimToken {
     }
 }
 
+impl ClaimToken {
+    /// For a keyed message, its key and the token its lock holds, with the
+    /// prefix of the lock's key.
+    pub(crate) fn held_lock(&self) -> Option<(&str, crate::lock::Token)> {
+        self.held
+            .as_ref()
+            .map(|held| (held.key.as_str(), held.token))
+    }
+}
+
 impl Claim for ClaimToken {
     fn claim_ref(&self) -> ClaimRef<'_> {
         ClaimRef {
@@ -1641,6 +1851,7 @@ impl Claim for ClaimToken {
             claim: self.claim,
             failures: self.failures,
             stalls: self.stalls,
+            held: self.held.as_ref(),
         }
     }
 }
@@ -1652,6 +1863,13 @@ pub struct ClaimRef<'a> {
     claim: u64,
     failures: u32,
     stalls: u32,
+    held: Option<&'a Arc<Held>>,
+}
+
+impl Claim for ClaimRef<'_> {
+    fn claim_ref(&self) -> ClaimRef<'_> {
+        *self
+    }
 }
 
 impl ClaimRef<'_> {
@@ -1662,6 +1880,7 @@ impl ClaimRef<'_> {
             claim: self.claim,
             failures: self.failures,
             stalls: self.stalls,
+            held: self.held.cloned(),
         }
     }
 

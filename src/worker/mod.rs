@@ -237,6 +237,11 @@ where
     /// 1 s doubling to 5 min (jittered), unlimited deferrals, 30 s shutdown
     /// timeout.
     pub fn new(connector: K, queue: Queue<T, C>, service: S) -> Self {
+        // Keyed messages waiting for a lock other code holds are woken by
+        // its release, heard on the worker's server.
+        if let Some(client) = (&connector as &dyn std::any::Any).downcast_ref::<redis::Client>() {
+            queue.wake_keys_with(client.clone());
+        }
         Self {
             connector,
             queue,

@@ -2,8 +2,11 @@
 -- first, highest first, then the schedule's; in due order within each.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims   KEYS[5]: bell
 -- KEYS[6]: prioritized   KEYS[7]: events   ARGV[3]: the events' cap ("" for none)
+-- KEYS[8]: the index of keyed partitions (see keyed.lua), ARGV[4]: how many
+--          of those due to name
 -- ARGV[1]: how many at most (bounded by the caller)   ARGV[2]: lease in ms
--- Returns {claim, next due ms or -1, now, then per message id, due ms, record}.
+-- Returns {claim, next due ms or -1, now, {due keyed partitions}, then per
+-- message id, due ms, record}. The next due time covers the partitions.
 -- A scheduled id whose record is missing (removed by hand) is dropped.
 -- When due messages remain after the claim, the bell rings again: a ring
 -- wakes one idle worker, and this passes the wake-up on to the next, so a
@@ -44,17 +47,22 @@ if #ids < max then
     dues[#dues + 1] = due[i + 1]
   end
 end
--- The next due time over the schedule and every priority.
+-- The keyed partitions that may have work now; and when the first of the
+-- others may.
+local slots = redis.call('ZRANGEBYSCORE', KEYS[8], '-inf', now, 'LIMIT', 0, tonumber(ARGV[4]))
+-- The next due time over the schedule, every priority and the partitions.
 local function next_due()
   local head = head_due(KEYS[2])
   if prioritized then
     local other = prioritized_head(KEYS[6])
     if other and (not head or other < head) then head = other end
   end
+  local later = redis.call('ZRANGEBYSCORE', KEYS[8], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]
+  if later and (not head or tonumber(later) < head) then head = tonumber(later) end
   return head
 end
 if #ids == 0 then
-  return {0, next_due() or -1, now}
+  return {0, next_due() or -1, now, slots}
 end
 local records = redis.call('HMGET', KEYS[1], unpack(ids))
 if ARGV[3] ~= '' then
@@ -85,7 +93,7 @@ local deadline = now + tonumber(ARGV[2])
 local leases = {}
 local next_at = next_due()
 if next_at and next_at <= now then ring(KEYS[5]) end
-local out = {claim, next_at or -1, now}
+local out = {claim, next_at or -1, now, slots}
 for i, id in ipairs(ids) do
   if records[i] then
     leases[#leases + 1] = deadline

@@ -1,0 +1,632 @@
+//! The keyed queue's storage (issue 23, first part): messages pushed with a
+//! key wait in their key's line and are claimed only together with the
+//! key's lock, the lock a [`Locker`](crate::Locker) takes
+//! (`<prefix>:lock:{<key>}`): one lock identity per key.
+//!
+//! A key's line lives in a partition of the queue in the hash slot of the
+//! key's lock, `<prefix>:{<slot tag>}:<queue>:…`, so one script sees the
+//! lock and the line on a Redis Cluster too (see `lua/keyed.lua` for the
+//! keys). A slot's tag is the first decimal number whose text hashes to the
+//! slot: a producer in another language computes the same table. The
+//! queue's index of partitions, `<prefix>:{<queue>}:partitions` (slot →
+//! 0), is a hint written after a push: a partition missing from it is found
+//! on the next push to it.
+//!
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::time::Duration;
+
+use redis::Script;
+use redis::aio::ConnectionLike;
+
+use super::QueueKeys;
+use crate::error::{Error, Result};
+use crate::keys::{self, SLOTS};
+use crate::lock::listen::AutoListener;
+use crate::lock::{Token, detect_publish};
+use crate::script::{evalsha, run};
+
+/// The tag of every hash slot.
+static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
+    let mut tags = vec![String::new(); usize::from(SLOTS)];
+    let mut left = tags.len();
+    let mut n: u64 = 0;
+    while left > 0 {
+        let text = n.to_string();
+        let slot = crc16::State::<crc16::XMODEM>::calculate(text.as_bytes()) % SLOTS;
+        let tag = &mut tags[usize::from(slot)];
+        if tag.is_empty() {
+            *tag = text;
+            left -= 1;
+        }
+        n += 1;
+    }
+    tags
+});
+
+/// The keyed scripts: the queue's prelude, the keyed helpers, the script.
+struct KeyedScripts {
+    push: Script,
+    claim: Script,
+    done: Script,
+    extend: Script,
+    recover: Script,
+}
+
+impl KeyedScripts {
+    fn get() -> &'static Self {
+        fn load(body: &str) -> Script {
+            Script::new(&format!(
+                "{}\n{}\n{body}",
+                include_str!("lua/prelude.lua"),
+                include_str!("lua/keyed.lua")
+            ))
+        }
+        static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
+            push: load(include_str!("lua/keyed_push.lua")),
+            claim: load(include_str!("lua/keyed_claim.lua")),
+            done: load(include_str!("lua/keyed_done.lua")),
+            extend: load(include_str!("lua/keyed_extend.lua")),
+            recover: load(include_str!("lua/keyed_recover.lua")),
+        });
+        &SCRIPTS
+    }
+}
+
+/// The keys of one partition, in the keyed scripts' order.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Partition {
+    pub(crate) slot: u16,
+    keys: [String; 11],
+}
+
+impl Partition {
+    fn new(prefix: &str, queue: &str, slot: u16) -> Self {
+        let base = format!(
+            "{prefix}:{{{}}}:{}",
+            SLOT_TAGS[usize::from(slot)],
+            keys::tag(queue)
+        );
+        let keys = [
+            "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "held",
+            "keyof", "seq",
+        ]
+        .map(|name| format!("{base}:{name}"));
+        Self { slot, keys }
+    }
+
+    /// An `EVALSHA` of `script` over this partition and `more` keys.
+    fn call(&self, script: &Script, more: usize) -> redis::Cmd {
+        let mut cmd = evalsha(script, self.keys.len() + more);
+        for key in &self.keys {
+            cmd.arg(key);
+        }
+        cmd
+    }
+}
+
+/// What a keyed message's turn at work ends with ([`Keyed::done`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Outcome<'a> {
+    /// Handled: the message goes.
+    Ack,
+    /// A failed attempt: it stays first in line, its key waits `delay`.
+    Retry { delay: Duration, error: &'a str },
+    /// Put off without using an attempt: first in line, its key waits.
+    Defer { delay: Duration },
+    /// Back as it was (a worker shutting down).
+    Release,
+    /// A dead letter; its key's next message comes up.
+    Bury { error: &'a str },
+}
+
+/// How [`Keyed::done`] went.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Settled {
+    /// The claim was no longer held: nothing changed.
+    Lost,
+    /// Settled; the key's lock was let go.
+    Done,
+    /// Acknowledged, and the key's next message claimed under its lock.
+    Next(Turn),
+}
+
+/// A key's lock, held for a keyed message at work.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Held {
+    pub(crate) key: String,
+    /// The token the lock holds.
+    pub(crate) token: Token,
+    pub(crate) partition: Arc<Partition>,
+}
+
+/// A keyed message claimed with its key's lock.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Turn {
+    pub(crate) held: Arc<Held>,
+    pub(crate) id: String,
+    pub(crate) claim: u64,
+    /// The stored record (the queue's format).
+    pub(crate) record: Vec<u8>,
+}
+
+/// Turns claimed across partitions.
+#[derive(Debug, Default)]
+pub(crate) struct Claimed {
+    pub(crate) turns: Vec<Turn>,
+    /// When a waiting key or a delayed message is due next (server ms).
+    pub(crate) next_at: Option<i64>,
+}
+
+/// How many due partitions a claim names (the queue's claim script) and
+/// visits.
+pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
+
+/// A partition is looked at again at the latest this long after a claim
+/// found nothing ready in it: the index is a hint, and a claimer that died
+/// between its two writes of a partition's entry is covered by this.
+const RECHECK_MS: i64 = 30_000;
+
+/// The keyed side of a queue, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct KeyedState {
+    publish: tokio::sync::OnceCell<&'static str>,
+    /// Per partition, the ready keys its last claim named.
+    candidates: Mutex<HashMap<u16, Vec<String>>>,
+    /// Hears the releases of locks other code held while messages of their
+    /// keys waited (a worker's queue has one).
+    pub(crate) listener: OnceLock<Arc<AutoListener>>,
+    /// The keys whose release is being listened for.
+    watched: Mutex<HashSet<String>>,
+}
+
+/// A queue's keyed messages: its connection, keys and shared state.
+pub(crate) struct Keyed<'a, C> {
+    pub(crate) conn: &'a C,
+    pub(crate) keys: &'a Arc<QueueKeys>,
+    pub(crate) state: &'a Arc<KeyedState>,
+}
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
+    /// The partition holding `key`'s line.
+    pub(crate) fn partition_of(&self, key: &str) -> Partition {
+        Partition::new(&self.keys.prefix, &self.keys.name, keys::lock_slot(key))
+    }
+
+    fn partition(&self, slot: u16) -> Arc<Partition> {
+        Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
+    }
+
+    /// Pushes a message on `key`, due after `when` (the push script's
+    /// `when`); returns whether it was added and its due time (-1 when it
+    /// is not waiting for one).
+    pub(crate) async fn push(
+        &self,
+        key: &str,
+        id: &str,
+        when: &str,
+        payload: &[u8],
+    ) -> Result<(bool, i64)> {
+        let partition = self.partition_of(key);
+        let mut cmd = partition.call(&KeyedScripts::get().push, 0);
+        cmd.arg(key).arg(id).arg(when).arg(payload);
+        let mut conn = self.conn.clone();
+        let attempted = || format!("pushing to key `{key}` of queue `{}`", self.keys.name);
+        let reply: Vec<i64> = run(&KeyedScripts::get().push, &cmd, &mut conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let mut hint = redis::pipe();
+        hint.cmd("ZADD")
+            .arg(&self.keys.partitions)
+            .arg("LT")
+            .arg(0)
+            .arg(partition.slot)
+            .ignore();
+        hint.cmd("LPUSH").arg(&self.keys.bell).arg(1).ignore();
+        hint.cmd("LTRIM")
+            .arg(&self.keys.bell)
+            .arg(0)
+            .arg(0)
+            .ignore();
+        hint.query_async::<()>(&mut conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        match reply.as_slice() {
+            [added, due] => Ok((*added == 1, *due)),
+            _ => Err(Error::reply(attempted(), format_args!("{reply:?}"))),
+        }
+    }
+
+    /// Claims up to `max` heads of ready keys' lines across the partitions
+    /// `slots` (named by the queue's claim as due at the server's `now`),
+    /// each with its key's lock for `lease`.
+    pub(crate) async fn claim(
+        &self,
+        slots: &[u16],
+        now: i64,
+        max: usize,
+        lease: Duration,
+    ) -> Result<Claimed> {
+        let mut claimed = Claimed::default();
+        for slot in slots.iter().filter(|slot| **slot < SLOTS) {
+            let left = max - claimed.turns.len();
+            if left == 0 {
+                break;
+            }
+            let partition = self.partition(*slot);
+            let next_at = self
+                .claim_in(partition, now, left, lease, &mut claimed)
+                .await?;
+            if let Some(at) = next_at {
+                claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Claims in one partition; returns when it has a key or a delayed
+    /// message due next (server ms). Its index entry is raised before the
+    /// claim and lowered after it only to what the claim saw: a push that
+    /// came in between lowers it itself, after its own script.
+    async fn claim_in(
+        &self,
+        partition: Arc<Partition>,
+        now: i64,
+        max: usize,
+        lease: Duration,
+        claimed: &mut Claimed,
+    ) -> Result<Option<i64>> {
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        let slot = partition.slot;
+        let mut conn = self.conn.clone();
+        redis::cmd("ZADD")
+            .arg(&self.keys.partitions)
+            .arg("XX")
+            .arg(now + RECHECK_MS)
+            .arg(slot)
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let mut candidates = self.take_candidates(slot);
+        let mut reply = self.claim_keys(&partition, &candidates, max, lease).await?;
+        if candidates.is_empty() && !reply.2.is_empty() {
+            // The first claim here: it named the ready keys, claim them.
+            candidates = std::mem::take(&mut reply.2);
+            reply = self.claim_keys(&partition, &candidates, max, lease).await?;
+        }
+        let (turns, next_at, named) = reply;
+        claimed.turns.extend(turns);
+        let lower_to = if named.is_empty() { next_at } else { Some(0) };
+        self.put_candidates(slot, named);
+        if let Some(at) = lower_to {
+            redis::cmd("ZADD")
+                .arg(&self.keys.partitions)
+                .arg("XX")
+                .arg("LT")
+                .arg(at.max(0))
+                .arg(slot)
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(Error::redis(attempted()))?;
+        }
+        Ok(next_at)
+    }
+
+    /// Makes `key` ready when the lock other code holds on it is released
+    /// (published, as the claim marked it waited for): listened for in a
+    /// task of its own, which ends at that release or at the lock's expiry,
+    /// when the key is ready anyway. Without a listener, the key waits for
+    /// the expiry.
+    fn watch_release(&self, key: String, left: Duration) {
+        let Some(auto) = self.state.listener.get().cloned() else {
+            return;
+        };
+        {
+            let mut watched = self.state.watched.lock().unwrap_or_else(|e| e.into_inner());
+            if !watched.insert(key.clone()) {
+                return;
+            }
+        }
+        let lock_key = keys::lock_key(&self.keys.prefix, &key);
+        let (conn, keys, state) = (self.conn.clone(), self.keys.clone(), self.state.clone());
+        tokio::spawn(async move {
+            let keyed = Keyed {
+                conn: &conn,
+                keys: &keys,
+                state: &state,
+            };
+            let until = tokio::time::Instant::now() + left;
+            if let Some(listener) = opened(&auto, until).await {
+                let mut watch = listener.watch(&lock_key, crate::lock::process_tag());
+                if watch.ready(Some(until)).await {
+                    // A release before the subscription was heard by
+                    // nobody: look once now, then at each release.
+                    let _ = keyed.unblock(&key).await;
+                    let _ = tokio::time::timeout_at(until, watch.woken()).await;
+                }
+            }
+            let _ = keyed.unblock(&key).await;
+            let mut watched = state.watched.lock().unwrap_or_else(|e| e.into_inner());
+            watched.remove(&key);
+        });
+    }
+
+    fn take_candidates(&self, slot: u16) -> Vec<String> {
+        let mut all = self
+            .state
+            .candidates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        all.remove(&slot).unwrap_or_default()
+    }
+
+    fn put_candidates(&self, slot: u16, named: Vec<String>) {
+        let mut all = self
+            .state
+            .candidates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if named.is_empty() {
+            all.remove(&slot);
+        } else {
+            all.insert(slot, named);
+        }
+    }
+
+    /// One claim script call: the turns, (server now, next due) and the
+    /// ready keys it names for the next call.
+    async fn claim_keys(
+        &self,
+        partition: &Arc<Partition>,
+        candidates: &[String],
+        max: usize,
+        lease: Duration,
+    ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
+        let script = &KeyedScripts::get().claim;
+        let mut cmd = partition.call(script, candidates.len());
+        for key in candidates {
+            cmd.arg(keys::lock_key(&self.keys.prefix, key));
+        }
+        cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
+        let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
+        for (key, token) in candidates.iter().zip(&tokens) {
+            cmd.arg(key).arg(token.as_str());
+        }
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        type Reply = (u64, i64, i64, Vec<String>, Vec<Vec<u8>>, Vec<(String, u64)>);
+        let (claim, _now, next_at, named, flat, blocked): Reply =
+            run(script, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+        for (key, left) in blocked {
+            self.watch_release(key, Duration::from_millis(left));
+        }
+        let mut turns = Vec::with_capacity(flat.len() / 3);
+        let mut flat = flat.into_iter();
+        while let (Some(key), Some(id), Some(record)) = (flat.next(), flat.next(), flat.next()) {
+            let found = candidates
+                .iter()
+                .position(|k| k.as_bytes() == key.as_slice());
+            let (Some(i), Ok(id)) = (found, String::from_utf8(id)) else {
+                // Cannot happen with lockgate's script; if it does, the
+                // entry comes back after its lease.
+                tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
+                continue;
+            };
+            let held = Held {
+                key: candidates[i].clone(),
+                token: tokens[i],
+                partition: partition.clone(),
+            };
+            turns.push(Turn {
+                held: Arc::new(held),
+                id,
+                claim,
+                record,
+            });
+        }
+        Ok((turns, (next_at >= 0).then_some(next_at), named))
+    }
+
+    /// Ends a turn with `outcome`. For an ack with `next` set, the key's
+    /// next message is claimed at once under the same lock, leased for
+    /// `next`.
+    pub(crate) async fn done(
+        &self,
+        held: &Arc<Held>,
+        member: (&str, u64),
+        outcome: Outcome<'_>,
+        next: Option<Duration>,
+    ) -> Result<Settled> {
+        let (id, claim) = member;
+        let attempted = || format!("settling keyed message `{id}`");
+        let publish = detect_publish(&self.state.publish, self.conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let script = &KeyedScripts::get().done;
+        let mut cmd = held.partition.call(script, 1);
+        cmd.arg(keys::lock_key(&self.keys.prefix, &held.key));
+        let (op, wait, error) = match outcome {
+            Outcome::Ack => ("ack", String::new(), ""),
+            Outcome::Retry { delay, error } => ("retry", millis(delay).to_string(), error),
+            Outcome::Defer { delay } => ("defer", millis(delay).to_string(), ""),
+            Outcome::Release => ("release", String::new(), ""),
+            Outcome::Bury { error } => ("bury", error.to_owned(), ""),
+        };
+        cmd.arg(op)
+            .arg(&held.key)
+            .arg(id)
+            .arg(claim)
+            .arg(held.token.as_str())
+            .arg(wait)
+            .arg(error)
+            .arg(publish)
+            .arg(next.map_or(String::new(), |lease| millis(lease).to_string()));
+        let mut conn = self.conn.clone();
+        let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let (claim, id, record) = match reply.as_slice() {
+            [redis::Value::Int(0)] => return Ok(Settled::Lost),
+            [redis::Value::Int(1)] => return Ok(Settled::Done),
+            [redis::Value::Int(2)] => {
+                // The key is ready for the next claim, whoever makes it.
+                self.mark_ready(held.partition.slot)
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+                return Ok(Settled::Done);
+            }
+            [_, claim, id, record] => (
+                redis::from_redis_value_ref::<u64>(claim),
+                redis::from_redis_value_ref::<String>(id),
+                redis::from_redis_value_ref::<Vec<u8>>(record),
+            ),
+            _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
+        };
+        let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
+        Ok(Settled::Next(Turn {
+            held: held.clone(),
+            id: id.map_err(bad)?,
+            claim: claim.map_err(bad)?,
+            record: record.map_err(bad)?,
+        }))
+    }
+
+    /// Marks a partition as having a ready key, and rings the doorbell.
+    async fn mark_ready(&self, slot: u16) -> redis::RedisResult<()> {
+        let mut hint = redis::pipe();
+        hint.cmd("ZADD")
+            .arg(&self.keys.partitions)
+            .arg("LT")
+            .arg(0)
+            .arg(slot)
+            .ignore();
+        hint.cmd("LPUSH").arg(&self.keys.bell).arg(1).ignore();
+        hint.cmd("LTRIM")
+            .arg(&self.keys.bell)
+            .arg(0)
+            .arg(0)
+            .ignore();
+        hint.query_async(&mut self.conn.clone()).await
+    }
+
+    /// Makes `key` ready at once if it waits (for a lock other code held,
+    /// whose release was published).
+    pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
+        let partition = self.partition_of(key);
+        redis::cmd("ZADD")
+            .arg(&partition.keys[7])
+            .arg("XX")
+            .arg(0)
+            .arg(key)
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!("waking key `{key}`")))?;
+        self.mark_ready(partition.slot)
+            .await
+            .map_err(Error::redis(format_args!("waking key `{key}`")))
+    }
+
+    /// Extends a turn's lease and its key's lock; `false` when either is
+    /// lost.
+    pub(crate) async fn extend(&self, held: &Held, member: &str, lease: Duration) -> Result<bool> {
+        let script = &KeyedScripts::get().extend;
+        let mut cmd = held.partition.call(script, 1);
+        cmd.arg(keys::lock_key(&self.keys.prefix, &held.key))
+            .arg(member)
+            .arg(held.token.as_str())
+            .arg(millis(lease));
+        let extended: i64 =
+            run(script, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "extending keyed message `{member}`"
+                )))?;
+        Ok(extended == 1)
+    }
+
+    /// Counts over every partition of the index: (in line, at work,
+    /// delayed, dead). Each partition is read at its own instant.
+    pub(crate) async fn counts(&self) -> Result<(u64, u64, u64, u64)> {
+        let attempted = || format!("reading stats of queue `{}`", self.keys.name);
+        let mut total = (0, 0, 0, 0);
+        for slot in self.slots().await? {
+            let partition = self.partition(slot);
+            let k = &partition.keys;
+            let (lines, held, later, dead): (u64, u64, u64, u64) = redis::pipe()
+                .zcard(&k[6])
+                .hlen(&k[8])
+                .zcard(&k[1])
+                .zcard(&k[3])
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+            total.0 += lines.saturating_sub(held);
+            total.1 += held;
+            total.2 += later;
+            total.3 += dead;
+        }
+        Ok(total)
+    }
+
+    /// Every partition in the index.
+    async fn slots(&self) -> Result<Vec<u16>> {
+        let slots: Vec<u16> = redis::cmd("ZRANGE")
+            .arg(&self.keys.partitions)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "listing the partitions of queue `{}`",
+                self.keys.name
+            )))?;
+        Ok(slots.into_iter().filter(|slot| *slot < SLOTS).collect())
+    }
+
+    /// Ends the turns whose lease ran out in every partition of the index;
+    /// returns how many went back to the head of their line and how many
+    /// were buried.
+    pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
+        let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
+        let script = &KeyedScripts::get().recover;
+        let (mut requeued, mut buried) = (0, 0);
+        for slot in self.slots().await? {
+            let mut cmd = self.partition(slot).call(script, 0);
+            cmd.arg(max_stalls).arg(1000);
+            let (back, dead, _): (usize, usize, usize) = run(script, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+            if back + dead > 0 {
+                self.mark_ready(slot)
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+            }
+            requeued += back;
+            buried += dead;
+        }
+        Ok((requeued, buried))
+    }
+}
+
+/// The release listener once it is open (it opens in the background on
+/// first need), or `None` if it is not by `until`.
+async fn opened(
+    auto: &Arc<AutoListener>,
+    until: tokio::time::Instant,
+) -> Option<crate::ReleaseListener> {
+    loop {
+        if let Some(listener) = auto.get() {
+            return Some(listener);
+        }
+        if tokio::time::Instant::now() >= until {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,373 @@
+//! The keyed queue end to end: messages pushed with a key are claimed only
+//! with the key's lock (the lock a `Locker` takes), one at a time per key,
+//! in push order, and the handler runs holding that lock.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use lockgate::{BoxError, HeldLock, Job, LockLayer, Locker, PushOptions, Queue, Worker};
+use serde::{Deserialize, Serialize};
+use support::{Holds, eventually, manager, ms, secs, server};
+use tokio::time::Instant;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Msg {
+    n: u32,
+    key: String,
+}
+
+/// Pushes `total` messages over `keys` keys, each with its key.
+async fn push_keyed(queue: &Queue<Msg>, total: u32, keys: u32) {
+    let msgs = (0..total).map(|n| {
+        let key = format!("k{}", n % keys);
+        (
+            Msg {
+                n,
+                key: key.clone(),
+            },
+            PushOptions::new().key(key),
+        )
+    });
+    queue.push_many_with(msgs).await.unwrap();
+}
+
+/// Per key, the message numbers in the order their handlers started.
+#[derive(Clone, Default)]
+struct Starts(Arc<Mutex<BTreeMap<String, Vec<u32>>>>);
+
+impl Starts {
+    fn record(&self, key: &str, n: u32) {
+        let mut starts = self.0.lock().unwrap();
+        starts.entry(key.to_owned()).or_default().push(n);
+    }
+
+    fn assert_push_order(&self) {
+        for (key, ns) in self.0.lock().unwrap().iter() {
+            let mut sorted = ns.clone();
+            sorted.sort_unstable();
+            assert_eq!(ns, &sorted, "key {key} started out of push order");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_messages_run_one_at_a_time_per_key_in_push_order_under_the_key_s_lock() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let total = 600;
+    push_keyed(&queue, total, 6).await;
+    let (holds, starts) = (Holds::default(), Starts::default());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let conn = manager(&server).await;
+        let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+        let locker = Locker::new(conn);
+        let (holds, starts) = (holds.clone(), starts.clone());
+        let service = tower::service_fn(move |job: Job<Msg>| {
+            let (holds, starts, locker) = (holds.clone(), starts.clone(), locker.clone());
+            async move {
+                let start = Instant::now();
+                starts.record(&job.key, job.n);
+                assert_eq!(job.key(), Some(job.key.as_str()));
+                // The key's lock is held: a Locker finds it busy.
+                assert!(locker.acquire(&job.key).await?.lease().is_none());
+                tokio::time::sleep(ms(1)).await;
+                holds.record(&job.key, job.n, start, Instant::now());
+                Ok::<_, BoxError>(())
+            }
+        });
+        let worker = Worker::new(server.client(), queue, service)
+            .concurrency(8)
+            .unwrap();
+        let mut stop_rx = stop_rx.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        })));
+    }
+    eventually("every message handled", secs(30), async || {
+        support::done_if(holds.handled() == total as usize, holds.handled())
+    })
+    .await;
+    stop_tx.send(true).unwrap();
+    for worker in workers {
+        worker.await.unwrap().unwrap();
+    }
+    holds.assert_each_once(total as usize);
+    for (key, most) in holds.most_at_once() {
+        assert_eq!(most, 1, "two handlers of {key} at once");
+    }
+    starts.assert_push_order();
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.active, stats.dead), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_layer_over_a_keyed_message_uses_the_lock_claimed_with_it() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 20, 2).await;
+    let locker = Locker::new(conn.clone());
+    let fences = Arc::new(Mutex::new(Vec::new()));
+    let seen = fences.clone();
+    let service = tower::ServiceBuilder::new()
+        .layer(LockLayer::new(locker, |job: &Job<Msg>| job.key.clone()))
+        .service_fn(move |job: Job<Msg>| {
+            let seen = seen.clone();
+            async move {
+                let held = HeldLock::current().expect("the key's lock");
+                assert_eq!(held.key(), job.key);
+                let fence = held.fence().await?;
+                seen.lock().unwrap().push((job.key.clone(), fence));
+                Ok::<_, BoxError>(())
+            }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(4)
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    eventually("every message handled", secs(20), async || {
+        let n = fences.lock().unwrap().len();
+        support::done_if(n == 20, n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    // Fences of a key strictly increase, holder after holder.
+    let fences = fences.lock().unwrap();
+    for key in ["k0", "k1"] {
+        let of_key: Vec<u64> = fences
+            .iter()
+            .filter(|(k, _)| k == key)
+            .map(|(_, f)| *f)
+            .collect();
+        assert!(of_key.windows(2).all(|w| w[0] < w[1]), "{key}: {of_key:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_locked_elsewhere_waits_unclaimed_and_runs_when_released() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    // Another process's HTTP handler holds k0 for a long lease.
+    let locker = Locker::new(conn.clone()).ttl(secs(60)).unwrap();
+    let lease = locker
+        .acquire("k0")
+        .await
+        .unwrap()
+        .lease()
+        .expect("k0 is free");
+    push_keyed(&queue, 4, 2).await;
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let seen = started.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let seen = seen.clone();
+        async move {
+            seen.lock().unwrap().push((job.n, Instant::now()));
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    eventually("k1's messages handled", secs(10), async || {
+        let n = started.lock().unwrap().len();
+        support::done_if(n == 2, n)
+    })
+    .await;
+    // k0's messages wait, unclaimed, while its lock is held.
+    tokio::time::sleep(ms(300)).await;
+    assert_eq!(started.lock().unwrap().len(), 2);
+    assert_eq!(
+        queue.stats().await.unwrap().active,
+        0,
+        "nothing claimed that cannot run"
+    );
+    let released = Instant::now();
+    assert!(locker.release(&lease).await.unwrap());
+    eventually(
+        "k0's messages handled after the release",
+        secs(10),
+        async || {
+            let n = started.lock().unwrap().len();
+            support::done_if(n == 4, n)
+        },
+    )
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let started = started.lock().unwrap();
+    let k0: Vec<_> = started.iter().filter(|(n, _)| n % 2 == 0).collect();
+    assert!(
+        k0.iter().all(|(_, at)| *at >= released),
+        "k0 ran while held elsewhere"
+    );
+    // Woken by the release, not by the lock's expiry a minute later.
+    assert!(k0[0].1 - released < secs(5), "{:?}", k0[0].1 - released);
+}
+
+/// Keys a1, b1, a2, a3, b2 pushed in that order (payload: the id).
+async fn push_lines<C>(queue: &Queue<String, C>)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    for id in ["a1", "b1", "a2", "a3", "b2"] {
+        let options = PushOptions::new().id(id).key(&id[..1]);
+        assert!(
+            queue
+                .push_with(id.to_owned(), options)
+                .await
+                .unwrap()
+                .created
+        );
+    }
+}
+
+/// Claims everything claimable; the ids, sorted.
+async fn claim_ids<C>(queue: &Queue<String, C>, lease: Duration) -> Vec<Job<String>>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let mut jobs = queue.claim(100, lease).await.unwrap().jobs;
+    jobs.sort_by(|a, b| a.id().cmp(b.id()));
+    jobs
+}
+
+fn ids(jobs: &[Job<String>]) -> Vec<&str> {
+    jobs.iter().map(|j| j.id()).collect()
+}
+
+use std::time::Duration;
+
+#[tokio::test]
+async fn a_key_hands_out_one_message_at_a_time_in_push_order() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    let again = queue.push_with("x".to_owned(), PushOptions::new().id("a1").key("a"));
+    assert!(!again.await.unwrap().created, "a duplicate id");
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"], "each key's head, once");
+    assert_eq!(jobs[0].key(), Some("a"));
+    assert!(
+        claim_ids(&queue, secs(10)).await.is_empty(),
+        "both keys at work"
+    );
+    assert!(queue.ack(&jobs[0]).await.unwrap());
+    assert!(!queue.ack(&jobs[0]).await.unwrap(), "a resent ack");
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2"]);
+}
+
+#[tokio::test]
+async fn a_retried_message_stays_first_in_its_line() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert!(
+        queue
+            .retry(&jobs[0], ms(200), "flaky")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        claim_ids(&queue, secs(10)).await.is_empty(),
+        "a waits out its delay"
+    );
+    tokio::time::sleep(ms(250)).await;
+    let again = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&again), ["a1"], "a1 again, before a2");
+    assert_eq!(again[0].attempt(), 2);
+    assert!(queue.bury(&again[0], "no").await.unwrap());
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2"]);
+    assert_eq!(queue.stats().await.unwrap().dead, 1);
+}
+
+#[tokio::test]
+async fn a_dead_holders_message_comes_back_first_in_line() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, ms(100)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"]);
+    tokio::time::sleep(ms(150)).await;
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 2);
+    let again = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&again), ["a1", "b1"]);
+    assert_eq!(again[0].stalls(), 1);
+    assert_eq!(queue.extend(&jobs, secs(10)).await.unwrap(), [false, false]);
+    assert_eq!(queue.extend(&again, secs(10)).await.unwrap(), [true, true]);
+    assert!(!queue.ack(&jobs[0]).await.unwrap(), "the old claim");
+}
+
+#[tokio::test]
+async fn a_delayed_keyed_message_joins_its_line_when_due() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    let later = PushOptions::new().id("later").key("a").after(ms(150));
+    queue.push_with("later".to_owned(), later).await.unwrap();
+    let now = PushOptions::new().id("now").key("a");
+    queue.push_with("now".to_owned(), now).await.unwrap();
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["now"]);
+    queue.ack(&jobs[0]).await.unwrap();
+    assert!(claim_ids(&queue, secs(10)).await.is_empty());
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["later"]);
+}
+
+#[tokio::test]
+async fn bad_keys_and_keys_with_priorities_are_refused() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    for options in [
+        PushOptions::new().key(""),
+        PushOptions::new().key("a\0b"),
+        PushOptions::new().key("a").priority(3),
+    ] {
+        assert!(queue.push_with("x".to_owned(), options).await.is_err());
+    }
+    assert!(!queue.exists().await.unwrap(), "nothing written");
+}
+
+#[tokio::test]
+async fn keys_meet_their_locks_on_every_node_of_a_cluster() {
+    let cluster = lockgate::testing::RedisCluster::start().expect("a 3-node cluster");
+    let conn = cluster.connection().await.unwrap();
+    let queue: Queue<String, _> = Queue::new(conn.clone(), "orders").unwrap();
+    let keys: Vec<String> = (0..30).map(|n| format!("account-{n}")).collect();
+    for key in &keys {
+        for id in [format!("{key}/1"), format!("{key}/2")] {
+            let options = PushOptions::new().id(id.clone()).key(key.clone());
+            queue.push_with(id, options).await.unwrap();
+        }
+    }
+    let mut jobs = Vec::new();
+    while jobs.len() < keys.len() {
+        let claimed = queue.claim(100, secs(10)).await.unwrap().jobs;
+        assert!(!claimed.is_empty(), "every key's head comes out");
+        jobs.extend(claimed);
+    }
+    assert_eq!(jobs.len(), keys.len(), "one per key");
+    let locker = Locker::new(conn);
+    for job in &jobs {
+        let key = job.key().expect("a keyed job");
+        assert!(job.id().ends_with("/1"));
+        assert!(locker.acquire(key).await.unwrap().lease().is_none());
+        assert!(queue.ack(job).await.unwrap());
+    }
+    let mut second = 0;
+    while second < keys.len() {
+        let claimed = queue.claim(100, secs(10)).await.unwrap().jobs;
+        assert!(!claimed.is_empty());
+        assert!(claimed.iter().all(|j| j.id().ends_with("/2")));
+        second += claimed.len();
+    }
+}
