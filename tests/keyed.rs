@@ -371,3 +371,153 @@ async fn keys_meet_their_locks_on_every_node_of_a_cluster() {
         second += claimed.len();
     }
 }
+
+// ---------------------------------------------------------------------------
+// Worker processes killed with SIGKILL
+// ---------------------------------------------------------------------------
+
+/// Turns the ignored test `keyed_worker_child` into a worker process on the
+/// server `<url>`, recording each handler's start and end in Redis.
+const CHILD: &str = "LOCKGATE_KEYED_WORKER";
+const LOG: &str = "test:log";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run as a child process by the SIGKILL test"]
+async fn keyed_worker_child() {
+    let Ok(url) = std::env::var(CHILD) else {
+        return;
+    };
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_connection_manager().await.unwrap();
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let mut conn = conn.clone();
+        async move {
+            let now = || format!("{:.3}", support::unix_ms_f64());
+            let start = format!("s {} {} {}", job.key, job.n, now());
+            redis::cmd("RPUSH")
+                .arg(LOG)
+                .arg(start)
+                .query_async::<()>(&mut conn)
+                .await?;
+            tokio::time::sleep(ms(1 + u64::from(job.n % 3))).await;
+            let end = format!("e {} {} {}", job.key, job.n, now());
+            redis::cmd("RPUSH")
+                .arg(LOG)
+                .arg(end)
+                .query_async::<()>(&mut conn)
+                .await?;
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(client, queue, service)
+        .concurrency(4)
+        .unwrap()
+        .lease(ms(600))
+        .unwrap();
+    worker
+        .run_until(std::future::pending::<()>())
+        .await
+        .unwrap();
+}
+
+fn spawn_worker(url: &str) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "keyed_worker_child",
+            "--ignored",
+            "--test-threads",
+            "1",
+        ])
+        .env(CHILD, url)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawning a worker")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in_order() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let total = 3000;
+    push_keyed(&queue, total, 10).await;
+    let url = server.url();
+    let mut workers: Vec<_> = (0..3).map(|_| spawn_worker(&url)).collect();
+    // Kill one every second, round robin, and start a new one.
+    for round in 0..4 {
+        tokio::time::sleep(secs(1)).await;
+        let victim = &mut workers[round % 3];
+        victim.kill().unwrap();
+        victim.wait().unwrap();
+        *victim = spawn_worker(&url);
+    }
+    let last_kill = Instant::now();
+    eventually("every message handled", secs(60), async || {
+        let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+        let ends: std::collections::HashSet<&str> = log
+            .iter()
+            .filter(|l| l.starts_with("e "))
+            .filter_map(|l| l.split(' ').nth(2))
+            .collect();
+        support::done_if(ends.len() == total as usize, ends.len())
+    })
+    .await;
+    let drained = last_kill.elapsed();
+    for mut worker in workers {
+        worker.kill().unwrap();
+        worker.wait().unwrap();
+    }
+    let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+    check_keyed_log(&log);
+    // No 60-second safety net: the last kill's leases (600 ms) run out, and
+    // the rest is handling time.
+    assert!(drained < secs(20), "done {drained:?} after the last kill");
+    assert_eq!(queue.stats().await.unwrap().dead, 0);
+}
+
+/// Per key: no two handlers at once, and starts in push order except a
+/// message whose handler was killed starting again.
+fn check_keyed_log(log: &[String]) {
+    let mut by_key: BTreeMap<&str, Vec<(char, u32, f64)>> = BTreeMap::new();
+    for line in log {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let [kind, key, n, at] = parts[..] else {
+            panic!("bad log line {line}")
+        };
+        let kind = kind.chars().next().unwrap();
+        by_key
+            .entry(key)
+            .or_default()
+            .push((kind, n.parse().unwrap(), at.parse().unwrap()));
+    }
+    for (key, mut events) in by_key {
+        events.sort_by(|a, b| a.2.total_cmp(&b.2).then(b.0.cmp(&a.0)));
+        // At most one handler of the key at a time: a start comes only when
+        // no other handler of it is open, except one whose process died
+        // (a start without its end, superseded by its own restart).
+        let mut open: Option<u32> = None;
+        let mut starts = Vec::new();
+        for (kind, n, _) in &events {
+            match kind {
+                's' => {
+                    if let Some(running) = open {
+                        assert_eq!(running, *n, "{key}: {n} started while {running} ran");
+                    }
+                    open = Some(*n);
+                    if starts.last() != Some(n) {
+                        starts.push(*n);
+                    }
+                }
+                _ => {
+                    assert_eq!(open, Some(*n), "{key}: {n} ended but was not running");
+                    open = None;
+                }
+            }
+        }
+        let mut sorted = starts.clone();
+        sorted.sort_unstable();
+        assert_eq!(starts, sorted, "{key}: started out of push order");
+    }
+}

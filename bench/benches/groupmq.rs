@@ -16,9 +16,10 @@
 //! ```
 //!
 //! GroupMQ runs from `bench/groupmq/hot.mjs` (installed with `npm ci` there
-//! on first use; needs `node` and `npm`). lockgate runs the recipe its
-//! README gives for keys whose holds are long or whose worker slots are
-//! precious: `LockLayer` with `retry(4).then_defer(queue, until_released())`.
+//! on first use; needs `node` and `npm`). lockgate runs twice: the keyed
+//! queue (messages pushed with `PushOptions::key`, a plain handler), and
+//! the park recipe it replaces (`LockLayer` with
+//! `retry(4).then_defer(queue, until_released())`).
 
 #[path = "../../benches/common/mod.rs"]
 mod common;
@@ -43,6 +44,24 @@ const CONCURRENCY: usize = 8;
 const HANDLER: (u64, u64) = (1, 4);
 const ROLE: &str = "LOCKGATE_BENCH_ROLE";
 
+/// How lockgate's side keeps a key's messages apart.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    /// The keyed queue: messages pushed with their key.
+    Keyed,
+    /// The park recipe: unkeyed messages, a `LockLayer` that parks.
+    Park,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Keyed => "keyed",
+            Mode::Park => "park",
+        }
+    }
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct Msg {
     key: String,
@@ -64,9 +83,14 @@ struct Summary {
 
 fn main() -> Result<(), BoxError> {
     let runtime = tokio::runtime::Runtime::new()?;
-    if std::env::var_os(ROLE).is_some() {
+    if let Some(role) = std::env::var_os(ROLE) {
         let url = std::env::args().nth(1).ok_or("worker: no server url")?;
-        return runtime.block_on(work(&url));
+        let mode = if role == "keyed" {
+            Mode::Keyed
+        } else {
+            Mode::Park
+        };
+        return runtime.block_on(work(&url, mode));
     }
     let workloads = match common::full_run() {
         true => &WORKLOADS[..],
@@ -77,10 +101,11 @@ fn main() -> Result<(), BoxError> {
             let server = RedisServer::start()?;
             groupmq(&server, messages, keys)?
         };
-        let lockgate = {
+        let mut lockgate = Vec::new();
+        for mode in [Mode::Keyed, Mode::Park] {
             let server = RedisServer::start()?;
-            runtime.block_on(drive(&server, messages, keys))?
-        };
+            lockgate.push(runtime.block_on(drive(&server, messages, keys, mode))?);
+        }
         report(messages, keys, &groupmq, &lockgate)?;
     }
     Ok(())
@@ -92,7 +117,7 @@ fn report(
     messages: usize,
     keys: usize,
     groupmq: &Summary,
-    lockgate: &Summary,
+    lockgate: &[Summary],
 ) -> Result<(), BoxError> {
     println!(
         "\nhot keys: {messages} messages over {keys} keys, {WORKERS} worker processes × concurrency {CONCURRENCY}, handlers {}–{} ms",
@@ -102,10 +127,12 @@ fn report(
         "| queue | messages/s | key busy (mean, min) | handler ms | order inversions | overlaps | commands per message |"
     );
     println!("|---|---|---|---|---|---|---|");
-    for (name, s) in [
+    let rows = [
         ("GroupMQ 1.1", groupmq),
-        ("lockgate, park recipe", lockgate),
-    ] {
+        ("lockgate, keyed queue", &lockgate[0]),
+        ("lockgate, park recipe", &lockgate[1]),
+    ];
+    for (name, s) in rows {
         println!(
             "| {name} | {:.0} | {:.0} %, {:.0} % | {:.2} | {} | {} | {:.1} |",
             s.handled as f64 / s.seconds,
@@ -117,7 +144,7 @@ fn report(
             s.commands as f64 / s.handled as f64
         );
     }
-    for (name, s) in [("GroupMQ", groupmq), ("lockgate", lockgate)] {
+    for (name, s) in rows {
         if s.handled != messages || s.overlaps != 0 {
             let e = format!(
                 "{name}: {} of {messages} handled, {} overlaps",
@@ -158,7 +185,12 @@ fn groupmq(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary
 
 /// lockgate's side: pushes, starts the worker processes, waits until the
 /// queue is empty, and sums up what the workers recorded.
-async fn drive(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary, BoxError> {
+async fn drive(
+    server: &RedisServer,
+    messages: usize,
+    keys: usize,
+    mode: Mode,
+) -> Result<Summary, BoxError> {
     let conn = server.connection_manager().await?;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
     let msgs: Vec<Msg> = (0..messages as u64)
@@ -168,14 +200,22 @@ async fn drive(server: &RedisServer, messages: usize, keys: usize) -> Result<Sum
         })
         .collect();
     for chunk in msgs.chunks(1000) {
-        queue.push_many(chunk).await?;
+        match mode {
+            Mode::Park => drop(queue.push_many(chunk).await?),
+            Mode::Keyed => {
+                let keyed = chunk
+                    .iter()
+                    .map(|m| (m, lockgate::PushOptions::new().key(m.key.clone())));
+                queue.push_many_with(keyed).await?;
+            }
+        }
     }
     let before = commands(&conn).await?;
     let mut children = Vec::new();
     for _ in 0..WORKERS {
         let child = Command::new(std::env::current_exe()?)
             .arg(server.url())
-            .env(ROLE, "worker")
+            .env(ROLE, mode.name())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -267,9 +307,9 @@ async fn commands(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError>
         .sum())
 }
 
-/// A worker process: handles with the park recipe until its stdin closes,
-/// then prints `key seq start end` per handled message.
-async fn work(url: &str) -> Result<(), BoxError> {
+/// A worker process: handles until its stdin closes, then prints `key seq
+/// start end` per handled message.
+async fn work(url: &str, mode: Mode) -> Result<(), BoxError> {
     let client = redis::Client::open(url)?;
     let conn = client.get_connection_manager().await?;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
@@ -279,39 +319,44 @@ async fn work(url: &str) -> Result<(), BoxError> {
     let backoff =
         Backoff::exponential(Duration::from_millis(1), Duration::from_millis(8))?.max_attempts(4);
     let records = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let service = ServiceBuilder::new()
-        .layer(
-            LockLayer::new(locker, |job: &Job<Msg>| job.key.clone()).on_conflict(
-                OnConflict::retry(backoff).then_defer(queue.clone(), DeferDelay::until_released()),
-            ),
-        )
-        .service_fn({
+    let layer = LockLayer::new(locker, |job: &Job<Msg>| job.key.clone()).on_conflict(
+        OnConflict::retry(backoff).then_defer(queue.clone(), DeferDelay::until_released()),
+    );
+    let handler = tower::service_fn({
+        let records = records.clone();
+        move |job: Job<Msg>| {
             let records = records.clone();
-            move |job: Job<Msg>| {
-                let records = records.clone();
-                async move {
-                    let start = now_ms();
-                    // tokio's timer rounds a sleep up to its next 1 ms tick,
-                    // where node's fires on time: asked 1 ms less, the
-                    // handlers take as long as GroupMQ's (the table shows both).
-                    let ms = (HANDLER.0 - 1) as f64
-                        + rand::random::<f64>() * (HANDLER.1 - HANDLER.0) as f64;
-                    tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
-                    let line = format!("{} {} {start} {}", job.key, job.seq, now_ms());
-                    records.lock().unwrap().push(line);
-                    Ok::<_, BoxError>(())
-                }
+            async move {
+                let start = now_ms();
+                // tokio's timer rounds a sleep up to its next 1 ms tick,
+                // where node's fires on time: asked 1 ms less, the
+                // handlers take as long as GroupMQ's (the table shows both).
+                let ms =
+                    (HANDLER.0 - 1) as f64 + rand::random::<f64>() * (HANDLER.1 - HANDLER.0) as f64;
+                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+                let line = format!("{} {} {start} {}", job.key, job.seq, now_ms());
+                records.lock().unwrap().push(line);
+                Ok::<_, BoxError>(())
             }
-        });
-    let stdin_closed = tokio::task::spawn_blocking(|| {
-        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        }
     });
-    Worker::new(client, queue, service)
-        .concurrency(CONCURRENCY)?
-        .run_until(async move {
-            let _ = stdin_closed.await;
-        })
-        .await?;
+    let stdin_closed = async {
+        let closed = tokio::task::spawn_blocking(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        });
+        let _ = closed.await;
+    };
+    match mode {
+        Mode::Keyed => {
+            let worker = Worker::new(client, queue, handler).concurrency(CONCURRENCY)?;
+            worker.run_until(stdin_closed).await?;
+        }
+        Mode::Park => {
+            let service = ServiceBuilder::new().layer(layer).service(handler);
+            let worker = Worker::new(client, queue, service).concurrency(CONCURRENCY)?;
+            worker.run_until(stdin_closed).await?;
+        }
+    }
     let mut out = std::io::stdout().lock();
     for line in records.lock().unwrap().iter() {
         writeln!(out, "{line}")?;

@@ -139,7 +139,14 @@ pub(crate) struct Held {
     /// The token the lock holds.
     pub(crate) token: Token,
     pub(crate) partition: Arc<Partition>,
+    /// How many messages of the key ran under this hold before this one.
+    pub(crate) run: u32,
 }
+
+/// A key runs at most this many messages back to back under one hold
+/// (each claimed by the previous one's ack) before it lets go and queues
+/// behind the keys that wait: keys of other partitions get their turn.
+pub(crate) const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
 #[derive(Debug, Clone, PartialEq)]
@@ -418,6 +425,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 key: candidates[i].clone(),
                 token: tokens[i],
                 partition: partition.clone(),
+                run: 0,
             };
             turns.push(Turn {
                 held: Arc::new(held),
@@ -463,6 +471,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(error)
             .arg(publish)
             .arg(next.map_or(String::new(), |lease| millis(lease).to_string()));
+        let next_token = Token::random();
+        cmd.arg(next_token.as_str());
         let mut conn = self.conn.clone();
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
@@ -485,8 +495,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
         };
         let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
+        let held = Held {
+            key: held.key.clone(),
+            token: next_token,
+            partition: held.partition.clone(),
+            run: held.run + 1,
+        };
         Ok(Settled::Next(Turn {
-            held: held.clone(),
+            held: Arc::new(held),
             id: id.map_err(bad)?,
             claim: claim.map_err(bad)?,
             record: record.map_err(bad)?,

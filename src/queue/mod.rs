@@ -1223,6 +1223,40 @@ where
         Ok(out)
     }
 
+    /// Acknowledges a claimed message; for a keyed one whose key has a next
+    /// message (and no other key waits), claims that next message at once
+    /// under the same lock, leased for `lease`. Returns whether the claim
+    /// was held, and the next job.
+    pub(crate) async fn ack_and_next(
+        &self,
+        token: &ClaimToken,
+        lease: Duration,
+    ) -> Result<(bool, Option<Job<T>>)> {
+        let job = token.claim_ref();
+        let Some(held) = job.held.filter(|held| held.run < keyed::MAX_RUN) else {
+            return Ok((self.ack(token).await?, None));
+        };
+        let settled = (self.keyed())
+            .done(held, (job.id(), job.claim), Outcome::Ack, Some(lease))
+            .await?;
+        let turn = match settled {
+            Settled::Lost => return Ok((false, None)),
+            Settled::Done => return Ok((true, None)),
+            Settled::Next(turn) => turn,
+        };
+        let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
+        match Job::<T>::decode(turn.id, turn.claim, enqueued, &turn.record, &self.keys) {
+            Ok(next) => Ok((true, Some(next.with_lock(turn.held)))),
+            Err(bad) => {
+                let (next, error) = *bad;
+                let next = next.with_lock(turn.held);
+                tracing::warn!(queue = %self.name(), id = %next.id(), %error, "burying undecodable message");
+                self.bury_with(&next, &error, false).await?;
+                Ok((true, None))
+            }
+        }
+    }
+
     /// Ends a keyed message's turn; `false` when its claim was lost.
     async fn settle_keyed(
         &self,

@@ -376,6 +376,9 @@ where
             in_flight: Mutex::new(HashMap::new()),
             cancel: watch::Sender::new(false),
             hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
+            continued: Mutex::new(VecDeque::new()),
+            continued_ready: tokio::sync::Notify::new(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         });
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
@@ -451,6 +454,13 @@ struct Shared<T, C> {
     /// so the rest are not tried (they come back after their lease) and
     /// shutdown still ends.
     hand_back_stalled: std::sync::atomic::AtomicBool,
+    /// Keyed messages claimed by the ack of the one before them, under the
+    /// same lock: the loop starts them first.
+    continued: Mutex<VecDeque<Job<T>>>,
+    /// Wakes the idle loop when a message is continued.
+    continued_ready: tokio::sync::Notify,
+    /// Set when the loop stops: acks no longer claim the next message.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// How long one hand-back at shutdown may take before the connection is
@@ -492,6 +502,48 @@ where
     T: Serialize + DeserializeOwned + Send + Sync + 'static,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    /// Acknowledges a keyed message and, when its key has a next message,
+    /// claims it under the same lock and hands it to the loop: a busy key
+    /// runs back to back, one script per message. Falls back to the
+    /// batched acknowledgement (which retries) when the call fails, and
+    /// once the loop stops.
+    async fn ack_and_continue(&self, token: ClaimToken, acks: AckQueue) {
+        let lease = self.config.lease;
+        let stopping = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
+        let acked = match stopping {
+            true => Err(None),
+            false => self.queue.ack_and_next(&token, lease).await.map_err(Some),
+        };
+        match acked {
+            Ok((true, next)) => {
+                self.metrics.count_done();
+                if let Some(next) = next {
+                    self.metrics.add_claimed(1);
+                    self.continued().push_back(next);
+                    self.continued_ready.notify_one();
+                }
+            }
+            Ok((false, _)) => {
+                self.metrics.count_lost_lease();
+                tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+            }
+            Err(error) => {
+                if let Some(error) = error {
+                    self.metrics.count_error();
+                    tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
+                }
+                if let Err(mpsc::error::SendError((token, _))) = acks.send((token, true)) {
+                    self.settle(&token, Settlement::Ack).await;
+                }
+            }
+        }
+    }
+
+    fn continued(&self) -> std::sync::MutexGuard<'_, VecDeque<Job<T>>> {
+        // Plain pushes and pops: poisoning cannot leave it inconsistent.
+        self.continued.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<u64, InFlight>> {
         // A panic while holding this lock cannot leave the map inconsistent
         // (every operation is a single insert/remove/clone), so poisoning is
@@ -797,6 +849,9 @@ async fn handle<T, C, R, E>(
         return;
     }
     match settlement {
+        Some((Settlement::Ack, true)) if token.held_lock().is_some() => {
+            shared.ack_and_continue(token, acks).await;
+        }
         Some((Settlement::Ack, done)) => {
             if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
                 shared.settle(&token, Settlement::Ack).await;

@@ -75,6 +75,7 @@ where
     /// One round of the loop.
     pub(super) async fn round(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
         while self.tasks.try_join_next().is_some() {}
+        self.take_continued();
         let (concurrency, prefetch) = (self.config.concurrency, self.prefetch());
         let running = concurrency - self.permits.available_permits();
         let room = (concurrency + prefetch).saturating_sub(running + self.buffer.len());
@@ -104,6 +105,22 @@ where
             return None;
         }
         self.idle(shutdown).await
+    }
+
+    /// Puts the keyed messages that acks claimed at the front of the
+    /// buffer: their keys' locks are held for them.
+    fn take_continued(&mut self) {
+        let mut continued = self.shared.continued();
+        if continued.is_empty() {
+            return;
+        }
+        let mut in_flight = self.shared.in_flight();
+        while let Some(job) = continued.pop_back() {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            in_flight.insert(seq, super::InFlight::new(job.claim_ref().to_token()));
+            self.buffer.push_front((seq, job));
+        }
     }
 
     /// Claims up to `max` jobs into the buffer. Not raced against shutdown:
@@ -257,6 +274,7 @@ where
         let woken = tokio::select! {
             biased;
             _ = &mut *shutdown => return Some(Ok(())),
+            () = self.shared.continued_ready.notified() => return None,
             woken = self.waiter.wait(Some(deadline)) => woken,
         };
         self.maybe_due = true;
@@ -276,12 +294,20 @@ where
 
     /// After the loop: hands back what was claimed but never started, and
     /// waits for the running handlers.
-    pub(super) async fn finish(self) {
+    pub(super) async fn finish(mut self) {
+        let stopping = &self.shared.stopping;
+        stopping.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.take_continued();
         for (seq, job) in self.buffer {
             self.shared.release(&job.claim_ref().to_token()).await;
             self.shared.in_flight().remove(&seq);
         }
         self.shared.drain(self.tasks).await;
+        // Continued by an ack that had started before the loop stopped.
+        let late: Vec<_> = self.shared.continued().drain(..).collect();
+        for job in late {
+            self.shared.release(&job.claim_ref().to_token()).await;
+        }
     }
 }
 

@@ -360,3 +360,12 @@ pub fn most_at_once<T: Ord>(intervals: impl IntoIterator<Item = (T, T)>) -> usiz
     }
     most as usize
 }
+
+/// This host's wall clock in ms since 1970, with fractions: for records
+/// compared across processes on one machine.
+#[allow(dead_code)]
+pub fn unix_ms_f64() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+}
