@@ -78,7 +78,7 @@ impl KeyedScripts {
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Partition {
     pub(crate) slot: u16,
-    keys: [String; 11],
+    keys: [String; 10],
 }
 
 impl Partition {
@@ -89,8 +89,8 @@ impl Partition {
             keys::tag(queue)
         );
         let keys = [
-            "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "held",
-            "keyof", "seq",
+            "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
+            "seq",
         ]
         .map(|name| format!("{base}:{name}"));
         Self { slot, keys }
@@ -141,6 +141,15 @@ pub(crate) struct Held {
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
     pub(crate) run: u32,
+    /// The message's place in its key's line.
+    pub(crate) seq: String,
+}
+
+impl Held {
+    /// The message's entry in its partition's active set.
+    pub(crate) fn member(&self, id: &str, claim: u64) -> String {
+        format!("{}\0{}\0{id}:{claim}", self.key, self.seq)
+    }
 }
 
 /// A key runs at most this many messages back to back under one hold
@@ -402,6 +411,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         type Reply = (u64, i64, i64, Vec<String>, Vec<Vec<u8>>, Vec<(String, u64)>);
+        let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
         let (claim, _now, next_at, named, flat, blocked): Reply =
             run(script, &cmd, &mut self.conn.clone())
                 .await
@@ -409,13 +419,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for (key, left) in blocked {
             self.watch_release(key, Duration::from_millis(left));
         }
-        let mut turns = Vec::with_capacity(flat.len() / 3);
+        let mut turns = Vec::with_capacity(flat.len() / 4);
         let mut flat = flat.into_iter();
-        while let (Some(key), Some(id), Some(record)) = (flat.next(), flat.next(), flat.next()) {
+        while let (Some(key), Some(id), Some(seq), Some(record)) =
+            (flat.next(), flat.next(), flat.next(), flat.next())
+        {
             let found = candidates
                 .iter()
                 .position(|k| k.as_bytes() == key.as_slice());
-            let (Some(i), Ok(id)) = (found, String::from_utf8(id)) else {
+            let (Some(i), Some(id), Some(seq)) = (found, text(id), text(seq)) else {
                 // Cannot happen with lockgate's script; if it does, the
                 // entry comes back after its lease.
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
@@ -426,6 +438,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 token: tokens[i],
                 partition: partition.clone(),
                 run: 0,
+                seq,
             };
             turns.push(Turn {
                 held: Arc::new(held),
@@ -439,15 +452,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Ends a turn with `outcome`. For an ack with `next` set, the key's
     /// next message is claimed at once under the same lock, leased for
-    /// `next`.
+    /// `next`. `errors`: the message may have an error on record.
     pub(crate) async fn done(
         &self,
         held: &Arc<Held>,
-        member: (&str, u64),
+        (id, claim, errors): (&str, u64, bool),
         outcome: Outcome<'_>,
         next: Option<Duration>,
     ) -> Result<Settled> {
-        let (id, claim) = member;
         let attempted = || format!("settling keyed message `{id}`");
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
@@ -462,22 +474,24 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Outcome::Release => ("release", String::new(), ""),
             Outcome::Bury { error } => ("bury", error.to_owned(), ""),
         };
+        let next_token = Token::random();
         cmd.arg(op)
             .arg(&held.key)
             .arg(id)
+            .arg(&held.seq)
             .arg(claim)
             .arg(held.token.as_str())
             .arg(wait)
             .arg(error)
             .arg(publish)
-            .arg(next.map_or(String::new(), |lease| millis(lease).to_string()));
-        let next_token = Token::random();
-        cmd.arg(next_token.as_str());
+            .arg(next.map_or(String::new(), |lease| millis(lease).to_string()))
+            .arg(next_token.as_str())
+            .arg(if errors { "1" } else { "" });
         let mut conn = self.conn.clone();
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        let (claim, id, record) = match reply.as_slice() {
+        let (id, seq, record) = match reply.as_slice() {
             [redis::Value::Int(0)] => return Ok(Settled::Lost),
             [redis::Value::Int(1)] => return Ok(Settled::Done),
             [redis::Value::Int(2)] => {
@@ -487,9 +501,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                     .map_err(Error::redis(attempted()))?;
                 return Ok(Settled::Done);
             }
-            [_, claim, id, record] => (
-                redis::from_redis_value_ref::<u64>(claim),
+            [_, id, seq, record] => (
                 redis::from_redis_value_ref::<String>(id),
+                redis::from_redis_value_ref::<String>(seq),
                 redis::from_redis_value_ref::<Vec<u8>>(record),
             ),
             _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
@@ -500,11 +514,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             token: next_token,
             partition: held.partition.clone(),
             run: held.run + 1,
+            seq: seq.map_err(bad)?,
         };
         Ok(Settled::Next(Turn {
             held: Arc::new(held),
             id: id.map_err(bad)?,
-            claim: claim.map_err(bad)?,
+            claim,
             record: record.map_err(bad)?,
         }))
     }
@@ -531,9 +546,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// whose release was published).
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
         let partition = self.partition_of(key);
+        // LT: a key at work (its score below 0) stays so.
         redis::cmd("ZADD")
             .arg(&partition.keys[7])
             .arg("XX")
+            .arg("LT")
             .arg(0)
             .arg(key)
             .query_async::<()>(&mut self.conn.clone())
@@ -546,11 +563,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Extends a turn's lease and its key's lock; `false` when either is
     /// lost.
-    pub(crate) async fn extend(&self, held: &Held, member: &str, lease: Duration) -> Result<bool> {
+    pub(crate) async fn extend(
+        &self,
+        held: &Held,
+        (id, claim): (&str, u64),
+        lease: Duration,
+    ) -> Result<bool> {
         let script = &KeyedScripts::get().extend;
         let mut cmd = held.partition.call(script, 1);
+        let member = held.member(id, claim);
         cmd.arg(keys::lock_key(&self.keys.prefix, &held.key))
-            .arg(member)
+            .arg(&member)
             .arg(held.token.as_str())
             .arg(millis(lease));
         let extended: i64 =
@@ -572,7 +595,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let k = &partition.keys;
             let (lines, held, later, dead): (u64, u64, u64, u64) = redis::pipe()
                 .zcard(&k[6])
-                .hlen(&k[8])
+                .zcard(&k[2])
                 .zcard(&k[1])
                 .zcard(&k[3])
                 .query_async(&mut self.conn.clone())

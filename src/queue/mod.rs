@@ -1216,7 +1216,11 @@ where
         let mut out = Vec::with_capacity(jobs.len());
         for job in &jobs {
             out.push(match job.held {
-                Some(held) => self.keyed().extend(held, &job.member(), lease).await?,
+                Some(held) => {
+                    (self.keyed())
+                        .extend(held, (job.id(), job.claim), lease)
+                        .await?
+                }
                 None => plain.next().unwrap_or(false),
             });
         }
@@ -1236,8 +1240,9 @@ where
         let Some(held) = job.held.filter(|held| held.run < keyed::MAX_RUN) else {
             return Ok((self.ack(token).await?, None));
         };
+        let member = (job.id(), job.claim, job.failures() > 0);
         let settled = (self.keyed())
-            .done(held, (job.id(), job.claim), Outcome::Ack, Some(lease))
+            .done(held, member, Outcome::Ack, Some(lease))
             .await?;
         let turn = match settled {
             Settled::Lost => return Ok((false, None)),
@@ -1264,9 +1269,8 @@ where
         held: &Arc<Held>,
         outcome: Outcome<'_>,
     ) -> Result<bool> {
-        let settled = (self.keyed())
-            .done(held, (job.id(), job.claim), outcome, None)
-            .await?;
+        let member = (job.id(), job.claim, job.failures() > 0);
+        let settled = (self.keyed()).done(held, member, outcome, None).await?;
         Ok(settled != Settled::Lost)
     }
 

@@ -1,6 +1,6 @@
 -- Adds keyed messages to a partition (see keyed.lua); an id that exists
 -- already is left as it is (de-duplication, as push.lua).
--- KEYS[1..11]: the partition   ARGV: quadruples (key, id, when, payload):
+-- KEYS[1..10]: the partition   ARGV: quadruples (key, id, when, payload):
 -- key non-empty without NUL; `when` as push.lua's (no priority: a key's
 -- messages start in push order).
 -- Returns per message {added (1|0), due ms (-1 when it is not waiting to be
@@ -31,7 +31,7 @@ for i = 1, #ARGV, 4 do
     if due <= now then
       enter_line(key, id, now)
     else
-      redis.call('HSET', KEYS[KEYOF], id, key .. '\0')
+      redis.call('HSET', KEYS[KEYOF], id, key)
       redis.call('ZADD', KEYS[SCHEDULE], due, id)
     end
     out[#out + 1] = 1
