@@ -326,7 +326,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .await
                 .map_err(Error::redis(attempted()))?;
         }
-        Ok(next_at)
+        // Keys named for the next call are due now: the worker claims
+        // again at once rather than sleeping.
+        Ok(lower_to)
     }
 
     /// Makes `key` ready when the lock other code holds on it is released

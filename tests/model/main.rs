@@ -17,6 +17,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod keyed;
 mod line;
 mod lock;
 mod push;

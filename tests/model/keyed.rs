@@ -1,0 +1,491 @@
+//! Keyed messages through every script that moves them (issue 23): pushed
+//! with their key (ids that repeat, delays), claimed with short and long
+//! leases, acknowledged, retried, deferred, released, buried, extended and
+//! recovered when their lease ran out, while code outside the queue takes
+//! and releases the keys' locks; each step possibly resent (its reply lost,
+//! the same call made again) or made over a connection the server just
+//! dropped.
+//!
+//! The model keeps each key's line. After every claim it checks that only
+//! heads of lines came out, of keys with room (nothing of theirs at work,
+//! not waiting out a delay, their lock not held outside), one per key, and
+//! that claiming again until nothing comes leaves no key with room behind.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use lockgate::testing::RedisServer;
+use lockgate::{Acquisition, Job, Lease, Locker, PushOptions, Queue};
+use proptest::prelude::*;
+use redis::aio::ConnectionManager;
+
+use crate::support::{self, ms, secs};
+use crate::{Fault, fault};
+
+/// Ids a history draws from; message `m<n>` has key `n % KEYS`.
+const IDS: usize = 6;
+const KEYS: usize = 3;
+/// A lease that runs out at the next [`Op::Expire`].
+const SHORT: Duration = ms(60);
+const LONG: Duration = secs(600);
+const LATER: Duration = secs(3600);
+const MAX_STALLS: u32 = 2;
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Push {
+        id: usize,
+        later: bool,
+    },
+    Claim {
+        max: usize,
+        short: bool,
+    },
+    Ack(usize),
+    Retry {
+        job: usize,
+        later: bool,
+    },
+    Defer(usize),
+    Release(usize),
+    Bury(usize),
+    Extend {
+        job: usize,
+        short: bool,
+    },
+    /// Waits out the short leases, then recovers.
+    Expire,
+    /// Code outside the queue (a `Locker`) takes a key's lock.
+    Hold(usize),
+    /// ... and lets it go.
+    Let(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let job = 0..8usize;
+    prop_oneof![
+        5 => (0..IDS, prop::bool::weighted(0.1)).prop_map(|(id, later)| Op::Push { id, later }),
+        5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
+        4 => job.clone().prop_map(Op::Ack),
+        2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
+        1 => job.clone().prop_map(Op::Defer),
+        1 => job.clone().prop_map(Op::Release),
+        1 => job.clone().prop_map(Op::Bury),
+        1 => (job, any::<bool>()).prop_map(|(job, short)| Op::Extend { job, short }),
+        1 => Just(Op::Expire),
+        1 => (0..KEYS).prop_map(Op::Hold),
+        1 => (0..KEYS).prop_map(Op::Let),
+    ]
+}
+
+/// A message of the model.
+#[derive(Debug, Clone, PartialEq)]
+enum State {
+    /// Delayed: never due during a history.
+    Later,
+    /// In its key's line; `Some` when at work (the claim, and whether its
+    /// lease is short).
+    InLine(Option<(u64, bool)>),
+    Dead,
+}
+
+#[derive(Debug, Clone)]
+struct Message {
+    state: State,
+    failures: u32,
+    stalls: u32,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    messages: BTreeMap<usize, Message>,
+    /// Per key, its line: ids in push order.
+    lines: [Vec<usize>; KEYS],
+    /// Keys waiting out a retry's or a deferral's long delay.
+    waiting: [bool; KEYS],
+    /// The outside holder's lease, per key.
+    outside: [Option<Lease>; KEYS],
+    /// Keys whose outside lock was let go: a claim that found the lock held
+    /// made the key wait for its release (heard by a worker's listener,
+    /// which these histories have none of) or its expiry. Whether one did
+    /// depends on which keys the claims looked at, so such a key may or
+    /// may not be claimed again: a claim of it is still checked.
+    uncertain: [bool; KEYS],
+}
+
+impl Model {
+    /// The keys a claim may take: a line, nothing at work, not waiting,
+    /// the lock free.
+    fn with_room(&self) -> BTreeSet<usize> {
+        (0..KEYS)
+            .filter(|&k| {
+                let head = self.lines[k].first();
+                head.is_some_and(|id| self.messages[id].state == State::InLine(None))
+                    && !self.waiting[k]
+                    && self.outside[k].is_none()
+            })
+            .collect()
+    }
+}
+
+struct World<'a> {
+    server: &'a RefCell<RedisServer>,
+    queue: Queue<u64>,
+    locker: Locker<ConnectionManager>,
+    model: Model,
+    /// Claimed jobs the worker holds, stale ones included.
+    hands: Vec<Job<u64>>,
+    last_claim: u64,
+    history: usize,
+}
+
+fn id(n: usize) -> String {
+    format!("m{n}")
+}
+
+impl World<'_> {
+    fn key(&self, k: usize) -> String {
+        format!("h{}-k{k}", self.history)
+    }
+
+    fn key_index(&self, job: &Job<u64>) -> usize {
+        let n: usize = job.id()[1..].parse().expect("an id m<n>");
+        n % KEYS
+    }
+
+    fn job(&self, n: usize) -> Option<Job<u64>> {
+        (!self.hands.is_empty()).then(|| self.hands[n % self.hands.len()].clone())
+    }
+
+    async fn run(&mut self, (op, fault): (Op, Fault), at: &str) -> Result<(), TestCaseError> {
+        if let Op::Expire = op {
+            tokio::time::sleep(SHORT + ms(20)).await;
+        }
+        if fault == Fault::Dropped {
+            let killed = crate::drop_connections(&self.server.borrow());
+            prop_assert!(killed.is_ok(), "{}: CLIENT KILL {:?}", at, killed);
+        }
+        // Holding and letting go are not resent (each acquire is a new token).
+        let calls = match (fault, op) {
+            (_, Op::Hold(_) | Op::Let(_)) => 1,
+            (Fault::Resent, _) => 2,
+            _ => 1,
+        };
+        for call in 0..calls {
+            let lost = fault == Fault::Resent && call == 0;
+            self.step(op, lost, at).await?;
+        }
+        if let Op::Claim { .. } = op {
+            self.claim_the_rest(at).await?;
+        }
+        Ok(())
+    }
+
+    /// Retries a call while the connection is being re-opened.
+    async fn retried<T, F, Fut>(&self, at: &str, call: F) -> Result<T, TestCaseError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = lockgate::Result<T>>,
+    {
+        for _ in 0..100 {
+            match call().await {
+                Ok(reply) => return Ok(reply),
+                Err(e) if crate::dropped(&e) => tokio::time::sleep(ms(20)).await,
+                Err(e) => return Err(TestCaseError::fail(format!("{at}: {e}"))),
+            }
+        }
+        Err(TestCaseError::fail(format!("{at}: no connection")))
+    }
+
+    async fn step(&mut self, op: Op, lost: bool, at: &str) -> Result<(), TestCaseError> {
+        let q = self.queue.clone();
+        match op {
+            Op::Push { id: n, later } => {
+                let delay = if later { LATER } else { Duration::ZERO };
+                let key = self.key(n % KEYS);
+                let options = || PushOptions::new().id(id(n)).key(key.clone()).after(delay);
+                let pushed = self
+                    .retried(at, || q.push_with(n as u64, options()))
+                    .await?;
+                let created = !self.model.messages.contains_key(&n);
+                prop_assert_eq!(pushed.created, created, "{}: created", at);
+                if created {
+                    let state = if later {
+                        State::Later
+                    } else {
+                        State::InLine(None)
+                    };
+                    if !later {
+                        self.model.lines[n % KEYS].push(n);
+                    }
+                    let m = Message {
+                        state,
+                        failures: 0,
+                        stalls: 0,
+                    };
+                    self.model.messages.insert(n, m);
+                }
+            }
+            Op::Claim { max, short } => {
+                let lease = if short { SHORT } else { LONG };
+                let jobs = self.retried(at, || q.claim(max, lease)).await?.jobs;
+                self.claimed(jobs, max, short, lost, at)?;
+            }
+            Op::Ack(j) | Op::Bury(j) => {
+                let Some(job) = self.job(j) else {
+                    return Ok(());
+                };
+                let held = match op {
+                    Op::Ack(_) => self.retried(at, || q.ack(&job)).await?,
+                    _ => self.retried(at, || q.bury(&job, "bad")).await?,
+                };
+                prop_assert_eq!(held, self.holds(&job), "{}: held", at);
+                if held {
+                    let n = job.payload().to_owned() as usize;
+                    let k = self.key_index(&job);
+                    self.model.lines[k].retain(|i| *i != n);
+                    match op {
+                        Op::Ack(_) => drop(self.model.messages.remove(&n)),
+                        _ => self.model.messages.get_mut(&n).expect("known").state = State::Dead,
+                    }
+                }
+            }
+            Op::Retry { job: j, later } => {
+                let Some(job) = self.job(j) else {
+                    return Ok(());
+                };
+                let delay = if later { LATER } else { Duration::ZERO };
+                let due = self.retried(at, || q.retry(&job, delay, "boom")).await?;
+                self.back_in_line(&job, due.is_some(), later, true, at)?;
+            }
+            Op::Defer(j) | Op::Release(j) => {
+                let Some(job) = self.job(j) else {
+                    return Ok(());
+                };
+                let held = match op {
+                    Op::Defer(_) => self
+                        .retried(at, || q.defer(&job, Duration::ZERO))
+                        .await?
+                        .is_some(),
+                    _ => self.retried(at, || q.release(&job)).await?,
+                };
+                self.back_in_line(&job, held, false, false, at)?;
+            }
+            Op::Extend { job: j, short } => {
+                let Some(job) = self.job(j) else {
+                    return Ok(());
+                };
+                let lease = if short { SHORT } else { LONG };
+                let held = self.retried(at, || q.extend([&job], lease)).await?[0];
+                prop_assert_eq!(held, self.holds(&job), "{}: extended", at);
+                if held {
+                    let n = job.payload().to_owned() as usize;
+                    let m = self.model.messages.get_mut(&n).expect("known");
+                    m.state = State::InLine(Some((job.claim(), short)));
+                }
+            }
+            Op::Expire => {
+                let recovered = self.retried(at, || q.recover(MAX_STALLS)).await?;
+                self.expired(recovered.requeued + recovered.buried, at)?;
+            }
+            Op::Hold(k) => {
+                let key = self.key(k);
+                let acquired = self.retried(at, || self.locker.acquire(&key)).await?;
+                let at_work = self.at_work(k);
+                match acquired {
+                    Acquisition::Acquired(lease) => {
+                        prop_assert!(self.model.outside[k].is_none(), "{}: held twice", at);
+                        // A short lease may have run out already: its lock too.
+                        prop_assert!(at_work != Some(false), "{}: the queue holds {}", at, key);
+                        self.model.outside[k] = Some(lease);
+                    }
+                    Acquisition::Contended(_) => prop_assert!(
+                        self.model.outside[k].is_some() || at_work.is_some(),
+                        "{}: {} busy for nobody",
+                        at,
+                        key
+                    ),
+                }
+            }
+            Op::Let(k) => {
+                if let Some(lease) = self.model.outside[k].take() {
+                    self.retried(at, || self.locker.release(&lease)).await?;
+                    self.model.uncertain[k] = true;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the queue works on key `k`: `Some(short)` for a turn seen
+    /// (its lease short or not), `Some(true)` for a lost one too.
+    fn at_work(&self, k: usize) -> Option<bool> {
+        let head = self.model.lines[k].first()?;
+        match self.model.messages[head].state {
+            State::InLine(Some((_, short))) => Some(short),
+            _ => None,
+        }
+    }
+
+    /// Whether the model says `job`'s claim is the one at work.
+    fn holds(&self, job: &Job<u64>) -> bool {
+        let n = job.payload().to_owned() as usize;
+        self.model.messages.get(&n).is_some_and(
+            |m| matches!(m.state, State::InLine(Some((claim, _))) if claim == job.claim()),
+        )
+    }
+
+    fn claimed(
+        &mut self,
+        jobs: Vec<Job<u64>>,
+        max: usize,
+        short: bool,
+        lost: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        prop_assert!(jobs.len() <= max, "{}: {} jobs for {}", at, jobs.len(), max);
+        let room = self.model.with_room();
+        let mut keys = BTreeSet::new();
+        for job in &jobs {
+            let k = self.key_index(job);
+            let n = *job.payload() as usize;
+            prop_assert!(
+                room.contains(&k),
+                "{}: {} of a key without room",
+                at,
+                job.id()
+            );
+            prop_assert!(keys.insert(k), "{}: two of one key", at);
+            prop_assert_eq!(
+                self.model.lines[k].first(),
+                Some(&n),
+                "{}: not the head",
+                at
+            );
+            let key = self.key(k);
+            prop_assert_eq!(job.key(), Some(key.as_str()), "{}: the key", at);
+            prop_assert!(
+                job.claim() > self.last_claim,
+                "{}: claim number went back",
+                at
+            );
+            let m = &self.model.messages[&n];
+            prop_assert_eq!(
+                (job.attempt(), job.stalls()),
+                (m.failures + 1, m.stalls),
+                "{}: counts",
+                at
+            );
+        }
+        if let Some(claim) = jobs.iter().map(Job::claim).max() {
+            self.last_claim = claim;
+        }
+        for job in jobs {
+            let n = *job.payload() as usize;
+            let m = self.model.messages.get_mut(&n).expect("known");
+            m.state = State::InLine(Some((job.claim(), short)));
+            // A lost reply never reached the worker: the message stays at
+            // work until its lease runs out (a long one: for the history).
+            if !lost {
+                self.hands.push(job);
+            }
+        }
+        Ok(())
+    }
+
+    /// After a claim: claims until nothing comes (at most 6 more calls),
+    /// and checks no key with room is left.
+    async fn claim_the_rest(&mut self, at: &str) -> Result<(), TestCaseError> {
+        let q = self.queue.clone();
+        for _ in 0..6 {
+            let jobs = self.retried(at, || q.claim(3, LONG)).await?.jobs;
+            if jobs.is_empty() {
+                break;
+            }
+            self.claimed(jobs, 3, false, false, at)?;
+        }
+        let mut room = self.model.with_room();
+        room.retain(|k| !self.model.uncertain[*k]);
+        prop_assert!(
+            room.is_empty(),
+            "{}: keys with room left unclaimed: {:?}",
+            at,
+            room
+        );
+        Ok(())
+    }
+
+    fn back_in_line(
+        &mut self,
+        job: &Job<u64>,
+        held: bool,
+        later: bool,
+        failed: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        prop_assert_eq!(held, self.holds(job), "{}: held", at);
+        if held {
+            let n = *job.payload() as usize;
+            let k = self.key_index(job);
+            let m = self.model.messages.get_mut(&n).expect("known");
+            m.state = State::InLine(None);
+            m.failures += u32::from(failed);
+            self.model.waiting[k] = later;
+        }
+        Ok(())
+    }
+
+    /// Recovery ended `count` turns: those of short leases.
+    fn expired(&mut self, count: usize, at: &str) -> Result<(), TestCaseError> {
+        let mut ended = 0;
+        for (n, m) in self.model.messages.iter_mut() {
+            if let State::InLine(Some((_, true))) = m.state {
+                ended += 1;
+                m.stalls += 1;
+                if m.stalls >= MAX_STALLS {
+                    m.state = State::Dead;
+                    self.model.lines[n % KEYS].retain(|i| i != n);
+                } else {
+                    m.state = State::InLine(None);
+                }
+            }
+        }
+        prop_assert_eq!(count, ended, "{}: recovered", at);
+        Ok(())
+    }
+}
+
+async fn run_history(
+    server: &RefCell<RedisServer>,
+    conn: &ConnectionManager,
+    n: usize,
+    history: &[(Op, Fault)],
+) -> Result<(), TestCaseError> {
+    let queue = Queue::new(conn.clone(), format!("keyed-{n}")).expect("a queue");
+    let mut world = World {
+        server,
+        queue,
+        locker: Locker::new(conn.clone()).ttl(LONG).expect("a TTL"),
+        model: Model::default(),
+        hands: Vec::new(),
+        last_claim: 0,
+        history: n,
+    };
+    for (i, step) in history.iter().enumerate() {
+        let at = format!("step {i}: {step:?}");
+        world.run(*step, &at).await?;
+    }
+    Ok(())
+}
+
+#[test]
+fn keyed_messages_follow_the_model_through_random_histories_with_faults() {
+    let server = RefCell::new(support::server());
+    let runtime = crate::runtime();
+    let conn = runtime.block_on(support::reconnecting_manager(&server.borrow()));
+    let histories = prop::collection::vec((op(), fault()), 1..50);
+    crate::run("keyed model", 64, histories, |history, n| {
+        runtime.block_on(run_history(&server, &conn, n, &history))
+    });
+}
