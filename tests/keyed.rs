@@ -521,3 +521,23 @@ fn check_keyed_log(log: &[String]) {
         assert_eq!(starts, sorted, "{key}: started out of push order");
     }
 }
+
+#[tokio::test]
+async fn purge_deletes_the_keyed_partitions_too() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    push_lines(&queue).await;
+    let delayed = PushOptions::new().id("later").key("c").after(secs(60));
+    queue.push_with("later".to_owned(), delayed).await.unwrap();
+    claim_ids(&queue, secs(10)).await;
+    queue.purge().await.unwrap();
+    let left: Vec<String> = support::raw(&conn, &["KEYS", "lockgate:*"]).await;
+    // The locks of the keys at work stay until their lease ends: a purge
+    // never takes a lock from under a handler.
+    assert!(
+        left.iter().all(|k| k.starts_with("lockgate:lock:")),
+        "{left:?}"
+    );
+    assert_eq!(queue.stats().await.unwrap().due, 0);
+}

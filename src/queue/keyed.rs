@@ -611,6 +611,28 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(total)
     }
 
+    /// Deletes every partition in the index (one `UNLINK` each: a
+    /// partition is one hash slot), and forgets the candidates named.
+    pub(crate) async fn purge(&self) -> Result<()> {
+        for slot in self.slots().await? {
+            redis::cmd("UNLINK")
+                .arg(&self.partition(slot).keys[..])
+                .exec_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "purging queue `{}`",
+                    self.keys.name
+                )))?;
+        }
+        let mut all = self
+            .state
+            .candidates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        all.clear();
+        Ok(())
+    }
+
     /// Every partition in the index.
     async fn slots(&self) -> Result<Vec<u16>> {
         let slots: Vec<u16> = redis::cmd("ZRANGE")

@@ -278,8 +278,9 @@ impl QueueKeys {
     }
 
     /// The keys `purge` deletes: all but the claim counter.
-    fn all(&self) -> [&str; 9] {
+    fn all(&self) -> [&str; 10] {
         [
+            &self.partitions,
             &self.data,
             &self.schedule,
             &self.prioritized,
@@ -1328,6 +1329,7 @@ where
     pub async fn exists(&self) -> Result<bool> {
         let keys = &self.keys;
         let found: u32 = redis::cmd("EXISTS")
+            .arg(&keys.partitions)
             .arg(&keys.data)
             .arg(&keys.schedule)
             .arg(&keys.prioritized)
@@ -1823,6 +1825,7 @@ where
     /// freed in the background (`UNLINK`), so a large queue does not block
     /// the server.
     pub async fn purge(&self) -> Result<()> {
+        self.keyed().purge().await?;
         redis::cmd("UNLINK")
             .arg(&self.keys.all()[..])
             .exec_async(&mut self.conn.clone())

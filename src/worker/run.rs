@@ -75,7 +75,13 @@ where
     /// One round of the loop.
     pub(super) async fn round(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
         while self.tasks.try_join_next().is_some() {}
-        self.take_continued();
+        // Keyed messages an ack claimed start before anything else: their
+        // key is held for them, and a claim's round trip would idle it.
+        if self.take_continued()
+            && let Some(stop) = self.start_buffered(shutdown).await
+        {
+            return Some(stop);
+        }
         let (concurrency, prefetch) = (self.config.concurrency, self.prefetch());
         let running = concurrency - self.permits.available_permits();
         let room = (concurrency + prefetch).saturating_sub(running + self.buffer.len());
@@ -109,10 +115,10 @@ where
 
     /// Puts the keyed messages that acks claimed at the front of the
     /// buffer: their keys' locks are held for them.
-    fn take_continued(&mut self) {
+    fn take_continued(&mut self) -> bool {
         let mut continued = self.shared.continued();
         if continued.is_empty() {
-            return;
+            return false;
         }
         let mut in_flight = self.shared.in_flight();
         while let Some(job) = continued.pop_back() {
@@ -121,6 +127,7 @@ where
             in_flight.insert(seq, super::InFlight::new(job.claim_ref().to_token()));
             self.buffer.push_front((seq, job));
         }
+        true
     }
 
     /// Claims up to `max` jobs into the buffer. Not raced against shutdown:
@@ -297,7 +304,7 @@ where
     pub(super) async fn finish(mut self) {
         let stopping = &self.shared.stopping;
         stopping.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.take_continued();
+        let _ = self.take_continued();
         for (seq, job) in self.buffer {
             self.shared.release(&job.claim_ref().to_token()).await;
             self.shared.in_flight().remove(&seq);
