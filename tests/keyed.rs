@@ -530,14 +530,60 @@ async fn purge_deletes_the_keyed_partitions_too() {
     push_lines(&queue).await;
     let delayed = PushOptions::new().id("later").key("c").after(secs(60));
     queue.push_with("later".to_owned(), delayed).await.unwrap();
-    claim_ids(&queue, secs(10)).await;
+    let before = claim_ids(&queue, secs(10)).await;
     queue.purge().await.unwrap();
     let left: Vec<String> = support::raw(&conn, &["KEYS", "lockgate:*"]).await;
-    // The locks of the keys at work stay until their lease ends: a purge
-    // never takes a lock from under a handler.
-    assert!(
-        left.iter().all(|k| k.starts_with("lockgate:lock:")),
-        "{left:?}"
-    );
+    // The locks of the keys at work stay until their lease ends (a purge
+    // never takes a lock from under a handler), and the counters stay.
+    let kept = |k: &&String| {
+        k.starts_with("lockgate:lock:") || k.ends_with(":claims") || k.ends_with(":seq")
+    };
+    assert!(left.iter().all(|k| kept(&k)), "{left:?}");
     assert_eq!(queue.stats().await.unwrap().due, 0);
+    // A claim from before the purge does not match a message pushed after
+    // it under the same id.
+    push_lines(&queue).await;
+    assert!(!queue.ack(&before[0]).await.unwrap());
+    assert_eq!(queue.stats().await.unwrap().due, 5);
+}
+
+#[tokio::test]
+async fn keyed_dead_letters_are_listed_and_re_driven_to_the_end_of_their_line() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert!(queue.bury(&jobs[0], "no such account").await.unwrap());
+    let dead = queue.dead_letters(0, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, "a1");
+    assert_eq!(dead[0].error.as_deref(), Some("no such account"));
+    assert!(queue.requeue_dead("a1").await.unwrap());
+    assert!(
+        !queue.requeue_dead("a1").await.unwrap(),
+        "not dead any more"
+    );
+    assert!(queue.dead_letters(0, 10).await.unwrap().is_empty());
+    // Back in a's line, behind a2 and a3, with fresh counts.
+    let mut order = Vec::new();
+    loop {
+        let jobs = claim_ids(&queue, secs(10)).await;
+        let Some(job) = jobs.iter().find(|j| j.key() == Some("a")) else {
+            break;
+        };
+        order.push(job.id().to_owned());
+        assert_eq!(job.attempt(), 1);
+        for job in &jobs {
+            queue.ack(job).await.unwrap();
+        }
+    }
+    assert_eq!(order, ["a2", "a3", "a1"]);
+    // Several at once.
+    queue
+        .push_with("x".to_owned(), PushOptions::new().id("c1").key("c"))
+        .await
+        .unwrap();
+    let c1 = claim_ids(&queue, secs(10)).await;
+    queue.bury(&c1[0], "x").await.unwrap();
+    assert_eq!(queue.requeue_all_dead().await.unwrap(), 1);
 }

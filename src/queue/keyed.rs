@@ -81,6 +81,21 @@ pub(crate) struct Partition {
     keys: [String; 10],
 }
 
+/// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
+/// on: the queue's own, or a partition's.
+#[derive(Debug)]
+pub(crate) struct DeadSet {
+    pub(crate) data: String,
+    pub(crate) schedule: String,
+    pub(crate) dead: String,
+    pub(crate) errors: String,
+    pub(crate) bell: String,
+    pub(crate) prioritized: String,
+    pub(crate) events: String,
+    /// The partition's slot: re-driven letters make it ready.
+    pub(crate) slot: Option<u16>,
+}
+
 impl Partition {
     fn new(prefix: &str, queue: &str, slot: u16) -> Self {
         let base = format!(
@@ -94,6 +109,24 @@ impl Partition {
         ]
         .map(|name| format!("{base}:{name}"));
         Self { slot, keys }
+    }
+
+    /// Its dead letters' keys. A re-driven letter waits on the schedule
+    /// (the queue's format) and the next claim puts it in its key's line;
+    /// the bell, priorities and events are names in the partition's slot
+    /// that keyed messages leave empty.
+    fn dead_set(&self) -> DeadSet {
+        let stem = self.keys[0].trim_end_matches(":data");
+        DeadSet {
+            data: self.keys[0].clone(),
+            schedule: self.keys[1].clone(),
+            dead: self.keys[3].clone(),
+            errors: self.keys[4].clone(),
+            bell: format!("{stem}:bell"),
+            prioritized: format!("{stem}:prioritized"),
+            events: format!("{stem}:events"),
+            slot: Some(self.slot),
+        }
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
@@ -232,20 +265,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let reply: Vec<i64> = run(&KeyedScripts::get().push, &cmd, &mut conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        let mut hint = redis::pipe();
-        hint.cmd("ZADD")
-            .arg(&self.keys.partitions)
-            .arg("LT")
-            .arg(0)
-            .arg(partition.slot)
-            .ignore();
-        hint.cmd("LPUSH").arg(&self.keys.bell).arg(1).ignore();
-        hint.cmd("LTRIM")
-            .arg(&self.keys.bell)
-            .arg(0)
-            .arg(0)
-            .ignore();
-        hint.query_async::<()>(&mut conn)
+        self.mark_ready(partition.slot)
             .await
             .map_err(Error::redis(attempted()))?;
         match reply.as_slice() {
@@ -612,11 +632,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Deletes every partition in the index (one `UNLINK` each: a
-    /// partition is one hash slot), and forgets the candidates named.
+    /// partition is one hash slot), and forgets the candidates named. The
+    /// claim and line counters stay (as the queue's claim counter does), so
+    /// that a claim from before the purge never matches a message pushed
+    /// after it.
     pub(crate) async fn purge(&self) -> Result<()> {
         for slot in self.slots().await? {
+            let partition = self.partition(slot);
+            let k = &partition.keys;
             redis::cmd("UNLINK")
-                .arg(&self.partition(slot).keys[..])
+                .arg(&k[..5])
+                .arg(&k[6..9])
                 .exec_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(format_args!(
@@ -631,6 +657,25 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .unwrap_or_else(|e| e.into_inner());
         all.clear();
         Ok(())
+    }
+
+    /// The dead-letter keys of every partition in the index.
+    pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let slots = self.slots().await?;
+        Ok(slots
+            .into_iter()
+            .map(|slot| self.partition(slot).dead_set())
+            .collect())
+    }
+
+    /// Makes a partition whose dead letters were re-driven look for them.
+    pub(crate) async fn redriven(&self, slot: u16) -> Result<()> {
+        self.mark_ready(slot)
+            .await
+            .map_err(Error::redis(format_args!(
+                "re-driving dead letters of queue `{}`",
+                self.keys.name
+            )))
     }
 
     /// Every partition in the index.

@@ -81,7 +81,7 @@
 mod events;
 mod job;
 mod keyed;
-use keyed::{Held, Keyed, KeyedState, Outcome, Settled};
+use keyed::{DeadSet, Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
 pub(crate) mod scripts;
 mod wait;
@@ -1438,13 +1438,43 @@ where
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let (start, stop) = (offset, offset.saturating_add(limit - 1));
+        // Each set's first offset + limit, merged by burial time (partitions
+        // of keyed messages have dead letters of their own).
+        let stop = offset.saturating_add(limit - 1);
+        let mut out = Vec::new();
+        for set in self.dead_sets().await? {
+            out.extend(self.dead_in(&set, stop).await?);
+        }
+        out.sort_by_key(|letter| letter.buried_at);
+        Ok(out.into_iter().skip(offset).take(limit).collect())
+    }
+
+    /// The queue's own dead-letter keys, then every keyed partition's.
+    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let keys = &self.keys;
+        let own = DeadSet {
+            data: keys.data.clone(),
+            schedule: keys.schedule.clone(),
+            dead: keys.dead.clone(),
+            errors: keys.errors.clone(),
+            bell: keys.bell.clone(),
+            prioritized: keys.prioritized.clone(),
+            events: keys.events.clone(),
+            slot: None,
+        };
+        let mut sets = vec![own];
+        sets.extend(self.keyed().dead_sets().await?);
+        Ok(sets)
+    }
+
+    /// The first `stop + 1` dead letters of one set, oldest first.
+    async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
         let reply: Vec<Value> = Scripts::get()
             .dead
-            .key(&self.keys.data)
-            .key(&self.keys.dead)
-            .key(&self.keys.errors)
-            .arg(start)
+            .key(&set.data)
+            .key(&set.dead)
+            .key(&set.errors)
+            .arg(0)
             .arg(stop)
             .invoke_async(&mut self.conn.clone())
             .await
@@ -1479,7 +1509,12 @@ where
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        Ok(self.requeue_dead_batch(id, None).await?.0 == 1)
+        for set in self.dead_sets().await? {
+            if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Re-drives the dead letters buried up to the moment this call started
@@ -1488,41 +1523,54 @@ where
     /// at once) are left dead, so the call ends.
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
-        let mut cutoff = None;
-        loop {
-            let (requeued, examined, started) = self.requeue_dead_batch("", cutoff).await?;
-            cutoff = Some(started);
-            total += requeued;
-            if examined < MAX_BATCH {
-                return Ok(total);
+        for set in self.dead_sets().await? {
+            let mut cutoff = None;
+            loop {
+                let (requeued, examined, started) =
+                    self.requeue_dead_batch(&set, "", cutoff).await?;
+                cutoff = Some(started);
+                total += requeued;
+                if examined < MAX_BATCH {
+                    break;
+                }
             }
         }
+        Ok(total)
     }
 
     async fn requeue_dead_batch(
         &self,
+        set: &DeadSet,
         id: &str,
         cutoff: Option<i64>,
     ) -> Result<(usize, usize, i64)> {
-        Scripts::get()
+        let events = match set.slot {
+            None => self.events_arg(),
+            Some(_) => String::new(),
+        };
+        let done: (usize, usize, i64) = Scripts::get()
             .requeue_dead
-            .key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.dead)
-            .key(&self.keys.errors)
-            .key(&self.keys.bell)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.events)
+            .key(&set.data)
+            .key(&set.schedule)
+            .key(&set.dead)
+            .key(&set.errors)
+            .key(&set.bell)
+            .key(&set.prioritized)
+            .key(&set.events)
             .arg(id)
             .arg(MAX_BATCH)
             .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
-            .arg(self.events_arg())
+            .arg(events)
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
                 "re-driving dead letters of queue `{}`",
                 self.name()
-            )))
+            )))?;
+        if let (Some(slot), true) = (set.slot, done.0 > 0) {
+            self.keyed().redriven(slot).await?;
+        }
+        Ok(done)
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the
