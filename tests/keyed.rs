@@ -587,3 +587,60 @@ async fn keyed_dead_letters_are_listed_and_re_driven_to_the_end_of_their_line() 
     queue.bury(&c1[0], "x").await.unwrap();
     assert_eq!(queue.requeue_all_dead().await.unwrap(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_worker_given_a_listener_runs_a_key_when_released_elsewhere() {
+    let cluster = lockgate::testing::RedisCluster::start().expect("a 3-node cluster");
+    let conn = cluster.connection().await.unwrap();
+    let queue: Queue<String, _> = Queue::new(conn.clone(), "orders").unwrap();
+    let locker = Locker::new(conn.clone()).ttl(secs(60)).unwrap();
+    let keys: Vec<String> = (0..6).map(|n| format!("account-{n}")).collect();
+    let mut leases = Vec::new();
+    for key in &keys {
+        leases.push(locker.acquire(key).await.unwrap().lease().expect("free"));
+        let options = PushOptions::new().id(key.clone()).key(key.clone());
+        queue.push_with(key.clone(), options).await.unwrap();
+    }
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let seen = started.clone();
+    let service = tower::service_fn(move |job: Job<String>| {
+        let seen = seen.clone();
+        async move {
+            seen.lock()
+                .unwrap()
+                .push((job.id().to_owned(), Instant::now()));
+            Ok::<_, BoxError>(())
+        }
+    });
+    let listener = lockgate::ReleaseListener::connect_cluster(cluster.client_builder())
+        .await
+        .unwrap();
+    let worker = Worker::new(cluster.client(), queue.clone(), service).wake_on_release(listener);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    tokio::time::sleep(ms(500)).await;
+    assert!(
+        started.lock().unwrap().is_empty(),
+        "ran while held elsewhere"
+    );
+    let released = Instant::now();
+    for lease in &leases {
+        assert!(locker.release(lease).await.unwrap());
+    }
+    eventually("every key ran after its release", secs(10), async || {
+        let n = started.lock().unwrap().len();
+        support::done_if(n == keys.len(), n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    // Woken by the releases on every node, not by the locks' expiry.
+    let last = started
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, at)| *at)
+        .max()
+        .unwrap();
+    assert!(last - released < secs(5), "{:?}", last - released);
+}

@@ -38,6 +38,8 @@ pub(crate) enum Open {
     /// A Redis Cluster: makes the builder of the subscriber's connection
     /// (see [`ReleaseListener::connect_cluster`]).
     Cluster(Box<dyn Fn() -> redis::cluster::ClusterClientBuilder + Send + Sync>),
+    /// A listener given open ([`AutoListener::opened`]).
+    Given,
 }
 
 enum Attempt {
@@ -58,6 +60,13 @@ impl std::fmt::Debug for AutoListener {
 }
 
 impl AutoListener {
+    /// One that is open already.
+    pub(crate) fn opened(listener: ReleaseListener) -> Self {
+        let this = Self::new(Open::Given);
+        let _ = this.listener.set(listener);
+        this
+    }
+
     pub(crate) fn new(open: Open) -> Self {
         Self {
             open,
@@ -88,6 +97,8 @@ impl AutoListener {
             let opened = match &this.open {
                 Open::Server(client) => ReleaseListener::connect((**client).clone()).await,
                 Open::Cluster(builder) => ReleaseListener::connect_cluster(builder()).await,
+                // Set at creation: never opened here.
+                Open::Given => return,
             };
             let next = match opened {
                 Ok(listener) => {

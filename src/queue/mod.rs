@@ -146,6 +146,12 @@ impl<T, C> Queue<T, C> {
         let _ = (self.keyed.listener).set(Arc::new(crate::lock::listen::AutoListener::new(open)));
     }
 
+    /// The same with a listener that is open (one made for a cluster).
+    pub(crate) fn wake_keys_by(&self, listener: crate::ReleaseListener) {
+        let auto = crate::lock::listen::AutoListener::opened(listener);
+        let _ = self.keyed.listener.set(Arc::new(auto));
+    }
+
     /// The queue's keyed messages.
     fn keyed(&self) -> Keyed<'_, C> {
         Keyed {

@@ -251,6 +251,19 @@ where
         }
     }
 
+    /// Hears releases with `listener`: a keyed message
+    /// ([`PushOptions::key`](crate::PushOptions::key)) whose key's lock
+    /// other code holds is claimable as soon as that lock is released. A
+    /// worker made with a [`redis::Client`] opens a listener by itself; one
+    /// made with a cluster client needs this
+    /// ([`ReleaseListener::connect_cluster`](crate::ReleaseListener::connect_cluster)),
+    /// else such a key waits for the lock's expiry. The first listener a
+    /// queue's handles are given is the one they keep.
+    pub fn wake_on_release(self, listener: crate::ReleaseListener) -> Self {
+        self.queue.wake_keys_by(listener);
+        self
+    }
+
     /// Handlers running at once, at most. Errors on zero.
     pub fn concurrency(mut self, n: usize) -> Result<Self> {
         if n == 0 || n > MAX_CONCURRENCY {
