@@ -52,3 +52,26 @@ async fn load_and_run<T: FromRedisValue>(
     script.prepare_invoke().load_async(conn).await?;
     cmd.query_async(conn).await
 }
+
+/// Sends `first`, then the `EVALSHA` `cmd` of `script`, in one round trip
+/// (a pipeline: on one connection to one server, in this order), loading
+/// the script when the server does not know it yet; returns the script's
+/// reply. `first` runs again then: it must be safe to repeat.
+pub(crate) async fn run_after<T: FromRedisValue>(
+    script: &Script,
+    first: &Cmd,
+    cmd: &Cmd,
+    conn: &mut (impl ConnectionLike + Send),
+) -> RedisResult<T> {
+    let mut pipe = redis::pipe();
+    pipe.add_command(first.clone())
+        .ignore()
+        .add_command(cmd.clone());
+    match pipe.query_async::<(T,)>(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load_async(conn).await?;
+            pipe.query_async::<(T,)>(conn).await.map(|(reply,)| reply)
+        }
+        result => result.map(|(reply,)| reply),
+    }
+}

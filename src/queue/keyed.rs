@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{evalsha, run};
+use crate::script::{evalsha, run, run_after};
 
 /// The tag of every hash slot.
 static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
@@ -316,20 +316,38 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let slot = partition.slot;
         let mut conn = self.conn.clone();
-        redis::cmd("ZADD")
+        let mut raise = redis::cmd("ZADD");
+        raise
             .arg(&self.keys.partitions)
             .arg("XX")
             .arg(now + RECHECK_MS)
-            .arg(slot)
-            .query_async::<()>(&mut conn)
+            .arg(slot);
+        // The raise must reach the server before the script. On one server
+        // a pipeline keeps that order; a cluster's may not (the index and
+        // the partition are on different nodes): two round trips there.
+        let publish = detect_publish(&self.state.publish, self.conn)
             .await
             .map_err(Error::redis(attempted()))?;
+        let mut first = match publish {
+            "PUBLISH" => Some(&raise),
+            _ => {
+                raise
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+                None
+            }
+        };
         let mut candidates = self.take_candidates(slot);
-        let mut reply = self.claim_keys(&partition, &candidates, max, lease).await?;
+        let mut reply = self
+            .claim_keys(&partition, &candidates, (max, lease), first.take())
+            .await?;
         if candidates.is_empty() && !reply.2.is_empty() {
             // The first claim here: it named the ready keys, claim them.
             candidates = std::mem::take(&mut reply.2);
-            reply = self.claim_keys(&partition, &candidates, max, lease).await?;
+            reply = self
+                .claim_keys(&partition, &candidates, (max, lease), None)
+                .await?;
         }
         let (turns, next_at, named) = reply;
         claimed.turns.extend(turns);
@@ -412,14 +430,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
     }
 
-    /// One claim script call: the turns, (server now, next due) and the
-    /// ready keys it names for the next call.
+    /// One claim script call (after `first`, in the same round trip): the
+    /// turns, the next due time and the ready keys it names for the next
+    /// call.
     async fn claim_keys(
         &self,
         partition: &Arc<Partition>,
         candidates: &[String],
-        max: usize,
-        lease: Duration,
+        (max, lease): (usize, Duration),
+        first: Option<&redis::Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
         let script = &KeyedScripts::get().claim;
         let mut cmd = partition.call(script, candidates.len());
@@ -434,10 +453,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         type Reply = (u64, i64, i64, Vec<String>, Vec<Vec<u8>>, Vec<(String, u64)>);
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
+        let mut conn = self.conn.clone();
+        let reply = match first {
+            Some(first) => run_after(script, first, &cmd, &mut conn).await,
+            None => run(script, &cmd, &mut conn).await,
+        };
         let (claim, _now, next_at, named, flat, blocked): Reply =
-            run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?;
+            reply.map_err(Error::redis(attempted()))?;
         for (key, left) in blocked {
             self.watch_release(key, Duration::from_millis(left));
         }

@@ -1,0 +1,156 @@
+//! Keyed messages (`PushOptions::key`): how long a cold key's message waits
+//! while hot keys have a backlog, beside the same without the backlog, and
+//! what a claim costs as the number of keys with waiting messages grows.
+//!
+//! `cargo bench --bench keyed` (full run); built and run on tiny inputs by
+//! `cargo test --all-targets`.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::*;
+use lockgate::testing::RedisServer;
+use lockgate::{BoxError, Job, PushOptions, Queue, Worker};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Msg {
+    key: String,
+    /// When it was pushed (unix µs, this host's clock).
+    pushed: u64,
+}
+
+fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    println!("## a cold key's message under hot keys' backlog: push → handler start");
+    println!("3 workers × concurrency 8 in one process, handlers 2 ms; a cold message every 20 ms");
+    println!("| hot backlog | cold messages | p50 | p99 | max |\n|---|---|---|---|---|");
+    for backlog in [0, size(2_000, 20)] {
+        cold_latency(backlog).await?;
+    }
+    println!("\n## claim cost as keys with waiting messages grow (one message per key)");
+    println!("| keys | claimed and acknowledged per s, one claimer, batches of 100 |\n|---|---|");
+    for keys in [size(1_000, 10), size(100_000, 100)] {
+        claim_cost(keys).await?;
+    }
+    Ok(())
+}
+
+/// 5 hot keys with `backlog` messages each, pushed first; then 100 cold
+/// messages, each on a key of its own, one every 20 ms.
+async fn cold_latency(backlog: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let queue: Queue<Msg> = Queue::new(conn, "keyed")?;
+    for key in 0..5 {
+        let key = format!("hot-{key}");
+        for chunk in (0..backlog).collect::<Vec<_>>().chunks(1000) {
+            let msgs = chunk.iter().map(|_| {
+                let msg = Msg {
+                    key: key.clone(),
+                    pushed: 0,
+                };
+                (msg, PushOptions::new().key(key.clone()))
+            });
+            queue.push_many_with(msgs).await?;
+        }
+    }
+    let lags = Arc::new(Mutex::new(Vec::new()));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        let conn = server.connection_manager().await?;
+        let queue: Queue<Msg> = Queue::new(conn, "keyed")?;
+        let lags = lags.clone();
+        let service = tower::service_fn(move |job: Job<Msg>| {
+            let lags = lags.clone();
+            async move {
+                if job.pushed > 0 {
+                    let lag = Duration::from_micros(unix_us().saturating_sub(job.pushed));
+                    lags.lock().unwrap().push(lag);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok::<_, BoxError>(())
+            }
+        });
+        let worker = Worker::new(server.client(), queue, service).concurrency(8)?;
+        let mut stopped = stopped.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let cold = size(100, 20);
+    for n in 0..cold {
+        let key = format!("cold-{n}");
+        let msg = Msg {
+            key: key.clone(),
+            pushed: unix_us(),
+        };
+        queue.push_with(msg, PushOptions::new().key(key)).await?;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while lags.lock().unwrap().len() < cold {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let left = queue.stats().await?;
+    let _ = stop.send(true);
+    for worker in workers {
+        worker.await??;
+    }
+    let mut lags = lags.lock().unwrap().clone();
+    lags.sort();
+    println!(
+        "| {} ({} still waiting at the end) | {cold} | {:.2} ms | {:.2} ms | {:.2} ms |",
+        backlog * 5,
+        left.due,
+        ms(quantile(&lags, 0.5)),
+        ms(quantile(&lags, 0.99)),
+        ms(*lags.last().unwrap_or(&Duration::ZERO)),
+    );
+    Ok(())
+}
+
+/// `keys` keys with one message each; one claimer takes them all in
+/// batches of 100, acknowledging each batch.
+async fn claim_cost(keys: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let queue: Queue<Msg> = Queue::new(conn, "keyed")?;
+    for chunk in (0..keys).collect::<Vec<_>>().chunks(1000) {
+        let msgs = chunk.iter().map(|n| {
+            let key = format!("k{n}");
+            (
+                Msg {
+                    key: key.clone(),
+                    pushed: 0,
+                },
+                PushOptions::new().key(key),
+            )
+        });
+        queue.push_many_with(msgs).await?;
+    }
+    let started = Instant::now();
+    let mut done = 0;
+    let mut empty = 0;
+    while done < keys && empty < 100 {
+        let jobs = queue.claim(100, Duration::from_secs(60)).await?.jobs;
+        if jobs.is_empty() {
+            empty += 1;
+            continue;
+        }
+        done += jobs.len();
+        queue.ack_many(&jobs).await?;
+    }
+    let rate = done as f64 / started.elapsed().as_secs_f64();
+    println!("| {keys} ({done} claimed) | {rate:.0} |");
+    Ok(())
+}
