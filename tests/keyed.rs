@@ -473,7 +473,7 @@ async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in
     check_keyed_log(&log);
     // No 60-second safety net: the last kill's leases (600 ms) run out, and
     // the rest is handling time.
-    assert!(drained < secs(20), "done {drained:?} after the last kill");
+    assert!(drained < secs(30), "done {drained:?} after the last kill");
     assert_eq!(queue.stats().await.unwrap().dead, 0);
 }
 

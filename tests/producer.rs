@@ -172,3 +172,75 @@ async fn a_python_producer_pushes_with_priorities() {
         .collect();
     assert_eq!(got, [(9, "urgent"), (3, "later"), (0, "plain")]);
 }
+
+/// Runs `tests/python/keyed_producer.py` with `messages` (a list of
+/// `[key, id, when, payload]`) and returns its per-message results.
+async fn python_keyed(server: &RedisServer, queue: &str, messages: Value) -> Vec<Value> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let port = server.port().to_string();
+    let queue = queue.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut child = Command::new("python3")
+            .arg(format!("{root}/tests/python/keyed_producer.py"))
+            .args([&port, &queue, &format!("{root}/scripts/push_keyed.lua")])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 must be installed to run this test");
+        let input = messages.to_string();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "keyed_producer.py failed: {:?}",
+            out.status
+        );
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("keyed_producer.py output")
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_python_producer_pushes_keyed_messages_the_claim_takes_with_their_keys_lock() {
+    let server = server();
+    let conn = manager(&server).await;
+    let q: Queue<Order> = Queue::new(conn.clone(), "py").unwrap();
+    // Keys with the characters lockgate escapes in a hash tag, too.
+    let keys = ["alice", "b}ob", "c\\arol"];
+    let mut messages = Vec::new();
+    for n in 0..4u64 {
+        for key in keys {
+            let order = json!({"order": n, "note": key});
+            messages.push(json!([key, format!("{key}/{n}"), "0", order]));
+        }
+    }
+    messages.push(json!(["alice", "alice/0", "0", {"order": 99, "note": "again"}]));
+    let results = python_keyed(&server, "py", Value::Array(messages)).await;
+    assert_eq!(results.len(), 13);
+    assert!(results[..12].iter().all(|r| r[0] == 1), "{results:?}");
+    assert_eq!(results[12][0], 0, "a duplicate id changes nothing");
+    let locker = lockgate::Locker::new(conn);
+    let mut next = HashMap::new();
+    for _ in 0..4 {
+        let jobs = q.claim(10, LONG).await.unwrap().jobs;
+        assert_eq!(jobs.len(), keys.len(), "one per key: {jobs:?}");
+        for job in &jobs {
+            let key = job.key().expect("a keyed message");
+            assert_eq!(job.note, key);
+            // In push order per key, under the key's lock.
+            let n = next.entry(key.to_owned()).or_insert(0u64);
+            assert_eq!(job.order, *n);
+            *n += 1;
+            assert!(locker.acquire(key).await.unwrap().lease().is_none());
+            assert!(q.ack(job).await.unwrap());
+        }
+    }
+    assert_eq!(stats(&q).await.due, 0);
+}

@@ -54,17 +54,29 @@ struct KeyedScripts {
     recover: Script,
 }
 
+/// A keyed script's source as loaded: the queue's prelude, the keyed
+/// helpers, the script.
+fn source(body: &str) -> String {
+    format!(
+        "{}\n{}\n{body}",
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/keyed.lua")
+    )
+}
+
+/// The keyed push script as the library loads it; `scripts/push_keyed.lua`
+/// (for producers in other languages) must be exactly this.
+pub(crate) fn push_source() -> String {
+    source(include_str!("lua/keyed_push.lua"))
+}
+
 impl KeyedScripts {
     fn get() -> &'static Self {
         fn load(body: &str) -> Script {
-            Script::new(&format!(
-                "{}\n{}\n{body}",
-                include_str!("lua/prelude.lua"),
-                include_str!("lua/keyed.lua")
-            ))
+            Script::new(&source(body))
         }
         static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
-            push: load(include_str!("lua/keyed_push.lua")),
+            push: Script::new(&push_source()),
             claim: load(include_str!("lua/keyed_claim.lua")),
             done: load(include_str!("lua/keyed_done.lua")),
             extend: load(include_str!("lua/keyed_extend.lua")),

@@ -82,6 +82,23 @@ impl Scripts {
 
 #[cfg(test)]
 mod tests {
+    /// `scripts/push_keyed.lua`, the keyed push for producers in other
+    /// languages, is the library's; regenerate it as `push.lua`'s.
+    #[test]
+    fn the_shipped_keyed_push_script_is_the_one_the_library_loads() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/push_keyed.lua");
+        let expected = super::super::keyed::push_source();
+        if std::env::var_os("LOCKGATE_WRITE_SCRIPTS").is_some() {
+            std::fs::write(path, &expected).expect("write scripts/push_keyed.lua");
+        }
+        let shipped = std::fs::read_to_string(path).expect("read scripts/push_keyed.lua");
+        assert!(
+            shipped == expected,
+            "scripts/push_keyed.lua differs from prelude.lua + keyed.lua + keyed_push.lua: \
+             regenerate it with LOCKGATE_WRITE_SCRIPTS=1 cargo test shipped_keyed_push_script"
+        );
+    }
+
     /// `scripts/push.lua` is what producers in other languages load; it must
     /// never drift from the script the library runs. To regenerate it after
     /// changing `prelude.lua` or `push.lua`, run this test with

@@ -1,0 +1,416 @@
+-- Shared by every queue script; prepended to each at load time, so each
+-- script stays a single atomic unit. (scripts/push.lua, the file producers
+-- in other languages load, is this prelude followed by push.lua.)
+--
+-- Keys of queue <q> under prefix <p> (all in hash slot {q}):
+--   <p>:{q}:data      hash   id -> record
+--                            "<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>",
+--                            prefixed "p<priority>:" for a message with one
+--   <p>:{q}:schedule  zset   id -> due time (ms); due-now messages are simply due
+--   <p>:{q}:prioritized zset id -> (10 - priority) * 1e13 + due time (ms), for
+--                            messages with a priority (1 to 9): one band of
+--                            scores per priority, higher priorities lower
+--                            (see PRIORITY_BAND)
+--   <p>:{q}:active    zset   "<id>:<claim>" -> lease deadline (ms)
+--   <p>:{q}:dead      zset   id -> time it was buried (ms)
+--   <p>:{q}:errors    hash   id -> last error text
+--   <p>:{q}:claims    string last claim number (one per claimed batch): never
+--                            reused, also after the server rolled back
+--   <p>:{q}:bell      list   doorbell; at most one element
+
+-- Server time in milliseconds and in microseconds, from one TIME call:
+-- producers' and workers' clocks never matter. (Lua numbers are doubles,
+-- exact below 2^53: microseconds since 1970 stay exact until the year 2255.)
+local function server_time()
+  local t = redis.call('TIME')
+  local s, us = tonumber(t[1]), tonumber(t[2])
+  return s * 1000 + math.floor(us / 1000), s * 1000000 + us
+end
+
+-- Server time in milliseconds.
+local function now_ms()
+  return (server_time())
+end
+
+-- Parses a due time: a delay in whole ms from `now` ("0" is now; a
+-- negative delay is due now too), or "@<unix ms>" for an absolute time (no
+-- sign: a negative due time would read as the "not scheduled" marker -1).
+-- Returns nil for anything else: tonumber alone would also take " 5",
+-- "0x10", "1e3", "1.5", "inf" and "nan". At most 15 digits, so the due time
+-- stays an exact Lua number. A due time before 1970 is 0 (never negative,
+-- which reads as "not scheduled"); one from 1e13 ms on (the year 2286) is
+-- refused: a priority's band of scores holds due times below it.
+local function parse_when(now, when)
+  local at, sign, digits = string.match(when, '^(@?)(%-?)(%d+)$')
+  if not digits or #digits > 15 or (at == '@' and sign == '-') then return nil end
+  local n = tonumber(digits)
+  if at ~= '@' then
+    if sign == '-' then n = -n end
+    n = math.max(now + n, 0)
+  end
+  if n >= 1e13 then return nil end
+  return n
+end
+
+-- Priorities. A message pushed with priority 1 to 9 waits on the prioritized
+-- set, scored (10 - priority) * PRIORITY_BAND + due time: each priority has
+-- its band of scores, the highest the lowest, and within a band messages
+-- order by due time (then id), as on the schedule. A claim looks into the
+-- bands from priority 9 down to 1 for due messages before the schedule; a
+-- queue whose prioritized set is empty pays one lookup of an empty key. Due
+-- times stay below the band (1e13 ms is the year 2286), and every score is
+-- exact in a double.
+local PRIORITY_BAND = 1e13
+local MAX_PRIORITY = 9
+
+-- The lowest score of a priority's band.
+local function band(priority)
+  return (10 - priority) * PRIORITY_BAND
+end
+
+-- The score of a message of `priority` due at `due`: the due time is kept
+-- within the band (a due time before 1970 or after 2286 is held at the
+-- band's edge, as soon or as late as a band allows).
+local function band_score(priority, due)
+  return band(priority) + math.min(math.max(due, 0), PRIORITY_BAND - 1)
+end
+
+-- The priority and due time a prioritized set's score stands for.
+local function unband(score)
+  local priority = 10 - math.floor(score / PRIORITY_BAND)
+  return priority, score - band(priority)
+end
+
+-- Due time of the schedule's head, or nil when the schedule is empty.
+local function head_due(schedule)
+  local head = redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')
+  if head[2] then return tonumber(head[2]) end
+  return nil
+end
+
+-- Due time of the head of a priority's band of the prioritized set, or nil.
+local function head_due_in_band(prioritized, priority)
+  local low = band(priority)
+  local head = redis.call('ZRANGEBYSCORE', prioritized, low, '(' .. (low + PRIORITY_BAND),
+    'WITHSCORES', 'LIMIT', 0, 1)
+  if head[2] then return tonumber(head[2]) - low end
+  return nil
+end
+
+-- Wakes one idle waiter. The bell holds at most one element: a waiter that
+-- was not blocked yet finds it there, and many rings wake no more than one
+-- (a bell that is already ringing is left alone: one read, no write).
+local function ring(bell)
+  if redis.call('LLEN', bell) == 0 then
+    redis.call('LPUSH', bell, '1')
+  end
+end
+
+-- Splits a record into its header fields and payload; nil if malformed.
+-- Records written before the stall counter existed have three counters
+-- ("<enqueued>:<failures>:<deferrals>:<payload>") and read as 0 stalls. The
+-- two forms cannot be confused: the four-counter pattern is tried first, and
+-- it matches an old record only if its payload starts with "<digits>:",
+-- which no JSON text does (a JSON number is never followed by ':').
+-- The sixth value is the priority (0 for none): a record that starts with
+-- "p<digit>:" has one (a record otherwise starts with a digit).
+local function parse(record)
+  local priority, rest = string.match(record, '^p(%d):(.*)$')
+  if priority then
+    record = rest
+    priority = tonumber(priority)
+  else
+    priority = 0
+  end
+  local enq, failures, deferrals, stalls, payload =
+    string.match(record, '^(%d+):(%d+):(%d+):(%d+):(.*)$')
+  if enq then
+    return enq, tonumber(failures), tonumber(deferrals), tonumber(stalls), payload, priority
+  end
+  enq, failures, deferrals, payload = string.match(record, '^(%d+):(%d+):(%d+):(.*)$')
+  if not enq then return nil end
+  return enq, tonumber(failures), tonumber(deferrals), 0, payload, priority
+end
+
+-- Like parse, but keeps a malformed record whole as the payload (cannot
+-- happen for records written by lockgate; the message is kept anyway).
+local function parse_or_keep(record)
+  local enq, failures, deferrals, stalls, payload, priority = parse(record)
+  if not enq then return '0', 0, 0, 0, record, 0 end
+  return enq, failures, deferrals, stalls, payload, priority
+end
+
+-- Builds a record: the three-counter form while the message has not
+-- stalled (what lockgate 0.1 wrote and reads, so old and new workers can
+-- share a queue during an upgrade, and 2 bytes less per message), the
+-- four-counter form once it has.
+-- A priority above 0 prefixes "p<priority>:".
+local function make_record(enq, failures, deferrals, stalls, payload, priority)
+  local head = ''
+  if priority and priority > 0 then head = 'p' .. priority .. ':' end
+  if stalls == 0 then
+    return head .. enq .. ':' .. failures .. ':' .. deferrals .. ':' .. payload
+  end
+  return head .. enq .. ':' .. failures .. ':' .. deferrals .. ':' .. stalls .. ':' .. payload
+end
+
+-- Dead-letter retention: deletes, oldest first, dead letters buried more
+-- than `max_age` ms before `now` and those beyond the newest `max_count`
+-- (either "" for no limit), with their records and errors; at most `budget`
+-- of them per call, so a call's work stays bounded (each burial adds one
+-- letter and a call may remove many, so the set converges to its limits).
+local function trim_dead(dead, data, errors, now, max_count, max_age, budget)
+  local function forget(ids)
+    if #ids == 0 then return end
+    redis.call('ZREM', dead, unpack(ids))
+    redis.call('HDEL', data, unpack(ids))
+    redis.call('HDEL', errors, unpack(ids))
+    budget = budget - #ids
+  end
+  local age = tonumber(max_age)
+  if age and budget > 0 then
+    forget(redis.call('ZRANGEBYSCORE', dead, '-inf', '(' .. (now - age), 'LIMIT', 0, budget))
+  end
+  local count = tonumber(max_count)
+  if count and budget > 0 then
+    local excess = math.min(redis.call('ZCARD', dead) - count, budget)
+    if excess > 0 then forget(redis.call('ZRANGE', dead, 0, excess - 1)) end
+  end
+end
+
+-- The earliest due time on the prioritized set, or nil when it is empty
+-- (at most one lookup per priority in use).
+local function prioritized_head(prioritized)
+  local earliest = nil
+  local from = 0
+  while true do
+    local first = redis.call('ZRANGEBYSCORE', prioritized, from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    if not first[2] then return earliest end
+    local priority, due = unband(tonumber(first[2]))
+    if earliest == nil or due < earliest then earliest = due end
+    from = band(priority - 1) -- the next band up (a lower priority)
+    if priority <= 1 then return earliest end
+  end
+end
+
+-- Puts an id (back) on the schedule at `due` (on the prioritized set, in
+-- its band, for a priority above 0), ringing the bell when it is now the
+-- earliest message of its set, so a waiter sleeping towards a later head
+-- wakes (a ring more than needed costs a wake-up, never a message).
+local function schedule_at(schedule, prioritized, bell, id, due, priority)
+  if priority and priority > 0 then
+    local head = head_due_in_band(prioritized, priority)
+    redis.call('ZADD', prioritized, band_score(priority, due), id)
+    if head == nil or due < head then ring(bell) end
+    return
+  end
+  local head = head_due(schedule)
+  redis.call('ZADD', schedule, due, id)
+  if head == nil or due < head then ring(bell) end
+end
+
+-- Where an id waits, and its due time: the schedule, the prioritized set
+-- (with its priority), or nil when it is not waiting (claimed, dead, gone).
+local function waiting(schedule, prioritized, id)
+  local due = redis.call('ZSCORE', schedule, id)
+  if due then return schedule, tonumber(due), 0 end
+  local score = redis.call('ZSCORE', prioritized, id)
+  if score then
+    local priority, at = unband(tonumber(score))
+    return prioritized, at, priority
+  end
+  return nil
+end
+
+-- Splits an active-set member "<id>:<claim>" into its id.
+local function member_id(member)
+  return string.match(member, '^(.*):%d+$')
+end
+
+-- Lifecycle events (Queue::record_events): when the caller passes the
+-- queue's events stream and a cap ("" when events are off), each change of
+-- a message is appended to the stream, one entry per script call and kind:
+--   e <kind> t <server ms> [x <error>] then pairs of <id> <attempt>
+-- (`x` for the kinds that carry an error: retried and dead). The stream is
+-- capped near `cap` entries (MAXLEN ~). With events off nothing is written.
+local function emit(stream, cap, kind, now, error, pairs)
+  if cap == nil or cap == '' or #pairs == 0 then return end
+  if error then
+    redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'e', kind, 't', now, 'x', error,
+      unpack(pairs))
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'e', kind, 't', now, unpack(pairs))
+  end
+end
+
+-- The attempt a record's next delivery is: its failures plus one (read
+-- without copying the payload).
+local function attempt_of(record)
+  if not record then return 1 end
+  local failures = string.match(record, '^%d+:(%d+):') or string.match(record, '^p%d:%d+:(%d+):')
+  return (tonumber(failures) or 0) + 1
+end
+
+-- Keeps a completed message on the completed stream (Queue::keep_completed):
+-- an entry `id <id> attempt <attempt> payload <payload>` at the server's
+-- time, the stream trimmed exactly to at most `max_count` entries and to
+-- those of the last `max_age` ms (either "" for no limit).
+local function keep_completed(stream, max_count, max_age, now, id, record)
+  local _, failures, _, _, payload = parse_or_keep(record)
+  if max_count ~= '' then
+    redis.call('XADD', stream, 'MAXLEN', max_count, '*', 'id', id, 'attempt', failures + 1,
+      'payload', payload)
+  else
+    redis.call('XADD', stream, '*', 'id', id, 'attempt', failures + 1, 'payload', payload)
+  end
+  if max_age ~= '' then
+    redis.call('XTRIM', stream, 'MINID', string.format('%d', math.max(0, now - tonumber(max_age))))
+  end
+end
+
+-- The keyed queue: a message pushed with a key waits in its key's line and
+-- is claimed only together with the key's lock, the very lock a `Locker`
+-- takes (`<p>:lock:{<key>}`). Shared by the keyed scripts, after the prelude.
+--
+-- A key's messages live in a partition of the queue in the hash slot of the
+-- key's lock, `<p>:{<t>}:<q>`, where <t> is the slot's tag (see
+-- src/queue/keyed.rs): one script sees the lock and the line.
+--
+-- Every keyed script takes a partition's keys first, in this order:
+--   KEYS[1]  data      hash  id -> record (the queue's record format)
+--   KEYS[2]  schedule  zset  id -> due ms: delayed messages, and re-driven
+--                            dead letters, until they are due and join
+--                            their key's line
+--   KEYS[3]  active    zset  "<line member>:<claim>" -> lease deadline
+--   KEYS[4]  dead      zset  id -> time buried
+--   KEYS[5]  errors    hash  id -> last error
+--   KEYS[6]  claims    string the last claim number
+--   KEYS[7]  lines     zset  every message in line, score 0, member
+--                            "<key>\0<seq>\0<id>" (seq: 16 digits, the
+--                            partition's counter): a key's line is a lex
+--                            range, its head the range's first member
+--   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
+--                            or AT_WORK while its head is claimed
+--   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
+--                            dead)
+--   KEYS[10] seq       string the partition's line counter
+-- (The queue's own keys, its doorbell and its index of partitions, live in
+-- the queue's slot: the caller rings and indexes after a script.)
+-- A claimed message stays at its line's head until it is acknowledged or
+-- buried: a retry, a release or an expired lease leave it first in line.
+local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
+local LINES, READY, KEYOF, SEQ = 7, 8, 9, 10
+local AT_WORK = -1
+
+-- A message's place in line.
+local function line_member(key, seq, id)
+  return key .. '\0' .. seq .. '\0' .. id
+end
+
+-- Puts a due message at the end of its key's line; the key becomes ready at
+-- `now` unless its head is at work or it waits already.
+local function enter_line(key, id, now)
+  local seq = string.format('%016d', redis.call('INCR', KEYS[SEQ]))
+  redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
+  redis.call('ZADD', KEYS[READY], 'NX', now, key)
+end
+
+-- The id first in a key's line and its seq, or nil.
+local function head_of(key)
+  local first = redis.call('ZRANGE', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
+    'BYLEX', 'LIMIT', 0, 1)[1]
+  if not first then return nil end
+  return string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)
+end
+
+-- After a key's turn: ready from `from` when its line has a head, else gone
+-- from the ready keys. Returns whether it has a head.
+local function after_turn(key, from)
+  if head_of(key) then
+    redis.call('ZADD', KEYS[READY], from, key)
+    return true
+  end
+  redis.call('ZREM', KEYS[READY], key)
+  return false
+end
+
+-- Moves up to `max` messages that are due from the schedule into their
+-- keys' lines, in due order.
+local function promote(now, max)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[SCHEDULE], '-inf', now, 'LIMIT', 0, max)
+  for _, id in ipairs(due) do
+    redis.call('ZREM', KEYS[SCHEDULE], id)
+    local key = redis.call('HGET', KEYS[KEYOF], id)
+    redis.call('HDEL', KEYS[KEYOF], id)
+    if key and redis.call('HEXISTS', KEYS[DATA], id) == 1 then enter_line(key, id, now) end
+  end
+end
+
+-- The next claim number (see claim.lua: never handed out twice, also after
+-- the server lost recent writes).
+local function next_claim(now_us)
+  local claim = math.max((tonumber(redis.call('GET', KEYS[CLAIMS])) or 0) + 1, now_us)
+  local tag = string.format('%d', claim)
+  redis.call('SET', KEYS[CLAIMS], tag)
+  return tag
+end
+
+-- Whether a lock value "<token>[:<fence>][!]" names `token`.
+local function owns(value, token)
+  local after = string.byte(value, #token + 1)
+  return string.sub(value, 1, #token) == token and (after == nil or after == 58 or after == 33)
+end
+
+-- Lets go of a key's lock held by `token`; a release that someone waited
+-- for (the value ends in "!") is published on the lock's channel.
+local function unlock(lock, token, publish)
+  local value = redis.call('GET', lock)
+  if not value or not owns(value, token) then return end
+  redis.call('DEL', lock)
+  if string.byte(value, -1) == 33 then redis.call(publish, lock, '') end
+end
+
+-- Adds keyed messages to a partition (see keyed.lua); an id that exists
+-- already is left as it is (de-duplication, as push.lua).
+-- KEYS[1..10]: the partition   ARGV: quadruples (key, id, when, payload):
+-- key non-empty without NUL; `when` as push.lua's (no priority: a key's
+-- messages start in push order).
+-- Returns per message {added (1|0), due ms (-1 when it is not waiting to be
+-- due: in line, at work, or dead)}.
+if #ARGV % 4 ~= 0 then
+  return redis.error_reply('ERR lockgate push: arguments must be quadruples (key, id, when, payload)')
+end
+local now = now_ms()
+local dues = {}
+for i = 1, #ARGV, 4 do
+  local key, id, payload = ARGV[i], ARGV[i + 1], ARGV[i + 3]
+  if key == '' or string.find(key, '%z') then
+    return redis.error_reply('ERR lockgate push: a key must be non-empty and free of NUL')
+  end
+  if id == '' then return redis.error_reply('ERR lockgate push: an empty id') end
+  if string.find(payload, '^%d+:') then
+    return redis.error_reply('ERR lockgate push: a payload starting with digits and a colon')
+  end
+  dues[i] = parse_when(now, ARGV[i + 2])
+  if not dues[i] then
+    return redis.error_reply('ERR lockgate push: a bad `when` "' .. ARGV[i + 2] .. '"')
+  end
+end
+local out = {}
+for i = 1, #ARGV, 4 do
+  local key, id, due = ARGV[i], ARGV[i + 1], dues[i]
+  if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 3]) == 1 then
+    if due <= now then
+      enter_line(key, id, now)
+    else
+      redis.call('HSET', KEYS[KEYOF], id, key)
+      redis.call('ZADD', KEYS[SCHEDULE], due, id)
+    end
+    out[#out + 1] = 1
+    out[#out + 1] = due
+  else
+    out[#out + 1] = 0
+    out[#out + 1] = tonumber(redis.call('ZSCORE', KEYS[SCHEDULE], id)) or -1
+  end
+end
+return out
