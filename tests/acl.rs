@@ -118,3 +118,42 @@ async fn keys_outside_the_users_pattern_are_refused_with_a_clear_error() {
         "{error}"
     );
 }
+
+/// Keyed messages under the README's rule: pushed, claimed with their
+/// key's lock, handled, continued, recovered and re-driven.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_messages_work_as_the_readme_acl_user() {
+    let server = server_with(&readme_rule());
+    let client = client(&server);
+    let conn = client.get_connection_manager().await.unwrap();
+    let queue: Queue<u32, _> = Queue::new(conn.clone(), "keyed").unwrap();
+    for n in 0..20u32 {
+        let options = lockgate::PushOptions::new().key(format!("k{}", n % 4));
+        queue.push_with(n, options).await.unwrap();
+    }
+    let handled = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let service = tower::service_fn({
+        let handled = handled.clone();
+        move |job: Job<u32>| {
+            let first = handled.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0;
+            async move {
+                if first {
+                    return Err::<(), lockgate::BoxError>(format!("{} failed", *job).into());
+                }
+                Ok(())
+            }
+        }
+    });
+    let worker = Worker::new(client, queue.clone(), service)
+        .retry_backoff(lockgate::Backoff::exponential(ms(10), ms(20)).unwrap());
+    let run = tokio::spawn(worker.run_until(tokio::time::sleep(secs(3))));
+    support::eventually("every keyed message handled", secs(10), async || {
+        let stats = queue.stats().await.map_err(|e| e.to_string())?;
+        support::done_if(stats.due + stats.later + stats.active == 0, stats)
+    })
+    .await;
+    run.await.unwrap().unwrap();
+    assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 21);
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
+    assert_eq!(queue.requeue_all_dead().await.unwrap(), 0);
+}
