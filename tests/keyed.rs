@@ -673,3 +673,17 @@ async fn a_late_renewal_regains_a_free_key_but_not_one_taken_meanwhile() {
     assert!(queue.ack(&jobs[0]).await.unwrap());
     assert!(locker.release(&lease).await.unwrap());
 }
+
+/// A queue that holds keyed messages only is listed (`lockgate queues`, the
+/// dashboard); its partitions are not taken for queues.
+#[tokio::test]
+async fn a_queue_of_keyed_messages_only_is_listed_and_its_partitions_are_not() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "only-keyed").unwrap();
+    push_lines(&queue).await;
+    let names = lockgate::queue::queue_names(&conn, "lockgate")
+        .await
+        .unwrap();
+    assert_eq!(names, ["only-keyed"]);
+}

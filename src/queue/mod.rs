@@ -571,8 +571,10 @@ pub(crate) enum Acked {
 
 /// The keys that hold a queue's messages and errors, after
 /// `<prefix>:{<name>}:` (the same ones `Queue::exists` looks at: the claim
-/// counter and the doorbell outlive a purge).
-const QUEUE_KEYS: [&str; 8] = [
+/// counter and the doorbell outlive a purge). `partitions` indexes the
+/// keyed messages' partitions, which live under their own hash tags.
+const QUEUE_KEYS: [&str; 9] = [
+    "partitions",
     "data",
     "schedule",
     "prioritized",
