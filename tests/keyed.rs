@@ -687,3 +687,18 @@ async fn a_queue_of_keyed_messages_only_is_listed_and_its_partitions_are_not() {
         .unwrap();
     assert_eq!(names, ["only-keyed"]);
 }
+
+/// `ack_many` over keyed and unkeyed messages together answers for each,
+/// in order.
+#[tokio::test]
+async fn ack_many_takes_keyed_and_unkeyed_messages_together() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    queue.push("plain".to_owned()).await.unwrap();
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(jobs.len(), 3, "{jobs:?}");
+    assert_eq!(queue.ack_many(&jobs).await.unwrap(), [true, true, true]);
+    assert_eq!(queue.ack_many(&jobs).await.unwrap(), [false, false, false]);
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2", "b2"]);
+}

@@ -86,6 +86,18 @@ impl KeyedScripts {
     }
 }
 
+/// Where each key of a partition stands in [`Partition`]'s list (the
+/// keyed scripts' `KEYS` order, see `lua/keyed.lua`).
+const DATA: usize = 0;
+const SCHEDULE: usize = 1;
+const ACTIVE: usize = 2;
+const DEAD: usize = 3;
+const ERRORS: usize = 4;
+const CLAIMS: usize = 5;
+const LINES: usize = 6;
+const READY: usize = 7;
+const SEQ: usize = 9;
+
 /// The keys of one partition, in the keyed scripts' order.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Partition {
@@ -128,12 +140,12 @@ impl Partition {
     /// the bell, priorities and events are names in the partition's slot
     /// that keyed messages leave empty.
     fn dead_set(&self) -> DeadSet {
-        let stem = self.keys[0].trim_end_matches(":data");
+        let stem = self.keys[DATA].trim_end_matches(":data");
         DeadSet {
-            data: self.keys[0].clone(),
-            schedule: self.keys[1].clone(),
-            dead: self.keys[3].clone(),
-            errors: self.keys[4].clone(),
+            data: self.keys[DATA].clone(),
+            schedule: self.keys[SCHEDULE].clone(),
+            dead: self.keys[DEAD].clone(),
+            errors: self.keys[ERRORS].clone(),
             bell: format!("{stem}:bell"),
             prioritized: format!("{stem}:prioritized"),
             events: format!("{stem}:events"),
@@ -604,7 +616,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let partition = self.partition_of(key);
         // LT: a key at work (its score below 0) stays so.
         redis::cmd("ZADD")
-            .arg(&partition.keys[7])
+            .arg(&partition.keys[READY])
             .arg("XX")
             .arg("LT")
             .arg(0)
@@ -650,10 +662,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let partition = self.partition(slot);
             let k = &partition.keys;
             let (lines, held, later, dead): (u64, u64, u64, u64) = redis::pipe()
-                .zcard(&k[6])
-                .zcard(&k[2])
-                .zcard(&k[1])
-                .zcard(&k[3])
+                .zcard(&k[LINES])
+                .zcard(&k[ACTIVE])
+                .zcard(&k[SCHEDULE])
+                .zcard(&k[DEAD])
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
@@ -675,8 +687,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let partition = self.partition(slot);
             let k = &partition.keys;
             redis::cmd("UNLINK")
-                .arg(&k[..5])
-                .arg(&k[6..9])
+                .arg(&k[..CLAIMS])
+                .arg(&k[CLAIMS + 1..SEQ])
                 .exec_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(format_args!(

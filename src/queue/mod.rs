@@ -967,8 +967,13 @@ where
     {
         let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
         if jobs.iter().any(|j| j.held.is_some()) {
-            return self.ack_each(&jobs).await;
+            return self.ack_mixed(&jobs).await;
         }
+        self.ack_batch(&jobs).await
+    }
+
+    /// Acknowledges unkeyed messages in one script call.
+    async fn ack_batch(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
         let mut call = Scripts::get().ack_many.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         call.key(&self.keys.data)
@@ -1013,14 +1018,17 @@ where
             .collect())
     }
 
-    /// Acknowledges one by one: a batch with keyed messages (each in its
-    /// key's partition).
-    async fn ack_each(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
+    /// A batch with keyed messages: the others in one script call, each
+    /// keyed one in its key's partition; the answers in the batch's order.
+    async fn ack_mixed(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
+        let plain: Vec<ClaimRef<'_>> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
+        let mut plain = self.ack_batch(&plain).await?.into_iter();
         let mut out = Vec::with_capacity(jobs.len());
         for job in jobs {
-            out.push(match self.ack(job).await? {
-                true => Acked::Done,
-                false => Acked::NotHeld,
+            out.push(match job.held {
+                None => plain.next().unwrap_or(Acked::NotHeld),
+                Some(_) if self.ack(job).await? => Acked::Done,
+                Some(_) => Acked::NotHeld,
             });
         }
         Ok(out)
@@ -1035,20 +1043,15 @@ where
         delay: Duration,
         error: &str,
     ) -> Result<Option<SystemTime>> {
-        self.reschedule(
-            job.claim_ref(),
-            &millis(delay).to_string(),
-            "failure",
-            error,
-        )
-        .await
+        self.reschedule(job.claim_ref(), delay, "failure", error)
+            .await
     }
 
     /// Puts a claimed message back on the schedule because its lock was
     /// busy: counts a deferral, not a failed attempt. Returns the new due
     /// time, or `None` when the claim is no longer held.
     pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
-        self.reschedule(job.claim_ref(), &millis(delay).to_string(), "deferral", "")
+        self.reschedule(job.claim_ref(), delay, "deferral", "")
             .await
     }
 
@@ -1100,19 +1103,20 @@ where
     /// a deferral (a worker shutting down before it could handle it).
     /// Returns `false` when the claim is no longer held.
     pub async fn release<J: Claim>(&self, job: &J) -> Result<bool> {
-        let due = self.reschedule(job.claim_ref(), "0", "release", "").await?;
+        let due = self
+            .reschedule(job.claim_ref(), Duration::ZERO, "release", "")
+            .await?;
         Ok(due.is_some())
     }
 
     async fn reschedule(
         &self,
         job: ClaimRef<'_>,
-        when: &str,
+        delay: Duration,
         counter: &str,
         error: &str,
     ) -> Result<Option<SystemTime>> {
         if let Some(held) = job.held {
-            let delay = Duration::from_millis(when.parse().unwrap_or(0));
             let outcome = match counter {
                 "failure" => Outcome::Retry { delay, error },
                 "deferral" => Outcome::Defer { delay },
@@ -1133,7 +1137,7 @@ where
             .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
-            .arg(when)
+            .arg(millis(delay))
             .arg(counter)
             .arg(error)
             .arg(self.events_arg())
