@@ -421,8 +421,25 @@ async fn keyed_worker_child() {
         .unwrap();
 }
 
-fn spawn_worker(url: &str) -> std::process::Child {
-    std::process::Command::new(std::env::current_exe().unwrap())
+/// A worker process, killed when dropped: a failing test leaves none
+/// behind.
+struct Child(std::process::Child);
+
+impl Child {
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn_worker(url: &str) -> Child {
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
             "keyed_worker_child",
@@ -433,7 +450,8 @@ fn spawn_worker(url: &str) -> std::process::Child {
         .env(CHILD, url)
         .stdout(std::process::Stdio::null())
         .spawn()
-        .expect("spawning a worker")
+        .expect("spawning a worker");
+    Child(child)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -449,8 +467,7 @@ async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in
     for round in 0..4 {
         tokio::time::sleep(secs(1)).await;
         let victim = &mut workers[round % 3];
-        victim.kill().unwrap();
-        victim.wait().unwrap();
+        victim.kill();
         *victim = spawn_worker(&url);
     }
     let last_kill = Instant::now();
@@ -465,10 +482,7 @@ async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in
     })
     .await;
     let drained = last_kill.elapsed();
-    for mut worker in workers {
-        worker.kill().unwrap();
-        worker.wait().unwrap();
-    }
+    drop(workers);
     let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
     check_keyed_log(&log);
     // No 60-second safety net: the last kill's leases (600 ms) run out, and
@@ -701,4 +715,222 @@ async fn ack_many_takes_keyed_and_unkeyed_messages_together() {
     assert_eq!(queue.ack_many(&jobs).await.unwrap(), [true, true, true]);
     assert_eq!(queue.ack_many(&jobs).await.unwrap(), [false, false, false]);
     assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2", "b2"]);
+}
+
+#[tokio::test]
+async fn a_key_with_permits_hands_out_that_many_at_a_time_in_push_order() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    for n in 1..=5 {
+        let id = format!("p{n}");
+        let options = PushOptions::new().id(&id).key("p").permits(2);
+        queue.push_with(id, options).await.unwrap();
+    }
+    let mut jobs = Vec::new();
+    for _ in 0..3 {
+        jobs.extend(claim_ids(&queue, secs(10)).await);
+    }
+    assert_eq!(
+        ids(&jobs),
+        ["p1", "p2"],
+        "two permits: the line's first two"
+    );
+    let locker = Locker::new(conn.clone()).ttl(ms(200)).unwrap();
+    let holders = locker.permit_holders("p").await.unwrap();
+    assert_eq!(
+        holders.len(),
+        2,
+        "the queue holds the permits a Locker counts"
+    );
+    let full = locker.acquire_permit("p", 2).await.unwrap();
+    assert!(full.lease().is_none(), "both permits are the queue's");
+
+    // A retried message waits out its delay aside; its key goes on.
+    let retried = queue.retry(&jobs[0], secs(1), "flaky").await.unwrap();
+    assert!(retried.is_some());
+    let next = claim_ids(&queue, secs(10)).await;
+    assert_eq!(
+        ids(&next),
+        ["p3"],
+        "the freed permit goes to the next in line"
+    );
+    assert!(queue.ack(&next[0]).await.unwrap());
+
+    // A permit held outside the queue leaves it one less.
+    let outside = locker.acquire_permit("p", 2).await.unwrap().lease();
+    assert!(outside.is_some(), "the permit p3 gave back is free");
+    assert!(claim_ids(&queue, secs(10)).await.is_empty(), "none left");
+    tokio::time::sleep(ms(250)).await;
+    let next = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&next), ["p4"], "the outside lease ran out");
+
+    // The retried message, once due, takes its place back first in line.
+    tokio::time::sleep(secs(1)).await;
+    assert!(queue.ack(&next[0]).await.unwrap());
+    let again = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&again), ["p1"], "p1 before p5");
+    assert_eq!(again[0].attempt(), 2);
+    assert!(queue.ack(&jobs[1]).await.unwrap());
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["p5"]);
+    assert!(claim_ids(&queue, secs(10)).await.is_empty());
+}
+
+#[tokio::test]
+async fn permits_are_refused_without_a_key_or_out_of_range() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    for options in [
+        PushOptions::new().permits(2),
+        PushOptions::new().key("k").permits(0),
+        PushOptions::new().key("k").permits(u32::MAX),
+    ] {
+        let pushed = queue.push_with("x".to_owned(), options).await;
+        assert!(
+            matches!(pushed, Err(lockgate::Error::Config(_))),
+            "{pushed:?}"
+        );
+    }
+    assert_eq!(queue.stats().await.unwrap().due, 0);
+}
+
+/// Per key, the start times of its handlers with how many of them were
+/// open then (that one included).
+fn concurrency(log: &[String]) -> BTreeMap<String, Vec<(f64, usize)>> {
+    let mut by_key: BTreeMap<String, Vec<(f64, bool)>> = BTreeMap::new();
+    for line in log {
+        let parts: Vec<&str> = line.split(' ').collect();
+        let [kind, key, _, at] = parts[..] else {
+            panic!("bad log line {line}")
+        };
+        let event = (at.parse().unwrap(), kind == "s");
+        by_key.entry(key.to_owned()).or_default().push(event);
+    }
+    let starts = |mut events: Vec<(f64, bool)>| {
+        // Ends first at equal times: a handler that ended as the next
+        // started did not overlap it.
+        events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut open = 0usize;
+        let each = events.into_iter().filter_map(|(at, start)| {
+            open = if start { open + 1 } else { open - 1 };
+            start.then_some((at, open))
+        });
+        each.collect()
+    };
+    by_key
+        .into_iter()
+        .map(|(key, events)| (key, starts(events)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_processes_share_a_key_s_permits_with_other_holders_and_wake_on_their_release() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let total = 400;
+    let msgs = (0..total).map(|n| {
+        let key = format!("k{}", n % 4);
+        let options = PushOptions::new().key(&key).permits(2);
+        (Msg { n, key }, options)
+    });
+    // Another process (this one) holds both permits of k0 first.
+    let locker = Locker::new(conn.clone()).ttl(secs(20)).unwrap();
+    let mut outside = Vec::new();
+    for _ in 0..2 {
+        let acquired = locker.acquire_permit("k0", 2).await.unwrap();
+        outside.push(acquired.lease().expect("a free permit"));
+    }
+    queue.push_many_with(msgs).await.unwrap();
+    let url = server.url();
+    let workers: Vec<_> = (0..3).map(|_| spawn_worker(&url)).collect();
+    let ends = async || -> Vec<String> {
+        let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+        log.into_iter().filter(|l| l.starts_with("e ")).collect()
+    };
+    eventually("the other keys done", secs(30), async || {
+        let done = ends().await.len();
+        support::done_if(done == 300, done)
+    })
+    .await;
+    let first_release = support::unix_ms_f64();
+    assert!(locker.release(&outside[0]).await.unwrap());
+    tokio::time::sleep(ms(150)).await;
+    let second_release = support::unix_ms_f64();
+    assert!(locker.release(&outside[1]).await.unwrap());
+    // Woken by the releases: long before the outside leases (20 s) end.
+    eventually("k0 done after the releases", secs(10), async || {
+        let done = ends().await.len();
+        support::done_if(done == total as usize, done)
+    })
+    .await;
+    drop(workers);
+    let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+    let open = concurrency(&log);
+    for (key, starts) in &open {
+        let most = starts.iter().map(|s| s.1).max().unwrap_or(0);
+        assert!(most <= 2, "{key}: {most} handlers at once");
+    }
+    assert!(
+        open.values().flatten().any(|s| s.1 == 2),
+        "the second permit was used"
+    );
+    for &(at, open) in &open["k0"] {
+        assert!(at >= first_release, "k0 started at {at} while held outside");
+        if at < second_release {
+            assert_eq!(open, 1, "k0: two at once beside the outside holder");
+        }
+    }
+    assert_eq!(queue.stats().await.unwrap().dead, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_layer_with_permits_uses_the_permit_claimed_with_the_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let msgs = (0..20).map(|n| {
+        let msg = Msg { n, key: "k".into() };
+        (msg, PushOptions::new().key("k").permits(2))
+    });
+    queue.push_many_with(msgs).await.unwrap();
+    let locker = Locker::new(conn.clone());
+    let layer = LockLayer::new(locker, |job: &Job<Msg>| job.key.clone())
+        .permits(2)
+        .unwrap();
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service_fn(move |job: Job<Msg>| {
+            let seen = seen.clone();
+            async move {
+                let held = HeldLock::current().expect("the key's permit");
+                let fence = held.fence().await?;
+                tokio::time::sleep(ms(5)).await;
+                seen.lock().unwrap().push((job.attempt(), fence));
+                Ok::<_, BoxError>(())
+            }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(4)
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    eventually("every message handled", secs(20), async || {
+        let n = handled.lock().unwrap().len();
+        support::done_if(n == 20, n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let handled = handled.lock().unwrap();
+    // The layer never contended with the queue's own permits: no message
+    // failed, and each had a fence of its own.
+    assert!(
+        handled.iter().all(|(attempt, _)| *attempt == 1),
+        "{handled:?}"
+    );
+    let fences: std::collections::BTreeSet<u64> = handled.iter().map(|h| h.1).collect();
+    assert_eq!(fences.len(), 20);
 }

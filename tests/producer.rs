@@ -243,4 +243,14 @@ async fn a_python_producer_pushes_keyed_messages_the_claim_takes_with_their_keys
         }
     }
     assert_eq!(stats(&q).await.due, 0);
+    // A key with 2 permits: two of its messages at once, each holding one.
+    let pair =
+        (0..2).map(|n| json!(["dave", format!("dave/{n}"), "0", {"order": n, "note": "d"}, 2]));
+    let results = python_keyed(&server, "py", Value::Array(pair.collect())).await;
+    assert!(results.iter().all(|r| r[0] == 1), "{results:?}");
+    let mut jobs = q.claim(10, LONG).await.unwrap().jobs;
+    jobs.extend(q.claim(10, LONG).await.unwrap().jobs);
+    let orders: Vec<u64> = jobs.iter().map(|job| job.order).collect();
+    assert_eq!(orders, [0, 1]);
+    assert_eq!(locker.permit_holders("dave").await.unwrap().len(), 2);
 }

@@ -146,7 +146,7 @@ where
 {
     let locker = &config.locker;
     if let Some(token) = claimed_with_lock(&running, locker, &key, permits) {
-        return call_holding(config, inner, key, token, req, running).await;
+        return call_holding(config, inner, (key, permits), token, req, running).await;
     }
     let instruments = config
         .instruments
@@ -420,8 +420,8 @@ where
         .clone()
 }
 
-/// The token of the lock on `key`, when the worker's running job is a
-/// keyed message claimed with that very lock.
+/// The token of the lock on `key` (one of its `permits`), when the
+/// worker's running job is a keyed message claimed with that very lock.
 fn claimed_with_lock<C>(
     running: &Handoff,
     locker: &crate::Locker<C>,
@@ -431,9 +431,10 @@ fn claimed_with_lock<C>(
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let job = running.job.as_ref().filter(|_| permits.is_none())?;
-    let (held, token) = job.token.held_lock()?;
-    (held == key && job.queue.prefix == locker.key_prefix()).then_some(token)
+    let job = running.job.as_ref()?;
+    let (held, token, limit) = job.token.held_lock()?;
+    let same = held == key && (limit > 1).then_some(limit) == permits;
+    (same && job.queue.prefix == locker.key_prefix()).then_some(token)
 }
 
 /// Calls the inner service for a keyed message the worker claimed with its
@@ -442,7 +443,7 @@ where
 async fn call_holding<S, C, F, D, Req>(
     config: Arc<Config<C, F, D>>,
     mut inner: S,
-    key: String,
+    (key, permits): (String, Option<u32>),
     token: crate::lock::Token,
     req: Req,
     running: Handoff,
@@ -452,7 +453,7 @@ where
     S::Error: Into<BoxError>,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let ticket = config.locker.held_ticket(key, token);
+    let ticket = config.locker.held_ticket(key, token, permits);
     let held = HeldLock::new(ticket, fence_issuer(&config));
     let call = held.scope(async move { running.provide(|| inner.call(req)).await });
     call.await.map(Outcome::Done).map_err(Into::into)

@@ -969,22 +969,31 @@ where
         }))
     }
 
-    /// Prepares an attempt at the lock on `key` that parks messages of a
-    /// queue: its keys are in the queue's hash slot.
-    /// With `permits`, one of the key's permits instead of its lock.
-    /// A ticket for the lock on `key` that `token` holds already (a keyed
-    /// message claimed with its key's lock).
-    pub(crate) fn held_ticket(&self, key: String, token: Token) -> Arc<Ticket> {
+    /// A ticket for the lock on `key` (one of its `permits`) that `token`
+    /// holds already (a keyed message claimed with it).
+    pub(crate) fn held_ticket(
+        &self,
+        key: String,
+        token: Token,
+        permits: Option<u32>,
+    ) -> Arc<Ticket> {
+        let lock_key = match permits {
+            Some(_) => self.permits_key(&key),
+            None => self.lock_key(&key),
+        };
         Arc::new(Ticket {
-            lock_key: self.lock_key(&key),
+            lock_key,
             key,
             token,
             fence: OnceLock::new(),
             parking: None,
-            permits: None,
+            permits,
         })
     }
 
+    /// Prepares an attempt at the lock on `key` that parks messages of a
+    /// queue: its keys are in the queue's hash slot. With `permits`, one of
+    /// the key's permits instead of its lock.
     pub(crate) fn parking_ticket(
         &self,
         key: String,

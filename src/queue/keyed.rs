@@ -64,6 +64,16 @@ fn source(body: &str) -> String {
     )
 }
 
+/// A keyed script that takes or gives back permits: the permit functions
+/// first (see `lock/permits/permits.lua`).
+fn with_permits(body: &str) -> Script {
+    Script::new(&format!(
+        "{}\n{}",
+        crate::lock::permits::PERMITS_LUA,
+        source(body)
+    ))
+}
+
 /// The keyed push script as the library loads it; `scripts/push_keyed.lua`
 /// (for producers in other languages) must be exactly this.
 pub(crate) fn push_source() -> String {
@@ -72,15 +82,12 @@ pub(crate) fn push_source() -> String {
 
 impl KeyedScripts {
     fn get() -> &'static Self {
-        fn load(body: &str) -> Script {
-            Script::new(&source(body))
-        }
         static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
             push: Script::new(&push_source()),
-            claim: load(include_str!("lua/keyed_claim.lua")),
-            done: load(include_str!("lua/keyed_done.lua")),
-            extend: load(include_str!("lua/keyed_extend.lua")),
-            recover: load(include_str!("lua/keyed_recover.lua")),
+            claim: with_permits(include_str!("lua/keyed_claim.lua")),
+            done: with_permits(include_str!("lua/keyed_done.lua")),
+            extend: with_permits(include_str!("lua/keyed_extend.lua")),
+            recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
         });
         &SCRIPTS
     }
@@ -102,7 +109,7 @@ const SEQ: usize = 9;
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Partition {
     pub(crate) slot: u16,
-    keys: [String; 10],
+    keys: [String; 11],
 }
 
 /// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
@@ -129,7 +136,7 @@ impl Partition {
         );
         let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
-            "seq",
+            "seq", "limits",
         ]
         .map(|name| format!("{base}:{name}"));
         Self { slot, keys }
@@ -189,12 +196,14 @@ pub(crate) enum Settled {
     Next(Turn),
 }
 
-/// A key's lock, held for a keyed message at work.
+/// A key's lock (or one of its permits), held for a keyed message at work.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Held {
     pub(crate) key: String,
-    /// The token the lock holds.
+    /// The token the lock (permit) holds.
     pub(crate) token: Token,
+    /// The key's permits: 1 for its lock.
+    pub(crate) permits: u32,
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
     pub(crate) run: u32,
@@ -203,6 +212,14 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    /// The Redis key it holds: the key's lock, or its permits' set.
+    pub(crate) fn lock_key(&self, prefix: &str) -> String {
+        match self.permits {
+            1 => keys::lock_key(prefix, &self.key),
+            _ => crate::lock::permits::permits_key(prefix, &self.key),
+        }
+    }
+
     /// The message's entry in its partition's active set.
     pub(crate) fn member(&self, id: &str, claim: u64) -> String {
         format!("{}\0{}\0{id}:{claim}", self.key, self.seq)
@@ -271,19 +288,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
     }
 
-    /// Pushes a message on `key`, due after `when` (the push script's
-    /// `when`); returns whether it was added and its due time (-1 when it
-    /// is not waiting for one).
+    /// Pushes a message on `key` (which admits `permits` at once, when
+    /// given), due after `when` (the push script's `when`); returns whether
+    /// it was added and its due time (-1 when it is not waiting for one).
     pub(crate) async fn push(
         &self,
-        key: &str,
+        (key, permits): (&str, Option<u32>),
         id: &str,
         when: &str,
         payload: &[u8],
     ) -> Result<(bool, i64)> {
         let partition = self.partition_of(key);
         let mut cmd = partition.call(&KeyedScripts::get().push, 0);
-        cmd.arg(key).arg(id).arg(when).arg(payload);
+        let permits = permits.map_or(String::new(), |n| n.to_string());
+        cmd.arg(key).arg(permits).arg(id).arg(when).arg(payload);
         let mut conn = self.conn.clone();
         let attempted = || format!("pushing to key `{key}` of queue `{}`", self.keys.name);
         let reply: Vec<i64> = run(&KeyedScripts::get().push, &cmd, &mut conn)
@@ -393,12 +411,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(lower_to)
     }
 
-    /// Makes `key` ready when the lock other code holds on it is released
-    /// (published, as the claim marked it waited for): listened for in a
-    /// task of its own, which ends at that release or at the lock's expiry,
-    /// when the key is ready anyway. Without a listener, the key waits for
-    /// the expiry.
-    fn watch_release(&self, key: String, left: Duration) {
+    /// Makes `key` ready when other code lets go of its lock, or of one of
+    /// its permits (`lock_key`: the lock or the permits' set; the release
+    /// publishes, as the claim marked it waited for): listened for in a
+    /// task of its own, which ends at that release or at the first lease's
+    /// expiry, when the key is ready anyway. Without a listener, the key
+    /// waits for the expiry.
+    fn watch_release(&self, key: String, lock_key: String, left: Duration) {
         let Some(auto) = self.state.listener.get().cloned() else {
             return;
         };
@@ -408,7 +427,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 return;
             }
         }
-        let lock_key = keys::lock_key(&self.keys.prefix, &key);
         let (conn, keys, state) = (self.conn.clone(), self.keys.clone(), self.state.clone());
         tokio::spawn(async move {
             let keyed = Keyed {
@@ -465,9 +483,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         first: Option<&redis::Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
         let script = &KeyedScripts::get().claim;
-        let mut cmd = partition.call(script, candidates.len());
+        let mut cmd = partition.call(script, 3 * candidates.len());
         for key in candidates {
-            cmd.arg(keys::lock_key(&self.keys.prefix, key));
+            let set = crate::lock::permits::permits_key(&self.keys.prefix, key);
+            cmd.arg(keys::lock_key(&self.keys.prefix, key))
+                .arg(&set)
+                .arg(format!("{set}:waiters"));
         }
         cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
         let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
@@ -475,7 +496,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             cmd.arg(key).arg(token.as_str());
         }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        type Reply = (u64, i64, i64, Vec<String>, Vec<Vec<u8>>, Vec<(String, u64)>);
+        type Reply = (
+            u64,
+            i64,
+            i64,
+            Vec<String>,
+            Vec<Vec<u8>>,
+            Vec<(String, String, u64)>,
+        );
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
         let mut conn = self.conn.clone();
         let reply = match first {
@@ -484,18 +512,25 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         };
         let (claim, _now, next_at, named, flat, blocked): Reply =
             reply.map_err(Error::redis(attempted()))?;
-        for (key, left) in blocked {
-            self.watch_release(key, Duration::from_millis(left));
+        for (key, watched, left) in blocked {
+            self.watch_release(key, watched, Duration::from_millis(left));
         }
-        let mut turns = Vec::with_capacity(flat.len() / 4);
+        let mut turns = Vec::with_capacity(flat.len() / 5);
         let mut flat = flat.into_iter();
-        while let (Some(key), Some(id), Some(seq), Some(record)) =
-            (flat.next(), flat.next(), flat.next(), flat.next())
-        {
+        while let (Some(key), Some(id), Some(seq), Some(permits), Some(record)) = (
+            flat.next(),
+            flat.next(),
+            flat.next(),
+            flat.next(),
+            flat.next(),
+        ) {
             let found = candidates
                 .iter()
                 .position(|k| k.as_bytes() == key.as_slice());
-            let (Some(i), Some(id), Some(seq)) = (found, text(id), text(seq)) else {
+            let permits = text(permits).and_then(|n| n.parse().ok());
+            let (Some(i), Some(id), Some(seq), Some(permits)) =
+                (found, text(id), text(seq), permits)
+            else {
                 // Cannot happen with lockgate's script; if it does, the
                 // entry comes back after its lease.
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
@@ -504,6 +539,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let held = Held {
                 key: candidates[i].clone(),
                 token: tokens[i],
+                permits,
                 partition: partition.clone(),
                 run: 0,
                 seq,
@@ -533,8 +569,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .await
             .map_err(Error::redis(attempted()))?;
         let script = &KeyedScripts::get().done;
-        let mut cmd = held.partition.call(script, 1);
-        cmd.arg(keys::lock_key(&self.keys.prefix, &held.key));
+        let mut cmd = held.partition.call(script, 3);
+        let lock = held.lock_key(&self.keys.prefix);
+        match held.permits {
+            1 => cmd.arg(&lock).arg(&lock).arg(&lock),
+            _ => cmd
+                .arg(&lock)
+                .arg(format!("{lock}:waiters"))
+                .arg(format!("{lock}:fences")),
+        };
         let (op, wait, error) = match outcome {
             Outcome::Ack => ("ack", String::new(), ""),
             Outcome::Retry { delay, error } => ("retry", millis(delay).to_string(), error),
@@ -554,7 +597,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(publish)
             .arg(next.map_or(String::new(), |lease| millis(lease).to_string()))
             .arg(next_token.as_str())
-            .arg(if errors { "1" } else { "" });
+            .arg(if errors { "1" } else { "" })
+            .arg(held.permits)
+            .arg(millis(crate::lock::HANDOFF));
         let mut conn = self.conn.clone();
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
@@ -580,6 +625,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let held = Held {
             key: held.key.clone(),
             token: next_token,
+            permits: held.permits,
             partition: held.partition.clone(),
             run: held.run + 1,
             seq: seq.map_err(bad)?,
@@ -640,10 +686,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let script = &KeyedScripts::get().extend;
         let mut cmd = held.partition.call(script, 1);
         let member = held.member(id, claim);
-        cmd.arg(keys::lock_key(&self.keys.prefix, &held.key))
+        cmd.arg(held.lock_key(&self.keys.prefix))
             .arg(&member)
             .arg(held.token.as_str())
-            .arg(millis(lease));
+            .arg(millis(lease))
+            .arg(held.permits);
         let extended: i64 =
             run(script, &cmd, &mut self.conn.clone())
                 .await
@@ -669,7 +716,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
-            total.0 += lines.saturating_sub(held);
+            total.0 += lines;
             total.1 += held;
             total.2 += later;
             total.3 += dead;

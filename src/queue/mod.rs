@@ -317,6 +317,8 @@ pub struct PushOptions {
     /// Its key: claimed only with the key's lock, after the key's earlier
     /// messages.
     key: Option<String>,
+    /// The key's permits, when it has more than its lock.
+    permits: Option<u32>,
 }
 
 /// The most entries [`Queue::record_events`] and [`Queue::keep_completed`]
@@ -387,6 +389,23 @@ impl PushOptions {
         self
     }
 
+    /// Lets `n` messages of the message's key run at once: each is claimed
+    /// with one of the key's `n` permits, the permits
+    /// [`Locker::permits`](crate::Locker::permits) takes (and counts: a
+    /// permit held by other code leaves one less for the queue). The key's
+    /// messages still start in push order. Give every message of a key the
+    /// same `n` (the last push that says it sets it; a key forgets it when
+    /// nothing of it is left). A retried message of such a key waits out
+    /// its delay aside, then takes its place back first in line; meanwhile
+    /// the key's next messages use its free permits. Needs
+    /// [`key`](Self::key); `n` from 1 (the key's lock) to
+    /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS), else pushing fails
+    /// with [`Error::Config`].
+    pub fn permits(mut self, n: u32) -> Self {
+        self.permits = Some(n);
+        self
+    }
+
     /// The `when` argument of the push script: the due time, and a priority
     /// as `/<priority>`.
     fn when_arg(&self) -> String {
@@ -420,9 +439,18 @@ fn check_push(options: &PushOptions) -> Result<()> {
         Some(_) if options.priority > 0 => Err(Error::config(
             "a keyed message has no priority: a key's messages start in push order",
         )),
-        _ => Ok(()),
+        None if options.permits.is_some() => Err(Error::config(
+            "permits are a key's: give the message a key too",
+        )),
+        _ => options
+            .permits
+            .map_or(Ok(0), crate::lock::permits::check_permits)
+            .map(drop),
     }
 }
+
+/// A message's key and the key's permits, when it has them.
+type KeyOf = Option<(String, Option<u32>)>;
 
 /// The receipt of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -717,7 +745,9 @@ where
                 Some(id) => id.clone(),
                 None => job::new_id(),
             };
-            encoded.push((id, options.when_arg(), payload, options.key));
+            let when = options.when_arg();
+            let key = options.key.map(|key| (key, options.permits));
+            encoded.push((id, when, payload, key));
         }
         let mut receipts = Vec::with_capacity(encoded.len());
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
@@ -729,8 +759,9 @@ where
             receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
         }
         for (n, (id, when, payload, key)) in keyed {
-            let key = key.unwrap_or_default();
-            let (created, due) = self.keyed().push(&key, &id, &when, &payload).await?;
+            let (key, permits) = key.unwrap_or_default();
+            let keyed = self.keyed();
+            let (created, due) = keyed.push((&key, permits), &id, &when, &payload).await?;
             let due = (due >= 0).then(|| from_unix_ms(due));
             receipts.push((n, Pushed { id, due, created }));
         }
@@ -741,7 +772,7 @@ where
     /// Pushes unkeyed messages (at most [`MAX_BATCH`]) in one script call.
     async fn push_batch<'a>(
         &self,
-        batch: impl ExactSizeIterator<Item = &'a (String, String, Vec<u8>, Option<String>)>,
+        batch: impl ExactSizeIterator<Item = &'a (String, String, Vec<u8>, KeyOf)>,
     ) -> Result<Vec<Pushed>> {
         let count = batch.len();
         let mut call = Scripts::get().push.prepare_invoke();
@@ -1936,12 +1967,12 @@ impl ClaimToken {
 }
 
 impl ClaimToken {
-    /// For a keyed message, its key and the token its lock holds, with the
-    /// prefix of the lock's key.
-    pub(crate) fn held_lock(&self) -> Option<(&str, crate::lock::Token)> {
+    /// For a keyed message, its key, the token its lock (or permit) holds
+    /// and the key's permits (1: its lock).
+    pub(crate) fn held_lock(&self) -> Option<(&str, crate::lock::Token, u32)> {
         self.held
             .as_ref()
-            .map(|held| (held.key.as_str(), held.token))
+            .map(|held| (held.key.as_str(), held.token, held.permits))
     }
 }
 

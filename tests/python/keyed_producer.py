@@ -4,7 +4,8 @@ partition of each key's lock slot, then mark the partition in the queue's
 index and ring the queue's doorbell. Standard library only.
 
 usage: keyed_producer.py <port> <queue> <path to push_keyed.lua>
-stdin: JSON list of [key, id, when, payload] (payload any JSON value)
+stdin: JSON list of [key, id, when, payload] or [key, id, when, payload,
+permits] (payload any JSON value; permits a number, for a key with permits)
 stdout: JSON list with, per message, [added, due_ms] or {"error": text}
 """
 import json
@@ -47,7 +48,7 @@ def slot_tag(slot):
 
 class KeyedProducer:
     NAMES = ["data", "schedule", "active", "dead", "errors", "claims", "lines", "ready",
-             "keyof", "seq"]
+             "keyof", "seq", "limits"]
 
     def __init__(self, redis, queue, script_path, prefix="lockgate"):
         self.redis, self.prefix, self.queue = redis, prefix, hash_tag(queue)
@@ -57,12 +58,13 @@ class KeyedProducer:
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
 
-    def push(self, key, msg_id, when, payload):
-        """Returns [added, due_ms]."""
+    def push(self, key, msg_id, when, payload, permits=""):
+        """Returns [added, due_ms]. `permits`: "" (the key's lock) or how
+        many of the key's messages may run at once."""
         slot = crc16(hash_tag(key).encode()) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
         keys = [base + ":" + name for name in self.NAMES]
-        argv = [key, msg_id, when, json.dumps(payload)]
+        argv = [key, str(permits), msg_id, when, json.dumps(payload)]
         try:
             reply = self.redis.call("EVALSHA", self.sha, len(keys), *keys, *argv)
         except RedisError as e:
@@ -80,9 +82,9 @@ def main():
     port, queue, script_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     producer = KeyedProducer(Redis(port), queue, script_path)
     results = []
-    for key, msg_id, when, payload in json.load(sys.stdin):
+    for message in json.load(sys.stdin):
         try:
-            results.append(producer.push(key, msg_id, when, payload))
+            results.append(producer.push(*message))
         except RedisError as e:
             results.append({"error": str(e)})
     json.dump(results, sys.stdout)

@@ -20,16 +20,21 @@
 --                            partition's counter): a key's line is a lex
 --                            range, its head the range's first member
 --   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
---                            or AT_WORK while its head is claimed
+--                            or AT_WORK while a key with a lock is at work
 --   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
---                            dead)
+--                            dead); of a key with permits, "<key>\0<seq>\0
+--                            <permits>": the place in line it takes back
+--                            when due (a retry's delay; "" for none) and
+--                            the key's permits, which it brings back
 --   KEYS[10] seq       string the partition's line counter
+--   KEYS[11] limits    hash  key -> its permits, for a key pushed with more
+--                            than one (`Locker::permits`' set, not its lock)
 -- (The queue's own keys, its doorbell and its index of partitions, live in
 -- the queue's slot: the caller rings and indexes after a script.)
--- A claimed message stays at its line's head until it is acknowledged or
--- buried: a retry, a release or an expired lease leave it first in line.
+-- A claimed message leaves its line for the active set; a retry, a release
+-- or an expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
-local LINES, READY, KEYOF, SEQ = 7, 8, 9, 10
+local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local AT_WORK = -1
 
 -- A message's place in line.
@@ -64,15 +69,50 @@ local function after_turn(key, from)
   return false
 end
 
+-- Puts a message back at its place in its key's line (a retry, a release,
+-- an expired lease): its seq puts it before the messages pushed after it.
+local function rejoin(key, seq, id, now)
+  redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
+  redis.call('ZADD', KEYS[READY], 'NX', now, key)
+end
+
+-- The keyof entry of a message of `key` out of line, with its place `seq`
+-- ("" for none) and the key's permits `limit`.
+local function aside(key, seq, limit)
+  if limit > 1 then return key .. '\0' .. seq .. '\0' .. limit end
+  return key
+end
+
+-- The member of a key's permits' line that says the queue waits for one
+-- of them: `free_permit` passes over it (it is no waiter) and so publishes
+-- each release while it stands; a claim that takes a permit removes it.
+local QUEUE_WAITS = 'queue'
+
+-- Marks a permits' line waited for by the queue, for `ttl` ms at least.
+local function wait_for_permit(line, ttl)
+  redis.call('ZADD', line, 'NX', 0, QUEUE_WAITS)
+  if redis.call('PTTL', line) < ttl then redis.call('PEXPIRE', line, ttl) end
+end
+
+-- Whether others than the queue wait in a permits' line.
+local function waiters_beside_queue(line)
+  local n = redis.call('ZCARD', line)
+  return n > 1 or (n == 1 and not redis.call('ZSCORE', line, QUEUE_WAITS))
+end
+
 -- Moves up to `max` messages that are due from the schedule into their
--- keys' lines, in due order.
+-- keys' lines, in due order: at the end, or back at their place.
 local function promote(now, max)
   local due = redis.call('ZRANGEBYSCORE', KEYS[SCHEDULE], '-inf', now, 'LIMIT', 0, max)
   for _, id in ipairs(due) do
     redis.call('ZREM', KEYS[SCHEDULE], id)
-    local key = redis.call('HGET', KEYS[KEYOF], id)
+    local of = redis.call('HGET', KEYS[KEYOF], id)
     redis.call('HDEL', KEYS[KEYOF], id)
-    if key and redis.call('HEXISTS', KEYS[DATA], id) == 1 then enter_line(key, id, now) end
+    if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then
+      local key, seq, limit = string.match(of, '^(.-)%z(%d*)%z(%d+)$')
+      if limit then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
+    end
   end
 end
 

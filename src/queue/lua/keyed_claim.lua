@@ -1,44 +1,92 @@
--- Claims the heads of ready keys' lines together with the keys' locks (see
--- keyed.lua), after moving the messages that became due into their lines.
--- KEYS[1..10]: the partition   KEYS[11..]: the locks of the candidate keys
--- ARGV[1]: lease in ms (the lock's too)   ARGV[2]: how many at most
+-- Claims the heads of ready keys' lines together with the keys' locks, or
+-- one of their permits (see keyed.lua), after moving the messages that
+-- became due into their lines.
+-- KEYS[1..11]: the partition
+-- KEYS[12..]: per candidate key, its lock, its permits' set and the set's
+-- line of waiters
+-- ARGV[1]: lease in ms (the lock's or permit's too)   ARGV[2]: how many at most
 -- ARGV[3]: how many candidates to name for the next call
--- ARGV[4..]: per candidate, its key and a fresh lock token, in KEYS' order
--- A candidate is claimed when it is ready (its line has a head, not at
--- work, not waiting out a retry's delay) and its lock is free. A lock held
--- by other code (a `Locker`) is marked waited for, so that its release
--- publishes; the key waits until the lock's expiry at the latest.
+-- ARGV[4..]: per candidate, its key and a fresh token, in KEYS' order
+-- A candidate is claimed when it is ready (its line has a head, not waiting
+-- out a retry's delay, no message of a key with a lock at work) and the
+-- key has room: its lock is free, or fewer than its limit of permits are
+-- held (by the queue or by other code alike). A lock held by other code is
+-- marked waited for, so that its release publishes; the key waits until
+-- the lock's expiry at the latest. A key whose permits are all held waits
+-- until one of the queue's own turns on it ends, or until other code gives
+-- a permit back (the queue's mark in the set's line makes that release
+-- publish) or the first of their leases ends. A key with permits gives one message per call: one
+-- with room left is named again for the next.
 -- Returns {claim, now, the next time a key or a delayed message is due (ms,
--- -1 for none), {candidate keys}, {key, id, seq, record, ...}, {key whose
--- lock other code holds, the lock's ms left, ...}}.
+-- -1 for none), {candidate keys}, {key, id, seq, permits, record, ...},
+-- {key that other code keeps full, the lock or set to watch, ms until its
+-- first lease ends, ...}}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
 promote(now, 1000)
 local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
-for i = 1, #KEYS - 10 do
-  if #claimed >= 4 * max then break end
-  local key, token, lock = ARGV[2 + 2 * i], ARGV[3 + 2 * i], KEYS[10 + i]
+
+-- Moves the head `id` of `key`'s line to the active set, under this claim.
+local function take(key, id, seq, permits)
+  tag = tag or next_claim(now_us)
+  local member = line_member(key, seq, id)
+  redis.call('ZREM', KEYS[LINES], member)
+  redis.call('ZADD', KEYS[ACTIVE], deadline, member .. ':' .. tag)
+  claimed[#claimed + 1] = key
+  claimed[#claimed + 1] = id
+  claimed[#claimed + 1] = seq
+  claimed[#claimed + 1] = tostring(permits)
+  claimed[#claimed + 1] = redis.call('HGET', KEYS[DATA], id) or ''
+end
+
+-- A key with a lock: its head with the lock, if free.
+local function claim_locked(key, id, seq, lock, token)
+  local value = redis.call('GET', lock)
+  if value then
+    if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
+    local pttl = math.max(redis.call('PTTL', lock), 0)
+    redis.call('ZADD', KEYS[READY], now + pttl, key)
+    blocked[#blocked + 1] = {key, lock, pttl}
+    return
+  end
+  redis.call('SET', lock, token, 'PX', lease)
+  redis.call('ZADD', KEYS[READY], AT_WORK, key)
+  take(key, id, seq, 1)
+end
+
+-- A key with `limit` permits: its head with a permit, if one is free; the
+-- key stays ready while it has a line and room.
+local function claim_permit(key, id, seq, set, line, token, limit)
+  local took = take_permit(set, set, token, lease, limit, '0', now)
+  if took[1] ~= 1 then
+    redis.call('ZADD', KEYS[READY], now + took[2], key)
+    wait_for_permit(line, took[2] + lease)
+    blocked[#blocked + 1] = {key, set, took[2]}
+    return
+  end
+  redis.call('ZREM', line, QUEUE_WAITS)
+  take(key, id, seq, limit)
+  if not head_of(key) then
+    redis.call('ZREM', KEYS[READY], key)
+  else
+    local wait = permit_wait(set, limit, now)
+    if wait > 0 then redis.call('ZADD', KEYS[READY], now + wait, key) end
+  end
+end
+
+for i = 1, (#KEYS - 11) / 3 do
+  if #claimed >= 5 * max then break end
+  local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 9 + 3 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
     local id, seq = head_of(key)
-    local value = id and redis.call('GET', lock)
+    local limit = id and tonumber(redis.call('HGET', KEYS[LIMITS], key))
     if not id then
       redis.call('ZREM', KEYS[READY], key)
-    elseif value then
-      if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
-      local pttl = math.max(redis.call('PTTL', lock), 0)
-      redis.call('ZADD', KEYS[READY], now + pttl, key)
-      blocked[#blocked + 1] = key
-      blocked[#blocked + 1] = pttl
+    elseif limit then
+      claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit)
     else
-      tag = tag or next_claim(now_us)
-      redis.call('SET', lock, token, 'PX', lease)
-      redis.call('ZADD', KEYS[READY], AT_WORK, key)
-      redis.call('ZADD', KEYS[ACTIVE], deadline, line_member(key, seq, id) .. ':' .. tag)
-      claimed[#claimed + 1] = key
-      claimed[#claimed + 1] = id
-      claimed[#claimed + 1] = seq
-      claimed[#claimed + 1] = redis.call('HGET', KEYS[DATA], id) or ''
+      claim_locked(key, id, seq, KEYS[at], token)
     end
   end
 end

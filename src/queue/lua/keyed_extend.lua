@@ -1,19 +1,30 @@
--- Extends the lease of a keyed message at work and its key's lock together
--- (see keyed.lua), if the caller still holds the claim. A renewal that
--- comes after the lease ran out (and before recovery ended the turn) takes
--- the key's lock again if nobody took it meanwhile, as any message's late
--- renewal keeps its claim; if someone did, the claim is lost.
--- KEYS[1..10]: the partition   KEYS[11]: the key's lock
--- ARGV[1]: the active member "<line member>:<claim>"   ARGV[2]: the lock's token
--- ARGV[3]: lease in ms
+-- Extends the lease of a keyed message at work and its key's lock or permit
+-- together (see keyed.lua), if the caller still holds the claim. A renewal
+-- that comes after the lease ran out (and before recovery ended the turn)
+-- takes the key's lock (a permit) again if it is free, as any message's
+-- late renewal keeps its claim; if it is not, the claim is lost.
+-- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
+-- ARGV[1]: the active member "<line member>:<claim>"   ARGV[2]: the token
+-- ARGV[3]: lease in ms   ARGV[4]: the key's permits ("1": a lock)
 -- Returns 1 when extended, 0 when the claim or the lock is lost.
 if not redis.call('ZSCORE', KEYS[ACTIVE], ARGV[1]) then return 0 end
-local value = redis.call('GET', KEYS[11])
-if value and not owns(value, ARGV[2]) then return 0 end
-if value then
-  redis.call('PEXPIRE', KEYS[11], ARGV[3])
+local token, ttl, limit = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local now = now_ms()
+if limit > 1 then
+  if redis.call('ZSCORE', KEYS[12], token) then
+    redis.call('ZADD', KEYS[12], 'XX', now + ttl, token)
+    redis.call('PEXPIRE', KEYS[12], ttl, 'GT')
+  elseif take_permit(KEYS[12], KEYS[12], token, ttl, limit, '0', now)[1] ~= 1 then
+    return 0
+  end
 else
-  redis.call('SET', KEYS[11], ARGV[2], 'PX', ARGV[3])
+  local value = redis.call('GET', KEYS[12])
+  if value and not owns(value, token) then return 0 end
+  if value then
+    redis.call('PEXPIRE', KEYS[12], ttl)
+  else
+    redis.call('SET', KEYS[12], token, 'PX', ttl)
+  end
 end
-redis.call('ZADD', KEYS[ACTIVE], 'XX', now_ms() + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZADD', KEYS[ACTIVE], 'XX', now + ttl, ARGV[1])
 return 1

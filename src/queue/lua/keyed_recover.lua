@@ -1,8 +1,8 @@
 -- Ends the turns whose lease ran out (their worker died or stalled) in a
--- partition (see keyed.lua): the message stays first in its key's line and
--- its key is ready at once (the key's lock ran out with the lease), counting
--- a stall; one that stalled ARGV[1] times is buried.
--- KEYS[1..10]: the partition   ARGV[1]: max stalls   ARGV[2]: how many at most
+-- partition (see keyed.lua): the message goes back first in its key's line
+-- and its key is ready at once (the key's lock or permit ran out with the
+-- lease), counting a stall; one that stalled ARGV[1] times is buried.
+-- KEYS[1..11]: the partition   ARGV[1]: max stalls   ARGV[2]: how many at most
 -- Returns {requeued, buried, examined}.
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[ACTIVE], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
@@ -18,14 +18,15 @@ for _, entry in ipairs(expired) do
     stalls = stalls + 1
     redis.call('HSET', KEYS[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
     if stalls >= max_stalls then
-      redis.call('ZREM', KEYS[LINES], member)
-      redis.call('HSET', KEYS[KEYOF], id, key)
+      local limit = tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 1
+      redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
       redis.call('ZADD', KEYS[DEAD], now, id)
       redis.call('HSET', KEYS[ERRORS], id, 'lease expired ' .. stalls .. ' times (limit '
         .. max_stalls .. '): its worker died or stalled every time it held the message')
       buried = buried + 1
     else
       redis.call('HSET', KEYS[ERRORS], id, 'lease expired: the worker died or stalled')
+      rejoin(key, string.match(member, '%z(%d+)%z'), id, now)
       requeued = requeued + 1
     end
     after_turn(key, now)
