@@ -292,13 +292,16 @@ end
 --   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
 --                            or AT_WORK while a key with a lock is at work
 --   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
---                            dead); of a key with permits, "<key>\0<seq>\0
---                            <permits>": the place in line it takes back
---                            when due (a retry's delay; "" for none) and
---                            the key's permits, which it brings back
+--                            dead); of a key with limits, "<key>\0<seq>\0
+--                            <permits>\0<rate>": the place in line it takes
+--                            back when due (a retry's delay; "" for none)
+--                            and the key's limits, which it brings back
 --   KEYS[10] seq       string the partition's line counter
 --   KEYS[11] limits    hash  key -> its permits, for a key pushed with more
---                            than one (`Locker::permits`' set, not its lock)
+--                            than one (`Locker::permits`' set, not its
+--                            lock); "<key>\0rate" -> its rate limit,
+--                            "<limit>/<period µs>/<burst>/<window µs>" (the
+--                            log `Locker::admit` counts in)
 -- (The queue's own keys, its doorbell and its index of partitions, live in
 -- the queue's slot: the caller rings and indexes after a script.)
 -- A claimed message leaves its line for the active set; a retry, a release
@@ -346,11 +349,39 @@ local function rejoin(key, seq, id, now)
   redis.call('ZADD', KEYS[READY], 'NX', now, key)
 end
 
+-- A key's rate limit (see KEYS[11]), or nil.
+local function rate_of(key)
+  return redis.call('HGET', KEYS[LIMITS], key .. '\0rate') or nil
+end
+
+-- Forgets a key's limits: nothing of it is left in line or at work (a
+-- message of it out of line brings them back: see aside).
+local function forget_limits(key)
+  redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate')
+end
+
 -- The keyof entry of a message of `key` out of line, with its place `seq`
--- ("" for none) and the key's permits `limit`.
+-- ("" for none) and the key's limits: permits `limit` and its rate.
 local function aside(key, seq, limit)
-  if limit > 1 then return key .. '\0' .. seq .. '\0' .. limit end
+  local rate = rate_of(key)
+  if limit > 1 or rate then
+    return key .. '\0' .. seq .. '\0' .. limit .. '\0' .. (rate or '')
+  end
   return key
+end
+
+-- Admits a message of `key` under its rate limit, if it has one, for
+-- `member` at `now_us` (see rate.lua, prepended where this is called);
+-- returns 0 when admitted, else the ms until its next slot.
+local function rate_wait(key, log, member, now_us)
+  local rate = rate_of(key)
+  if not rate then return 0 end
+  local limit, period, burst, window = string.match(rate, '^(%d+)/(%d+)/(%d+)/(%d+)$')
+  if not window then return 0 end
+  local r = admit(log, tonumber(limit), tonumber(period), tonumber(burst), tonumber(window),
+    member, false, now_us)
+  if r[1] == 1 then return 0 end
+  return math.max(math.ceil(r[2] / 1000), 1)
 end
 
 -- The member of a key's permits' line that says the queue waits for one
@@ -379,8 +410,9 @@ local function promote(now, max)
     local of = redis.call('HGET', KEYS[KEYOF], id)
     redis.call('HDEL', KEYS[KEYOF], id)
     if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then
-      local key, seq, limit = string.match(of, '^(.-)%z(%d*)%z(%d+)$')
-      if limit then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      local key, seq, limit, rate = string.match(of, '^(.-)%z(%d*)%z(%d+)%z(.*)$')
+      if limit and limit ~= '1' then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      if rate and rate ~= '' then redis.call('HSETNX', KEYS[LIMITS], key .. '\0rate', rate) end
       if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
     end
   end
@@ -412,26 +444,40 @@ end
 
 -- Adds keyed messages to a partition (see keyed.lua); an id that exists
 -- already is left as it is (de-duplication, as push.lua).
--- KEYS[1..11]: the partition   ARGV: quintuples (key, permits, id, when,
--- payload): key non-empty without NUL; permits "" (the key's as it is: a
--- lock unless a message in line said otherwise), "1" (a lock) or more (so
--- many of the key's messages at once); `when` as push.lua's (no priority:
--- a key's messages start in push order).
+-- KEYS[1..11]: the partition   ARGV: quintuples (key, limits, id, when,
+-- payload): key non-empty without NUL; limits "" (the key's as they are),
+-- or "<permits>", "<permits>/<rate>" or "/<rate>": permits "1" (a lock,
+-- the default) or more (so many of the key's messages at once), and a rate
+-- "<limit>/<period µs>/<burst>/<burst window µs>" (as `Locker::admit`'s:
+-- at most <limit> claims in any <period>, <burst> in any <burst window>);
+-- `when` as push.lua's (no priority: a key's messages start in push order).
 -- Returns per message {added (1|0), due ms (-1 when it is not waiting to be
 -- due: in line, at work, or dead)}.
 if #ARGV % 5 ~= 0 then
-  return redis.error_reply('ERR lockgate push: arguments must be quintuples (key, permits, id, when, payload)')
+  return redis.error_reply('ERR lockgate push: arguments must be quintuples (key, limits, id, when, payload)')
 end
+
+-- Whether `rate` is "<limit>/<period>/<burst>/<window>", all positive, the
+-- burst at most the limit.
+local function valid_rate(rate)
+  local l, p, b, w = string.match(rate, '^([1-9]%d*)/([1-9]%d*)/([1-9]%d*)/([1-9]%d*)$')
+  return w and #l <= 7 and #p <= 15 and #w <= 15 and tonumber(b) <= tonumber(l)
+end
+
 local now = now_ms()
-local dues = {}
+local dues, permits, rates = {}, {}, {}
 for i = 1, #ARGV, 5 do
-  local key, permits, id, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4]
+  local key, id, payload = ARGV[i], ARGV[i + 2], ARGV[i + 4]
   if key == '' or string.find(key, '%z') then
     return redis.error_reply('ERR lockgate push: a key must be non-empty and free of NUL')
   end
-  if permits ~= '' and not (string.find(permits, '^[1-9]%d?%d?%d?%d?%d?%d?$')
-      and tonumber(permits) <= 1048576) then
+  permits[i], rates[i] = string.match(ARGV[i + 1], '^(%d*)/?(.*)$')
+  if not permits[i] or (permits[i] ~= '' and not (string.find(permits[i], '^[1-9]%d?%d?%d?%d?%d?%d?$')
+      and tonumber(permits[i]) <= 1048576)) then
     return redis.error_reply('ERR lockgate push: permits must be a number from 1 to 1048576')
+  end
+  if rates[i] ~= '' and not valid_rate(rates[i]) then
+    return redis.error_reply('ERR lockgate push: a bad rate "' .. rates[i] .. '"')
   end
   if id == '' then return redis.error_reply('ERR lockgate push: an empty id') end
   if string.find(payload, '^%d+:') then
@@ -444,17 +490,18 @@ for i = 1, #ARGV, 5 do
 end
 local out = {}
 for i = 1, #ARGV, 5 do
-  local key, permits, id, due = ARGV[i], ARGV[i + 1], ARGV[i + 2], dues[i]
-  if permits == '1' then
+  local key, id, due = ARGV[i], ARGV[i + 2], dues[i]
+  if permits[i] == '1' then
     redis.call('HDEL', KEYS[LIMITS], key)
-  elseif permits ~= '' then
-    redis.call('HSET', KEYS[LIMITS], key, permits)
+  elseif permits[i] ~= '' then
+    redis.call('HSET', KEYS[LIMITS], key, permits[i])
   end
+  if rates[i] ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rates[i]) end
   if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
     if due <= now then
       enter_line(key, id, now)
     else
-      redis.call('HSET', KEYS[KEYOF], id, aside(key, '', tonumber(permits) or 1))
+      redis.call('HSET', KEYS[KEYOF], id, aside(key, '', tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 1))
       redis.call('ZADD', KEYS[SCHEDULE], due, id)
     end
     out[#out + 1] = 1

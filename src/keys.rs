@@ -42,6 +42,12 @@ pub(crate) fn lock_key(prefix: &str, key: &str) -> String {
     lock_key
 }
 
+/// The Redis key of `key`'s rate limit log under `prefix`:
+/// `<prefix>:rate:{<key>}` ([`Locker::rate_key`](crate::Locker::rate_key)).
+pub(crate) fn rate_key(prefix: &str, key: &str) -> String {
+    format!("{prefix}:rate:{{{}}}", tag(key))
+}
+
 /// The hash slot of the lock on `key` (a Redis Cluster's CRC16 of the
 /// lock's hash tag, modulo 16,384).
 pub(crate) fn lock_slot(key: &str) -> u16 {

@@ -7,6 +7,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use lockgate::lock::rate::{Admission, Rate};
 use lockgate::{BoxError, HeldLock, Job, LockLayer, Locker, PushOptions, Queue, Worker};
 use serde::{Deserialize, Serialize};
 use support::{Holds, eventually, manager, ms, secs, server};
@@ -933,4 +934,95 @@ async fn a_lock_layer_with_permits_uses_the_permit_claimed_with_the_message() {
     );
     let fences: std::collections::BTreeSet<u64> = handled.iter().map(|h| h.1).collect();
     assert_eq!(fences.len(), 20);
+}
+
+#[tokio::test]
+async fn a_key_with_a_rate_limit_is_claimed_only_as_often_as_it_allows() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    let rate = Rate::new(2, ms(400)).unwrap();
+    let locker = Locker::new(conn.clone());
+    // An admission elsewhere counts in the same log.
+    let outside = locker.admit("r", &rate).await.unwrap();
+    assert!(matches!(outside, Admission::Admitted(_)), "{outside:?}");
+    for n in 1..=4 {
+        let id = format!("r{n}");
+        let options = PushOptions::new().id(&id).key("r").rate(rate);
+        queue.push_with(id, options).await.unwrap();
+    }
+    let first = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&first), ["r1"]);
+    assert!(queue.ack(&first[0]).await.unwrap());
+    assert!(
+        claim_ids(&queue, secs(10)).await.is_empty(),
+        "two in the window"
+    );
+    let limited = locker.admit("r", &rate).await.unwrap();
+    assert!(
+        matches!(limited, Admission::Limited(_)),
+        "the claim counted"
+    );
+    tokio::time::sleep(ms(450)).await;
+    for id in ["r2", "r3"] {
+        let jobs = claim_ids(&queue, secs(10)).await;
+        assert_eq!(ids(&jobs), [id]);
+        assert!(queue.ack(&jobs[0]).await.unwrap());
+    }
+    assert!(
+        claim_ids(&queue, secs(10)).await.is_empty(),
+        "r4 waits its slot"
+    );
+    tokio::time::sleep(ms(450)).await;
+    assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["r4"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_processes_start_a_rate_limited_key_no_more_often_than_its_rate() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    let (limit, period) = (5, ms(200));
+    let rate = Rate::new(limit, period).unwrap();
+    let msgs = (0..60).map(|n| {
+        let key = format!("k{}", n % 2);
+        // k0 rate-limited, k1 free: the limit is the key's alone.
+        let options = match n % 2 {
+            0 => PushOptions::new().key(&key).rate(rate),
+            _ => PushOptions::new().key(&key),
+        };
+        (Msg { n, key }, options)
+    });
+    queue.push_many_with(msgs).await.unwrap();
+    let url = server.url();
+    let workers: Vec<_> = (0..3).map(|_| spawn_worker(&url)).collect();
+    eventually("every message handled", secs(30), async || {
+        let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+        let ends = log.iter().filter(|l| l.starts_with("e ")).count();
+        support::done_if(ends == 60, ends)
+    })
+    .await;
+    drop(workers);
+    let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
+    check_keyed_log(&log);
+    let starts = |key: &str| -> Vec<f64> {
+        let open = concurrency(&log);
+        open[key].iter().map(|s| s.0).collect()
+    };
+    // Claims are admitted by the server's clock; a handler starts a little
+    // after its claim, so its start may come up to a few ms late.
+    let slack = 15.0;
+    let k0 = starts("k0");
+    let period_ms = period.as_secs_f64() * 1000.0;
+    for w in k0.windows(limit as usize + 1) {
+        let span = w[limit as usize] - w[0];
+        assert!(
+            span >= period_ms - slack,
+            "{} starts within {span} ms",
+            limit + 1
+        );
+    }
+    let k1 = starts("k1");
+    let spread = |s: &[f64]| s[s.len() - 1] - s[0];
+    assert!(spread(&k1) < spread(&k0), "k1 is not held to k0's rate");
 }

@@ -64,14 +64,15 @@ fn source(body: &str) -> String {
     )
 }
 
-/// A keyed script that takes or gives back permits: the permit functions
-/// first (see `lock/permits/permits.lua`).
-fn with_permits(body: &str) -> Script {
-    Script::new(&format!(
-        "{}\n{}",
+/// A keyed script that takes or gives back permits and admits under rate
+/// limits: the permit and rate functions first (see
+/// `lock/permits/permits.lua`, `lock/rate/rate.lua`).
+fn with_limits(body: &str) -> Script {
+    let (permits, rate) = (
         crate::lock::permits::PERMITS_LUA,
-        source(body)
-    ))
+        crate::lock::rate::RATE_LUA,
+    );
+    Script::new(&format!("{permits}\n{rate}\n{}", source(body)))
 }
 
 /// The keyed push script as the library loads it; `scripts/push_keyed.lua`
@@ -84,9 +85,9 @@ impl KeyedScripts {
     fn get() -> &'static Self {
         static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
             push: Script::new(&push_source()),
-            claim: with_permits(include_str!("lua/keyed_claim.lua")),
-            done: with_permits(include_str!("lua/keyed_done.lua")),
-            extend: with_permits(include_str!("lua/keyed_extend.lua")),
+            claim: with_limits(include_str!("lua/keyed_claim.lua")),
+            done: with_limits(include_str!("lua/keyed_done.lua")),
+            extend: with_limits(include_str!("lua/keyed_extend.lua")),
             recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
         });
         &SCRIPTS
@@ -288,20 +289,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
     }
 
-    /// Pushes a message on `key` (which admits `permits` at once, when
-    /// given), due after `when` (the push script's `when`); returns whether
-    /// it was added and its due time (-1 when it is not waiting for one).
+    /// Pushes a message on `key` (with the push script's `limits`), due
+    /// after `when` (the push script's `when`); returns whether it was
+    /// added and its due time (-1 when it is not waiting for one).
     pub(crate) async fn push(
         &self,
-        (key, permits): (&str, Option<u32>),
+        (key, limits): (&str, &str),
         id: &str,
         when: &str,
         payload: &[u8],
     ) -> Result<(bool, i64)> {
         let partition = self.partition_of(key);
         let mut cmd = partition.call(&KeyedScripts::get().push, 0);
-        let permits = permits.map_or(String::new(), |n| n.to_string());
-        cmd.arg(key).arg(permits).arg(id).arg(when).arg(payload);
+        cmd.arg(key).arg(limits).arg(id).arg(when).arg(payload);
         let mut conn = self.conn.clone();
         let attempted = || format!("pushing to key `{key}` of queue `{}`", self.keys.name);
         let reply: Vec<i64> = run(&KeyedScripts::get().push, &cmd, &mut conn)
@@ -483,12 +483,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         first: Option<&redis::Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
         let script = &KeyedScripts::get().claim;
-        let mut cmd = partition.call(script, 3 * candidates.len());
+        let mut cmd = partition.call(script, 4 * candidates.len());
         for key in candidates {
             let set = crate::lock::permits::permits_key(&self.keys.prefix, key);
             cmd.arg(keys::lock_key(&self.keys.prefix, key))
                 .arg(&set)
-                .arg(format!("{set}:waiters"));
+                .arg(format!("{set}:waiters"))
+                .arg(keys::rate_key(&self.keys.prefix, key));
         }
         cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
         let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
@@ -569,7 +570,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .await
             .map_err(Error::redis(attempted()))?;
         let script = &KeyedScripts::get().done;
-        let mut cmd = held.partition.call(script, 3);
+        let mut cmd = held.partition.call(script, 4);
         let lock = held.lock_key(&self.keys.prefix);
         match held.permits {
             1 => cmd.arg(&lock).arg(&lock).arg(&lock),
@@ -578,6 +579,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(format!("{lock}:waiters"))
                 .arg(format!("{lock}:fences")),
         };
+        cmd.arg(keys::rate_key(&self.keys.prefix, &held.key));
         let (op, wait, error) = match outcome {
             Outcome::Ack => ("ack", String::new(), ""),
             Outcome::Retry { delay, error } => ("retry", millis(delay).to_string(), error),

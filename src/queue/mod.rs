@@ -319,6 +319,8 @@ pub struct PushOptions {
     key: Option<String>,
     /// The key's permits, when it has more than its lock.
     permits: Option<u32>,
+    /// The key's rate limit, when it has one.
+    rate: Option<crate::lock::rate::Rate>,
 }
 
 /// The most entries [`Queue::record_events`] and [`Queue::keep_completed`]
@@ -406,6 +408,30 @@ impl PushOptions {
         self
     }
 
+    /// Claims the message's key at most as often as `rate` allows: its
+    /// messages are claimed only when the key's rate limit admits them, in
+    /// the log [`Locker::admit`](crate::Locker::admit) counts in (so
+    /// admissions elsewhere count too); a key over its limit waits,
+    /// unclaimed, for its next slot. The claim that starts a message is
+    /// what counts: a retried message counts again. Give every message of a
+    /// key the same rate (the last push that says it sets it; a key forgets
+    /// it when nothing of it is left). Needs [`key`](Self::key), else
+    /// pushing fails with [`Error::Config`].
+    pub fn rate(mut self, rate: crate::lock::rate::Rate) -> Self {
+        self.rate = Some(rate);
+        self
+    }
+
+    /// The limits argument of the keyed push script: `<permits>` and
+    /// `/<rate>`, each when given.
+    fn limits_arg(&self) -> String {
+        let permits = self.permits.map_or(String::new(), |n| n.to_string());
+        match &self.rate {
+            Some(rate) => format!("{permits}/{}", rate.spec()),
+            None => permits,
+        }
+    }
+
     /// The `when` argument of the push script: the due time, and a priority
     /// as `/<priority>`.
     fn when_arg(&self) -> String {
@@ -439,8 +465,8 @@ fn check_push(options: &PushOptions) -> Result<()> {
         Some(_) if options.priority > 0 => Err(Error::config(
             "a keyed message has no priority: a key's messages start in push order",
         )),
-        None if options.permits.is_some() => Err(Error::config(
-            "permits are a key's: give the message a key too",
+        None if options.permits.is_some() || options.rate.is_some() => Err(Error::config(
+            "permits and rate limits are a key's: give the message a key too",
         )),
         _ => options
             .permits
@@ -449,8 +475,9 @@ fn check_push(options: &PushOptions) -> Result<()> {
     }
 }
 
-/// A message's key and the key's permits, when it has them.
-type KeyOf = Option<(String, Option<u32>)>;
+/// A message's key and what its push says of the key's limits (the keyed
+/// push script's `limits`).
+type KeyOf = Option<(String, String)>;
 
 /// The receipt of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -746,7 +773,8 @@ where
                 None => job::new_id(),
             };
             let when = options.when_arg();
-            let key = options.key.map(|key| (key, options.permits));
+            let limits = options.limits_arg();
+            let key = options.key.map(|key| (key, limits));
             encoded.push((id, when, payload, key));
         }
         let mut receipts = Vec::with_capacity(encoded.len());
@@ -759,9 +787,9 @@ where
             receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
         }
         for (n, (id, when, payload, key)) in keyed {
-            let (key, permits) = key.unwrap_or_default();
+            let (key, limits) = key.unwrap_or_default();
             let keyed = self.keyed();
-            let (created, due) = keyed.push((&key, permits), &id, &when, &payload).await?;
+            let (created, due) = keyed.push((&key, &limits), &id, &when, &payload).await?;
             let due = (due >= 0).then(|| from_unix_ms(due));
             receipts.push((n, Pushed { id, due, created }));
         }

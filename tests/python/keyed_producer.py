@@ -5,7 +5,8 @@ index and ring the queue's doorbell. Standard library only.
 
 usage: keyed_producer.py <port> <queue> <path to push_keyed.lua>
 stdin: JSON list of [key, id, when, payload] or [key, id, when, payload,
-permits] (payload any JSON value; permits a number, for a key with permits)
+limits] (payload any JSON value; limits the script's: "2" for 2 permits,
+"/<limit>/<period us>/<burst>/<window us>" for a rate, or both)
 stdout: JSON list with, per message, [added, due_ms] or {"error": text}
 """
 import json
@@ -58,13 +59,13 @@ class KeyedProducer:
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
 
-    def push(self, key, msg_id, when, payload, permits=""):
-        """Returns [added, due_ms]. `permits`: "" (the key's lock) or how
-        many of the key's messages may run at once."""
+    def push(self, key, msg_id, when, payload, limits=""):
+        """Returns [added, due_ms]. `limits`: "" (as they are), the key's
+        permits, and/or "/<rate>" (see scripts/push_keyed.lua)."""
         slot = crc16(hash_tag(key).encode()) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
         keys = [base + ":" + name for name in self.NAMES]
-        argv = [key, str(permits), msg_id, when, json.dumps(payload)]
+        argv = [key, str(limits), msg_id, when, json.dumps(payload)]
         try:
             reply = self.redis.call("EVALSHA", self.sha, len(keys), *keys, *argv)
         except RedisError as e:

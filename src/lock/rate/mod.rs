@@ -29,7 +29,12 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::script;
 
-static ADMIT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("admit.lua")));
+static ADMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(&format!("{RATE_LUA}\n{}", include_str!("admit.lua"))));
+
+/// The rate limit as a Lua function (`admit`), for the scripts that admit
+/// under it: `admit.lua`, and the keyed queue's claim and ack.
+pub(crate) const RATE_LUA: &str = include_str!("rate.lua");
 
 /// The most admissions per period a rate limit may allow: its log keeps one
 /// entry per admission for a period.
@@ -108,6 +113,13 @@ impl Rate {
         self.burst
     }
 
+    /// The rate as the keyed scripts take it: `<limit>/<period µs>/<burst>/
+    /// <burst window µs>`.
+    pub(crate) fn spec(&self) -> String {
+        let (limit, period, burst) = (self.limit, self.period_us(), self.burst);
+        format!("{limit}/{period}/{burst}/{}", self.burst_window_us())
+    }
+
     fn period_us(&self) -> u64 {
         self.period.as_micros() as u64
     }
@@ -158,7 +170,7 @@ where
 
     /// The Redis key of `key`'s rate limit log, `<prefix>:rate:{<key>}`.
     pub fn rate_key(&self, key: &str) -> String {
-        format!("{}:rate:{{{}}}", self.config.prefix, keys::tag(key))
+        keys::rate_key(&self.config.prefix, key)
     }
 
     /// Runs the admit script for `member` (a call's token, or a message's

@@ -22,13 +22,16 @@
 --   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
 --                            or AT_WORK while a key with a lock is at work
 --   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
---                            dead); of a key with permits, "<key>\0<seq>\0
---                            <permits>": the place in line it takes back
---                            when due (a retry's delay; "" for none) and
---                            the key's permits, which it brings back
+--                            dead); of a key with limits, "<key>\0<seq>\0
+--                            <permits>\0<rate>": the place in line it takes
+--                            back when due (a retry's delay; "" for none)
+--                            and the key's limits, which it brings back
 --   KEYS[10] seq       string the partition's line counter
 --   KEYS[11] limits    hash  key -> its permits, for a key pushed with more
---                            than one (`Locker::permits`' set, not its lock)
+--                            than one (`Locker::permits`' set, not its
+--                            lock); "<key>\0rate" -> its rate limit,
+--                            "<limit>/<period µs>/<burst>/<window µs>" (the
+--                            log `Locker::admit` counts in)
 -- (The queue's own keys, its doorbell and its index of partitions, live in
 -- the queue's slot: the caller rings and indexes after a script.)
 -- A claimed message leaves its line for the active set; a retry, a release
@@ -76,11 +79,39 @@ local function rejoin(key, seq, id, now)
   redis.call('ZADD', KEYS[READY], 'NX', now, key)
 end
 
+-- A key's rate limit (see KEYS[11]), or nil.
+local function rate_of(key)
+  return redis.call('HGET', KEYS[LIMITS], key .. '\0rate') or nil
+end
+
+-- Forgets a key's limits: nothing of it is left in line or at work (a
+-- message of it out of line brings them back: see aside).
+local function forget_limits(key)
+  redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate')
+end
+
 -- The keyof entry of a message of `key` out of line, with its place `seq`
--- ("" for none) and the key's permits `limit`.
+-- ("" for none) and the key's limits: permits `limit` and its rate.
 local function aside(key, seq, limit)
-  if limit > 1 then return key .. '\0' .. seq .. '\0' .. limit end
+  local rate = rate_of(key)
+  if limit > 1 or rate then
+    return key .. '\0' .. seq .. '\0' .. limit .. '\0' .. (rate or '')
+  end
   return key
+end
+
+-- Admits a message of `key` under its rate limit, if it has one, for
+-- `member` at `now_us` (see rate.lua, prepended where this is called);
+-- returns 0 when admitted, else the ms until its next slot.
+local function rate_wait(key, log, member, now_us)
+  local rate = rate_of(key)
+  if not rate then return 0 end
+  local limit, period, burst, window = string.match(rate, '^(%d+)/(%d+)/(%d+)/(%d+)$')
+  if not window then return 0 end
+  local r = admit(log, tonumber(limit), tonumber(period), tonumber(burst), tonumber(window),
+    member, false, now_us)
+  if r[1] == 1 then return 0 end
+  return math.max(math.ceil(r[2] / 1000), 1)
 end
 
 -- The member of a key's permits' line that says the queue waits for one
@@ -109,8 +140,9 @@ local function promote(now, max)
     local of = redis.call('HGET', KEYS[KEYOF], id)
     redis.call('HDEL', KEYS[KEYOF], id)
     if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then
-      local key, seq, limit = string.match(of, '^(.-)%z(%d*)%z(%d+)$')
-      if limit then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      local key, seq, limit, rate = string.match(of, '^(.-)%z(%d*)%z(%d+)%z(.*)$')
+      if limit and limit ~= '1' then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      if rate and rate ~= '' then redis.call('HSETNX', KEYS[LIMITS], key .. '\0rate', rate) end
       if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
     end
   end

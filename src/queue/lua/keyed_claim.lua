@@ -2,8 +2,8 @@
 -- one of their permits (see keyed.lua), after moving the messages that
 -- became due into their lines.
 -- KEYS[1..11]: the partition
--- KEYS[12..]: per candidate key, its lock, its permits' set and the set's
--- line of waiters
+-- KEYS[12..]: per candidate key, its lock, its permits' set, the set's
+-- line of waiters and its rate limit log
 -- ARGV[1]: lease in ms (the lock's or permit's too)   ARGV[2]: how many at most
 -- ARGV[3]: how many candidates to name for the next call
 -- ARGV[4..]: per candidate, its key and a fresh token, in KEYS' order
@@ -15,8 +15,11 @@
 -- the lock's expiry at the latest. A key whose permits are all held waits
 -- until one of the queue's own turns on it ends, or until other code gives
 -- a permit back (the queue's mark in the set's line makes that release
--- publish) or the first of their leases ends. A key with permits gives one message per call: one
--- with room left is named again for the next.
+-- publish) or the first of their leases ends. A key with a rate limit is
+-- claimed only when the limit admits it (the claim counts in the log
+-- `Locker::admit` counts in), else it waits for its next slot. A key with
+-- permits gives one message per call: one with room left is named again
+-- for the next.
 -- Returns {claim, now, the next time a key or a delayed message is due (ms,
 -- -1 for none), {candidate keys}, {key, id, seq, permits, record, ...},
 -- {key that other code keeps full, the lock or set to watch, ms until its
@@ -40,13 +43,18 @@ local function take(key, id, seq, permits)
 end
 
 -- A key with a lock: its head with the lock, if free.
-local function claim_locked(key, id, seq, lock, token)
+local function claim_locked(key, id, seq, lock, token, log)
   local value = redis.call('GET', lock)
   if value then
     if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
     local pttl = math.max(redis.call('PTTL', lock), 0)
     redis.call('ZADD', KEYS[READY], now + pttl, key)
     blocked[#blocked + 1] = {key, lock, pttl}
+    return
+  end
+  local wait = rate_wait(key, log, token, now_us)
+  if wait > 0 then
+    redis.call('ZADD', KEYS[READY], now + wait, key)
     return
   end
   redis.call('SET', lock, token, 'PX', lease)
@@ -56,12 +64,18 @@ end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
 -- key stays ready while it has a line and room.
-local function claim_permit(key, id, seq, set, line, token, limit)
+local function claim_permit(key, id, seq, set, line, token, limit, log)
   local took = take_permit(set, set, token, lease, limit, '0', now)
   if took[1] ~= 1 then
     redis.call('ZADD', KEYS[READY], now + took[2], key)
     wait_for_permit(line, took[2] + lease)
     blocked[#blocked + 1] = {key, set, took[2]}
+    return
+  end
+  local wait = rate_wait(key, log, token, now_us)
+  if wait > 0 then
+    redis.call('ZREM', set, token)
+    redis.call('ZADD', KEYS[READY], now + wait, key)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
@@ -74,9 +88,9 @@ local function claim_permit(key, id, seq, set, line, token, limit)
   end
 end
 
-for i = 1, (#KEYS - 11) / 3 do
+for i = 1, (#KEYS - 11) / 4 do
   if #claimed >= 5 * max then break end
-  local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 9 + 3 * i
+  local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 8 + 4 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
     local id, seq = head_of(key)
@@ -84,9 +98,9 @@ for i = 1, (#KEYS - 11) / 3 do
     if not id then
       redis.call('ZREM', KEYS[READY], key)
     elseif limit then
-      claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit)
+      claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3])
     else
-      claim_locked(key, id, seq, KEYS[at], token)
+      claim_locked(key, id, seq, KEYS[at], token, KEYS[at + 3])
     end
   end
 end

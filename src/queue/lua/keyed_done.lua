@@ -6,6 +6,7 @@
 -- KEYS[1..11]: the partition
 -- KEYS[12]: the key's lock, or its permits' set   KEYS[13]: the set's line
 -- of waiters   KEYS[14]: the set's fences (for a lock: the lock thrice)
+-- KEYS[15]: the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
 --          "release" (back as it was) or "bury"
 -- ARGV[2]: the key   ARGV[3]: the id   ARGV[4]: its seq   ARGV[5]: its claim
@@ -19,6 +20,7 @@
 -- ARGV[12]: "1" when the message may have an error on record (an ack
 --           deletes it)
 -- ARGV[13]: the key's permits ("1": a lock)   ARGV[14]: a permit's hand-off ms
+-- The next message is claimed only if the key's rate limit admits it now.
 -- A retried or deferred message goes back first in line. A key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
@@ -30,7 +32,7 @@ local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local member = line_member(key, seq, id)
 if redis.call('ZREM', KEYS[ACTIVE], member .. ':' .. ARGV[5]) == 0 then return {0} end
-local now = now_ms()
+local now, now_us = server_time()
 local from = now
 if op == 'ack' then
   redis.call('HDEL', KEYS[DATA], id)
@@ -73,7 +75,9 @@ if op == 'ack' and ARGV[10] ~= '' then
   local next, next_seq = head_of(key)
   local ready = next and redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, 2) or {}
   local waiting = ready[1] and ready[1] ~= key or ready[2]
-  if next and not waiting then
+  local wait = next and not waiting and rate_wait(key, KEYS[15], ARGV[11], now_us) or 0
+  if wait > 0 then from = now + wait end
+  if next and not waiting and wait == 0 then
     if limit == 1 then
       local value = redis.call('GET', KEYS[12])
       if value and owns(value, token) then
@@ -95,9 +99,8 @@ if limit == 1 then
   unlock(KEYS[12], token, ARGV[9])
 else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
-  if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then
-    redis.call('HDEL', KEYS[LIMITS], key)
-  end
+  if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
 end
 if after_turn(key, from) then return {2} end
+if limit == 1 then forget_limits(key) end
 return {1}

@@ -1,0 +1,50 @@
+-- A key's rate limit log (see mod.rs), as a function: the body of
+-- admit.lua, and prepended to the keyed queue's claim and ack scripts, so
+-- that a keyed message's claim counts in the same log as `Locker::admit`.
+--
+-- Admits one under `log`'s limit (`limit` in any window of `period` µs, at
+-- most `burst` in any window of `window` µs) at server time `now` (µs), for
+-- `member`; reserves the next slot for it when `reserve` and it is not now.
+-- Returns {1, admission time in µs} when admitted now (also for a member
+-- whose slot was reserved before: it keeps its reserved time); {0, µs until
+-- the next free slot, 1 if it was reserved for the member else 0}.
+--
+-- Admissions are placed in time order, each at least `period` after the
+-- one `limit` places before it (and `window` after the one `burst` places
+-- before it): so no window of `period` ever holds more than `limit` (nor a
+-- window of `window` more than `burst`). A reserved slot counts like an
+-- admission; calls that come meanwhile queue behind it.
+local function admit(log, limit, period, burst, window, member, reserve, now)
+  local reserved = redis.call('ZSCORE', log, member)
+  if reserved then -- a message back for its slot (or a resend)
+    return {1, tonumber(reserved)}
+  end
+  -- Admissions a window ago no longer count.
+  redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
+  local n = redis.call('ZCARD', log)
+  local slot = now
+  if n > 0 then
+    local last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
+    slot = math.max(slot, tonumber(last[2]))
+  end
+  if n >= limit then
+    local e = redis.call('ZRANGE', log, n - limit, n - limit, 'WITHSCORES')
+    slot = math.max(slot, tonumber(e[2]) + period)
+  end
+  if burst < limit and n >= burst then
+    local e = redis.call('ZRANGE', log, n - burst, n - burst, 'WITHSCORES')
+    slot = math.max(slot, tonumber(e[2]) + window)
+  end
+  local keep = math.ceil((slot - now + period) / 1000) + 1
+  if slot <= now then
+    redis.call('ZADD', log, now, member)
+    redis.call('PEXPIRE', log, keep)
+    return {1, now}
+  end
+  if reserve then
+    redis.call('ZADD', log, slot, member)
+    redis.call('PEXPIRE', log, keep)
+    return {0, slot - now, 1}
+  end
+  return {0, slot - now, 0}
+end
