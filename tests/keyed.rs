@@ -1026,3 +1026,33 @@ async fn worker_processes_start_a_rate_limited_key_no_more_often_than_its_rate()
     let spread = |s: &[f64]| s[s.len() - 1] - s[0];
     assert!(spread(&k1) < spread(&k0), "k1 is not held to k0's rate");
 }
+
+#[tokio::test]
+async fn key_stats_show_busy_keys_and_the_longest_lines_with_their_oldest_message() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    assert_eq!(queue.key_stats(5).await.unwrap(), Default::default());
+    for (key, n) in [("hot", 5), ("warm", 2), ("cold", 1)] {
+        for i in 0..n {
+            let options = PushOptions::new().id(format!("{key}{i}")).key(key);
+            queue.push_with(key.to_owned(), options).await.unwrap();
+        }
+    }
+    tokio::time::sleep(ms(20)).await;
+    let claimed = claim_ids(&queue, secs(10)).await;
+    assert_eq!(claimed.len(), 3);
+    assert!(queue.ack(&claimed[0]).await.unwrap(), "cold0: cold is done");
+    let stats = queue.key_stats(2).await.unwrap();
+    assert_eq!(stats.keys, 2, "{stats:?}");
+    let busy: Vec<(&str, u64, u64)> = stats
+        .busy
+        .iter()
+        .map(|l| (l.key.as_str(), l.at_work, l.waiting))
+        .collect();
+    assert_eq!(busy, [("hot", 1, 4), ("warm", 1, 1)]);
+    let backlogs: Vec<&str> = stats.backlogs.iter().map(|l| l.key.as_str()).collect();
+    assert_eq!(backlogs, ["hot", "warm"]);
+    let oldest = stats.backlogs[0].oldest_waiting.expect("hot1 waits");
+    assert!(oldest >= ms(20), "{oldest:?}");
+    assert_eq!(queue.key_stats(1).await.unwrap().busy.len(), 1, "the top 1");
+}

@@ -20,7 +20,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use lockgate::queue::{DeadLetter, Peeked, Stats};
+use lockgate::queue::{DeadLetter, KeyLoad, Peeked, Stats};
 use lockgate::{Locker, Queue};
 use maud::{DOCTYPE, Markup, html};
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -486,6 +486,7 @@ where
         return Ok(None);
     }
     let stats = queue.stats().await?;
+    let keys = queue.key_stats(PEEK).await?;
     let peek = queue.peek(PEEK).await?;
     let dead = queue.dead_letters(offset, PAGE).await?;
     let now = SystemTime::now();
@@ -497,6 +498,14 @@ where
             td { "dead " b.dead { (stats.dead) } }
             td { "oldest due " b { (age(stats.oldest_due_age)) } }
         } }
+        @if keys.keys > 0 {
+            h2 { "Keys" }
+            p.muted { (keys.keys) " keys with messages in line or at work." }
+            h3 { "Busy keys" }
+            (key_table(&keys.busy, "busy"))
+            h3 { "Longest lines" }
+            (key_table(&keys.backlogs, "lines"))
+        }
         h2 { "Next waiting" }
         (message_table(&peek.waiting, "due", now, None))
         h2 { "Active" }
@@ -517,6 +526,30 @@ where
             }
         }
     }))
+}
+
+/// Keys of a keyed queue: at work, in line, and how long the first in line
+/// has waited.
+fn key_table(loads: &[KeyLoad], class: &str) -> Markup {
+    html! {
+        @if loads.is_empty() {
+            p.muted { "None." }
+        } @else {
+            table.keys.(class) {
+                thead { tr { th { "key" } th.n { "at work" } th.n { "in line" } th { "first in line waiting" } } }
+                tbody {
+                    @for load in loads {
+                        tr {
+                            td { code { (load.key) } }
+                            td.n { (load.at_work) }
+                            td.n { (load.waiting) }
+                            td { (age(load.oldest_waiting)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn message_table(messages: &[Peeked], when: &str, now: SystemTime, _: Option<()>) -> Markup {

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
-use lockgate::queue::{DeadLetter, Stats};
+use lockgate::queue::{DeadLetter, KeyLoad, KeyStats, Stats};
 use lockgate::{BoxError, Locker, PushOptions, Queue};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::Serialize;
@@ -404,7 +404,7 @@ where
         Command::Stats { queue: name, watch } => {
             let q = existing(queue(&name)?, &name).await?;
             match watch {
-                None => out.stats(&name, &q.stats().await?),
+                None => out.stats(&name, &q.stats().await?, &q.key_stats(TOP_KEYS).await?),
                 Some(every) => {
                     let mut ticks = tokio::time::interval(every);
                     // Rates from the queue's lifecycle events, when its
@@ -417,6 +417,7 @@ where
                             _ = tokio::signal::ctrl_c() => return Ok(()),
                         }
                         let stats = q.stats().await?;
+                        let keys = q.key_stats(TOP_KEYS).await?;
                         let mut counts: BTreeMap<&'static str, u64> = BTreeMap::new();
                         if seen.is_none() {
                             seen = q.last_event_entry().await?;
@@ -438,7 +439,7 @@ where
                         if !json && std::io::stdout().is_terminal() {
                             say_inline!("\x1b[H\x1b[2J"); // refresh in place
                         }
-                        out.stats(&name, &stats);
+                        out.stats(&name, &stats, &keys);
                         out.rates(seen.is_some(), &counts, elapsed);
                     }
                 }
@@ -688,6 +689,40 @@ fn unix_ms(time: SystemTime) -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// How many busy keys and longest lines `stats` shows.
+const TOP_KEYS: usize = 5;
+
+/// A key of a keyed queue, as `stats` shows it.
+#[derive(Serialize)]
+struct KeyRow<'a> {
+    key: &'a str,
+    waiting: u64,
+    at_work: u64,
+    oldest_waiting_ms: Option<u64>,
+}
+
+impl<'a> KeyRow<'a> {
+    fn new(load: &'a KeyLoad) -> Self {
+        Self {
+            key: &load.key,
+            waiting: load.waiting,
+            at_work: load.at_work,
+            oldest_waiting_ms: millis(load.oldest_waiting),
+        }
+    }
+
+    /// `key: 1 at work, 20 in line, the first waiting 350 ms`.
+    fn line(&self) -> String {
+        let oldest = self
+            .oldest_waiting_ms
+            .map_or(String::new(), |ms| format!(", the first waiting {ms} ms"));
+        format!(
+            "{}: {} at work, {} in line{oldest}",
+            self.key, self.at_work, self.waiting
+        )
+    }
+}
+
 fn millis(duration: Option<Duration>) -> Option<u64> {
     duration.map(|d| d.as_millis() as u64)
 }
@@ -790,10 +825,18 @@ impl Output {
         say!("  rates   {}", line.join("  "));
     }
 
-    fn stats(&self, queue: &str, stats: &Stats) {
+    fn stats(&self, queue: &str, stats: &Stats, keys: &KeyStats) {
         let row = QueueRow::new(queue, stats);
+        let busy: Vec<KeyRow> = keys.busy.iter().map(KeyRow::new).collect();
+        let backlogs: Vec<KeyRow> = keys.backlogs.iter().map(KeyRow::new).collect();
         if self.json {
-            return self.print(&row);
+            let mut document = serde_json::to_value(&row).unwrap_or_default();
+            if let Value::Object(fields) = &mut document {
+                fields.insert("keys".into(), json!(keys.keys));
+                fields.insert("busy_keys".into(), json!(busy));
+                fields.insert("longest_lines".into(), json!(backlogs));
+            }
+            return self.print(&document);
         }
         say!("{queue}");
         say!("  due     {}", row.due);
@@ -805,6 +848,17 @@ impl Output {
         }
         if let Some(ms) = row.next_due_in_ms {
             say!("  next message due in {ms} ms");
+        }
+        if keys.keys > 0 {
+            say!("  keys    {} with messages in line or at work", keys.keys);
+        }
+        for (title, rows) in [("busy keys", &busy), ("longest lines", &backlogs)] {
+            if !rows.is_empty() {
+                say!("  {title}");
+                for key in rows {
+                    say!("    {}", key.line());
+                }
+            }
         }
     }
 

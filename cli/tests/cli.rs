@@ -676,3 +676,34 @@ async fn empty_names_are_usage_errors() {
         );
     }
 }
+
+#[tokio::test]
+async fn stats_show_a_keyed_queue_s_busy_keys_and_longest_lines() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let queue: Queue<serde_json::Value> = Queue::new(conn, "orders").unwrap();
+    for (key, n) in [("alice", 3), ("bob", 1)] {
+        for i in 0..n {
+            let options = lockgate::PushOptions::new().key(key);
+            queue
+                .push_with(serde_json::json!(i), options)
+                .await
+                .unwrap();
+        }
+    }
+    let claimed = queue.claim(10, std::time::Duration::from_secs(60)).await;
+    assert_eq!(claimed.unwrap().jobs.len(), 2, "each key's head");
+    let text = stdout(&lockgate(&server, &["stats", "orders"]));
+    assert!(
+        text.contains("keys    2 with messages in line or at work")
+            && text.contains("busy keys\n    alice: 1 at work, 2 in line, the first waiting")
+            && text.contains("    bob: 1 at work, 0 in line")
+            && text.contains("longest lines\n    alice: 1 at work, 2 in line"),
+        "{text}"
+    );
+    let stats = json(&server, &["stats", "orders"]);
+    assert_eq!(stats["keys"], 2);
+    assert_eq!(stats["busy_keys"][0]["key"], "alice");
+    assert_eq!(stats["busy_keys"][0]["waiting"], 2);
+    assert_eq!(stats["longest_lines"].as_array().map(Vec::len), Some(1));
+}

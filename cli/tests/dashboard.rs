@@ -268,3 +268,30 @@ async fn a_page_that_cannot_reach_redis_says_so_and_recovers() {
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_queue_shows_its_busy_keys_and_longest_lines() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn, "keyed").unwrap();
+    for (key, n) in [("acct-a", 3), ("acct-b", 1)] {
+        for i in 0..n {
+            let options = PushOptions::new().key(key);
+            q.push_with(json!({"n": i}), options).await.unwrap();
+        }
+    }
+    let claimed = q.claim(10, std::time::Duration::from_secs(60)).await;
+    assert_eq!(claimed.unwrap().jobs.len(), 2);
+    let board = Dashboard::start(&server, &[]);
+    let (status, page) = board.get("/queue/keyed");
+    assert_eq!(status, 200);
+    for needle in [
+        "2 keys with messages in line or at work",
+        "Busy keys",
+        "Longest lines",
+        "<code>acct-a</code>",
+        "<code>acct-b</code>",
+    ] {
+        assert!(page.contains(needle), "{needle} missing: {page}");
+    }
+}

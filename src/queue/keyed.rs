@@ -52,6 +52,7 @@ struct KeyedScripts {
     done: Script,
     extend: Script,
     recover: Script,
+    keys: Script,
 }
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
@@ -89,6 +90,7 @@ impl KeyedScripts {
             done: with_limits(include_str!("lua/keyed_done.lua")),
             extend: with_limits(include_str!("lua/keyed_extend.lua")),
             recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
+            keys: Script::new(&source(include_str!("lua/keyed_keys.lua"))),
         });
         &SCRIPTS
     }
@@ -724,6 +726,43 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             total.3 += dead;
         }
         Ok(total)
+    }
+
+    /// The keys with messages in line or at work, over every partition of
+    /// the index: each with its messages in line, at work, and how long its
+    /// first in line has waited since it was pushed. Reads at most `most`
+    /// keys of each partition's active and ready sets.
+    pub(crate) async fn loads(&self, most: usize) -> Result<Vec<super::KeyLoad>> {
+        use redis::FromRedisValue;
+        let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
+        let script = &KeyedScripts::get().keys;
+        let mut loads = Vec::new();
+        for slot in self.slots().await? {
+            let mut cmd = self.partition(slot).call(script, 0);
+            cmd.arg(most.max(1));
+            let (now, flat): (i64, Vec<redis::Value>) = run(script, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+            for entry in flat.chunks_exact(4) {
+                let (Ok(key), Ok(waiting), Ok(at_work), Ok(pushed)) = (
+                    String::from_redis_value_ref(&entry[0]),
+                    u64::from_redis_value_ref(&entry[1]),
+                    u64::from_redis_value_ref(&entry[2]),
+                    i64::from_redis_value_ref(&entry[3]),
+                ) else {
+                    return Err(Error::reply(attempted(), "a malformed key entry"));
+                };
+                let age =
+                    (pushed >= 0).then(|| Duration::from_millis((now - pushed).max(0) as u64));
+                loads.push(super::KeyLoad {
+                    key,
+                    waiting,
+                    at_work,
+                    oldest_waiting: age,
+                });
+            }
+        }
+        Ok(loads)
     }
 
     /// Deletes every partition in the index (one `UNLINK` each: a

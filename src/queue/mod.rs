@@ -327,6 +327,10 @@ pub struct PushOptions {
 /// keep.
 pub const MAX_KEPT: usize = 100_000_000;
 
+/// The most keys [`Queue::key_stats`] reads of each partition's keys at
+/// work, and of its keys in line.
+pub const MAX_KEYS_READ: usize = 10_000;
+
 /// The highest priority a message can have ([`PushOptions::priority`]).
 pub const MAX_PRIORITY: u8 = 9;
 
@@ -591,6 +595,34 @@ pub struct Completed {
     pub completed_at: SystemTime,
     /// Its payload, as stored (JSON).
     pub payload: Vec<u8>,
+}
+
+/// A key of a keyed queue, as [`Queue::key_stats`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyLoad {
+    /// The key.
+    pub key: String,
+    /// Its messages in line, waiting for their turn.
+    pub waiting: u64,
+    /// Its messages at work (1 at most for a key with a lock; up to its
+    /// permits for one with permits).
+    pub at_work: u64,
+    /// How long the first message in its line has waited since it was
+    /// pushed; `None` when its line is empty.
+    pub oldest_waiting: Option<Duration>,
+}
+
+/// A keyed queue's busy keys and longest lines ([`Queue::key_stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KeyStats {
+    /// Keys with messages at work, most at work first, then longest line.
+    pub busy: Vec<KeyLoad>,
+    /// Keys with messages in line, longest line first, then oldest head.
+    pub backlogs: Vec<KeyLoad>,
+    /// How many keys with messages in line or at work were read.
+    pub keys: usize,
 }
 
 /// A snapshot of a queue's size, read at one instant.
@@ -1442,6 +1474,33 @@ where
             dead: dead + keyed.3,
             oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
             next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
+        })
+    }
+
+    /// Its keyed messages' keys (see [`PushOptions::key`]): the `top` keys
+    /// with the most messages at work, and the `top` with the longest
+    /// lines, each with how long the first in its line has waited. One
+    /// read-only script per partition, each reading at most
+    /// [`MAX_KEYS_READ`] keys at work and as many in line (the oldest
+    /// ready first): for dashboards, not for a hot path.
+    pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
+        let loads = self.keyed().loads(MAX_KEYS_READ).await?;
+        let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
+            let mut picked: Vec<KeyLoad> = loads.iter().filter(|l| keep(l)).cloned().collect();
+            picked.sort_by_key(|l| std::cmp::Reverse(order(l)));
+            picked.truncate(top);
+            picked
+        };
+        Ok(KeyStats {
+            busy: pick(
+                |l| l.at_work > 0,
+                |l| (l.at_work, l.waiting, l.oldest_waiting.unwrap_or_default()),
+            ),
+            backlogs: pick(
+                |l| l.waiting > 0,
+                |l| (l.waiting, 0, l.oldest_waiting.unwrap_or_default()),
+            ),
+            keys: loads.len(),
         })
     }
 

@@ -1,0 +1,35 @@
+-- Reads a partition's keys for a view (see keyed.lua), changing nothing:
+-- each key with messages in line or at work, how many of each, and when
+-- the first in its line was pushed.
+-- KEYS[1..11]: the partition   ARGV[1]: the most keys to read from each of
+-- the active set (members) and the ready set
+-- Returns {now ms, {key, in line, at work, its head's push time in ms (-1
+-- for none), ...}}.
+local now = now_ms()
+local most = tonumber(ARGV[1])
+local seen, flat = {}, {}
+
+-- The place of `key`'s four fields in `flat`.
+local function at(key)
+  if not seen[key] then
+    seen[key] = #flat + 1
+    flat[#flat + 1], flat[#flat + 2], flat[#flat + 3], flat[#flat + 4] = key, 0, 0, -1
+  end
+  return seen[key]
+end
+
+for _, member in ipairs(redis.call('ZRANGE', KEYS[ACTIVE], 0, most - 1)) do
+  local key = string.match(member, '^(.-)%z')
+  if key then
+    local i = at(key)
+    flat[i + 2] = flat[i + 2] + 1
+  end
+end
+for _, key in ipairs(redis.call('ZRANGE', KEYS[READY], 0, most - 1)) do
+  local i = at(key)
+  flat[i + 1] = redis.call('ZLEXCOUNT', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1')
+  local id = head_of(key)
+  local record = id and redis.call('HGET', KEYS[DATA], id)
+  flat[i + 3] = tonumber(record and string.match(record, '^(%d+):') or '') or -1
+end
+return {now, flat}
