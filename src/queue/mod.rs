@@ -397,7 +397,7 @@ impl PushOptions {
 
     /// Lets `n` messages of the message's key run at once: each is claimed
     /// with one of the key's `n` permits, the permits
-    /// [`Locker::permits`](crate::Locker::permits) takes (and counts: a
+    /// [`Locker::acquire_permit`](crate::Locker::acquire_permit) takes (and counts: a
     /// permit held by other code leaves one less for the queue). The key's
     /// messages still start in push order. Give every message of a key the
     /// same `n` (the last push that says it sets it; a key forgets it when
