@@ -1,5 +1,6 @@
 //! Deferral churn: what a busy key costs a queue pipeline, for a timed
-//! deferral and for parking until the key is released, beside the same
+//! deferral, for a deferral into the key's line, and for messages pushed
+//! with their key (claimed only when the key is free), beside the same
 //! messages on keys that are never busy.
 //!
 //! The workload: messages on 20 keys, handlers of 2–20 ms, 4 workers of 10
@@ -20,7 +21,7 @@ use std::time::Duration;
 use common::*;
 use lockgate::layer::DeferDelay;
 use lockgate::testing::RedisServer;
-use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, Queue, Worker};
+use lockgate::{Backoff, BoxError, Job, LockLayer, Locker, OnConflict, PushOptions, Queue, Worker};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower::ServiceBuilder;
@@ -43,8 +44,11 @@ enum Mode {
     Uncontended,
     /// `retry(4).then_defer(queue, 50 ms)`.
     Timed,
-    /// `retry(4).then_defer(queue, until_released())`.
-    Parked,
+    /// `retry(4).then_defer(queue, until_released())`: into the key's line.
+    Line,
+    /// Pushed with their key (`PushOptions::key`): claimed only with the
+    /// key's lock, which the same layer then uses.
+    Keyed,
 }
 
 impl Mode {
@@ -52,7 +56,8 @@ impl Mode {
         match self {
             Mode::Uncontended => "uncontended (a key per message)",
             Mode::Timed => "retry 4, then defer 50 ms",
-            Mode::Parked => "retry 4, then park until released",
+            Mode::Line => "retry 4, then into the key's line",
+            Mode::Keyed => "pushed with their key",
         }
     }
 }
@@ -68,7 +73,7 @@ async fn main() -> Result<(), BoxError> {
     );
     println!("|---|---|---|---|---|");
     let mut breakdowns = Vec::new();
-    for mode in [Mode::Uncontended, Mode::Timed, Mode::Parked] {
+    for mode in [Mode::Uncontended, Mode::Timed, Mode::Line, Mode::Keyed] {
         let server = RedisServer::start()?;
         let (elapsed, deferrals, stats) = run(&server, mode, messages).await?;
         let per = |n: u64| n as f64 / messages as f64;
@@ -143,7 +148,12 @@ async fn run(
         })
         .collect();
     for chunk in msgs.chunks(500) {
-        queue.push_many(chunk).await?;
+        if mode == Mode::Keyed {
+            let keyed = chunk.iter().map(|m| (m, PushOptions::new().key(&m.key)));
+            queue.push_many_with(keyed).await?;
+        } else {
+            queue.push_many(chunk).await?;
+        }
     }
     let handled = Arc::new(AtomicU64::new(0));
     let deferrals = Arc::new(AtomicU64::new(0));
@@ -158,7 +168,7 @@ async fn run(
         let backoff = Backoff::exponential(Duration::from_millis(1), Duration::from_millis(8))?
             .max_attempts(4);
         let delay = match mode {
-            Mode::Parked => DeferDelay::until_released(),
+            Mode::Line => DeferDelay::until_released(),
             _ => DeferDelay::Fixed(Duration::from_millis(50)),
         };
         let (handled, deferrals) = (handled.clone(), deferrals.clone());

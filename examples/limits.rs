@@ -8,9 +8,9 @@
 //!   for it (it runs then, however many jobs come meanwhile);
 //! * a `LockLayer` with `Permits` from the key function: "pro" tenants run 3
 //!   jobs at a time, "free" tenants 1; a job that finds its tenant's permits
-//!   taken waits a little for a release (woken by it), then parks on the
-//!   tenant's key until a permit frees: the release brings the tenant's
-//!   parked jobs back one by one, in the order they were pushed.
+//!   taken waits a little for a release (woken by it), then joins the
+//!   tenant's line in the queue, from which the queue claims it with a
+//!   permit as one frees, in line order.
 //!
 //! ```text
 //! cargo run --example limits --features test-util
@@ -18,9 +18,10 @@
 //!
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
-//! example only touches keys under `lockgate:{limits-jobs}` (the queue, and
-//! the tenants' permits, which live in its hash slot since jobs park on
-//! them), `lockgate:rate:{acme}` and `lockgate:rate:{solo}`.
+//! example touches the queue's keys (`lockgate:{limits-jobs}` and the
+//! tenants' lines, `lockgate:{<t>}:limits-jobs:*`), the tenants' permits
+//! (`lockgate:permits:{<tenant>}`), `lockgate:rate:{acme}` and
+//! `lockgate:rate:{solo}`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

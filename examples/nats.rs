@@ -4,14 +4,14 @@
 //! Orders of one account must never be handled at the same time, in
 //! whatever process. Each message goes through a `LockLayer` keyed by the
 //! subject's last token: when the account is busy, the order waits briefly
-//! (woken by the release), then parks on the account in a lockgate queue.
-//! Only once the layer has answered (handled, or parked in Redis) is the
+//! (woken by the release), then joins the account's line in a lockgate
+//! queue. Only once the layer has answered (handled, or deferred in Redis) is the
 //! JetStream message acknowledged, so a crash in between makes JetStream
 //! redeliver it rather than lose it; and the message's stream sequence is
 //! its id in the queue (`with_message_id`), so a redelivered copy of an
-//! order that was parked already is not parked twice. A `Worker` on the
-//! queue brings parked orders back through the same lock and handler, the
-//! instant their account frees.
+//! order that was deferred already is not pushed twice. A `Worker` on the
+//! queue claims the waiting orders with the account's lock, through the
+//! same handler, the instant their account frees.
 //!
 //! ```text
 //! cargo run --example nats --features test-util
@@ -60,7 +60,7 @@ struct Payload {
     amount: i64,
 }
 
-/// An order as the handler sees it, and as it parks in the queue.
+/// An order as the handler sees it, and as it waits in the queue.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Order {
     id: u64,
@@ -116,7 +116,7 @@ async fn run() -> Result<(), BoxError> {
     })
     .await?;
 
-    // lockgate: the queue orders park in, a lock per account.
+    // lockgate: the queue orders wait in, a lock per account.
     let conn = client.get_connection_manager().await?;
     let queue: Queue<Order> = Queue::new(conn.clone(), QUEUE)?;
     if orders > 0 {
@@ -125,7 +125,7 @@ async fn run() -> Result<(), BoxError> {
     }
     let listener = ReleaseListener::connect(client.clone()).await?;
     let locker = Locker::new(conn).ttl(Duration::from_secs(5))?;
-    // Wait up to ~10 ms for the account, then park the order on it.
+    // Wait up to ~10 ms for the account, then join the account's line.
     let strategy = OnConflict::retry(Backoff::exponential(ms(2), ms(5))?.max_elapsed(ms(10)))
         .then_defer(queue.clone(), DeferDelay::until_released());
     let lock = LockLayer::new(locker, |order: &Order| order.account.clone())
@@ -133,7 +133,7 @@ async fn run() -> Result<(), BoxError> {
         .wake_on_release(listener);
 
     // One lock and one handler for both entry points: the stream, and the
-    // worker that brings parked orders back.
+    // worker that runs the orders waiting in line.
     let handled = Arc::new(AtomicUsize::new(0));
     let handler = {
         let handled = handled.clone();
@@ -168,13 +168,13 @@ async fn run() -> Result<(), BoxError> {
         consumed = consume(consumer, pipeline) => consumed?,
         worked = worker.run_until(all_handled) => worked?,
     }
-    let parked = metrics.snapshot().done;
+    let deferred = metrics.snapshot().done;
     println!(
-        "handled {} orders: {} straight from the stream, {parked} after parking on a busy account",
+        "handled {} orders: {} straight from the stream, {deferred} after waiting in a busy account's line",
         handled.load(Ordering::Relaxed),
         handled
             .load(Ordering::Relaxed)
-            .saturating_sub(parked as usize),
+            .saturating_sub(deferred as usize),
     );
     Ok(())
 }
@@ -274,7 +274,7 @@ where
     };
     let ready = pipeline.ready().await?;
     match with_message_id(&id, || ready.call(order)).await {
-        // Handled, or parked in Redis: only now may JetStream forget it.
+        // Handled, or deferred in Redis: only now may JetStream forget it.
         Ok(Outcome::Done(())) | Ok(Outcome::Deferred { .. }) => message.double_ack().await?,
         // The handler failed (or Redis did): JetStream redelivers it.
         Err(e) => {

@@ -5,8 +5,9 @@
 //! second); a `Worker` with four handler slots takes them, and a `LockLayer`
 //! holds a lock per account around the handler. When an account is busy, the
 //! order waits briefly (woken by the release itself, not by polling), then
-//! parks on the account: the release of the account's lock brings the next
-//! parked order back at once, in the order they parked.
+//! joins the account's line in the queue: the queue claims an account's
+//! orders one at a time, in line order, each together with the account's
+//! lock, and the layer uses that lock instead of contending again.
 //!
 //! ```text
 //! cargo run --example quickstart --features test-util
@@ -14,9 +15,9 @@
 //!
 //! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
 //! server answers there, else a throwaway `redis-server` is started. The
-//! example only touches keys under `lockgate:{quickstart-orders}` (the
-//! queue, and the locks of the accounts, which live beside it so that a
-//! release can bring a parked order back in one script).
+//! example touches the queue's keys (`lockgate:{quickstart-orders}` and
+//! the lines of its accounts, `lockgate:{<t>}:quickstart-orders:*`) and the
+//! accounts' locks (`lockgate:lock:{<account>}`).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -63,7 +64,7 @@ async fn run() -> Result<(), BoxError> {
         .await?
         .ttl(Duration::from_secs(2))?;
     let ms = Duration::from_millis;
-    // Wait up to ~50 ms for the account, then park the order on it.
+    // Wait up to ~50 ms for the account, then join the account's line.
     let strategy = OnConflict::retry(Backoff::exponential(ms(5), ms(20))?.max_elapsed(ms(50)))
         .then_defer(queue.clone(), DeferDelay::until_released());
 
@@ -113,7 +114,7 @@ async fn run() -> Result<(), BoxError> {
 
     let m = metrics.snapshot();
     println!(
-        "\nsummary: {} handled, {} parked while their account was busy, {} retried, {} dead",
+        "\nsummary: {} handled, {} deferred into their account's line, {} retried, {} dead",
         m.done, m.deferred, m.retried, m.dead
     );
     let stats = queue.stats().await?;

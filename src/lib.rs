@@ -10,7 +10,7 @@
 //!   dead letters, and its [`Waiter`](queue::Waiter) for blocking wake-ups.
 //! * [`layer`]: the [`LockLayer`] tower middleware and its [`OnConflict`]
 //!   strategies (fail, retry with [`Backoff`] woken by the release, defer
-//!   for a time or park until released), returning an [`Outcome`].
+//!   for a time or into the key's line until released), returning an [`Outcome`].
 //! * [`worker`]: the [`Worker`], which drives a tower service from a queue:
 //!   claims, settles, renews leases, recovers, reconnects, shuts down.
 //! * [`error`]: the crate's [`Error`] type.

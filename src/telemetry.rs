@@ -12,8 +12,7 @@
 //! | `lockgate_messages_claimed_total` | counter | `queue` | messages a worker claimed |
 //! | `lockgate_messages_done_total` | counter | `queue` | handled and acknowledged |
 //! | `lockgate_messages_retried_total` | counter | `queue` | failed, scheduled for another attempt |
-//! | `lockgate_messages_deferred_total` | counter | `queue` | deferred because their key was busy (parked ones included) |
-//! | `lockgate_messages_parked_total` | counter | `queue` | parkings on a busy key (`DeferDelay::until_released`); a parked message that comes back before its turn and parks again counts again, as it does in `deferred` |
+//! | `lockgate_messages_deferred_total` | counter | `queue` | deferred because their key was busy (into the key's line included) |
 //! | `lockgate_messages_dead_total` | counter | `queue` | moved to the dead letters (stalled too often included) |
 //! | `lockgate_leases_lost_total` | counter | `queue` | claims that ran out while their handler ran |
 //! | `lockgate_messages_recovered_total` | counter | `queue` | messages of dead workers requeued or buried |
@@ -22,7 +21,7 @@
 //! | `lockgate_due_lag_seconds` | histogram | `queue` | from a message's due time (server clock) to its handler's start (this host's clock) |
 //! | `lockgate_queue_messages` | gauge | `queue`, `state` (`due`, `later`, `active`, `dead`) | sampled by each worker (`Worker::sample_every`) |
 //! | `lockgate_lock_acquired_total` | counter | — | locks and permits a `LockLayer` took |
-//! | `lockgate_lock_contended_total` | counter | `outcome` (`acquired`, `failed`, `deferred`, `parked`) | calls that found their key busy, by how they ended |
+//! | `lockgate_lock_contended_total` | counter | `outcome` (`acquired`, `failed`, `deferred`) | calls that found their key busy, by how they ended |
 //! | `lockgate_lock_wait_seconds` | histogram | — | how long a call that found its key busy waited for it (`retry`) |
 //! | `lockgate_locks_lost_total` | counter | — | locks lost while their handler ran |
 
@@ -67,30 +66,23 @@ impl QueueInstruments {
     }
 }
 
-/// Counts a message parked on its key in `queue`.
-pub(crate) fn count_parked(queue: &str) {
-    counter!("lockgate_messages_parked_total", "queue" => queue.to_owned()).increment(1);
-}
-
 /// A `LockLayer`'s instruments.
 pub(crate) struct LockInstruments {
     pub(crate) acquired: Counter,
     pub(crate) acquired_after_wait: Counter,
     pub(crate) failed: Counter,
     pub(crate) deferred: Counter,
-    pub(crate) parked: Counter,
     pub(crate) wait: Histogram,
     pub(crate) lost: Counter,
 }
 
 impl LockInstruments {
-    /// Counts a call that gave up on its busy key, by the strategy's answer
-    /// (`parks`: the message parked on the key), and passes the answer on.
-    pub(crate) fn gave_up<T, E>(&self, answer: Result<T, E>, parks: bool) -> Result<T, E> {
-        match (&answer, parks) {
-            (Err(_), _) => self.failed.increment(1),
-            (Ok(_), true) => self.parked.increment(1),
-            (Ok(_), false) => self.deferred.increment(1),
+    /// Counts a call that gave up on its busy key, by the strategy's
+    /// answer, and passes the answer on.
+    pub(crate) fn gave_up<T, E>(&self, answer: Result<T, E>) -> Result<T, E> {
+        match &answer {
+            Err(_) => self.failed.increment(1),
+            Ok(_) => self.deferred.increment(1),
         }
         answer
     }
@@ -103,7 +95,6 @@ impl LockInstruments {
             acquired_after_wait: contended("acquired"),
             failed: contended("failed"),
             deferred: contended("deferred"),
-            parked: contended("parked"),
             wait: histogram!("lockgate_lock_wait_seconds"),
             lost: counter!("lockgate_locks_lost_total"),
         }

@@ -752,20 +752,21 @@ async fn workers_on_the_cluster_handle_every_message_once_with_per_key_exclusion
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parked_messages_on_the_cluster_are_each_handled_once_one_at_a_time_per_key() {
-    parked_messages_on_the_cluster(None).await;
+async fn messages_in_key_lines_on_the_cluster_are_each_handled_once_one_at_a_time_per_key() {
+    lines_on_the_cluster(None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parked_messages_on_the_cluster_are_each_handled_once_two_at_a_time_per_key() {
-    parked_messages_on_the_cluster(Some(2)).await;
+async fn messages_in_key_lines_on_the_cluster_are_each_handled_once_two_at_a_time_per_key() {
+    lines_on_the_cluster(Some(2)).await;
 }
 
-/// 300 messages on 5 hot keys, two workers, parking until the key (or, with
-/// `permits`, one of its permits) frees.
-async fn parked_messages_on_the_cluster(permits: Option<u32>) {
+/// 300 messages on 5 hot keys, two workers, deferred into the key's line
+/// until the key (or, with `permits`, one of its permits) frees: the lines
+/// live on the nodes of the keys' locks, the queue on its own.
+async fn lines_on_the_cluster(permits: Option<u32>) {
     let cluster = cluster();
-    let name = "parked{eu}";
+    let name = "lines{eu}";
     let hot = ["a}b", "{x}", "plain", "k{y}z", "}"];
     let total: u32 = 300;
     let producer: Queue<Msg, _> = Queue::new(connect(&cluster).await, name).unwrap();
@@ -866,8 +867,8 @@ async fn parked_messages_on_the_cluster(permits: Option<u32>) {
     let snapshots: Vec<_> = metrics.iter().map(|m| m.snapshot()).collect();
     let done: u64 = snapshots.iter().map(|s| s.done).sum();
     assert_eq!(done, u64::from(total), "{snapshots:?}");
-    // Parking counts one deferral per message at most, however long it
-    // waits; the parking scripts ran on the queue's node.
+    // A message joins its key's line once at most, however long it waits:
+    // one deferral per message at most.
     let deferred: u64 = snapshots.iter().map(|s| s.deferred).sum();
     assert!(deferred <= u64::from(total), "{snapshots:?}");
     assert!(

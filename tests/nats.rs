@@ -236,7 +236,7 @@ async fn a_consumer_killed_mid_run_loses_no_order() {
     ];
     publish(&nats, total, &ACCOUNTS).await;
     // Kill one consumer (SIGKILL: no goodbye) once it is well under way,
-    // holding locks, parked orders and unacknowledged messages.
+    // holding locks, orders waiting in their account's line and unacknowledged messages.
     let deadline = Instant::now() + secs(30);
     while handled(&consumers[..1]).len() < 20 {
         assert!(

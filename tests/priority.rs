@@ -214,13 +214,13 @@ async fn a_worker_handles_a_backlog_by_priority() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prioritized_messages_park_on_a_busy_key_and_come_back() {
+async fn prioritized_messages_deferred_into_a_busy_key_s_line_each_run_once() {
     use lockgate::layer::DeferDelay;
     use lockgate::{LockLayer, OnConflict};
 
     let server = server();
     let conn = manager(&server).await;
-    let queue: Q = Queue::new(conn.clone(), "parked").unwrap();
+    let queue: Q = Queue::new(conn.clone(), "lines").unwrap();
     let msgs: Vec<(u32, PushOptions)> = (0..12u32).map(|n| (n, prio((n % 3 * 4) as u8))).collect();
     queue
         .push_many_with(msgs.iter().map(|(n, o)| (n, o.clone())))

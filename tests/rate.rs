@@ -262,7 +262,7 @@ async fn bad_rates_are_configuration_errors() {
     for case in cases {
         assert!(matches!(case, Err(Error::Config(_))), "{case:?}");
     }
-    // Parking is for locks.
+    // Waiting in a key's line until released is for locks.
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();

@@ -18,8 +18,8 @@
 //! GroupMQ runs from `bench/groupmq/hot.mjs` (installed with `npm ci` there
 //! on first use; needs `node` and `npm`). lockgate runs twice: the keyed
 //! queue (messages pushed with `PushOptions::key`, a plain handler), and
-//! the park recipe it replaces (`LockLayer` with
-//! `retry(4).then_defer(queue, until_released())`).
+//! the layer recipe (unkeyed messages, a `LockLayer` with
+//! `retry(4).then_defer(queue, until_released())`: into the key's line).
 
 #[path = "../../benches/common/mod.rs"]
 mod common;
@@ -49,15 +49,16 @@ const ROLE: &str = "LOCKGATE_BENCH_ROLE";
 enum Mode {
     /// The keyed queue: messages pushed with their key.
     Keyed,
-    /// The park recipe: unkeyed messages, a `LockLayer` that parks.
-    Park,
+    /// The layer recipe: unkeyed messages, a `LockLayer` that defers
+    /// into the key's line.
+    Layer,
 }
 
 impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Keyed => "keyed",
-            Mode::Park => "park",
+            Mode::Layer => "layer",
         }
     }
 }
@@ -88,7 +89,7 @@ fn main() -> Result<(), BoxError> {
         let mode = if role == "keyed" {
             Mode::Keyed
         } else {
-            Mode::Park
+            Mode::Layer
         };
         return runtime.block_on(work(&url, mode));
     }
@@ -102,7 +103,7 @@ fn main() -> Result<(), BoxError> {
             groupmq(&server, messages, keys)?
         };
         let mut lockgate = Vec::new();
-        for mode in [Mode::Keyed, Mode::Park] {
+        for mode in [Mode::Keyed, Mode::Layer] {
             let server = RedisServer::start()?;
             lockgate.push(runtime.block_on(drive(&server, messages, keys, mode))?);
         }
@@ -130,7 +131,7 @@ fn report(
     let rows = [
         ("GroupMQ 1.1", groupmq),
         ("lockgate, keyed queue", &lockgate[0]),
-        ("lockgate, park recipe", &lockgate[1]),
+        ("lockgate, layer recipe", &lockgate[1]),
     ];
     for (name, s) in rows {
         println!(
@@ -201,7 +202,7 @@ async fn drive(
         .collect();
     for chunk in msgs.chunks(1000) {
         match mode {
-            Mode::Park => drop(queue.push_many(chunk).await?),
+            Mode::Layer => drop(queue.push_many(chunk).await?),
             Mode::Keyed => {
                 let keyed = chunk
                     .iter()
@@ -351,7 +352,7 @@ async fn work(url: &str, mode: Mode) -> Result<(), BoxError> {
             let worker = Worker::new(client, queue, handler).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;
         }
-        Mode::Park => {
+        Mode::Layer => {
             let service = ServiceBuilder::new().layer(layer).service(handler);
             let worker = Worker::new(client, queue, service).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;

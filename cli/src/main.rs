@@ -816,12 +816,10 @@ impl Output {
         if !recorded {
             return say!("  rates   (no lifecycle events recorded: Queue::record_events)");
         }
-        let line: Vec<String> = [
-            "pushed", "claimed", "done", "retried", "deferred", "parked", "dead",
-        ]
-        .iter()
-        .map(|kind| format!("{kind} {:.0}/s", rates.get(kind).copied().unwrap_or(0.0)))
-        .collect();
+        let line: Vec<String> = ["pushed", "claimed", "done", "retried", "deferred", "dead"]
+            .iter()
+            .map(|kind| format!("{kind} {:.0}/s", rates.get(kind).copied().unwrap_or(0.0)))
+            .collect();
         say!("  rates   {}", line.join("  "));
     }
 

@@ -151,7 +151,8 @@ async fn finds_queues_among_other_keys_and_speaks_json() {
             q.push(serde_json::json!({ "i": i })).await.unwrap();
         }
     }
-    // Keys that are not queues: plain keys, a lock, a queue's parking keys,
+    // Keys that are not queues: plain keys, a lock, keys that look like a
+    // queue's,
     // and a queue under another prefix.
     let _: () = redis::cmd("SET")
         .arg("lockgate:{x}:something")

@@ -479,10 +479,8 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// the time until the first holder's lease ends, `retry` (woken by a
     /// release under [`wake_on_release`](Self::wake_on_release): a
     /// release hands its permit to the first waiter in line), a timed
-    /// `defer`, or parking until a permit frees
-    /// ([`DeferDelay::until_released`](crate::layer::DeferDelay::until_released)):
-    /// the key's permits then live in the queue's hash slot, as a parking
-    /// lock does.
+    /// `defer`, or a place in the key's line until a permit frees
+    /// ([`DeferDelay::until_released`](crate::layer::DeferDelay::until_released)).
     ///
     /// One key shared by every call makes a global limit: "at most 20
     /// handlers of this queue across the fleet" is

@@ -63,8 +63,8 @@ impl RateSlot {
 /// * `then_defer(queue, DeferDelay::until_allowed())`: the message goes back
 ///   to the queue until its slot, and the slot is **reserved** for it: it
 ///   runs in the period it was deferred to. (Other delays defer without a
-///   reservation.) Parking until released is for locks: it fails the call
-///   with [`Error::Config`](crate::Error::Config).
+///   reservation.) `DeferDelay::until_released()` is for locks: it fails
+///   the call with [`Error::Config`](crate::Error::Config).
 ///
 /// It only admits: nothing is held while the handler runs. Stack it with a
 /// [`LockLayer`](crate::LockLayer) (outside it, so that a call over the rate
@@ -246,9 +246,9 @@ where
 {
     let (locker, rate) = (&config.locker, &config.rate);
     let then = &config.on_conflict.then;
-    if then.parking(&key, false).is_some() {
+    if then.until_released() {
         return Err(crate::Error::Config(format!(
-            "a rate limit cannot park `{key}` until released: use DeferDelay::until_allowed()"
+            "a rate limit has no release to wait for on `{key}`: use DeferDelay::until_allowed()"
         ))
         .into());
     }

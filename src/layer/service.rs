@@ -164,21 +164,9 @@ where
     // Whether the call found its key busy (in Redis, or behind this
     // process's earlier callers), for the metrics.
     let mut contended = false;
-    // A strategy that parks messages on the key locks it in the queue's
-    // hash slot, and tells the parking scripts which message asks.
-    let ticket = match config.on_conflict.then.parking(&key, permits.is_some()) {
-        Some(mut parking) => {
-            parking.message = running
-                .job
-                .as_ref()
-                .filter(|job| job.queue.data == parking.data)
-                .map(|job| job.token.id().to_owned());
-            locker.parking_ticket(key, parking, permits)?
-        }
-        None => match permits {
-            Some(permits) => locker.permit_ticket(key, permits)?,
-            None => locker.ticket(key)?,
-        },
+    let ticket = match permits {
+        Some(permits) => locker.permit_ticket(key, permits)?,
+        None => locker.ticket(key)?,
     };
     let key = ticket.key();
     // Under `retry`, wait behind this process's earlier calls for the key
@@ -203,7 +191,7 @@ where
                         let give_up =
                             running.provide(|| config.on_conflict.then.give_up(req, busy));
                         let gave_up = Box::pin(give_up).await;
-                        let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
+                        let (id, due) = instruments.gave_up(gave_up)?;
                         return Ok(Outcome::Deferred { id, due });
                     }
                 },
@@ -245,8 +233,8 @@ where
         // The first try is the plain `SET NX PX`; a busy key (and
         // every later try) runs the contend script, which tries again and
         // reads how long the holder still has.
-        // A waiter that listens joins the key's line (or, for a parking
-        // lock, marks it), so that the release hands it on or publishes. One
+        // A waiter that listens joins the key's line, so that the release
+        // hands it on. One
         // that cannot hear releases now (the listener reconnects) does not
         // join, but leaves the line if it takes the lock.
         let line = match watch.as_ref().is_some_and(|w| w.is_ready()) {
@@ -254,7 +242,7 @@ where
             false if joined.is_some() => Line::Leave,
             false => Line::Outside,
         };
-        if line == Line::Join && joined.is_none() && ticket.waits_in_line() {
+        if line == Line::Join && joined.is_none() {
             joined = Some(Instant::now());
         }
         let acquisition = match tries {
@@ -296,10 +284,7 @@ where
             Acquisition::Contended(busy) => busy,
         };
         contended = true;
-        if busy.parked_ahead() {
-            // Messages parked on the key go first: waiting cannot help,
-            // parking behind them (the strategy's next step) does.
-        } else if let (Some(backoff), Some(listener)) =
+        if let (Some(backoff), Some(listener)) =
             (retry, retry.and_then(|_| config.wake.listener(locker)))
         {
             // Woken by the release: waits are bounded by the budget's time
@@ -370,7 +355,7 @@ where
         tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
         let give_up = running.provide(|| config.on_conflict.then.give_up(req, busy));
         let gave_up = Box::pin(give_up).await;
-        let (id, due) = instruments.gave_up(gave_up, ticket.parks())?;
+        let (id, due) = instruments.gave_up(gave_up)?;
         return Ok(Outcome::Deferred { id, due });
     };
     drop(watch);
@@ -433,7 +418,7 @@ where
 {
     let job = running.job.as_ref()?;
     let (held, token, limit) = job.token.held_lock()?;
-    let same = held == key && (limit > 1).then_some(limit) == permits;
+    let same = held == key && (limit > 0).then_some(limit) == permits;
     (same && job.queue.prefix == locker.key_prefix()).then_some(token)
 }
 

@@ -159,8 +159,7 @@ pub enum DeferDelay {
         /// The most added on top of the holder's remaining TTL.
         jitter: Duration,
     },
-    /// Parked on its key until the key's lock is released: see
-    /// [`DeferDelay::until_released`].
+    /// Into the key's line at once: see [`DeferDelay::until_released`].
     UntilReleased,
     /// Exactly [`Contended::retry_after`]: see [`DeferDelay::until_allowed`].
     UntilAllowed,
@@ -183,35 +182,21 @@ impl DeferDelay {
         DeferDelay::HolderTtl { jitter }
     }
 
-    /// Parks the message on its key: the release that frees the key brings
-    /// the first parked message back, due at once, and the messages parked
-    /// on a key come back one at a time, in the order they were pushed
-    /// (messages claimed together park in whatever order their handlers
-    /// find the key busy; they still come back oldest first). A message
-    /// arriving for a key with parked messages parks behind them (per-key
-    /// order), also when the key is free. If the holder dies
-    /// without releasing, the first parked message comes back when its lock
-    /// expires: nothing is stranded, lost or claimable twice (a parked
-    /// message stays on the queue's schedule; a per-key sorted set only
-    /// orders them). Parking counts one deferral per message, however long
-    /// it waits. A parked message whose handler then fails is retried like
-    /// any failure, outside the parking order.
-    ///
-    /// The lock of a key parked in queue `q` lives in `q`'s hash slot,
-    /// `<prefix>:{q}:lock:<key>`, so that on a Redis Cluster the release and
-    /// the un-parking are one script. That lock is a different one from
-    /// `Locker::lock_key(key)`: code that must exclude the same key
-    /// elsewhere goes through a layer parking in the same queue. Parking
-    /// needs the messages to come from a [`Worker`](crate::Worker) on that
-    /// queue (it knows each message's id); any other request is pushed into
-    /// the queue, due at once, and parks when it is handled there.
-    ///
-    /// With [`LockLayer::permits`](crate::LockLayer::permits) (or
-    /// [`Permits`](crate::Permits) from the key function) a message parks
-    /// until one of the key's permits frees: each release brings the first
-    /// parked message back, and one that takes a permit brings the next back
-    /// at once while permits are left. The key's permits then live in the
-    /// queue's slot too, `<prefix>:{q}:permits:<key>`.
+    /// Into the key's line in the queue (see
+    /// [`PushOptions::key`](crate::queue::PushOptions::key)), where it is
+    /// claimed when the key is free: the key's messages deferred this way
+    /// are claimed one at a time, in the order they joined, each with the
+    /// key's lock, the one every `Locker` and `LockLayer` takes (or one of
+    /// its permits, with [`LockLayer::permits`](crate::LockLayer::permits)),
+    /// and the layer over it uses that lock instead of contending again.
+    /// Nothing is claimed while the key is busy: no deferral counts after
+    /// the first, and the release (heard by the worker's listener) makes
+    /// the next one claimable at once. A message a worker of the queue is
+    /// running moves into the line under its id, its counts kept (it loses
+    /// a priority: a key's messages start in line order); any other request
+    /// is pushed into the line. Needs a [`Worker`](crate::Worker) on the
+    /// queue. For locks only: a [`RateLimitLayer`](crate::layer::RateLimitLayer)
+    /// refuses it (use [`until_allowed`](Self::until_allowed)).
     pub fn until_released() -> Self {
         DeferDelay::UntilReleased
     }
@@ -248,16 +233,14 @@ impl From<Duration> for DeferDelay {
 }
 
 pub(crate) mod sealed {
-    use crate::lock::Parking;
     use crate::queue::RunningJob;
 
     /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
     pub trait Sealed {
-        /// Where messages park on `key` (a key with permits when
-        /// `permits`), when the strategy parks them.
-        #[allow(private_interfaces)]
-        fn parking(&self, _key: &str, _permits: bool) -> Option<Parking> {
-            None
+        /// Whether giving up defers the message into its key's line at
+        /// once (`DeferDelay::until_released`).
+        fn until_released(&self) -> bool {
+            false
         }
 
         /// Whether giving up reschedules `running` in place, exactly when
@@ -270,10 +253,8 @@ pub(crate) mod sealed {
     }
     impl Sealed for super::Fail {}
     impl<T, C> Sealed for super::Defer<T, C> {
-        #[allow(private_interfaces)]
-        fn parking(&self, key: &str, permits: bool) -> Option<Parking> {
-            (self.delay == super::DeferDelay::UntilReleased)
-                .then(|| self.queue.parking(key, permits))
+        fn until_released(&self) -> bool {
+            self.delay == super::DeferDelay::UntilReleased
         }
 
         #[allow(private_interfaces)]
@@ -315,93 +296,55 @@ where
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
+        let into_line = self.delay == DeferDelay::UntilReleased;
         // The job a Worker is running, handed to this layer by its claim
         // (see `RunningJob`): when it was claimed from this very queue, this
         // request is its payload (mapped before this layer), and the job is
-        // rescheduled in place: same id, counts and stored bytes. Identity is
+        // deferred in place: same id, counts and stored bytes. Identity is
         // the claim, never the payload's bytes, which another producer may
         // have written differently. Anything else is pushed as a new message.
         let running = RunningJob::take().filter(|job| &job.queue == queue.keys());
         // The id a consumer gave the message (`with_message_id`), for a new
         // message: a redelivered copy finds it and is not pushed twice.
         let id = crate::queue::take_message_id();
-        let parks = self.delay == DeferDelay::UntilReleased;
         Box::pin(async move {
-            match running {
-                Some(job) if parks => {
-                    park_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy).await
-                }
-                Some(job) => {
-                    defer_in_place(
-                        &queue,
-                        &job.token,
-                        job.deferrals,
-                        max_deferrals,
-                        &busy,
-                        delay,
-                    )
-                    .await
-                }
-                None => {
-                    let mut options = PushOptions::new().after(delay);
-                    if let Some(id) = id {
-                        options = options.id(id);
-                    }
-                    let pushed = queue.push_with(req, options).await?;
-                    let due = pushed.due.unwrap_or_else(SystemTime::now);
-                    tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
-                    Ok((pushed.id, due))
-                }
+            if let Some(job) = running {
+                let to = (delay, into_line);
+                return defer_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy, to)
+                    .await;
             }
+            let mut options = line_options(&busy, delay, into_line);
+            if let Some(id) = id {
+                options = options.id(id);
+            }
+            let pushed = queue.push_with(req, options).await?;
+            let due = pushed.due.unwrap_or_else(SystemTime::now);
+            tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
+            Ok((pushed.id, due))
         })
     }
 }
 
-/// Parks a claimed job on its busy key (one script), within its deferral
-/// cap (checked by the script: a parked job that came back before its turn
-/// is put back without counting).
-async fn park_in_place<T, C>(
-    queue: &Queue<T, C>,
-    token: &ClaimToken,
-    deferrals: u32,
-    max_deferrals: Option<u32>,
-    busy: &Contended,
-) -> Result<Deferral, BoxError>
-where
-    T: Serialize + DeserializeOwned,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    let parking = queue.parking(busy.key(), busy.permits().is_some());
-    match queue
-        .park(token, &parking, busy.permits(), max_deferrals)
-        .await?
-    {
-        Ok(Some(due)) => {
-            crate::telemetry::count_parked(queue.name());
-            tracing::debug!(key = %busy.key(), id = %token.id(), "parked until the key is released");
-            Ok((token.id().to_owned(), due))
-        }
-        Ok(None) => Err(ClaimLost {
-            id: token.id().to_owned(),
-        }
-        .into()),
-        Err(()) => Err(TooManyDeferrals {
-            id: token.id().to_owned(),
-            key: busy.key().to_owned(),
-            deferrals,
-        }
-        .into()),
+/// How a new message deferred on `busy` is pushed: due after `delay`, or
+/// into its key's line (`into_line`: `DeferDelay::until_released`).
+fn line_options(busy: &Contended, delay: Duration, into_line: bool) -> PushOptions {
+    let options = PushOptions::new().after(delay);
+    match (into_line, busy.permits()) {
+        (false, _) => options,
+        (true, None) => options.key(busy.key()),
+        (true, Some(n)) => options.key(busy.key()).permits(n),
     }
 }
 
-/// Reschedules a claimed job in place (one script), within its deferral cap.
+/// Defers a claimed job in place, within its deferral cap: rescheduled
+/// after `delay` (one script), or moved into its key's line (`into_line`).
 async fn defer_in_place<T, C>(
     queue: &Queue<T, C>,
     token: &ClaimToken,
     deferrals: u32,
     max_deferrals: Option<u32>,
     busy: &Contended,
-    delay: Duration,
+    (delay, into_line): (Duration, bool),
 ) -> Result<Deferral, BoxError>
 where
     T: Serialize + DeserializeOwned,
@@ -415,7 +358,24 @@ where
         }
         .into());
     }
-    match queue.defer(token, delay).await? {
+    // A job claimed with its key's lock keeps its place in its own line; an
+    // unkeyed one a `LockLayer` found busy moves into its key's line.
+    let deferred = match (into_line, token.held_lock()) {
+        (true, None) => {
+            let limits = busy.permits().map_or(String::new(), |n| n.to_string());
+            let key = (busy.key(), limits.as_str());
+            queue.defer_to_key(token, key, delay).await?
+        }
+        // Claimed with its own key's lock, busy on another key: it keeps
+        // its place in its own line, and waits out the other holder's lease
+        // at least (it cannot stand in two lines).
+        (true, Some(_)) => {
+            let wait = busy.retry_after().max(MIN_HOLDER_WAIT);
+            queue.defer(token, delay.max(wait)).await?
+        }
+        (false, _) => queue.defer(token, delay).await?,
+    };
+    match deferred {
         Some(due) => {
             tracing::debug!(key = %busy.key(), id = %token.id(), deferrals = deferrals + 1, ?delay, "deferred");
             Ok((token.id().to_owned(), due))
@@ -440,22 +400,23 @@ where
         let queue = self.queue.clone();
         let delay = self.delay.resolve(&busy);
         let max_deferrals = self.max_deferrals;
-        let parks = self.delay == DeferDelay::UntilReleased;
+        let into_line = self.delay == DeferDelay::UntilReleased;
         Box::pin(async move {
             if job.queue_keys() != queue.keys() {
                 // Claimed from another queue: copy it into the deferral queue.
                 // The worker that claimed it acknowledges the original when it
-                // sees a deferral under another id.
-                // It keeps its priority.
-                let options = PushOptions::new().after(delay).priority(job.priority());
+                // sees a deferral under another id. Outside a key's line it
+                // keeps its priority.
+                let mut options = line_options(&busy, delay, into_line);
+                if !into_line {
+                    options = options.priority(job.priority());
+                }
                 let pushed = queue.push_with(job.into_payload(), options).await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();
-            if parks {
-                return park_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy).await;
-            }
-            defer_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy, delay).await
+            let to = (delay, into_line);
+            defer_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy, to).await
         })
     }
 }

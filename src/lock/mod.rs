@@ -352,9 +352,6 @@ pub struct Contended {
     key: String,
     /// How long the current holder's lock still lives (zero if unknown).
     retry_after: Duration,
-    /// Messages parked on the key come first (`DeferDelay::until_released`):
-    /// retrying cannot help, only parking behind them.
-    parked_ahead: bool,
     /// How many permits the key has; `None` for a lock.
     permits: Option<u32>,
 }
@@ -364,7 +361,6 @@ impl Contended {
         Self {
             key,
             retry_after,
-            parked_ahead: false,
             permits: None,
         }
     }
@@ -377,11 +373,6 @@ impl Contended {
     /// How many permits the key has; `None` for a lock.
     pub(crate) fn permits(&self) -> Option<u32> {
         self.permits
-    }
-
-    /// Whether messages parked on the key come first.
-    pub(crate) fn parked_ahead(&self) -> bool {
-        self.parked_ahead
     }
 
     /// The contended key, as the caller named it.
@@ -425,52 +416,9 @@ pub(crate) struct Ticket {
     token: Token,
     /// The fencing token, once issued (see `Locker::fence`).
     fence: OnceLock<u64>,
-    /// Set when the lock parks messages (`DeferDelay::until_released`):
-    /// then it lives in the queue's hash slot and is taken and released by
-    /// the queue's parking scripts.
-    parking: Option<Arc<Parking>>,
     /// Set for one of n permits (see [`permits`]): then `lock_key` names
     /// the key's permits set.
     permits: Option<u32>,
-}
-
-/// The keys of a lock whose key parks messages of a queue, all in the
-/// queue's hash slot (see `src/queue/lua/parking.lua`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Parking {
-    /// The lock: `<prefix>:{<queue>}:lock:<key>`.
-    pub(crate) lock: String,
-    /// The fence record: `<prefix>:{<queue>}:fence:<key>`. For a key with
-    /// permits, `lock` is its permits set `<prefix>:{<queue>}:permits:<key>`
-    /// and `fence` its fences hash `<prefix>:{<queue>}:permit-fences:<key>`.
-    pub(crate) fence: String,
-    /// For a key with permits, its line of waiters:
-    /// `<prefix>:{<queue>}:permits-waiters:<key>` (empty for a lock).
-    pub(crate) line: String,
-    /// The ids parked on the key, by push time: `<prefix>:{<queue>}:parked:<key>`.
-    pub(crate) parked: String,
-    /// The queue's data hash, dead set, schedule and bell.
-    pub(crate) data: String,
-    pub(crate) dead: String,
-    pub(crate) schedule: String,
-    pub(crate) bell: String,
-    /// The queue's prioritized set (after the bell in the scripts' keys).
-    pub(crate) prioritized: String,
-    /// The id of the message asking for the lock, when the request is one.
-    pub(crate) message: Option<String>,
-}
-
-impl Parking {
-    /// Appends the queue's keys the parking scripts take after the lock:
-    /// the parked set, data, dead set, schedule, bell and prioritized set.
-    pub(crate) fn queue_keys<'c>(&self, cmd: &'c mut redis::Cmd) -> &'c mut redis::Cmd {
-        cmd.arg(&self.parked)
-            .arg(&self.data)
-            .arg(&self.dead)
-            .arg(&self.schedule)
-            .arg(&self.bell)
-            .arg(&self.prioritized)
-    }
 }
 
 impl Ticket {
@@ -485,23 +433,6 @@ impl Ticket {
 
     pub(crate) fn lock_key(&self) -> &str {
         &self.lock_key
-    }
-
-    /// Whether a waiter that listens for releases joins the key's line of
-    /// waiters, to which a release hands the lock (`contend.lua`) or a
-    /// permit (`permits/permits.lua`): all but parking locks, whose
-    /// releases wake every waiter.
-    pub(crate) fn waits_in_line(&self) -> bool {
-        self.parking.is_none() || self.permits.is_some()
-    }
-
-    /// Whether giving up on this lock parks the message asking for it
-    /// (`DeferDelay::until_released`, for a message of the parking queue;
-    /// any other request is pushed into the queue instead).
-    pub(crate) fn parks(&self) -> bool {
-        self.parking
-            .as_deref()
-            .is_some_and(|parking| parking.message.is_some())
     }
 
     /// The holder's random token.
@@ -964,7 +895,6 @@ where
             key,
             token: Token::random(),
             fence: OnceLock::new(),
-            parking: None,
             permits: None,
         }))
     }
@@ -986,32 +916,8 @@ where
             key,
             token,
             fence: OnceLock::new(),
-            parking: None,
             permits,
         })
-    }
-
-    /// Prepares an attempt at the lock on `key` that parks messages of a
-    /// queue: its keys are in the queue's hash slot. With `permits`, one of
-    /// the key's permits instead of its lock.
-    pub(crate) fn parking_ticket(
-        &self,
-        key: String,
-        parking: Parking,
-        permits: Option<u32>,
-    ) -> Result<Arc<Ticket>> {
-        if key.is_empty() {
-            return Err(Error::InvalidKey("lock key must not be empty".into()));
-        }
-        let permits = permits.map(permits::check_permits).transpose()?;
-        Ok(Arc::new(Ticket {
-            key,
-            lock_key: parking.lock.clone(),
-            token: Token::random(),
-            fence: OnceLock::new(),
-            parking: Some(Arc::new(parking)),
-            permits,
-        }))
     }
 
     /// A new attempt at the same lock as `ticket`, with a new token.
@@ -1036,9 +942,8 @@ where
                 "acquiring lock `{}`",
                 ticket.key
             )))?;
-        if ticket.parking.is_some() || ticket.permits.is_some() {
-            // Parked messages may come first, or the key admits several
-            // holders: only the script can tell.
+        if ticket.permits.is_some() {
+            // The key admits several holders: only the script can tell.
             return match self.contend(ticket, Line::Outside).await? {
                 Acquisition::Contended(_) => Ok(None),
                 acquired => Ok(Some(acquired)),
@@ -1068,43 +973,22 @@ where
         }
         let started = Instant::now();
         let mark = line.arg();
-        let (script, cmd) = match ticket.parking.as_deref() {
-            None => {
-                let mut cmd = script::evalsha(&CONTEND, 2);
-                cmd.arg(ticket.lock_key())
-                    .arg(KeyName(ticket.lock_key(), WAITERS))
-                    .arg(ticket.token)
-                    .arg(millis(self.config.ttl))
-                    .arg(mark);
-                (&*CONTEND, cmd)
-            }
-            Some(parking) => {
-                let script = &crate::queue::scripts::Scripts::get().park_acquire;
-                let mut cmd = script::evalsha(script, 7);
-                cmd.arg(ticket.lock_key());
-                parking
-                    .queue_keys(&mut cmd)
-                    .arg(ticket.token)
-                    .arg(millis(self.config.ttl))
-                    .arg(mark)
-                    .arg(parking.message.as_deref().unwrap_or(""));
-                (script, cmd)
-            }
-        };
+        let mut cmd = script::evalsha(&CONTEND, 2);
+        cmd.arg(ticket.lock_key())
+            .arg(KeyName(ticket.lock_key(), WAITERS))
+            .arg(ticket.token)
+            .arg(millis(self.config.ttl))
+            .arg(mark);
         let reply: Vec<i64> = self
-            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
+            .send_acquire(Some(&CONTEND), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
-        let (acquired, left, parked_ahead) = match reply[..] {
-            [acquired, left] => (acquired, left, false),
-            [acquired, left, ahead] => (acquired, left, ahead == 1),
-            _ => {
-                return Err(Error::reply(
-                    format_args!("acquiring lock `{}`", ticket.key),
-                    format_args!("expected 2 or 3 integers, got {reply:?}"),
-                ));
-            }
+        let [acquired, left] = reply[..] else {
+            return Err(Error::reply(
+                format_args!("acquiring lock `{}`", ticket.key),
+                format_args!("expected 2 integers, got {reply:?}"),
+            ));
         };
         // PTTL is -1 for a key someone set without expiry, -2 if it vanished;
         // neither tells when to retry, so say "now".
@@ -1115,7 +999,6 @@ where
             Ok(Acquisition::Contended(Contended {
                 key: ticket.key.clone(),
                 retry_after: left,
-                parked_ahead,
                 permits: None,
             }))
         }
@@ -1133,7 +1016,7 @@ where
     pub(crate) fn handed(&self, ticket: &Arc<Ticket>, joined: Instant) -> Option<Lease> {
         let expires_at = joined + HANDOFF;
         let enough = Instant::now() + HANDOFF / 2 <= expires_at;
-        (enough && self.config.durability.is_none() && ticket.waits_in_line()).then(|| Lease {
+        (enough && self.config.durability.is_none()).then(|| Lease {
             ticket: ticket.clone(),
             expires_at,
         })
@@ -1266,12 +1149,8 @@ where
         } else {
             let mut cmd = script::evalsha(&FENCE, 2);
             // Made here, not with the ticket: most holders never ask for one.
-            let fence_key = match ticket.parking.as_deref() {
-                Some(parking) => parking.fence.clone(),
-                None => self.fence_key(&ticket.key),
-            };
             cmd.arg(ticket.lock_key())
-                .arg(fence_key)
+                .arg(self.fence_key(&ticket.key))
                 .arg(ticket.token)
                 .arg(millis(FENCE_GRACE));
             (&*FENCE, cmd)
@@ -1322,24 +1201,13 @@ where
         if ticket.permits.is_some() {
             return self.release_permit(ticket, publish).await;
         }
-        let (script, cmd) = match ticket.parking.as_deref() {
-            None => {
-                let mut cmd = script::evalsha(&RELEASE, 2);
-                cmd.arg(ticket.lock_key())
-                    .arg(KeyName(ticket.lock_key(), WAITERS))
-                    .arg(ticket.token)
-                    .arg(publish)
-                    .arg(millis(HANDOFF));
-                (&*RELEASE, cmd)
-            }
-            Some(parking) => {
-                let script = &crate::queue::scripts::Scripts::get().park_release;
-                let mut cmd = script::evalsha(script, 7);
-                cmd.arg(ticket.lock_key());
-                parking.queue_keys(&mut cmd).arg(ticket.token).arg(publish);
-                (script, cmd)
-            }
-        };
+        let mut cmd = script::evalsha(&RELEASE, 2);
+        cmd.arg(ticket.lock_key())
+            .arg(KeyName(ticket.lock_key(), WAITERS))
+            .arg(ticket.token)
+            .arg(publish)
+            .arg(millis(HANDOFF));
+        let script = &*RELEASE;
         let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(|e| Error::redis(attempted())(e))?;

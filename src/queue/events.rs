@@ -30,8 +30,6 @@ pub enum EventKind {
     Retried,
     /// Deferred because its key was busy.
     Deferred,
-    /// Parked on its busy key until the key frees.
-    Parked,
     /// Handed back unhandled by a worker shutting down.
     Released,
     /// Moved to the dead letters ([`Event::error`] says why).
@@ -52,7 +50,6 @@ impl EventKind {
             b"done" => Self::Done,
             b"retried" => Self::Retried,
             b"deferred" => Self::Deferred,
-            b"parked" => Self::Parked,
             b"released" => Self::Released,
             b"dead" => Self::Dead,
             b"recovered" => Self::Recovered,
@@ -70,7 +67,6 @@ impl EventKind {
             Self::Done => "done",
             Self::Retried => "retried",
             Self::Deferred => "deferred",
-            Self::Parked => "parked",
             Self::Released => "released",
             Self::Dead => "dead",
             Self::Recovered => "recovered",

@@ -53,6 +53,7 @@ struct KeyedScripts {
     extend: Script,
     recover: Script,
     keys: Script,
+    take_in: Script,
 }
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
@@ -91,6 +92,7 @@ impl KeyedScripts {
             extend: with_limits(include_str!("lua/keyed_extend.lua")),
             recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
             keys: Script::new(&source(include_str!("lua/keyed_keys.lua"))),
+            take_in: Script::new(&source(include_str!("lua/keyed_take_in.lua"))),
         });
         &SCRIPTS
     }
@@ -205,7 +207,7 @@ pub(crate) struct Held {
     pub(crate) key: String,
     /// The token the lock (permit) holds.
     pub(crate) token: Token,
-    /// The key's permits: 1 for its lock.
+    /// The key's permits: 0 for its lock.
     pub(crate) permits: u32,
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
@@ -218,7 +220,7 @@ impl Held {
     /// The Redis key it holds: the key's lock, or its permits' set.
     pub(crate) fn lock_key(&self, prefix: &str) -> String {
         match self.permits {
-            1 => keys::lock_key(prefix, &self.key),
+            0 => keys::lock_key(prefix, &self.key),
             _ => crate::lock::permits::permits_key(prefix, &self.key),
         }
     }
@@ -316,6 +318,31 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             [added, due] => Ok((*added == 1, *due)),
             _ => Err(Error::reply(attempted(), format_args!("{reply:?}"))),
         }
+    }
+
+    /// Takes a message of the queue's own keys (`id`, with its `record`)
+    /// into `key`'s line after `delay_ms`, counting a deferral (see
+    /// `keyed_take_in.lua`); returns whether it was added (not there
+    /// already) and its due time.
+    pub(crate) async fn take_in(
+        &self,
+        (key, limits): (&str, &str),
+        id: &str,
+        delay_ms: u64,
+        record: &[u8],
+    ) -> Result<(bool, i64)> {
+        let partition = self.partition_of(key);
+        let script = &KeyedScripts::get().take_in;
+        let mut cmd = partition.call(script, 0);
+        cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
+        let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
+        let (added, due): (i64, i64) = run(script, &cmd, &mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        self.mark_ready(partition.slot)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        Ok((added == 1, due))
     }
 
     /// Claims up to `max` heads of ready keys' lines across the partitions
@@ -575,7 +602,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut cmd = held.partition.call(script, 4);
         let lock = held.lock_key(&self.keys.prefix);
         match held.permits {
-            1 => cmd.arg(&lock).arg(&lock).arg(&lock),
+            0 => cmd.arg(&lock).arg(&lock).arg(&lock),
             _ => cmd
                 .arg(&lock)
                 .arg(format!("{lock}:waiters"))

@@ -251,38 +251,6 @@ impl QueueKeys {
         }
     }
 
-    /// Where messages parked on `key` wait, and the key's lock (in this
-    /// queue's hash slot) with its fence record; for a key with permits,
-    /// its permits set, fences and line of waiters instead.
-    pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
-        let base = &self.base;
-        let (lock, fence, line) = if permits {
-            (
-                format!("{base}:permits:{key}"),
-                format!("{base}:permit-fences:{key}"),
-                format!("{base}:permits-waiters:{key}"),
-            )
-        } else {
-            (
-                format!("{base}:lock:{key}"),
-                format!("{base}:fence:{key}"),
-                String::new(),
-            )
-        };
-        crate::lock::Parking {
-            lock,
-            fence,
-            line,
-            parked: format!("{base}:parked:{key}"),
-            data: self.data.clone(),
-            dead: self.dead.clone(),
-            schedule: self.schedule.clone(),
-            bell: self.bell.clone(),
-            prioritized: self.prioritized.clone(),
-            message: None,
-        }
-    }
-
     /// The keys `purge` deletes: all but the claim counter.
     fn all(&self) -> [&str; 10] {
         [
@@ -299,11 +267,6 @@ impl QueueKeys {
         ]
     }
 }
-
-/// How far ahead a message parked behind others is scheduled: a safety
-/// net that brings it back, to be put back in its place, should the
-/// messages before it vanish (removed by hand) without passing the turn on.
-pub(crate) const PARK_CHECK: Duration = Duration::from_secs(60);
 
 /// When a pushed message becomes due, and under which id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -372,7 +335,7 @@ impl PushOptions {
     /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is no priority,
     /// claimed after every priority. Among due messages of one priority,
     /// the earliest due goes first (for messages due at once: push order).
-    /// The message keeps its priority when it is retried, deferred, parked,
+    /// The message keeps its priority when it is retried, deferred,
     /// recovered or re-driven from the dead letters. Pushing fails with
     /// [`Error::Config`] above 9.
     pub fn priority(mut self, priority: u8) -> Self {
@@ -404,9 +367,10 @@ impl PushOptions {
     /// nothing of it is left). A retried message of such a key waits out
     /// its delay aside, then takes its place back first in line; meanwhile
     /// the key's next messages use its free permits. Needs
-    /// [`key`](Self::key); `n` from 1 (the key's lock) to
+    /// [`key`](Self::key); `n` from 1 to
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS), else pushing fails
-    /// with [`Error::Config`].
+    /// with [`Error::Config`]. `permits(1)` is one permit, not the key's
+    /// lock (as with [`LockLayer::permits`](crate::LockLayer::permits)).
     pub fn permits(mut self, n: u32) -> Self {
         self.permits = Some(n);
         self
@@ -701,12 +665,7 @@ where
     Ok(names)
 }
 
-impl<T, C> Queue<T, C> {
-    /// Where messages of this queue park on `key` (see `QueueKeys::parking`).
-    pub(crate) fn parking(&self, key: &str, permits: bool) -> crate::lock::Parking {
-        self.keys.parking(key, permits)
-    }
-}
+impl<T, C> Queue<T, C> {}
 
 impl<T, C> Queue<T, C>
 where
@@ -1027,6 +986,7 @@ where
             .arg(&completed.0)
             .arg(&completed.1)
             .arg(job.failed_attempts())
+            .arg("done")
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -1146,48 +1106,66 @@ where
             .await
     }
 
-    /// Parks a claimed message on its busy key (`DeferDelay::until_released`):
-    /// it waits behind the messages parked on the key before it, and comes
-    /// back when the key's lock is released or expires (with `permits`: when
-    /// one of the key's permits is given back, or its lease ends). Counts a deferral
-    /// the first time only. `Ok(Err(()))` when the message would exceed
-    /// `max_deferrals` (nothing changed); `Ok(Ok(None))` when the claim is
-    /// no longer held.
-    pub(crate) async fn park(
+    /// Moves a claimed, unkeyed message into the line of `key` (see
+    /// [`PushOptions::key`]; `limits` as the keyed push takes them), due
+    /// after `delay`, counting a deferral: a `LockLayer` found its key
+    /// busy, and there it is claimed only with the key's lock. The copy
+    /// goes into the key's partition first (same id, its counts kept), then
+    /// the message leaves this queue: a crash in between leaves both, and
+    /// the original comes back after its lease, so the message may run
+    /// twice but is never lost. `None` when the claim is no longer held.
+    pub(crate) async fn defer_to_key(
         &self,
         job: &ClaimToken,
-        parking: &crate::lock::Parking,
-        permits: Option<u32>,
-        max_deferrals: Option<u32>,
-    ) -> Result<Result<Option<SystemTime>, ()>> {
+        (key, limits): (&str, &str),
+        delay: Duration,
+    ) -> Result<Option<SystemTime>> {
         let job = job.claim_ref();
-        let due: i64 = Scripts::get()
-            .park
+        let attempted = || format!("deferring message `{}` into its key's line", job.id());
+        if key.is_empty() || key.contains('\0') {
+            return Err(Error::InvalidKey(format!(
+                "message `{}` cannot join the line of a key that is empty or holds NUL",
+                job.id()
+            )));
+        }
+        let (record, held): (Option<Vec<u8>>, Option<f64>) = redis::pipe()
+            .hget(&self.keys.data, job.id())
+            .zscore(&self.keys.active, job.member())
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let (Some(record), Some(_)) = (record, held) else {
+            return Ok(None);
+        };
+        let keyed = self.keyed();
+        let (_, due) = keyed
+            .take_in((key, limits), job.id(), millis(delay), &record)
+            .await?;
+        // Out of this queue: the ack script, with no completed entry and a
+        // `deferred` event (the message goes on, in its key's line).
+        let removed: i64 = Scripts::get()
+            .ack
             .key(&self.keys.data)
-            .key(&self.keys.schedule)
             .key(&self.keys.active)
-            .key(&parking.parked)
-            .key(&parking.lock)
-            .key(&self.keys.dead)
-            .key(&self.keys.bell)
-            .key(&self.keys.prioritized)
+            .key(&self.keys.errors)
+            .key(&self.keys.completed)
             .key(&self.keys.events)
             .arg(job.member())
             .arg(job.id())
-            .arg(PARK_CHECK.as_millis() as u64)
-            .arg(max_deferrals.map_or(String::new(), |n| n.to_string()))
-            .arg(permits.map_or(String::new(), |n| n.to_string()))
+            .arg("1")
             .arg(self.events_arg())
+            .arg("")
+            .arg("")
+            .arg("")
+            .arg(job.failed_attempts())
+            .arg("deferred")
             .invoke_async(&mut self.conn.clone())
             .await
-            .map_err(Error::redis(format_args!(
-                "parking message `{}` on its busy key",
-                job.id()
-            )))?;
-        Ok(match due {
-            -2 => Err(()),
-            due => Ok((due >= 0).then(|| from_unix_ms(due))),
-        })
+            .map_err(Error::redis(attempted()))?;
+        if removed != 1 {
+            tracing::warn!(id = %job.id(), %key, "claim lost while the message moved into its key's line: it may run twice");
+        }
+        Ok(Some(from_unix_ms(due)))
     }
 
     /// Hands a claimed message back, due now, without counting a failure or
@@ -1722,7 +1700,7 @@ where
     }
 
     /// Records lifecycle events: every change of a message this handle
-    /// makes (pushed, claimed, done, retried, deferred, parked, released,
+    /// makes (pushed, claimed, done, retried, deferred, released,
     /// dead, recovered, re-driven, removed) is appended, with the message
     /// id, the attempt and the server's time, to the queue's events stream
     /// (`<prefix>:{<name>}:events`), capped near `max_len` entries (each
@@ -2055,7 +2033,7 @@ impl ClaimToken {
 
 impl ClaimToken {
     /// For a keyed message, its key, the token its lock (or permit) holds
-    /// and the key's permits (1: its lock).
+    /// and the key's permits (0: its lock).
     pub(crate) fn held_lock(&self) -> Option<(&str, crate::lock::Token, u32)> {
         self.held
             .as_ref()

@@ -19,29 +19,11 @@ pub(crate) struct Scripts {
     pub(crate) stats: Script,
     pub(crate) dead: Script,
     pub(crate) peek: Script,
-    /// The parking scripts (`DeferDelay::until_released`): the key's lock
-    /// lives in the queue's hash slot, so they see both.
-    pub(crate) park: Script,
-    pub(crate) park_acquire: Script,
-    pub(crate) park_release: Script,
-    /// The same for a key with n permits (`LockLayer::permits`).
-    pub(crate) park_permit_acquire: Script,
-    pub(crate) park_permit_release: Script,
 }
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
 fn load(body: &str) -> Script {
     Script::new(&with_prelude(body))
-}
-
-/// A parking script: the prelude, the permit functions, the parking
-/// helpers, the script.
-fn load_parking(body: &str) -> Script {
-    load(&format!(
-        "{}\n{}\n{body}",
-        crate::lock::permits::PERMITS_LUA,
-        include_str!("lua/parking.lua")
-    ))
 }
 
 fn with_prelude(body: &str) -> String {
@@ -70,11 +52,6 @@ impl Scripts {
             stats: load(include_str!("lua/stats.lua")),
             dead: load(include_str!("lua/dead.lua")),
             peek: load(include_str!("lua/peek.lua")),
-            park: load_parking(include_str!("lua/park.lua")),
-            park_acquire: load_parking(include_str!("lua/park_acquire.lua")),
-            park_release: load_parking(include_str!("lua/park_release.lua")),
-            park_permit_acquire: load_parking(include_str!("lua/park_permit_acquire.lua")),
-            park_permit_release: load_parking(include_str!("lua/park_permit_release.lua")),
         });
         &SCRIPTS
     }

@@ -3,7 +3,7 @@
 //! fenced, extended and released; permits; a queue with immediate and
 //! delayed messages; a `Worker` (its blocking wait on a connection of its
 //! own) driving a `LockLayer` that waits for releases through the
-//! `ReleaseListener` and parks messages on busy keys; the queue's stats and
+//! `ReleaseListener` and defers messages into busy keys' lines; the queue's stats and
 //! dead letters. Panics on the first thing that fails, saying what it was.
 
 use std::time::Duration;

@@ -17,7 +17,7 @@
 //! (`fence.lua`), from the same clock-and-record rule as a lock's, kept in
 //! `<prefix>:permits:{<key>}:fences`. All three keys share the key's hash
 //! slot. The functions that take and give back permits are in
-//! `permits.lua`, shared with the queue's parking scripts.
+//! `permits.lua`, shared with the keyed queue's scripts.
 //!
 //! The limit is the caller's: each acquire says how many holders it admits,
 //! so callers that disagree on n for one key each apply their own (a caller
@@ -38,7 +38,7 @@ use crate::keys::{self, KeyName};
 use crate::script;
 
 /// The permit functions, prepended to the scripts that take or give back
-/// permits (also the queue's parking scripts for permits).
+/// permits (also the keyed queue's scripts).
 pub(crate) const PERMITS_LUA: &str = concat!(
     include_str!("../line.lua"),
     "\n",
@@ -86,9 +86,8 @@ pub struct PermitHolder {
 }
 
 /// The Redis keys of a key's permits: `<set>`, `<set>:waiters` (the line
-/// of waiters) and `<set>:fences`, or the queue's parking keys (see
-/// `Parking`). Written straight into commands: they are named on every
-/// acquire and release.
+/// of waiters) and `<set>:fences`. Written straight into commands: they
+/// are named on every acquire and release.
 pub(crate) struct PermitKeys<'a> {
     pub(crate) set: &'a str,
     pub(crate) line: KeyName<'a>,
@@ -107,14 +106,7 @@ impl<'a> PermitKeys<'a> {
 
     /// The keys of a ticket's permits.
     fn of_ticket(ticket: &'a Ticket) -> Self {
-        match ticket.parking.as_deref() {
-            None => Self::of(ticket.lock_key()),
-            Some(parking) => Self {
-                set: &parking.lock,
-                line: KeyName(&parking.line, ""),
-                fences: KeyName(&parking.fence, ""),
-            },
-        }
+        Self::of(ticket.lock_key())
     }
 }
 
@@ -229,7 +221,6 @@ where
             key,
             token: super::Token::random(),
             fence: std::sync::OnceLock::new(),
-            parking: None,
             permits: Some(permits),
         }))
     }
@@ -244,46 +235,23 @@ where
         let started = Instant::now();
         let keys = PermitKeys::of_ticket(ticket);
         let mark = line.arg();
-        let (script, cmd) = match ticket.parking.as_deref() {
-            None => {
-                let mut cmd = script::evalsha(&ACQUIRE, 2);
-                cmd.arg(keys.set)
-                    .arg(keys.line)
-                    .arg(ticket.token)
-                    .arg(millis(self.config.ttl))
-                    .arg(permits)
-                    .arg(mark);
-                (&*ACQUIRE, cmd)
-            }
-            Some(parking) => {
-                let script = &crate::queue::scripts::Scripts::get().park_permit_acquire;
-                let mut cmd = script::evalsha(script, 8);
-                cmd.arg(keys.set);
-                parking
-                    .queue_keys(&mut cmd)
-                    .arg(keys.line)
-                    .arg(ticket.token)
-                    .arg(millis(self.config.ttl))
-                    .arg(mark)
-                    .arg(parking.message.as_deref().unwrap_or(""))
-                    .arg(permits);
-                (script, cmd)
-            }
-        };
+        let mut cmd = script::evalsha(&ACQUIRE, 2);
+        cmd.arg(keys.set)
+            .arg(keys.line)
+            .arg(ticket.token)
+            .arg(millis(self.config.ttl))
+            .arg(permits)
+            .arg(mark);
         let reply: Vec<i64> = self
-            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
+            .send_acquire(Some(&ACQUIRE), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
-        let (acquired, left, parked_ahead) = match reply[..] {
-            [acquired, left] => (acquired, left, false),
-            [acquired, left, ahead] => (acquired, left, ahead == 1),
-            _ => {
-                return Err(Error::reply(
-                    format_args!("acquiring a permit of `{}`", ticket.key),
-                    format_args!("expected 2 or 3 integers, got {reply:?}"),
-                ));
-            }
+        let [acquired, left] = reply[..] else {
+            return Err(Error::reply(
+                format_args!("acquiring a permit of `{}`", ticket.key),
+                format_args!("expected 2 integers, got {reply:?}"),
+            ));
         };
         let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
         Ok(if acquired == 1 {
@@ -292,7 +260,6 @@ where
             Acquisition::Contended(Contended {
                 key: ticket.key.clone(),
                 retry_after: left,
-                parked_ahead,
                 permits: Some(permits),
             })
         })
@@ -312,36 +279,16 @@ where
         } else {
             "0"
         };
-        let (script, cmd) = match ticket.parking.as_deref() {
-            None => {
-                let mut cmd = script::evalsha(&RELEASE, 3);
-                cmd.arg(keys.set)
-                    .arg(keys.line)
-                    .arg(keys.fences)
-                    .arg(ticket.token)
-                    .arg(permits)
-                    .arg(publish)
-                    .arg(fenced)
-                    .arg(handoff);
-                (&*RELEASE, cmd)
-            }
-            Some(parking) => {
-                let script = &crate::queue::scripts::Scripts::get().park_permit_release;
-                let mut cmd = script::evalsha(script, 9);
-                cmd.arg(keys.set);
-                parking
-                    .queue_keys(&mut cmd)
-                    .arg(keys.line)
-                    .arg(keys.fences)
-                    .arg(ticket.token)
-                    .arg(publish)
-                    .arg(fenced)
-                    .arg(permits)
-                    .arg(handoff)
-                    .arg(parking.message.as_deref().unwrap_or(""));
-                (script, cmd)
-            }
-        };
+        let mut cmd = script::evalsha(&RELEASE, 3);
+        cmd.arg(keys.set)
+            .arg(keys.line)
+            .arg(keys.fences)
+            .arg(ticket.token)
+            .arg(permits)
+            .arg(publish)
+            .arg(fenced)
+            .arg(handoff);
+        let script = &*RELEASE;
         let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(

@@ -1,6 +1,6 @@
 -- A key's permits (see mod.rs), as functions: prepended to acquire.lua and
--- release.lua, and to the queue's parking scripts for permits (see
--- src/queue/lua/parking.lua), so both take and give back permits alike.
+-- release.lua, and to the keyed queue's scripts (see src/queue/lua/
+-- keyed.lua), so both take and give back permits alike.
 --
 --   set     zset  holder token -> the end of its lease, in ms by the
 --                 server's clock

@@ -8,6 +8,8 @@
 --          ARGV[6] and ARGV[7] the stream's limits: the most entries, and
 --          the most ms to keep one ("" for no limit)
 -- ARGV[8]: its failed attempts before this one (for the event's attempt)
+-- ARGV[9]: the event's kind: "done", or "deferred" for a message that moved
+--          into its key's line (see keyed_take_in.lua)
 -- Returns 1; 0 when the claim is no longer held but the message still exists
 -- (its lease ran out: it is scheduled again, claimed by another worker, or a
 -- dead letter); -1 when the message is gone (already completed: say by an
@@ -24,6 +26,6 @@ if ARGV[3] == '1' then redis.call('HDEL', KEYS[3], ARGV[2]) end
 if ARGV[4] ~= '' or ARGV[5] == '1' then
   local now = now_ms()
   if record then keep_completed(KEYS[4], ARGV[6], ARGV[7], now, ARGV[2], record) end
-  emit(KEYS[5], ARGV[4], 'done', now, nil, {ARGV[2], tonumber(ARGV[8]) + 1})
+  emit(KEYS[5], ARGV[4], ARGV[9], now, nil, {ARGV[2], tonumber(ARGV[8]) + 1})
 end
 return 1

@@ -26,9 +26,10 @@
 --                            <permits>\0<rate>": the place in line it takes
 --                            back when due (a retry's delay; "" for none)
 --                            and the key's limits, which it brings back
+--                            (permits 0: the key's lock)
 --   KEYS[10] seq       string the partition's line counter
---   KEYS[11] limits    hash  key -> its permits, for a key pushed with more
---                            than one (`Locker::permits`' set, not its
+--   KEYS[11] limits    hash  key -> its permits, for a key pushed with
+--                            permits (`Locker::acquire_permit`'s set, not its
 --                            lock); "<key>\0rate" -> its rate limit,
 --                            "<limit>/<period µs>/<burst>/<window µs>" (the
 --                            log `Locker::admit` counts in)
@@ -94,10 +95,27 @@ end
 -- ("" for none) and the key's limits: permits `limit` and its rate.
 local function aside(key, seq, limit)
   local rate = rate_of(key)
-  if limit > 1 or rate then
+  if limit > 0 or rate then
     return key .. '\0' .. seq .. '\0' .. limit .. '\0' .. (rate or '')
   end
   return key
+end
+
+-- Sets what a push says of `key`'s limits: `permits` ("" leaves them, n:
+-- the key's permits, so many at once) and `rate` ("" leaves it).
+local function set_limits(key, permits, rate)
+  if permits ~= '' then redis.call('HSET', KEYS[LIMITS], key, permits) end
+  if rate ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rate) end
+end
+
+-- Puts a new message `id` of `key` in line, or aside until `due`.
+local function place(key, id, due, now)
+  if due <= now then
+    enter_line(key, id, now)
+  else
+    redis.call('HSET', KEYS[KEYOF], id, aside(key, '', tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0))
+    redis.call('ZADD', KEYS[SCHEDULE], due, id)
+  end
 end
 
 -- Admits a message of `key` under its rate limit, if it has one, for
@@ -141,7 +159,7 @@ local function promote(now, max)
     redis.call('HDEL', KEYS[KEYOF], id)
     if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then
       local key, seq, limit, rate = string.match(of, '^(.-)%z(%d*)%z(%d+)%z(.*)$')
-      if limit and limit ~= '1' then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
+      if limit and limit ~= '0' then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
       if rate and rate ~= '' then redis.call('HSETNX', KEYS[LIMITS], key .. '\0rate', rate) end
       if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
     end

@@ -59,7 +59,7 @@ local function claim_locked(key, id, seq, lock, token, log)
   end
   redis.call('SET', lock, token, 'PX', lease)
   redis.call('ZADD', KEYS[READY], AT_WORK, key)
-  take(key, id, seq, 1)
+  take(key, id, seq, 0)
 end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
@@ -83,8 +83,14 @@ local function claim_permit(key, id, seq, set, line, token, limit, log)
   if not head_of(key) then
     redis.call('ZREM', KEYS[READY], key)
   else
+    -- Full now: the queue's own turns make the key ready as they end;
+    -- a permit other code holds wakes it when given back.
     local wait = permit_wait(set, limit, now)
-    if wait > 0 then redis.call('ZADD', KEYS[READY], now + wait, key) end
+    if wait > 0 then
+      redis.call('ZADD', KEYS[READY], now + wait, key)
+      wait_for_permit(line, wait + lease)
+      blocked[#blocked + 1] = {key, set, wait}
+    end
   end
 end
 

@@ -19,7 +19,7 @@
 -- ARGV[11]: the token for the next message
 -- ARGV[12]: "1" when the message may have an error on record (an ack
 --           deletes it)
--- ARGV[13]: the key's permits ("1": a lock)   ARGV[14]: a permit's hand-off ms
+-- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: a permit's hand-off ms
 -- The next message is claimed only if the key's rate limit admits it now.
 -- A retried or deferred message goes back first in line. A key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
@@ -53,12 +53,12 @@ else
   end
   redis.call('HSET', KEYS[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
   local delay = tonumber(ARGV[7]) or 0
-  if limit > 1 and delay > 0 then
+  if limit > 0 and delay > 0 then
     redis.call('HSET', KEYS[KEYOF], id, aside(key, seq, limit))
     redis.call('ZADD', KEYS[SCHEDULE], now + delay, id)
   else
     rejoin(key, seq, id, now)
-    if limit == 1 then from = now + delay end
+    if limit == 0 then from = now + delay end
   end
 end
 
@@ -67,7 +67,7 @@ local function continue(next, next_seq)
   local next_member = line_member(key, next_seq, next)
   redis.call('ZREM', KEYS[LINES], next_member)
   redis.call('ZADD', KEYS[ACTIVE], now + tonumber(ARGV[10]), next_member .. ':' .. ARGV[5])
-  if limit > 1 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
+  if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
   return {1, next, next_seq, redis.call('HGET', KEYS[DATA], next) or ''}
 end
 
@@ -78,7 +78,7 @@ if op == 'ack' and ARGV[10] ~= '' then
   local wait = next and not waiting and rate_wait(key, KEYS[15], ARGV[11], now_us) or 0
   if wait > 0 then from = now + wait end
   if next and not waiting and wait == 0 then
-    if limit == 1 then
+    if limit == 0 then
       local value = redis.call('GET', KEYS[12])
       if value and owns(value, token) then
         -- A new token: the next message's fence is its own. A mark that
@@ -95,12 +95,12 @@ if op == 'ack' and ARGV[10] ~= '' then
     end
   end
 end
-if limit == 1 then
+if limit == 0 then
   unlock(KEYS[12], token, ARGV[9])
 else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
   if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
 end
 if after_turn(key, from) then return {2} end
-if limit == 1 then forget_limits(key) end
+if limit == 0 then forget_limits(key) end
 return {1}

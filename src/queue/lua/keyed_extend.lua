@@ -5,12 +5,12 @@
 -- late renewal keeps its claim; if it is not, the claim is lost.
 -- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
 -- ARGV[1]: the active member "<line member>:<claim>"   ARGV[2]: the token
--- ARGV[3]: lease in ms   ARGV[4]: the key's permits ("1": a lock)
+-- ARGV[3]: lease in ms   ARGV[4]: the key's permits ("0": its lock)
 -- Returns 1 when extended, 0 when the claim or the lock is lost.
 if not redis.call('ZSCORE', KEYS[ACTIVE], ARGV[1]) then return 0 end
 local token, ttl, limit = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
-if limit > 1 then
+if limit > 0 then
   if redis.call('ZSCORE', KEYS[12], token) then
     redis.call('ZADD', KEYS[12], 'XX', now + ttl, token)
     redis.call('PEXPIRE', KEYS[12], ttl, 'GT')

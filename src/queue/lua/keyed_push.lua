@@ -2,8 +2,9 @@
 -- already is left as it is (de-duplication, as push.lua).
 -- KEYS[1..11]: the partition   ARGV: quintuples (key, limits, id, when,
 -- payload): key non-empty without NUL; limits "" (the key's as they are),
--- or "<permits>", "<permits>/<rate>" or "/<rate>": permits "1" (a lock,
--- the default) or more (so many of the key's messages at once), and a rate
+-- or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
+-- the key's messages at once, each with one of the key's permits; without,
+-- one at a time with the key's lock), and a rate
 -- "<limit>/<period µs>/<burst>/<burst window µs>" (as `Locker::admit`'s:
 -- at most <limit> claims in any <period>, <burst> in any <burst window>);
 -- `when` as push.lua's (no priority: a key's messages start in push order).
@@ -47,19 +48,9 @@ end
 local out = {}
 for i = 1, #ARGV, 5 do
   local key, id, due = ARGV[i], ARGV[i + 2], dues[i]
-  if permits[i] == '1' then
-    redis.call('HDEL', KEYS[LIMITS], key)
-  elseif permits[i] ~= '' then
-    redis.call('HSET', KEYS[LIMITS], key, permits[i])
-  end
-  if rates[i] ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rates[i]) end
+  set_limits(key, permits[i], rates[i])
   if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
-    if due <= now then
-      enter_line(key, id, now)
-    else
-      redis.call('HSET', KEYS[KEYOF], id, aside(key, '', tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 1))
-      redis.call('ZADD', KEYS[SCHEDULE], due, id)
-    end
+    place(key, id, due, now)
     out[#out + 1] = 1
     out[#out + 1] = due
   else

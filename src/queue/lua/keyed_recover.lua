@@ -18,7 +18,7 @@ for _, entry in ipairs(expired) do
     stalls = stalls + 1
     redis.call('HSET', KEYS[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
     if stalls >= max_stalls then
-      local limit = tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 1
+      local limit = tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0
       redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
       redis.call('ZADD', KEYS[DEAD], now, id)
       redis.call('HSET', KEYS[ERRORS], id, 'lease expired ' .. stalls .. ' times (limit '

@@ -1,7 +1,9 @@
-//! Park until released (`DeferDelay::until_released`): messages parked on a
-//! busy key come back one at a time when it is released, in the order they
-//! were pushed; a newly arriving message does not overtake them; a holder
-//! killed with SIGKILL strands nothing.
+//! Deferred into the key's line (`DeferDelay::until_released`): messages
+//! whose key a `LockLayer` found busy wait in the key's line in the queue
+//! and are claimed one at a time with the key's lock (the one every
+//! `Locker` takes) when it is released, in the order they joined; a
+//! message pushed with the key waits behind them; a holder killed with
+//! SIGKILL strands nothing.
 //!
 //! The SIGKILL test runs this test binary again as a child process (the
 //! ignored test `holder_child`, driven by an environment variable).
@@ -33,13 +35,14 @@ fn msg(n: u32, key: &str) -> Msg {
     }
 }
 
-const QUEUE: &str = "parking";
+const QUEUE: &str = "orders";
 
 /// What the worker's handler saw: message number, deferrals, start, end.
 type Log = Arc<Mutex<Vec<(u32, u32, Instant, Instant)>>>;
 
-/// A worker on `queue` whose messages park on their key while it is busy.
-fn parking_worker(
+/// A worker on `queue` whose messages join their key's line while it is
+/// busy.
+fn line_worker(
     server: &lockgate::testing::RedisServer,
     conn: ConnectionManager,
     queue: &Queue<Msg>,
@@ -91,16 +94,19 @@ async fn wait_for(release: Option<tokio::sync::oneshot::Receiver<()>>) -> Result
     Ok(())
 }
 
-/// The parked set of `key` in the test queue.
-fn parked_list(key: &str) -> String {
-    format!("lockgate:{{{QUEUE}}}:parked:{key}")
+/// How many messages wait in `key`'s line in `queue`.
+async fn in_line(queue: &Queue<Msg>, key: &str) -> i64 {
+    let stats = queue.key_stats(100).await.unwrap();
+    let load = stats.backlogs.iter().find(|l| l.key == key);
+    load.map_or(0, |l| l.waiting as i64)
 }
 
-async fn parked(conn: &ConnectionManager, key: &str) -> i64 {
-    raw(conn, &["ZCARD", &parked_list(key)]).await
+/// The lock of `key`: the one every `Locker` takes.
+fn lock_of(key: &str) -> String {
+    format!("lockgate:lock:{{{key}}}")
 }
 
-/// A holder of `key`'s parking lock, through the same layer configuration
+/// A holder of `key`'s lock, through the same layer configuration
 /// as the worker's (a request that is not a queued message): it holds the
 /// key until `release` fires.
 async fn hold_until(
@@ -136,11 +142,11 @@ async fn hold_permit_until(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
+async fn deferred_messages_wait_in_the_key_s_line_and_newcomers_with_the_key_behind_them() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
-    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+    let lock_key = lock_of("A");
 
     // Someone holds A.
     let (release, released) = tokio::sync::oneshot::channel();
@@ -157,7 +163,7 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
     .await;
 
     let log: Log = Default::default();
-    let worker = tokio::spawn(parking_worker(
+    let worker = tokio::spawn(line_worker(
         &server,
         manager(&server).await,
         &queue,
@@ -165,13 +171,13 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
         None,
         log.clone(),
     ));
-    // Five messages park on A, one after another, and one on a free key B
-    // runs at once.
+    // Five messages join A's line, one after another, and one on a free key
+    // B runs at once.
     queue.push(msg(100, "B")).await.unwrap();
     for n in 1..=5 {
         queue.push(msg(n, "A")).await.unwrap();
-        eventually("the message parks", BOUNDED, async || {
-            let len = parked(&conn, "A").await;
+        eventually("the message joins A's line", BOUNDED, async || {
+            let len = in_line(&queue, "A").await;
             done_if(len == i64::from(n), len)
         })
         .await;
@@ -182,10 +188,11 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
     .await;
     assert!(log.lock().unwrap().iter().all(|(n, ..)| *n == 100));
 
-    // Released: the parked messages come back; a newcomer pushed right
-    // after waits behind them, although the key may be free when it comes.
+    // Released: the line runs; a newcomer pushed with its key right after
+    // waits behind it.
     release.send(()).unwrap();
-    queue.push(msg(6, "A")).await.unwrap();
+    let with_key = lockgate::PushOptions::new().key("A");
+    queue.push_with(msg(6, "A"), with_key).await.unwrap();
     assert_eq!(
         holder.await.unwrap().unwrap(),
         Outcome::Done(()),
@@ -199,9 +206,14 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
     let runs: Vec<_> = log.lock().unwrap().iter().skip(1).cloned().collect();
     let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
     assert_eq!(order, [1, 2, 3, 4, 5, 6], "not in push order");
-    // One deferral per message: parked once, back when its turn came.
+    // One deferral per message: into the line once, claimed when its
+    // turn came (the newcomer never deferred).
     for (n, deferrals, ..) in &runs {
-        assert_eq!(*deferrals, 1, "message {n} was deferred {deferrals} times");
+        let expected = u32::from(*n != 6);
+        assert_eq!(
+            *deferrals, expected,
+            "message {n} was deferred {deferrals} times"
+        );
     }
     // One at a time.
     for pair in runs.windows(2) {
@@ -212,9 +224,9 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
             pair[1].0
         );
     }
-    eventually("nothing is parked or held", BOUNDED, async || {
+    eventually("nothing waits or holds A", BOUNDED, async || {
         let left = (
-            parked(&conn, "A").await,
+            in_line(&queue, "A").await,
             support::exists(&conn, &lock_key).await,
         );
         done_if(left == (0, false), left)
@@ -226,14 +238,15 @@ async fn parked_messages_come_back_in_order_and_newcomers_wait_behind_them() {
     worker.abort();
 }
 
-/// Messages claimed together park in whatever order their handlers find the
-/// key busy; they still come back in the order they were pushed.
+/// Messages claimed together join the line in whatever order their
+/// handlers find the key busy: each runs once, one at a time, deferred
+/// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_claimed_together_come_back_in_push_order() {
+async fn messages_claimed_together_each_join_the_line_once() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
-    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+    let lock_key = lock_of("A");
     let (release, released) = tokio::sync::oneshot::channel();
     let holder = tokio::spawn(hold_until(
         conn.clone(),
@@ -247,13 +260,13 @@ async fn messages_claimed_together_come_back_in_push_order() {
     })
     .await;
     // Pushed before any worker runs, a few ms apart: the worker claims them
-    // in one batch, and its four slots race to park them.
+    // in one batch, and its four slots race to defer them.
     for n in 1..=8 {
         queue.push(msg(n, "A")).await.unwrap();
         tokio::time::sleep(ms(2)).await;
     }
     let log: Log = Default::default();
-    let worker = tokio::spawn(parking_worker(
+    let worker = tokio::spawn(line_worker(
         &server,
         manager(&server).await,
         &queue,
@@ -261,8 +274,8 @@ async fn messages_claimed_together_come_back_in_push_order() {
         None,
         log.clone(),
     ));
-    eventually("all eight park", BOUNDED, async || {
-        let len = parked(&conn, "A").await;
+    eventually("all eight wait in line", BOUNDED, async || {
+        let len = in_line(&queue, "A").await;
         done_if(len == 8, len)
     })
     .await;
@@ -273,8 +286,15 @@ async fn messages_claimed_together_come_back_in_push_order() {
         done_if(n == 8, n)
     })
     .await;
-    let order: Vec<u32> = log.lock().unwrap().iter().map(|(n, ..)| *n).collect();
-    assert_eq!(order, [1, 2, 3, 4, 5, 6, 7, 8]);
+    let runs = log.lock().unwrap().clone();
+    let mut order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
+    order.sort_unstable();
+    assert_eq!(order, [1, 2, 3, 4, 5, 6, 7, 8], "each once");
+    assert_eq!(most_at_once(&runs), 1, "one at a time");
+    assert!(
+        runs.iter().all(|(_, deferrals, ..)| *deferrals == 1),
+        "{runs:?}"
+    );
     worker.abort();
 }
 
@@ -283,8 +303,8 @@ async fn messages_claimed_together_come_back_in_push_order() {
 // ---------------------------------------------------------------------------
 
 /// Environment variable that turns the ignored test `holder_child` into a
-/// process holding `A`'s parking lock until it is killed: `<redis url>`.
-const CHILD: &str = "LOCKGATE_PARK_HOLDER";
+/// process holding `A`'s lock until it is killed: `<redis url>`.
+const CHILD: &str = "LOCKGATE_LINE_HOLDER";
 
 #[tokio::test]
 #[ignore = "run as a child process by the SIGKILL test"]
@@ -301,11 +321,11 @@ async fn holder_child() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
+async fn a_holder_killed_with_sigkill_strands_no_message_in_line() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
-    let lock_key = format!("lockgate:{{{QUEUE}}}:lock:A");
+    let lock_key = lock_of("A");
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -324,7 +344,7 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
     .await;
 
     let log: Log = Default::default();
-    let worker = tokio::spawn(parking_worker(
+    let worker = tokio::spawn(line_worker(
         &server,
         manager(&server).await,
         &queue,
@@ -334,8 +354,8 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
     ));
     for n in 1..=3 {
         queue.push(msg(n, "A")).await.unwrap();
-        eventually("the message parks", BOUNDED, async || {
-            let len = parked(&conn, "A").await;
+        eventually("the message joins A's line", BOUNDED, async || {
+            let len = in_line(&queue, "A").await;
             done_if(len == i64::from(n), len)
         })
         .await;
@@ -347,7 +367,7 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
     // Killed: no release, no publish; only the lock's expiry frees A.
     child.kill().unwrap();
     child.wait().unwrap();
-    eventually("every parked message ran", BOUNDED, async || {
+    eventually("every message in line ran", BOUNDED, async || {
         let n = log.lock().unwrap().len();
         done_if(n == 3, n)
     })
@@ -361,9 +381,9 @@ async fn a_holder_killed_with_sigkill_strands_no_parked_message() {
 // Keys with n permits
 // ---------------------------------------------------------------------------
 
-/// The permits set of `key` for messages parked in the test queue.
+/// The permits set of `key`: the one every `Locker` takes from.
 fn permits_set(key: &str) -> String {
-    format!("lockgate:{{{QUEUE}}}:permits:{key}")
+    format!("lockgate:permits:{{{key}}}")
 }
 
 /// The most runs of `runs` that overlap at one moment.
@@ -372,7 +392,7 @@ fn most_at_once(runs: &[(u32, u32, Instant, Instant)]) -> usize {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
+async fn messages_in_line_take_the_permits_as_they_free_in_line_order() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
@@ -400,7 +420,7 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
     }
 
     let log: Log = Default::default();
-    let worker = tokio::spawn(parking_worker(
+    let worker = tokio::spawn(line_worker(
         &server,
         manager(&server).await,
         &queue,
@@ -410,8 +430,8 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
     ));
     for n in 1..=6 {
         queue.push(msg(n, "A")).await.unwrap();
-        eventually("the message parks", BOUNDED, async || {
-            let len = parked(&conn, "A").await;
+        eventually("the message joins A's line", BOUNDED, async || {
+            let len = in_line(&queue, "A").await;
             done_if(len == i64::from(n), len)
         })
         .await;
@@ -422,10 +442,10 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
         "ran while both permits were held"
     );
 
-    // One permit frees: the first parked message takes it, and the others
+    // One permit frees: the first in line takes it, and the others
     // follow one at a time while the second holder keeps its permit.
     releases.remove(0).send(()).unwrap();
-    eventually("two parked messages ran", BOUNDED, async || {
+    eventually("two messages of the line ran", BOUNDED, async || {
         let n = log.lock().unwrap().len();
         done_if(n >= 2, n)
     })
@@ -457,9 +477,9 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
         2,
         "two permits, both in use at the end"
     );
-    eventually("nothing is parked or held", BOUNDED, async || {
+    eventually("nothing waits or holds A", BOUNDED, async || {
         let left = (
-            parked(&conn, "A").await,
+            in_line(&queue, "A").await,
             support::exists(&conn, &permits_set("A")).await,
         );
         done_if(left == (0, false), left)
@@ -472,9 +492,9 @@ async fn parked_messages_take_the_permits_as_they_free_in_push_order() {
 }
 
 /// A holder that dies keeps its permit only until its lease ends: the
-/// parked messages then come back, in order, and nothing is stranded.
+/// messages in line then run, in order, and nothing is stranded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permits_of_a_dead_holder_free_the_parked_messages_when_their_leases_end() {
+async fn permits_of_a_dead_holder_free_the_line_when_their_leases_end() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
@@ -492,7 +512,7 @@ async fn permits_of_a_dead_holder_free_the_parked_messages_when_their_leases_end
     .await;
 
     let log: Log = Default::default();
-    let worker = tokio::spawn(parking_worker(
+    let worker = tokio::spawn(line_worker(
         &server,
         manager(&server).await,
         &queue,
@@ -500,10 +520,17 @@ async fn permits_of_a_dead_holder_free_the_parked_messages_when_their_leases_end
         Some(1),
         log.clone(),
     ));
+    // One after another: messages claimed together would join the line in
+    // whatever order their handlers find the key busy.
     for n in 1..=3 {
         queue.push(msg(n, "A")).await.unwrap();
+        eventually("the message joins A's line", BOUNDED, async || {
+            let len = in_line(&queue, "A").await;
+            done_if(len == i64::from(n), len)
+        })
+        .await;
     }
-    eventually("every parked message ran", BOUNDED, async || {
+    eventually("every message in line ran", BOUNDED, async || {
         let n = log.lock().unwrap().len();
         done_if(n == 3, n)
     })
@@ -514,7 +541,7 @@ async fn permits_of_a_dead_holder_free_the_parked_messages_when_their_leases_end
     assert_eq!(most_at_once(&runs), 1, "one permit");
     assert!(
         runs.iter().all(|(_, deferrals, ..)| *deferrals == 1),
-        "each parked once: {runs:?}"
+        "each deferred once: {runs:?}"
     );
     worker.abort();
 }
