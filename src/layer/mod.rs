@@ -119,6 +119,7 @@
 //! fence to the storage you write, and have it refuse fences older than the
 //! newest it has seen; `examples/fencing.rs` shows the pattern.
 
+mod contend;
 mod context;
 pub mod error;
 mod future;

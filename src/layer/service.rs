@@ -9,14 +9,14 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 use tower::Service;
 
+use super::contend::{Contention, Next};
 use super::context::HeldLock;
 use super::error::LockLost;
 use super::future::ResponseFuture;
 use super::strategy::GiveUp;
 use super::{Config, LockKey, OnLost};
 use crate::BoxError;
-use crate::lock::wake::Woken;
-use crate::lock::{Acquisition, Lease, Line, Locker, Released, Ticket};
+use crate::lock::{Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::Handoff;
 use futures_util::future::BoxFuture;
@@ -129,7 +129,7 @@ where
     call.await.map(Outcome::Done).map_err(Into::into)
 }
 
-/// Acquire (retrying as configured), call while holding, release.
+/// Acquire (waiting as configured), call while holding, release.
 async fn locked_call<S, C, F, D, Req>(
     config: Arc<Config<C, F, D>>,
     inner: S,
@@ -151,222 +151,35 @@ where
     let instruments = config
         .instruments
         .get_or_init(crate::telemetry::LockInstruments::register);
-    let retry = config.on_conflict.retry;
-    // One budget for the whole call, from its start: the wait in the local
-    // queue, the tries and their round trips, and the waits between them.
-    // (Read only under `retry`: a clock read is not free on the hot path.)
-    let started = retry.map(|_| Instant::now());
-    let deadline = retry
-        .and_then(|b| b.budget())
-        .zip(started)
-        .and_then(|(b, started)| started.checked_add(b));
-    let mut tries: u32 = 0;
-    // Whether the call found its key busy (in Redis, or behind this
-    // process's earlier callers), for the metrics.
-    let mut contended = false;
     let ticket = match permits {
         Some(permits) => locker.permit_ticket(key, permits)?,
         None => locker.ticket(key)?,
     };
-    let key = ticket.key();
-    // Under `retry`, wait behind this process's earlier calls for the key
-    // (FIFO), within the retry budget; only the head asks Redis.
-    let _turn = match retry {
-        None => None,
-        Some(backoff) => {
-            // Keyed by the Redis key: a key's lock and its permits are
-            // separate, and a key with n permits lets n callers through.
-            let turn = config.local.turn(ticket.lock_key(), permits.unwrap_or(1));
-            let turn = match deadline {
-                None => Box::pin(turn).await,
-                // Boxed, as every path of a busy key below: they keep the
-                // future of an uncontended call small.
-                Some(deadline) => match Box::pin(tokio::time::timeout_at(deadline, turn)).await {
-                    Ok(turn) => turn,
-                    Err(_) => {
-                        tracing::debug!(%key, "lock busy in this process for the whole retry budget; giving up");
-                        let retry_after = Box::pin(locker.remaining_ticket(&ticket)).await?;
-                        let busy = crate::Contended::new(key.to_owned(), retry_after)
-                            .with_permits(ticket.permits());
-                        let give_up =
-                            running.provide(|| config.on_conflict.then.give_up(req, busy));
-                        let gave_up = Box::pin(give_up).await;
-                        let (id, due) = instruments.gave_up(gave_up)?;
-                        return Ok(Outcome::Deferred { id, due });
-                    }
-                },
-            };
-            // Waiting behind local callers stands for the tries they made
-            // meanwhile: it uses up the tries whose backoff waits it covers
-            // (at least one), so that queue and tries together stay within
-            // the waits `max_attempts` allows. One try is always left: the
-            // key was just handed over, it is likely free.
-            contended |= turn.waited();
-            if turn.waited() {
-                let covered =
-                    backoff.tries_covered(started.map_or(Duration::ZERO, |s| s.elapsed()));
-                let left_one = backoff.attempts_limit().map_or(u32::MAX, |n| n - 1);
-                tries = covered.min(left_one);
-            }
-            Some(turn)
-        }
+    let retry = (config.on_conflict.retry, &config.wake);
+    let mut contention = Contention::new(locker, retry, ticket);
+    // Held to the end of the call: the next local caller waits for it.
+    let _turn = match contention.local_turn(&config.local).await? {
+        Ok(turn) => turn,
+        Err(busy) => return give_up(&config, instruments, req, running, busy).await,
     };
-    // Armed before the first acquire is sent: if this future is dropped
-    // while an acquire is in flight, the lock may be ours without our
-    // knowing, and the guard releases it (a no-op if it is not).
-    let mut guard = ReleaseGuard {
-        locker,
-        ticket: Some(ticket.clone()),
-    };
-    // Under `retry` with a release listener: this call's subscription to
-    // the key's releases, made when the key is first found busy.
-    let mut watch: Option<crate::lock::Watch> = None;
-    // When this call first asked to join the key's line of waiters (see
-    // `src/lock/release.lua`): it must leave the line if it gives up, and a
-    // lock handed to it soon after needs no round trip to be taken.
-    let mut joined: Option<Instant> = None;
     let lease = loop {
-        tries = tries.saturating_add(1);
-        let Some(ticket) = guard.ticket.clone() else {
-            return Err(crate::Error::reply("acquiring a lock", "ticket missing").into());
+        let busy = match contention.try_once().await? {
+            Ok(lease) => break lease,
+            Err(busy) => busy,
         };
-        // The first try is the plain `SET NX PX`; a busy key (and
-        // every later try) runs the contend script, which tries again and
-        // reads how long the holder still has.
-        // A waiter that listens joins the key's line, so that the release
-        // hands it on. One
-        // that cannot hear releases now (the listener reconnects) does not
-        // join, but leaves the line if it takes the lock.
-        let line = match watch.as_ref().is_some_and(|w| w.is_ready()) {
-            true => Line::Join,
-            false if joined.is_some() => Line::Leave,
-            false => Line::Outside,
-        };
-        if line == Line::Join && joined.is_none() {
-            joined = Some(Instant::now());
-        }
-        let acquisition = match tries {
-            1 => match locker.try_set(&ticket).await? {
-                Some(acquired) => acquired,
-                None => locker.contend(&ticket, line).await?,
-            },
-            _ => locker.contend(&ticket, line).await?,
-        };
-        let busy = match acquisition {
-            Acquisition::Acquired(lease) if !lease.is_expired() => break lease,
-            Acquisition::Acquired(_) => {
-                // The reply came after the lease it grants had run out (a
-                // slow or paused server, a long stall): another process may
-                // hold the key by now, so the handler must not start. The
-                // try counts as a failed one, as if the key had been busy:
-                // the handler has not run, so the strategy's answer (retry,
-                // fail with `Contended`, defer) fits, and no error is
-                // charged to a message that never reached its handler.
-                tracing::warn!(%key, "lock acquired after its lease had run out; releasing it");
-                if let Err(error) = locker.release_ticket(&ticket).await {
-                    // Maybe still ours. Its token is retired: a release of it
-                    // that lands late must never meet a lock this call takes
-                    // again, so the next try gets a fresh ticket, and the old
-                    // one is released in the background (the guard's drop).
-                    tracing::warn!(%key, %error, "could not release a lock acquired too late; releasing it in the background");
-                    drop(ReleaseGuard {
-                        locker,
-                        ticket: guard.ticket.replace(locker.retoken(&ticket)),
-                    });
-                    // The new token waits anew: listened for, and in line,
-                    // under its own name (the old one leaves the line with
-                    // its background release).
-                    watch = None;
-                    joined = None;
-                }
-                crate::Contended::new(key.to_owned(), Duration::ZERO).with_permits(ticket.permits())
+        match Box::pin(contention.wait(&busy)).await {
+            Next::Try => {}
+            Next::Handed(lease) => break lease,
+            Next::GiveUp => {
+                let retry_after = busy.retry_after();
+                tracing::debug!(key = %busy.key(), ?retry_after, "lock busy; giving up");
+                contention.leave();
+                return give_up(&config, instruments, req, running, busy).await;
             }
-            Acquisition::Contended(busy) => busy,
-        };
-        contended = true;
-        if let (Some(backoff), Some(listener)) =
-            (retry, retry.and_then(|_| config.wake.listener(locker)))
-        {
-            // Woken by the release: waits are bounded by the budget's time
-            // (what `max_attempts` waits would take, or `max_elapsed`), not
-            // by counting wake-ups, which a hot key hands out by the dozen.
-            let within = deadline.is_none_or(|d| Instant::now() < d);
-            if within {
-                match watch.as_mut() {
-                    None => {
-                        // Listen first, then mark the lock (next try): a
-                        // release in between cannot be missed.
-                        let mut new = listener.watch(ticket.lock_key(), ticket.token());
-                        let ready = Box::pin(new.ready(deadline)).await;
-                        watch = Some(new);
-                        if ready {
-                            continue;
-                        }
-                    }
-                    Some(listening) if listening.is_ready() => {
-                        // Until the release, or the holder's lease runs out
-                        // (it died), within the budget.
-                        let holder_left = match busy.retry_after() {
-                            Duration::ZERO => backoff.delay(tries.saturating_sub(1)),
-                            left => left + Duration::from_millis(1),
-                        };
-                        let until = Instant::now() + holder_left;
-                        let until = deadline.map_or(until, |d| until.min(d));
-                        tracing::trace!(%key, tries, ?holder_left, "lock busy; waiting for its release");
-                        let handed = Box::pin(wait_for_turn(listening, until, deadline)).await;
-                        if let Some(lease) = joined
-                            .filter(|_| handed)
-                            .and_then(|joined| locker.handed(&ticket, joined))
-                        {
-                            break lease;
-                        }
-                        continue;
-                    }
-                    Some(_) => {}
-                }
-                // The listener's connection is down: poll with backoff
-                // meanwhile, within the same time budget.
-                let delay = backoff.delay(tries.saturating_sub(1));
-                let until = Instant::now() + delay;
-                Box::pin(tokio::time::sleep_until(
-                    deadline.map_or(until, |d| until.min(d)),
-                ))
-                .await;
-                continue;
-            }
-        } else if let Some(delay) = retry
-            .zip(started)
-            .and_then(|(b, started)| b.next(tries, started.elapsed()))
-        {
-            // Everything since the call started counts against `max_elapsed`.
-            tracing::trace!(%key, tries, ?delay, "lock busy; retrying");
-            Box::pin(tokio::time::sleep(delay)).await;
-            continue;
         }
-        // Not ours (a ticket whose release failed was handed to a
-        // background release above): nothing to release, but a call that
-        // joined the key's line of waiters leaves it (in the background),
-        // and hands the lock on if a release handed it to this call
-        // meanwhile.
-        if let Some(ticket) = guard.ticket.take().filter(|_| joined.is_some()) {
-            let locker = locker.clone();
-            tokio::spawn(async move { locker.release_ticket(&ticket).await });
-        }
-        tracing::debug!(%key, tries, retry_after = ?busy.retry_after(), "lock busy; giving up");
-        let give_up = running.provide(|| config.on_conflict.then.give_up(req, busy));
-        let gave_up = Box::pin(give_up).await;
-        let (id, due) = instruments.gave_up(gave_up)?;
-        return Ok(Outcome::Deferred { id, due });
     };
-    drop(watch);
-    instruments.acquired.increment(1);
-    if contended {
-        instruments.acquired_after_wait.increment(1);
-        if let Some(started) = started {
-            instruments.wait.record(started.elapsed().as_secs_f64());
-        }
-    }
-    tracing::debug!(%key, "lock acquired");
+    let guard = contention.acquired(instruments);
+    tracing::debug!(key = %lease.ticket().key(), "lock acquired");
     let held = HeldLock::new(lease.ticket().clone(), fence_issuer(&config));
     // The running job, if this layer took it and did not need it, goes on to
     // the layers inside: one of them may defer the job in place.
@@ -385,6 +198,23 @@ where
         &instruments.lost,
     )
     .await
+}
+
+/// The strategy's last step for a call whose key stayed busy: fail, or
+/// defer (answered `Outcome::Deferred`).
+async fn give_up<C, F, D, Req, R>(
+    config: &Config<C, F, D>,
+    instruments: &crate::telemetry::LockInstruments,
+    req: Req,
+    running: Handoff,
+    busy: crate::Contended,
+) -> Result<Outcome<R>, BoxError>
+where
+    D: GiveUp<Req>,
+{
+    let give_up = running.provide(|| config.on_conflict.then.give_up(req, busy));
+    let (id, due) = instruments.gave_up(Box::pin(give_up).await)?;
+    Ok(Outcome::Deferred { id, due })
 }
 
 /// Issues the fences of [`HeldLock::fence`].
@@ -442,31 +272,6 @@ where
     let held = HeldLock::new(ticket, fence_issuer(&config));
     let call = held.scope(async move { running.provide(|| inner.call(req)).await });
     call.await.map(Outcome::Done).map_err(Into::into)
-}
-
-/// Sleeps until a release hands the lock to this waiter (true) or to nobody
-/// (then every waiter tries again), or until `until`. A lock handed to
-/// another waiter is theirs for the hand-off time: if they do not take it
-/// by then (they died or gave up), the lock expires, and this waiter tries
-/// again.
-async fn wait_for_turn(
-    listening: &mut crate::lock::wake::Watch,
-    mut until: Instant,
-    deadline: Option<Instant>,
-) -> bool {
-    loop {
-        tokio::select! {
-            woken = listening.woken() => match woken {
-                Woken::Mine => return true,
-                Woken::Elsewhere => {
-                    let handoff_ends = Instant::now() + crate::lock::HANDOFF + Duration::from_millis(1);
-                    until = deadline.map_or(handoff_ends, |d| handoff_ends.min(d));
-                }
-                Woken::Anyone => return false,
-            },
-            () = tokio::time::sleep_until(until) => return false,
-        }
-    }
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or
@@ -687,10 +492,10 @@ impl LeaseClock {
 /// Releases the lock when dropped without [`release`](Self::release): the
 /// response future was dropped (cancellation), or the handler panicked.
 /// Borrows the layer's locker; only a release left to the runtime clones it.
-struct ReleaseGuard<'a, C: ConnectionLike + Clone + Send + Sync + 'static> {
-    locker: &'a Locker<C>,
+pub(super) struct ReleaseGuard<'a, C: ConnectionLike + Clone + Send + Sync + 'static> {
+    pub(super) locker: &'a Locker<C>,
     /// The attempt to release; `None` once released or known not held.
-    ticket: Option<Arc<Ticket>>,
+    pub(super) ticket: Option<Arc<Ticket>>,
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> ReleaseGuard<'_, C> {

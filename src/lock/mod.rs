@@ -118,7 +118,6 @@ use crate::keys::{self, KeyName};
 use crate::script;
 pub use wake::ReleaseListener;
 pub(crate) mod listen;
-pub(crate) use wake::Watch;
 
 /// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
 /// `contend.lua`).
