@@ -355,6 +355,12 @@ local function rate_of(key)
   return redis.call('HGET', KEYS[LIMITS], key .. '\0rate') or nil
 end
 
+-- A key's permits (0: its lock) and its rate limit (nil: none), in one read.
+local function limits_of(key)
+  local limits = redis.call('HMGET', KEYS[LIMITS], key, key .. '\0rate')
+  return tonumber(limits[1]) or 0, limits[2] or nil
+end
+
 -- Forgets a key's limits: nothing of it is left in line or at work (a
 -- message of it out of line brings them back: see aside).
 local function forget_limits(key)
@@ -388,11 +394,10 @@ local function place(key, id, due, now)
   end
 end
 
--- Admits a message of `key` under its rate limit, if it has one, for
+-- Admits a message under its key's `rate` limit (nil: none) in `log`, for
 -- `member` at `now_us` (see rate.lua, prepended where this is called);
 -- returns 0 when admitted, else the ms until its next slot.
-local function rate_wait(key, log, member, now_us)
-  local rate = rate_of(key)
+local function rate_wait(rate, log, member, now_us)
   if not rate then return 0 end
   local limit, period, burst, window = string.match(rate, '^(%d+)/(%d+)/(%d+)/(%d+)$')
   if not window then return 0 end

@@ -209,6 +209,9 @@ pub(crate) struct Held {
     pub(crate) token: Token,
     /// The key's permits: 0 for its lock.
     pub(crate) permits: u32,
+    /// Whether the key has a rate limit: the hand-over to its next message
+    /// asks it.
+    pub(crate) rated: bool,
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
     pub(crate) run: u32,
@@ -557,8 +560,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let found = candidates
                 .iter()
                 .position(|k| k.as_bytes() == key.as_slice());
-            let permits = text(permits).and_then(|n| n.parse().ok());
-            let (Some(i), Some(id), Some(seq), Some(permits)) =
+            // "<permits>", with "r" after for a key with a rate limit.
+            let permits = text(permits).and_then(|n| {
+                let rated = n.ends_with('r');
+                Some((n.trim_end_matches('r').parse().ok()?, rated))
+            });
+            let (Some(i), Some(id), Some(seq), Some((permits, rated))) =
                 (found, text(id), text(seq), permits)
             else {
                 // Cannot happen with lockgate's script; if it does, the
@@ -570,6 +577,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 key: candidates[i].clone(),
                 token: tokens[i],
                 permits,
+                rated,
                 partition: partition.clone(),
                 run: 0,
                 seq,
@@ -630,7 +638,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(next_token.as_str())
             .arg(if errors { "1" } else { "" })
             .arg(held.permits)
-            .arg(millis(crate::lock::HANDOFF));
+            .arg(millis(crate::lock::HANDOFF))
+            .arg(if held.rated { "1" } else { "" });
         let mut conn = self.conn.clone();
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
@@ -657,6 +666,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             key: held.key.clone(),
             token: next_token,
             permits: held.permits,
+            rated: held.rated,
             partition: held.partition.clone(),
             run: held.run + 1,
             seq: seq.map_err(bad)?,

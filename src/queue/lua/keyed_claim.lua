@@ -21,7 +21,8 @@
 -- permits gives one message per call: one with room left is named again
 -- for the next.
 -- Returns {claim, now, the next time a key or a delayed message is due (ms,
--- -1 for none), {candidate keys}, {key, id, seq, permits, record, ...},
+-- -1 for none), {candidate keys}, {key, id, seq, permits (0: the lock;
+-- followed by "r" when the key has a rate limit), record, ...},
 -- {key that other code keeps full, the lock or set to watch, ms until its
 -- first lease ends, ...}}.
 local now, now_us = server_time()
@@ -30,7 +31,7 @@ promote(now, 1000)
 local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
 
 -- Moves the head `id` of `key`'s line to the active set, under this claim.
-local function take(key, id, seq, permits)
+local function take(key, id, seq, permits, rate)
   tag = tag or next_claim(now_us)
   local member = line_member(key, seq, id)
   redis.call('ZREM', KEYS[LINES], member)
@@ -38,12 +39,12 @@ local function take(key, id, seq, permits)
   claimed[#claimed + 1] = key
   claimed[#claimed + 1] = id
   claimed[#claimed + 1] = seq
-  claimed[#claimed + 1] = tostring(permits)
+  claimed[#claimed + 1] = permits .. (rate and 'r' or '')
   claimed[#claimed + 1] = redis.call('HGET', KEYS[DATA], id) or ''
 end
 
 -- A key with a lock: its head with the lock, if free.
-local function claim_locked(key, id, seq, lock, token, log)
+local function claim_locked(key, id, seq, lock, token, log, rate)
   local value = redis.call('GET', lock)
   if value then
     if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
@@ -52,19 +53,19 @@ local function claim_locked(key, id, seq, lock, token, log)
     blocked[#blocked + 1] = {key, lock, pttl}
     return
   end
-  local wait = rate_wait(key, log, token, now_us)
+  local wait = rate_wait(rate, log, token, now_us)
   if wait > 0 then
     redis.call('ZADD', KEYS[READY], now + wait, key)
     return
   end
   redis.call('SET', lock, token, 'PX', lease)
   redis.call('ZADD', KEYS[READY], AT_WORK, key)
-  take(key, id, seq, 0)
+  take(key, id, seq, 0, rate)
 end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
 -- key stays ready while it has a line and room.
-local function claim_permit(key, id, seq, set, line, token, limit, log)
+local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   local took = take_permit(set, set, token, lease, limit, '0', now)
   if took[1] ~= 1 then
     redis.call('ZADD', KEYS[READY], now + took[2], key)
@@ -72,14 +73,14 @@ local function claim_permit(key, id, seq, set, line, token, limit, log)
     blocked[#blocked + 1] = {key, set, took[2]}
     return
   end
-  local wait = rate_wait(key, log, token, now_us)
+  local wait = rate_wait(rate, log, token, now_us)
   if wait > 0 then
     redis.call('ZREM', set, token)
     redis.call('ZADD', KEYS[READY], now + wait, key)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
-  take(key, id, seq, limit)
+  take(key, id, seq, limit, rate)
   if not head_of(key) then
     redis.call('ZREM', KEYS[READY], key)
   else
@@ -100,13 +101,14 @@ for i = 1, (#KEYS - 11) / 4 do
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
     local id, seq = head_of(key)
-    local limit = id and tonumber(redis.call('HGET', KEYS[LIMITS], key))
+    local limit, rate = 0, nil
+    if id then limit, rate = limits_of(key) end
     if not id then
       redis.call('ZREM', KEYS[READY], key)
-    elseif limit then
-      claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3])
+    elseif limit > 0 then
+      claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3], rate)
     else
-      claim_locked(key, id, seq, KEYS[at], token, KEYS[at + 3])
+      claim_locked(key, id, seq, KEYS[at], token, KEYS[at + 3], rate)
     end
   end
 end

@@ -20,6 +20,7 @@
 -- ARGV[12]: "1" when the message may have an error on record (an ack
 --           deletes it)
 -- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: a permit's hand-off ms
+-- ARGV[15]: "1" when the key has a rate limit (its claim said so)
 -- The next message is claimed only if the key's rate limit admits it now.
 -- A retried or deferred message goes back first in line. A key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
@@ -75,7 +76,8 @@ if op == 'ack' and ARGV[10] ~= '' then
   local next, next_seq = head_of(key)
   local ready = next and redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, 2) or {}
   local waiting = ready[1] and ready[1] ~= key or ready[2]
-  local wait = next and not waiting and rate_wait(key, KEYS[15], ARGV[11], now_us) or 0
+  local rated = next and not waiting and ARGV[15] == '1'
+  local wait = rated and rate_wait(rate_of(key), KEYS[15], ARGV[11], now_us) or 0
   if wait > 0 then from = now + wait end
   if next and not waiting and wait == 0 then
     if limit == 0 then
