@@ -228,6 +228,21 @@ impl Held {
         }
     }
 
+    /// Appends the Redis keys of the key's limits the done script takes:
+    /// its lock (thrice), or its permits' set, line and fences; then its
+    /// rate limit log.
+    fn limit_keys(&self, prefix: &str, cmd: &mut redis::Cmd) {
+        let lock = self.lock_key(prefix);
+        match self.permits {
+            0 => cmd.arg(&lock).arg(&lock).arg(&lock),
+            _ => cmd
+                .arg(&lock)
+                .arg(format!("{lock}:waiters"))
+                .arg(format!("{lock}:fences")),
+        };
+        cmd.arg(keys::rate_key(prefix, &self.key));
+    }
+
     /// The message's entry in its partition's active set.
     pub(crate) fn member(&self, id: &str, claim: u64) -> String {
         format!("{}\0{}\0{id}:{claim}", self.key, self.seq)
@@ -537,7 +552,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Vec<Vec<u8>>,
             Vec<(String, String, u64)>,
         );
-        let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
         let mut conn = self.conn.clone();
         let reply = match first {
             Some(first) => run_after(script, first, &cmd, &mut conn).await,
@@ -548,6 +562,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
+        let turns = self.turns(partition, (candidates, &tokens), claim, flat);
+        Ok((turns, (next_at >= 0).then_some(next_at), named))
+    }
+
+    /// The turns a claim script returned: `flat` holds key, id, seq,
+    /// permits and record per turn; each key is one of `candidates`, claimed
+    /// with its token in `tokens`.
+    fn turns(
+        &self,
+        partition: &Arc<Partition>,
+        (candidates, tokens): (&[String], &[Token]),
+        claim: u64,
+        flat: Vec<Vec<u8>>,
+    ) -> Vec<Turn> {
+        let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
         let mut turns = Vec::with_capacity(flat.len() / 5);
         let mut flat = flat.into_iter();
         while let (Some(key), Some(id), Some(seq), Some(permits), Some(record)) = (
@@ -589,7 +618,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 record,
             });
         }
-        Ok((turns, (next_at >= 0).then_some(next_at), named))
+        turns
     }
 
     /// Ends a turn with `outcome`. For an ack with `next` set, the key's
@@ -608,15 +637,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .map_err(Error::redis(attempted()))?;
         let script = &KeyedScripts::get().done;
         let mut cmd = held.partition.call(script, 4);
-        let lock = held.lock_key(&self.keys.prefix);
-        match held.permits {
-            0 => cmd.arg(&lock).arg(&lock).arg(&lock),
-            _ => cmd
-                .arg(&lock)
-                .arg(format!("{lock}:waiters"))
-                .arg(format!("{lock}:fences")),
-        };
-        cmd.arg(keys::rate_key(&self.keys.prefix, &held.key));
+        held.limit_keys(&self.keys.prefix, &mut cmd);
         let (op, wait, error) = match outcome {
             Outcome::Ack => ("ack", String::new(), ""),
             Outcome::Retry { delay, error } => ("retry", millis(delay).to_string(), error),
@@ -644,6 +665,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
             .map_err(Error::redis(attempted()))?;
+        self.settled(held, (claim, next_token), reply, attempted)
+            .await
+    }
+
+    /// What the done script answered (see `done`): the turn ended, or the
+    /// key's next message claimed under `claim` with `next_token`.
+    async fn settled(
+        &self,
+        held: &Arc<Held>,
+        (claim, next_token): (u64, Token),
+        reply: Vec<redis::Value>,
+        attempted: impl Fn() -> String,
+    ) -> Result<Settled> {
         let (id, seq, record) = match reply.as_slice() {
             [redis::Value::Int(0)] => return Ok(Settled::Lost),
             [redis::Value::Int(1)] => return Ok(Settled::Done),
