@@ -156,15 +156,17 @@ end
 
 -- Dead-letter retention: deletes, oldest first, dead letters buried more
 -- than `max_age` ms before `now` and those beyond the newest `max_count`
--- (either "" for no limit), with their records and errors; at most `budget`
+-- (either "" for no limit), with their records and errors (and, given a
+-- `keyof` hash, their entries there: a keyed partition's); at most `budget`
 -- of them per call, so a call's work stays bounded (each burial adds one
 -- letter and a call may remove many, so the set converges to its limits).
-local function trim_dead(dead, data, errors, now, max_count, max_age, budget)
+local function trim_dead(dead, data, errors, now, max_count, max_age, budget, keyof)
   local function forget(ids)
     if #ids == 0 then return end
     redis.call('ZREM', dead, unpack(ids))
     redis.call('HDEL', data, unpack(ids))
     redis.call('HDEL', errors, unpack(ids))
+    if keyof then redis.call('HDEL', keyof, unpack(ids)) end
     budget = budget - #ids
   end
   local age = tonumber(max_age)

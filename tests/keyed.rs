@@ -357,6 +357,11 @@ async fn keys_meet_their_locks_on_every_node_of_a_cluster() {
         jobs.extend(claimed);
     }
     assert_eq!(jobs.len(), keys.len(), "one per key");
+    // Peek and remove reach every node's partitions.
+    let peek = queue.peek(100).await.unwrap();
+    assert_eq!((peek.waiting.len(), peek.active.len()), (30, 30));
+    assert!(queue.remove("account-7/2").await.unwrap());
+    assert!(!queue.remove("account-7/1").await.unwrap(), "at work");
     let locker = Locker::new(conn);
     for job in &jobs {
         let key = job.key().expect("a keyed job");
@@ -365,7 +370,7 @@ async fn keys_meet_their_locks_on_every_node_of_a_cluster() {
         assert!(queue.ack(job).await.unwrap());
     }
     let mut second = 0;
-    while second < keys.len() {
+    while second < keys.len() - 1 {
         let claimed = queue.claim(100, secs(10)).await.unwrap().jobs;
         assert!(!claimed.is_empty());
         assert!(claimed.iter().all(|j| j.id().ends_with("/2")));
@@ -1055,4 +1060,233 @@ async fn key_stats_show_busy_keys_and_the_longest_lines_with_their_oldest_messag
     let oldest = stats.backlogs[0].oldest_waiting.expect("hot1 waits");
     assert!(oldest >= ms(20), "{oldest:?}");
     assert_eq!(queue.key_stats(1).await.unwrap().busy.len(), 1, "the top 1");
+}
+
+/// An event as (kind, id, attempt, key, error).
+type Logged = (String, String, u32, Option<String>, Option<String>);
+
+/// A queue's events, in stream order.
+async fn event_log(queue: &Queue<String>) -> Vec<Logged> {
+    let events = queue.events_after("0", 1000).await.unwrap();
+    events
+        .into_iter()
+        .map(|e| (e.kind.to_string(), e.id, e.attempt, e.key, e.error))
+        .collect()
+}
+
+/// `event_log`'s entries of one message, as "kind attempt [key] [error]".
+fn events_of(log: &[Logged], id: &str) -> Vec<String> {
+    log.iter()
+        .filter(|(_, of, ..)| of == id)
+        .map(|(kind, _, attempt, key, error)| {
+            let mut line = format!("{kind} {attempt}");
+            for part in [key, error].into_iter().flatten() {
+                line.push(' ');
+                line.push_str(part);
+            }
+            line
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn keyed_messages_record_their_events_key_releases_and_completed_entries() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q")
+        .unwrap()
+        .record_events(1000)
+        .unwrap()
+        .keep_completed(Some(10), None)
+        .unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"]);
+    assert!(queue.ack(&jobs[0]).await.unwrap());
+    assert!(
+        queue
+            .retry(&jobs[1], ms(0), "flaky")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    let jobs = claim_ids(&queue, ms(100)).await;
+    assert_eq!(ids(&jobs), ["a2", "b1"]);
+    assert!(queue.bury(&jobs[0], "no such account").await.unwrap());
+    tokio::time::sleep(ms(150)).await;
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 1, "b1's lease");
+    assert!(queue.requeue_dead("a2").await.unwrap());
+
+    let log = event_log(&queue).await;
+    assert_eq!(
+        events_of(&log, "a1"),
+        ["pushed 1 a", "claimed 1 a", "done 1 a", "key-released 1 a"]
+    );
+    assert_eq!(
+        events_of(&log, "b1"),
+        [
+            "pushed 1 b",
+            "claimed 1 b",
+            "retried 1 b flaky",
+            "key-released 1 b",
+            "claimed 2 b",
+            "recovered 2 b"
+        ]
+    );
+    assert_eq!(
+        events_of(&log, "a2"),
+        [
+            "pushed 1 a",
+            "claimed 1 a",
+            "dead 1 a no such account",
+            "key-released 1 a",
+            "redriven 1"
+        ]
+    );
+    let completed = queue.completed(10).await.unwrap();
+    assert_eq!(completed.len(), 1);
+    assert_eq!((completed[0].id.as_str(), completed[0].attempt), ("a1", 1));
+    assert_eq!(completed[0].payload, br#""a1""#);
+    let activity = queue.activity(secs(60), 1).await.unwrap();
+    assert_eq!((activity.done[0], activity.failed[0]), (1, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_key_handed_on_by_acknowledgements_is_released_once_at_the_end() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    for n in 1..=3 {
+        let id = format!("c{n}");
+        queue
+            .push_with(id.clone(), PushOptions::new().id(id).key("c"))
+            .await
+            .unwrap();
+    }
+    let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let drained = async {
+        loop {
+            let stats = queue.stats().await.unwrap();
+            if stats.due + stats.active == 0 {
+                break;
+            }
+            tokio::time::sleep(ms(20)).await;
+        }
+    };
+    worker.run_until(drained).await.unwrap();
+    let log = event_log(&queue).await;
+    let turns: Vec<String> = log
+        .iter()
+        .filter(|(kind, ..)| kind != "pushed")
+        .map(|(kind, id, _, key, _)| format!("{kind} {id} {}", key.as_deref().unwrap_or("-")))
+        .collect();
+    assert_eq!(
+        turns,
+        [
+            "claimed c1 c",
+            "done c1 c",
+            "claimed c2 c",
+            "done c2 c",
+            "claimed c3 c",
+            "done c3 c",
+            "key-released c3 c"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn keyed_dead_letters_keep_to_the_queue_s_retention() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q")
+        .unwrap()
+        .dead_retention(Some(1), None);
+    push_lines(&queue).await;
+    for _ in 0..3 {
+        for job in claim_ids(&queue, secs(10)).await {
+            assert!(queue.bury(&job, "no").await.unwrap());
+        }
+    }
+    let dead = queue.dead_letters(0, 10).await.unwrap();
+    assert_eq!(
+        dead.len(),
+        2,
+        "the newest of each key's partition: {dead:?}"
+    );
+    assert_eq!(queue.stats().await.unwrap().dead, 2);
+}
+
+#[tokio::test]
+async fn peek_lists_keyed_messages_with_their_keys_and_remove_deletes_them() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    push_lines(&queue).await;
+    let later = PushOptions::new().id("c1").key("c").after(secs(60));
+    queue.push_with("c1".to_owned(), later).await.unwrap();
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"]);
+    let peek = queue.peek(10).await.unwrap();
+    let seen = |list: &[lockgate::queue::Peeked]| {
+        let mut seen: Vec<(String, Option<String>)> =
+            list.iter().map(|p| (p.id.clone(), p.key.clone())).collect();
+        seen.sort();
+        seen
+    };
+    let with = |id: &str, key: &str| (id.to_owned(), Some(key.to_owned()));
+    // Each key's first in line, and the delayed one.
+    assert_eq!(
+        seen(&peek.waiting),
+        [with("a2", "a"), with("b2", "b"), with("c1", "c")]
+    );
+    assert_eq!(seen(&peek.active), [with("a1", "a"), with("b1", "b")]);
+    let c1 = peek.waiting.iter().find(|p| p.id == "c1").unwrap();
+    assert_eq!(c1.payload, br#""c1""#);
+
+    assert!(
+        !queue.remove("a1").await.unwrap(),
+        "at work: left to its worker"
+    );
+    assert!(queue.remove("a2").await.unwrap(), "first in a's line");
+    assert!(!queue.remove("a2").await.unwrap(), "gone");
+    assert!(queue.remove("c1").await.unwrap(), "delayed");
+    assert!(queue.bury(&jobs[1], "no").await.unwrap());
+    assert!(queue.remove("b1").await.unwrap(), "dead");
+    assert!(queue.dead_letters(0, 10).await.unwrap().is_empty());
+    assert!(queue.ack(&jobs[0]).await.unwrap());
+    // a3 is next in a's line, b2 in b's; nothing else is left.
+    let next = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&next), ["a3", "b2"]);
+    for job in &next {
+        assert!(queue.ack(job).await.unwrap());
+    }
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+    let log = event_log(&queue).await;
+    assert_eq!(events_of(&log, "a2"), ["pushed 1 a", "removed 1 a"]);
+    assert_eq!(events_of(&log, "c1"), ["pushed 1 c", "removed 1 c"]);
+}
+
+#[tokio::test]
+async fn removing_the_only_message_of_a_waiting_key_leaves_nothing_claimable() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    // An id with glob characters is found by its exact text.
+    for id in ["x*", "x?", "x[1]", "x\\"] {
+        let options = PushOptions::new().id(id).key(format!("k{id}"));
+        queue.push_with(id.to_owned(), options).await.unwrap();
+    }
+    for id in ["x*", "x?", "x[1]", "x\\"] {
+        assert!(queue.remove(id).await.unwrap(), "{id}");
+    }
+    assert!(claim_ids(&queue, secs(10)).await.is_empty());
+    assert_eq!(queue.stats().await.unwrap().due, 0);
+    assert!(queue.key_stats(10).await.unwrap().keys == 0);
 }

@@ -557,12 +557,14 @@ fn message_table(messages: &[Peeked], when: &str, now: SystemTime, _: Option<()>
         @if messages.is_empty() {
             p.muted { "None." }
         } @else {
+            @let keyed = messages.iter().any(|m| m.key.is_some());
             table.messages {
-                thead { tr { th { "id" } th { (when) } th.n { "priority" } th.n { "attempts" } th.n { "deferrals" } th { "payload" } } }
+                thead { tr { th { "id" } @if keyed { th { "key" } } th { (when) } th.n { "priority" } th.n { "attempts" } th.n { "deferrals" } th { "payload" } } }
                 tbody {
                     @for m in messages {
                         tr {
                             td { code { (m.id) } }
+                            @if keyed { td.key { @if let Some(key) = &m.key { code { (key) } } } }
                             td { (relative(m.at, now)) }
                             td.n { (m.priority) }
                             td.n { (m.failures + 1) }

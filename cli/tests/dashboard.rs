@@ -291,6 +291,8 @@ async fn a_keyed_queue_shows_its_busy_keys_and_longest_lines() {
         "Longest lines",
         "<code>acct-a</code>",
         "<code>acct-b</code>",
+        // The messages at work and first in line, with their keys.
+        r#"<td class="key"><code>acct-a</code></td>"#,
     ] {
         assert!(page.contains(needle), "{needle} missing: {page}");
     }

@@ -40,6 +40,13 @@ pub enum EventKind {
     Redriven,
     /// Removed by hand.
     Removed,
+    /// A keyed message's turn ended and its key's lock (or permit) was let
+    /// go: the key is free for other code, or for its next message's
+    /// claim. [`Event::id`] is the message whose turn ended, [`Event::key`]
+    /// the key. (A key whose next message is claimed under the same lock at
+    /// once, by the acknowledgement, is not let go; a holder that died lets
+    /// go when its lease runs out, with no event.)
+    KeyReleased,
 }
 
 impl EventKind {
@@ -55,6 +62,7 @@ impl EventKind {
             b"recovered" => Self::Recovered,
             b"redriven" => Self::Redriven,
             b"removed" => Self::Removed,
+            b"key-released" => Self::KeyReleased,
             _ => return None,
         })
     }
@@ -72,6 +80,7 @@ impl EventKind {
             Self::Recovered => "recovered",
             Self::Redriven => "redriven",
             Self::Removed => "removed",
+            Self::KeyReleased => "key-released",
         }
     }
 }
@@ -99,6 +108,10 @@ pub struct Event {
     /// The error, for [`Retried`](EventKind::Retried) and
     /// [`Dead`](EventKind::Dead).
     pub error: Option<String>,
+    /// The message's key, for a message pushed with one
+    /// ([`PushOptions::key`](super::PushOptions::key)), on every event but
+    /// [`Redriven`](EventKind::Redriven) and [`Removed`](EventKind::Removed).
+    pub key: Option<String>,
     /// The stream entry it came in (several events share one when a script
     /// changed several messages): resume after it with
     /// [`EventsFrom::After`].
@@ -302,12 +315,18 @@ fn bytes(v: Value) -> Option<Vec<u8>> {
     }
 }
 
-/// The events of one entry: `e <kind> t <ms> [x <error>] <id> <attempt> ...`.
-/// An entry lockgate did not write is skipped (and logged).
+/// The events of one entry: `e <kind> [k <key>] t <ms> [x <error>] <id>
+/// <attempt> ...`. An entry lockgate did not write is skipped (and logged).
 pub(crate) fn decode(entry: &str, fields: Vec<Value>) -> Vec<Event> {
     let mut fields = fields.into_iter().map(bytes);
     let mut next = || fields.next().flatten();
-    let header = (next(), next(), next(), next());
+    let (e, kind, mut t) = (next(), next(), next());
+    let mut key = None;
+    if t.as_deref() == Some(b"k") {
+        key = next().map(|k| String::from_utf8_lossy(&k).into_owned());
+        t = next();
+    }
+    let header = (e, kind, t, next());
     let (Some(e), Some(kind), Some(t), Some(ms)) = header else {
         tracing::warn!(entry, "queue events: malformed entry");
         return Vec::new();
@@ -338,6 +357,7 @@ pub(crate) fn decode(entry: &str, fields: Vec<Value>) -> Vec<Event> {
             attempt,
             at,
             error: error.clone(),
+            key: key.clone(),
             entry: entry.to_owned(),
         });
     }

@@ -20,7 +20,7 @@ use std::time::Duration;
 use redis::Script;
 use redis::aio::ConnectionLike;
 
-use super::QueueKeys;
+use super::{EventKind, QueueKeys};
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
@@ -48,12 +48,15 @@ static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
 /// The keyed scripts: the queue's prelude, the keyed helpers, the script.
 struct KeyedScripts {
     push: Script,
+    events: Script,
     claim: Script,
     done: Script,
     extend: Script,
     recover: Script,
     keys: Script,
     take_in: Script,
+    peek: Script,
+    remove: Script,
 }
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
@@ -87,12 +90,15 @@ impl KeyedScripts {
     fn get() -> &'static Self {
         static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
             push: Script::new(&push_source()),
+            events: Script::new(&source(include_str!("lua/keyed_events.lua"))),
             claim: with_limits(include_str!("lua/keyed_claim.lua")),
             done: with_limits(include_str!("lua/keyed_done.lua")),
             extend: with_limits(include_str!("lua/keyed_extend.lua")),
             recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
             keys: Script::new(&source(include_str!("lua/keyed_keys.lua"))),
             take_in: Script::new(&source(include_str!("lua/keyed_take_in.lua"))),
+            peek: Script::new(&source(include_str!("lua/keyed_peek.lua"))),
+            remove: Script::new(&source(include_str!("lua/keyed_remove.lua"))),
         });
         &SCRIPTS
     }
@@ -299,6 +305,66 @@ pub(crate) struct Keyed<'a, C> {
     pub(crate) conn: &'a C,
     pub(crate) keys: &'a Arc<QueueKeys>,
     pub(crate) state: &'a Arc<KeyedState>,
+    pub(crate) recording: Recording,
+}
+
+/// What a queue's handle keeps of its keyed messages beside them: the
+/// lifecycle events' cap, the completed messages' limits, the dead
+/// letters' retention.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Recording {
+    pub(crate) events: Option<usize>,
+    pub(crate) completed: Option<super::Retention>,
+    pub(crate) dead: super::Retention,
+}
+
+/// The events and completed messages a keyed script's change calls for,
+/// appended to the queue's streams after it (`lua/keyed_events.lua`): a
+/// key's line lives in its lock's hash slot, the streams in the queue's.
+#[derive(Debug, Default)]
+pub(crate) struct Log {
+    entries: Vec<Entry>,
+    completed: Vec<(String, Vec<u8>)>,
+}
+
+/// One events entry: a kind, the key, the error, (id, attempt) pairs.
+#[derive(Debug)]
+struct Entry {
+    kind: EventKind,
+    key: String,
+    error: String,
+    pairs: Vec<(String, u32)>,
+}
+
+impl Log {
+    /// Logs `kind` for message `id` (`attempt`) of `key` ("" for none).
+    pub(crate) fn event(&mut self, kind: EventKind, key: &str, (id, attempt): (&str, u32)) {
+        self.with_error(kind, key, "", (id, attempt));
+    }
+
+    /// Logs `kind` with an error.
+    fn with_error(&mut self, kind: EventKind, key: &str, error: &str, (id, attempt): (&str, u32)) {
+        let pair = (id.to_owned(), attempt);
+        if let Some(last) = self.entries.last_mut()
+            && last.kind == kind
+            && last.key == key
+            && last.error == error
+        {
+            last.pairs.push(pair);
+            return;
+        }
+        self.entries.push(Entry {
+            kind,
+            key: key.to_owned(),
+            error: error.to_owned(),
+            pairs: vec![pair],
+        });
+    }
+}
+
+/// The attempt a record's next delivery is (its failures plus one).
+fn attempt_of(record: &[u8]) -> u32 {
+    super::job::split_record(record).map_or(1, |r| r.failures.saturating_add(1))
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
@@ -332,10 +398,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         self.mark_ready(partition.slot)
             .await
             .map_err(Error::redis(attempted()))?;
-        match reply.as_slice() {
-            [added, due] => Ok((*added == 1, *due)),
-            _ => Err(Error::reply(attempted(), format_args!("{reply:?}"))),
+        let [added, due] = reply[..] else {
+            return Err(Error::reply(attempted(), format_args!("{reply:?}")));
+        };
+        if added == 1 {
+            let mut log = Log::default();
+            log.event(EventKind::Pushed, key, (id, 1));
+            self.record(log).await;
         }
+        Ok((added == 1, due))
     }
 
     /// Takes a message of the queue's own keys (`id`, with its `record`)
@@ -475,11 +546,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
         }
         let (conn, keys, state) = (self.conn.clone(), self.keys.clone(), self.state.clone());
+        let recording = self.recording;
         tokio::spawn(async move {
             let keyed = Keyed {
                 conn: &conn,
                 keys: &keys,
                 state: &state,
+                recording,
             };
             let until = tokio::time::Instant::now() + left;
             if let Some(listener) = opened(&auto, until).await {
@@ -563,6 +636,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
         let turns = self.turns(partition, (candidates, &tokens), claim, flat);
+        let mut log = Log::default();
+        for turn in &turns {
+            let attempt = attempt_of(&turn.record);
+            log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
+        }
+        self.record(log).await;
         Ok((turns, (next_at >= 0).then_some(next_at), named))
     }
 
@@ -623,11 +702,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Ends a turn with `outcome`. For an ack with `next` set, the key's
     /// next message is claimed at once under the same lock, leased for
-    /// `next`. `errors`: the message may have an error on record.
+    /// `next`. `failures`: the message's failed attempts before this one.
     pub(crate) async fn done(
         &self,
         held: &Arc<Held>,
-        (id, claim, errors): (&str, u64, bool),
+        (id, claim, failures): (&str, u64, u32),
         outcome: Outcome<'_>,
         next: Option<Duration>,
     ) -> Result<Settled> {
@@ -646,6 +725,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Outcome::Bury { error } => ("bury", error.to_owned(), ""),
         };
         let next_token = Token::random();
+        let (dead_count, dead_age) = self.recording.dead.args();
         cmd.arg(op)
             .arg(&held.key)
             .arg(id)
@@ -657,45 +737,66 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(publish)
             .arg(next.map_or(String::new(), |lease| millis(lease).to_string()))
             .arg(next_token.as_str())
-            .arg(if errors { "1" } else { "" })
+            .arg(if failures > 0 { "1" } else { "" })
             .arg(held.permits)
             .arg(millis(crate::lock::HANDOFF))
-            .arg(if held.rated { "1" } else { "" });
+            .arg(if held.rated { "1" } else { "" })
+            .arg(if self.recording.completed.is_some() {
+                "1"
+            } else {
+                ""
+            })
+            .arg(dead_count)
+            .arg(dead_age);
         let mut conn = self.conn.clone();
         let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        self.settled(held, (claim, next_token), reply, attempted)
-            .await
+        let settled = self
+            .settled(held, (claim, next_token), reply, attempted)
+            .await?;
+        let (acked, settled) = settled;
+        self.record(outcome_log(
+            held,
+            (id, failures),
+            outcome,
+            (acked, &settled),
+        ))
+        .await;
+        Ok(settled)
     }
 
-    /// What the done script answered (see `done`): the turn ended, or the
-    /// key's next message claimed under `claim` with `next_token`.
+    /// What the done script answered (see `done`): the acknowledged record
+    /// when asked for, and the turn ended, or the key's next message
+    /// claimed under `claim` with `next_token`.
     async fn settled(
         &self,
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
         reply: Vec<redis::Value>,
         attempted: impl Fn() -> String,
-    ) -> Result<Settled> {
-        let (id, seq, record) = match reply.as_slice() {
-            [redis::Value::Int(0)] => return Ok(Settled::Lost),
-            [redis::Value::Int(1)] => return Ok(Settled::Done),
-            [redis::Value::Int(2)] => {
+    ) -> Result<(Vec<u8>, Settled)> {
+        let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
+        let (status, acked) = match reply.as_slice() {
+            [status, acked, ..] => (
+                redis::from_redis_value_ref::<u8>(status).map_err(bad)?,
+                redis::from_redis_value_ref::<Vec<u8>>(acked).map_err(bad)?,
+            ),
+            _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
+        };
+        let (id, seq, record) = match (status, &reply[2..]) {
+            (0, []) => return Ok((acked, Settled::Lost)),
+            (1, []) => return Ok((acked, Settled::Done)),
+            (2, []) => {
                 // The key is ready for the next claim, whoever makes it.
                 self.mark_ready(held.partition.slot)
                     .await
                     .map_err(Error::redis(attempted()))?;
-                return Ok(Settled::Done);
+                return Ok((acked, Settled::Done));
             }
-            [_, id, seq, record] => (
-                redis::from_redis_value_ref::<String>(id),
-                redis::from_redis_value_ref::<String>(seq),
-                redis::from_redis_value_ref::<Vec<u8>>(record),
-            ),
+            (3, [id, seq, record]) => (id, seq, record),
             _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
         };
-        let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
         let held = Held {
             key: held.key.clone(),
             token: next_token,
@@ -703,14 +804,54 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             rated: held.rated,
             partition: held.partition.clone(),
             run: held.run + 1,
-            seq: seq.map_err(bad)?,
+            seq: redis::from_redis_value_ref(seq).map_err(bad)?,
         };
-        Ok(Settled::Next(Turn {
+        let turn = Turn {
             held: Arc::new(held),
-            id: id.map_err(bad)?,
+            id: redis::from_redis_value_ref(id).map_err(bad)?,
             claim,
-            record: record.map_err(bad)?,
-        }))
+            record: redis::from_redis_value_ref(record).map_err(bad)?,
+        };
+        Ok((acked, Settled::Next(turn)))
+    }
+
+    /// Appends what `log` holds to the queue's events stream (when the
+    /// handle records events) and completed stream, after the keyed script
+    /// that made the change. A failure here leaves the messages as the
+    /// script left them: it is logged, not returned.
+    pub(crate) async fn record(&self, log: Log) {
+        let events = self.recording.events.filter(|_| !log.entries.is_empty());
+        if events.is_none() && log.completed.is_empty() {
+            return;
+        }
+        let script = &KeyedScripts::get().events;
+        let mut cmd = evalsha(script, 2);
+        let (count, age) = self.recording.completed.unwrap_or_default().args();
+        cmd.arg(&self.keys.events)
+            .arg(&self.keys.completed)
+            .arg(events.map_or(String::new(), |cap| cap.to_string()))
+            .arg(count)
+            .arg(age)
+            .arg(if events.is_some() {
+                log.entries.len()
+            } else {
+                0
+            });
+        for entry in log.entries.iter().filter(|_| events.is_some()) {
+            cmd.arg(entry.kind.as_str())
+                .arg(&entry.key)
+                .arg(&entry.error)
+                .arg(entry.pairs.len());
+            for (id, attempt) in &entry.pairs {
+                cmd.arg(id).arg(attempt);
+            }
+        }
+        for (id, record) in &log.completed {
+            cmd.arg(id).arg(record);
+        }
+        if let Err(error) = run::<()>(script, &cmd, &mut self.conn.clone()).await {
+            tracing::warn!(queue = %self.keys.name, %error, "could not record the events or completed messages of keyed messages; the messages are unaffected");
+        }
     }
 
     /// Marks a partition as having a ready key, and rings the doorbell.
@@ -904,23 +1045,198 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
         let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
         let script = &KeyedScripts::get().recover;
+        let (dead_count, dead_age) = self.recording.dead.args();
         let (mut requeued, mut buried) = (0, 0);
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(script, 0);
-            cmd.arg(max_stalls).arg(1000);
-            let (back, dead, _): (usize, usize, usize) = run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?;
-            if back + dead > 0 {
-                self.mark_ready(slot)
+            cmd.arg(max_stalls)
+                .arg(1000)
+                .arg(&dead_count)
+                .arg(&dead_age);
+            let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
+                run(script, &cmd, &mut self.conn.clone())
                     .await
                     .map_err(Error::redis(attempted()))?;
+            if ended.is_empty() {
+                continue;
             }
-            requeued += back;
+            self.mark_ready(slot)
+                .await
+                .map_err(Error::redis(attempted()))?;
+            let mut log = Log::default();
+            for (key, id, attempt, error) in &ended {
+                match error.as_str() {
+                    "" => log.event(EventKind::Recovered, key, (id, *attempt)),
+                    error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
+                }
+            }
+            self.record(log).await;
+            let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
             buried += dead;
+            requeued += ended.len() - dead;
         }
         Ok((requeued, buried))
     }
+
+    /// Adds up to `limit` of each partition's next messages in line or
+    /// delayed to `waiting` and at work to `active` (see `lua/keyed_peek.lua`).
+    pub(crate) async fn peek(
+        &self,
+        limit: usize,
+        waiting: &mut Vec<super::Peeked>,
+        active: &mut Vec<super::Peeked>,
+    ) -> Result<()> {
+        use redis::FromRedisValue;
+        let attempted = || format!("looking into queue `{}`", self.keys.name);
+        let script = &KeyedScripts::get().peek;
+        for slot in self.slots().await? {
+            let mut cmd = self.partition(slot).call(script, 0);
+            cmd.arg(limit);
+            let (count, flat): (usize, Vec<redis::Value>) =
+                run(script, &cmd, &mut self.conn.clone())
+                    .await
+                    .map_err(Error::redis(attempted()))?;
+            for (n, entry) in flat.chunks_exact(4).enumerate() {
+                let (Ok(id), Ok(at), Ok(key), Ok(record)) = (
+                    String::from_redis_value_ref(&entry[0]),
+                    i64::from_redis_value_ref(&entry[1]),
+                    String::from_redis_value_ref(&entry[2]),
+                    Option::<Vec<u8>>::from_redis_value_ref(&entry[3]),
+                ) else {
+                    return Err(Error::reply(attempted(), "a malformed entry"));
+                };
+                let mut peeked = super::Peeked::new(id, super::from_unix_ms(at), 0, record);
+                peeked.key = Some(key).filter(|key| !key.is_empty());
+                match n < count {
+                    true => waiting.push(peeked),
+                    false => active.push(peeked),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes keyed message `id` where it waits or lies dead (see
+    /// `lua/keyed_remove.lua`); returns whether it was found so.
+    pub(crate) async fn remove(&self, id: &str) -> Result<bool> {
+        let attempted = || format!("removing message `{id}`");
+        let slots = self.slots().await?;
+        if slots.is_empty() {
+            return Ok(false);
+        }
+        // One command per partition, all sent at once (a cluster's pipeline
+        // takes one slot only; a multiplexed connection pipelines these).
+        let found = futures_util::future::try_join_all(slots.iter().map(|slot| {
+            let data = self.partition(*slot).keys[DATA].clone();
+            let mut conn = self.conn.clone();
+            async move {
+                redis::cmd("HEXISTS")
+                    .arg(data)
+                    .arg(id)
+                    .query_async::<bool>(&mut conn)
+                    .await
+            }
+        }))
+        .await
+        .map_err(Error::redis(attempted()))?;
+        let mut removed = false;
+        for (slot, _) in slots.iter().zip(found).filter(|(_, found)| *found) {
+            let partition = self.partition(*slot);
+            let member = self.place_in_line(&partition, id).await?;
+            let script = &KeyedScripts::get().remove;
+            let mut cmd = partition.call(script, 0);
+            cmd.arg(id).arg(member.unwrap_or_default());
+            let key: Option<String> = run(script, &cmd, &mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+            if let Some(key) = key {
+                let mut log = Log::default();
+                log.event(EventKind::Removed, &key, (id, 1));
+                self.record(log).await;
+                removed = true;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// The member of `id` in a partition's lines, `<key>\0<seq>\0<id>`, found
+    /// by scanning them (`ZSCAN … MATCH`, a batch per round trip), or `None`.
+    async fn place_in_line(&self, partition: &Partition, id: &str) -> Result<Option<Vec<u8>>> {
+        let mut pattern = b"*\0".to_vec();
+        for byte in id.bytes() {
+            if matches!(byte, b'*' | b'?' | b'[' | b']' | b'\\') {
+                pattern.push(b'\\');
+            }
+            pattern.push(byte);
+        }
+        let mut cursor = 0u64;
+        loop {
+            let (next, found): (u64, Vec<(Vec<u8>, f64)>) = redis::cmd("ZSCAN")
+                .arg(&partition.keys[LINES])
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "looking for message `{id}` in line"
+                )))?;
+            if let Some((member, _)) = found.into_iter().next() {
+                return Ok(Some(member));
+            }
+            if next == 0 {
+                return Ok(None);
+            }
+            cursor = next;
+        }
+    }
+
+    /// Records the `redriven` events of a partition's dead letters
+    /// (`pairs`: id, attempt; their keys are not known here).
+    pub(crate) async fn redriven_events(&self, pairs: Vec<(String, u32)>) {
+        let mut log = Log::default();
+        for (id, attempt) in &pairs {
+            log.event(EventKind::Redriven, "", (id, *attempt));
+        }
+        self.record(log).await;
+    }
+}
+
+/// The events (and completed entry) of a turn that ended with `outcome`:
+/// its own, then the key let go or its next message claimed. `acked`: the
+/// acknowledged record, when the completed stream keeps it.
+fn outcome_log(
+    held: &Held,
+    (id, failures): (&str, u32),
+    outcome: Outcome<'_>,
+    (acked, settled): (Vec<u8>, &Settled),
+) -> Log {
+    let mut log = Log::default();
+    let attempt = failures.saturating_add(1);
+    let key = held.key.as_str();
+    match (settled, outcome) {
+        (Settled::Lost, _) => return log,
+        (_, Outcome::Ack) => log.event(EventKind::Done, key, (id, attempt)),
+        (_, Outcome::Retry { error, .. }) => {
+            log.with_error(EventKind::Retried, key, error, (id, attempt))
+        }
+        (_, Outcome::Defer { .. }) => log.event(EventKind::Deferred, key, (id, attempt)),
+        (_, Outcome::Release) => log.event(EventKind::Released, key, (id, attempt)),
+        (_, Outcome::Bury { error }) => log.with_error(EventKind::Dead, key, error, (id, attempt)),
+    }
+    if !acked.is_empty() {
+        log.completed.push((id.to_owned(), acked));
+    }
+    match settled {
+        Settled::Next(turn) => {
+            let next = (turn.id.as_str(), attempt_of(&turn.record));
+            log.event(EventKind::Claimed, key, next);
+        }
+        _ => log.event(EventKind::KeyReleased, key, (id, attempt)),
+    }
+    log
 }
 
 /// The release listener once it is open (it opens in the background on

@@ -158,6 +158,11 @@ impl<T, C> Queue<T, C> {
             conn: &self.conn,
             keys: &self.keys,
             state: &self.keyed,
+            recording: keyed::Recording {
+                events: self.events,
+                completed: self.completed,
+                dead: self.retention,
+            },
         }
     }
 }
@@ -511,6 +516,8 @@ pub struct Peeked {
     pub deferrals: u32,
     /// Its payload as stored (JSON); empty when its record is gone.
     pub payload: Vec<u8>,
+    /// Its key, for a message pushed with one ([`PushOptions::key`]).
+    pub key: Option<String>,
 }
 
 impl Peeked {
@@ -527,6 +534,7 @@ impl Peeked {
             failures,
             deferrals,
             payload,
+            key: None,
         }
     }
 }
@@ -1322,7 +1330,7 @@ where
         let Some(held) = job.held.filter(|held| held.run < keyed::MAX_RUN) else {
             return Ok((self.ack(token).await?, None));
         };
-        let member = (job.id(), job.claim, job.failures() > 0);
+        let member = (job.id(), job.claim, job.failures());
         let settled = (self.keyed())
             .done(held, member, Outcome::Ack, Some(lease))
             .await?;
@@ -1351,7 +1359,7 @@ where
         held: &Arc<Held>,
         outcome: Outcome<'_>,
     ) -> Result<bool> {
-        let member = (job.id(), job.claim, job.failures() > 0);
+        let member = (job.id(), job.claim, job.failures());
         let settled = (self.keyed()).done(held, member, outcome, None).await?;
         Ok(settled != Settled::Lost)
     }
@@ -1656,29 +1664,31 @@ where
             None => self.events_arg(),
             Some(_) => String::new(),
         };
-        let done: (usize, usize, i64) = Scripts::get()
-            .requeue_dead
-            .key(&set.data)
-            .key(&set.schedule)
-            .key(&set.dead)
-            .key(&set.errors)
-            .key(&set.bell)
-            .key(&set.prioritized)
-            .key(&set.events)
-            .arg(id)
-            .arg(MAX_BATCH)
-            .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
-            .arg(events)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "re-driving dead letters of queue `{}`",
-                self.name()
-            )))?;
-        if let (Some(slot), true) = (set.slot, done.0 > 0) {
+        let (requeued, examined, started, redriven): (usize, usize, i64, Vec<(String, u32)>) =
+            Scripts::get()
+                .requeue_dead
+                .key(&set.data)
+                .key(&set.schedule)
+                .key(&set.dead)
+                .key(&set.errors)
+                .key(&set.bell)
+                .key(&set.prioritized)
+                .key(&set.events)
+                .arg(id)
+                .arg(MAX_BATCH)
+                .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
+                .arg(events)
+                .invoke_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(format_args!(
+                    "re-driving dead letters of queue `{}`",
+                    self.name()
+                )))?;
+        if let (Some(slot), true) = (set.slot, requeued > 0) {
             self.keyed().redriven(slot).await?;
+            self.keyed().redriven_events(redriven).await;
         }
-        Ok(done)
+        Ok((requeued, examined, started))
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the
@@ -1807,6 +1817,11 @@ where
     /// soonest due first (a message with a priority is listed with it; the
     /// claim order among due messages puts priorities first), and the
     /// first `limit` active ones, soonest lease end first. Changes nothing.
+    ///
+    /// Keyed messages ([`PushOptions::key`]) are listed with their key: of
+    /// each key's line its first message, at the time its key may be
+    /// claimed from (now for a key at work), and delayed ones at their due
+    /// time. Every partition of keyed messages is read (one script each).
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
@@ -1843,9 +1858,10 @@ where
                 as_bytes(record),
             ));
         }
+        let mut active = Vec::new();
+        self.keyed().peek(limit, &mut waiting, &mut active).await?;
         waiting.sort_by_key(|w| w.at);
         waiting.truncate(limit);
-        let mut active = Vec::new();
         while let (Some(id), Some(deadline), Some(record)) =
             (values.next(), values.next(), values.next())
         {
@@ -1864,6 +1880,8 @@ where
                 record,
             ));
         }
+        active.sort_by_key(|a| a.at);
+        active.truncate(limit);
         Ok(Peek { waiting, active })
     }
 
@@ -1958,6 +1976,11 @@ where
     /// Deletes a scheduled or dead message; returns whether it did. A message
     /// being processed is left to its worker (`false`): deleting it then
     /// would let that worker's claim act on a later message with the same id.
+    ///
+    /// A keyed message ([`PushOptions::key`]) is found in the partitions of
+    /// keyed messages (one round trip over all of them, then a scan of the
+    /// partition's lines for its place: O(messages in line) there), and
+    /// removed from its key's line, the delayed ones or the dead letters.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let removed: i64 = Scripts::get()
             .remove
@@ -1972,7 +1995,7 @@ where
             .invoke_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("removing message `{id}`")))?;
-        Ok(removed == 1)
+        Ok(removed == 1 || self.keyed().remove(id).await?)
     }
 
     /// Deletes the whole queue: every message in every state. (The claim

@@ -21,27 +21,34 @@
 --           deletes it)
 -- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: a permit's hand-off ms
 -- ARGV[15]: "1" when the key has a rate limit (its claim said so)
+-- ARGV[16]: "1" to answer an acknowledged message's record (for the
+--           completed stream)
+-- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
+--           no limit), which a burial applies to the partition
 -- The next message is claimed only if the key's rate limit admits it now.
 -- A retried or deferred message goes back first in line. A key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
--- Returns {1, next id, next seq, next record} when the next message was
--- claimed (under the same claim number), {2} when done and the key has a
--- next message for a claim, {1} when done, {0} when the claim is no longer
--- held.
+-- Returns {status, the acknowledged record (or ""), then, for status 3,
+-- the next message's id, seq and record}: status 0 when the claim is no
+-- longer held (nothing changed), 1 when done and the key let go, 2 when
+-- done, the key let go and ready for a claim, 3 when the key's next message
+-- was claimed under the same lock and claim number.
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local member = line_member(key, seq, id)
-if redis.call('ZREM', KEYS[ACTIVE], member .. ':' .. ARGV[5]) == 0 then return {0} end
+if redis.call('ZREM', KEYS[ACTIVE], member .. ':' .. ARGV[5]) == 0 then return {0, ''} end
 local now, now_us = server_time()
-local from = now
+local from, acked = now, ''
 if op == 'ack' then
+  if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
   redis.call('HDEL', KEYS[DATA], id)
   if ARGV[12] == '1' then redis.call('HDEL', KEYS[ERRORS], id) end
 elseif op == 'bury' then
   redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
   redis.call('ZADD', KEYS[DEAD], now, id)
   redis.call('HSET', KEYS[ERRORS], id, ARGV[7])
+  trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[17], ARGV[18], 100, KEYS[KEYOF])
 elseif op == 'release' then
   rejoin(key, seq, id, now)
 else
@@ -69,7 +76,7 @@ local function continue(next, next_seq)
   redis.call('ZREM', KEYS[LINES], next_member)
   redis.call('ZADD', KEYS[ACTIVE], now + tonumber(ARGV[10]), next_member .. ':' .. ARGV[5])
   if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
-  return {1, next, next_seq, redis.call('HGET', KEYS[DATA], next) or ''}
+  return {3, acked, next, next_seq, redis.call('HGET', KEYS[DATA], next) or ''}
 end
 
 if op == 'ack' and ARGV[10] ~= '' then
@@ -103,6 +110,6 @@ else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
   if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
 end
-if after_turn(key, from) then return {2} end
+if after_turn(key, from) then return {2, acked} end
 if limit == 0 then forget_limits(key) end
-return {1}
+return {1, acked}

@@ -3,11 +3,14 @@
 -- and its key is ready at once (the key's lock or permit ran out with the
 -- lease), counting a stall; one that stalled ARGV[1] times is buried.
 -- KEYS[1..11]: the partition   ARGV[1]: max stalls   ARGV[2]: how many at most
--- Returns {requeued, buried, examined}.
+-- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for
+-- no limit), applied after a burial
+-- Returns {examined, {{key, id, attempt, error}, ...}} per message ended:
+-- the error "" when it went back in line, else the one it was buried with.
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[ACTIVE], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local max_stalls = tonumber(ARGV[1])
-local requeued, buried = 0, 0
+local out, buried = {}, 0
 for _, entry in ipairs(expired) do
   redis.call('ZREM', KEYS[ACTIVE], entry)
   local member = string.match(entry, '^(.*):%d+$')
@@ -17,19 +20,24 @@ for _, entry in ipairs(expired) do
     local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
     stalls = stalls + 1
     redis.call('HSET', KEYS[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
+    local error = ''
     if stalls >= max_stalls then
       local limit = tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0
+      error = 'lease expired ' .. stalls .. ' times (limit ' .. max_stalls
+        .. '): its worker died or stalled every time it held the message'
       redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
       redis.call('ZADD', KEYS[DEAD], now, id)
-      redis.call('HSET', KEYS[ERRORS], id, 'lease expired ' .. stalls .. ' times (limit '
-        .. max_stalls .. '): its worker died or stalled every time it held the message')
+      redis.call('HSET', KEYS[ERRORS], id, error)
       buried = buried + 1
     else
       redis.call('HSET', KEYS[ERRORS], id, 'lease expired: the worker died or stalled')
       rejoin(key, string.match(member, '%z(%d+)%z'), id, now)
-      requeued = requeued + 1
     end
     after_turn(key, now)
+    out[#out + 1] = {key, id, failures + 1, error}
   end
 end
-return {requeued, buried, #expired}
+if buried > 0 then
+  trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[3], ARGV[4], 100 + buried, KEYS[KEYOF])
+end
+return {#expired, out}

@@ -6,9 +6,10 @@
 -- ARGV[2]: how many at most when ARGV[1] is ""
 -- ARGV[3]: a time in ms (when the caller's re-drive started), or "" for now
 -- ARGV[4]: the events' cap ("" for no events)
--- Returns {re-driven, examined, the cutoff time used}; a dead entry without a
--- record is dropped. A caller that re-drives everything passes the cutoff of
--- its first call to the next ones: letters buried again meanwhile (a poison
+-- Returns {re-driven, examined, the cutoff time used, {id, 1, ...} of the
+-- letters re-driven}; a dead entry without a record is dropped. A caller
+-- that re-drives everything passes the cutoff of its first call to the next
+-- ones: letters buried again meanwhile (a poison
 -- message fails at once) score later and are left, so the loop ends.
 local now = now_ms()
 local cutoff = tonumber(ARGV[3]) or now
@@ -35,4 +36,4 @@ for _, id in ipairs(ids) do
   end
 end
 emit(KEYS[7], ARGV[4], 'redriven', now, nil, redriven)
-return {count, #ids, cutoff}
+return {count, #ids, cutoff, redriven}

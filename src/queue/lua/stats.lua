@@ -53,9 +53,11 @@ if KEYS[5] then
   local entries = redis.call('XRANGE', KEYS[5], string.format('%d', since), '+', 'COUNT', 1000)
   for _, entry in ipairs(entries) do
     local fields = entry[2]
-    local kind, at = fields[2], tonumber(fields[4]) or since
+    -- `e <kind> [k <key>] t <ms> [x <error>] <id> <attempt> ...`
+    local keyed = fields[3] == 'k' and 2 or 0
+    local kind, at = fields[2], tonumber(fields[4 + keyed]) or since
     local failure = kind == 'retried' or kind == 'dead'
-    local first = failure and 7 or 5
+    local first = (failure and 7 or 5) + keyed
     local n = math.floor((#fields - first + 1) / 2)
     -- An event of this very millisecond belongs to the last bucket.
     local b = math.min(math.floor((at - since) / width) + 1, count)
