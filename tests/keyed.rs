@@ -1290,3 +1290,71 @@ async fn removing_the_only_message_of_a_waiting_key_leaves_nothing_claimable() {
     assert_eq!(queue.stats().await.unwrap().due, 0);
     assert!(queue.key_stats(10).await.unwrap().keys == 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_passes_the_lock_on_as_it_is_and_a_fenced_one_under_a_new_token() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 6, 1).await;
+    // Per message: the lock's value, its expiry and the lease's end (ms
+    // from now, as the handler saw them).
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (log, peeker) = (seen.clone(), queue.clone());
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let (log, peeker, mut conn) = (log.clone(), peeker.clone(), conn.clone());
+        async move {
+            let lock = "lockgate:lock:{k0}";
+            let (value, pttl): (String, i64) = redis::pipe()
+                .get(lock)
+                .pttl(lock)
+                .query_async(&mut conn)
+                .await?;
+            let peek = peeker.peek(10).await?;
+            let me = peek
+                .active
+                .iter()
+                .find(|p| p.id == job.id())
+                .expect("at work");
+            let lease_left = me.at.duration_since(std::time::SystemTime::now());
+            let lease_left = lease_left.map_or(0, |d| d.as_millis() as i64);
+            log.lock().unwrap().push((job.n, value, pttl, lease_left));
+            if job.n == 2 {
+                // A fence: the next message must hold the key under a new token.
+                let _: i64 = redis::cmd("EVAL")
+                    .arg("local v = redis.call('GET', KEYS[1]) return redis.call('SET', KEYS[1], v .. ':7', 'KEEPTTL') and 1")
+                    .arg(1)
+                    .arg(lock)
+                    .query_async(&mut conn)
+                    .await?;
+            }
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(1)
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    eventually("every message handled", secs(20), async || {
+        let n = seen.lock().unwrap().len();
+        support::done_if(n == 6, n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let seen = seen.lock().unwrap();
+    let tokens: Vec<&str> = seen.iter().map(|(_, v, ..)| v.as_str()).collect();
+    assert_eq!(tokens[0], tokens[1], "passed on as it is");
+    assert_eq!(tokens[1], tokens[2]);
+    assert_ne!(tokens[3], tokens[2], "after a fence, a new token");
+    assert!(!tokens[3].contains(':'), "and no fence of its own yet");
+    assert_eq!(tokens[3], tokens[5]);
+    for (n, _, pttl, lease_left) in seen.iter() {
+        // The lock and the lease end together (the peek reads a moment later).
+        assert!(
+            (pttl - lease_left).abs() < 200,
+            "message {n}: lock {pttl} ms, lease {lease_left} ms"
+        );
+    }
+}

@@ -257,7 +257,8 @@ impl Held {
 
 /// A key runs at most this many messages back to back under one hold
 /// (each claimed by the previous one's ack) before it lets go and queues
-/// behind the keys that wait: keys of other partitions get their turn.
+/// behind the keys that wait: the bound on how long a busy key keeps a
+/// handler slot from the keys that wait for one.
 pub(crate) const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
@@ -784,7 +785,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             ),
             _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
         };
-        let (id, seq, record) = match (status, &reply[2..]) {
+        let (id, seq, record, renewed) = match (status, &reply[2..]) {
             (0, []) => return Ok((acked, Settled::Lost)),
             (1, []) => return Ok((acked, Settled::Done)),
             (2, []) => {
@@ -794,12 +795,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                     .map_err(Error::redis(attempted()))?;
                 return Ok((acked, Settled::Done));
             }
-            (3, [id, seq, record]) => (id, seq, record),
+            (3, [id, seq, record, renewed]) => (id, seq, record, renewed),
             _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
         };
+        // The lock passed on as it was, or under the new token.
+        let renewed: u8 = redis::from_redis_value_ref(renewed).map_err(bad)?;
         let held = Held {
             key: held.key.clone(),
-            token: next_token,
+            token: if renewed == 1 { next_token } else { held.token },
             permits: held.permits,
             rated: held.rated,
             partition: held.partition.clone(),

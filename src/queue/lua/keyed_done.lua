@@ -1,8 +1,9 @@
 -- Ends a keyed message's turn at work (see keyed.lua), if the caller still
 -- holds its claim, and lets go of its key's lock or permit, or, for an
 -- acknowledged message whose key has more, keeps it and claims the key's
--- next message at once (the caller asked for it with a lease), unless
--- another key of the partition is waiting (or, for permits, other code).
+-- next message at once (the caller asked for it with a lease; for permits,
+-- unless other code waits for one). The caller bounds such runs (a key
+-- lets go after MAX_RUN messages back to back: see keyed.rs).
 -- KEYS[1..11]: the partition
 -- KEYS[12]: the key's lock, or its permits' set   KEYS[13]: the set's line
 -- of waiters   KEYS[14]: the set's fences (for a lock: the lock thrice)
@@ -16,7 +17,7 @@
 -- ARGV[8]: the error of a retry
 -- ARGV[9]: "PUBLISH" or "SPUBLISH"
 -- ARGV[10]: for an ack, the next message's lease in ms ("" to let go)
--- ARGV[11]: the token for the next message
+-- ARGV[11]: the token for the next message, if it needs a new one
 -- ARGV[12]: "1" when the message may have an error on record (an ack
 --           deletes it)
 -- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: a permit's hand-off ms
@@ -30,28 +31,60 @@
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
 -- Returns {status, the acknowledged record (or ""), then, for status 3,
--- the next message's id, seq and record}: status 0 when the claim is no
+-- the next message's id, seq and record, and 1 when it holds the key under
+-- the new token ARGV[11], 0 under ARGV[6]}: status 0 when the claim is no
 -- longer held (nothing changed), 1 when done and the key let go, 2 when
 -- done, the key let go and ready for a claim, 3 when the key's next message
 -- was claimed under the same lock and claim number.
+--
+-- The usual hand-over (a lock, no rate limit, no fence issued) passes the
+-- lock on as it is, token and expiry, and the next message's lease ends
+-- when this one's would have: the lock and the lease keep ending together
+-- (the claim and every renewal set both), with no clock read and no write
+-- of the lock. A fenced lock gets a new token, so that the next message's
+-- fence is its own.
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
-local member = line_member(key, seq, id)
-if redis.call('ZREM', KEYS[ACTIVE], member .. ':' .. ARGV[5]) == 0 then return {0, ''} end
-local now, now_us = server_time()
-local from, acked = now, ''
+local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
+local deadline = redis.call('ZSCORE', KEYS[ACTIVE], at_work)
+if not deadline then return {0, ''} end
+redis.call('ZREM', KEYS[ACTIVE], at_work)
+local acked = ''
 if op == 'ack' then
   if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
   redis.call('HDEL', KEYS[DATA], id)
   if ARGV[12] == '1' then redis.call('HDEL', KEYS[ERRORS], id) end
-elseif op == 'bury' then
+end
+
+-- Claims `next` (seq `next_seq`) of the key under this claim number, leased
+-- until `until_ms`; `renewed`: under the new token.
+local function continue(next, next_seq, until_ms, renewed)
+  local next_member = line_member(key, next_seq, next)
+  redis.call('ZREM', KEYS[LINES], next_member)
+  redis.call('ZADD', KEYS[ACTIVE], until_ms, next_member .. ':' .. ARGV[5])
+  if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
+  return {3, acked, next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed and 1 or 0}
+end
+
+local hand_over = op == 'ack' and ARGV[10] ~= ''
+if hand_over and limit == 0 and ARGV[15] ~= '1' then
+  local next, next_seq = head_of(key)
+  local value = next and redis.call('GET', KEYS[12])
+  if value == token or value == token .. '!' then
+    return continue(next, next_seq, deadline, false)
+  end
+end
+
+local now, now_us = server_time()
+local from = now
+if op == 'bury' then
   redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
   redis.call('ZADD', KEYS[DEAD], now, id)
   redis.call('HSET', KEYS[ERRORS], id, ARGV[7])
   trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[17], ARGV[18], 100, KEYS[KEYOF])
 elseif op == 'release' then
   rejoin(key, seq, id, now)
-else
+elseif op ~= 'ack' then
   local enq, failures, deferrals, stalls, payload = parse_or_keep(redis.call('HGET', KEYS[DATA], id))
   if op == 'retry' then
     failures = failures + 1
@@ -70,37 +103,26 @@ else
   end
 end
 
--- Claims `next` (seq `next_seq`) of the key under this claim number.
-local function continue(next, next_seq)
-  local next_member = line_member(key, next_seq, next)
-  redis.call('ZREM', KEYS[LINES], next_member)
-  redis.call('ZADD', KEYS[ACTIVE], now + tonumber(ARGV[10]), next_member .. ':' .. ARGV[5])
-  if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
-  return {3, acked, next, next_seq, redis.call('HGET', KEYS[DATA], next) or ''}
-end
-
-if op == 'ack' and ARGV[10] ~= '' then
+if hand_over then
   local next, next_seq = head_of(key)
-  local ready = next and redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, 2) or {}
-  local waiting = ready[1] and ready[1] ~= key or ready[2]
-  local rated = next and not waiting and ARGV[15] == '1'
+  local rated = next and ARGV[15] == '1'
   local wait = rated and rate_wait(rate_of(key), KEYS[15], ARGV[11], now_us) or 0
   if wait > 0 then from = now + wait end
-  if next and not waiting and wait == 0 then
+  local lease_end = now + tonumber(ARGV[10])
+  if next and wait == 0 then
     if limit == 0 then
       local value = redis.call('GET', KEYS[12])
       if value and owns(value, token) then
-        -- A new token: the next message's fence is its own. A mark that
-        -- someone waits for the lock stays.
+        -- A new token; a mark that someone waits for the lock stays.
         local marked = string.byte(value, -1) == 33 and '!' or ''
         redis.call('SET', KEYS[12], ARGV[11] .. marked, 'PX', ARGV[10])
-        return continue(next, next_seq)
+        return continue(next, next_seq, lease_end, true)
       end
     elseif not waiters_beside_queue(KEYS[13]) and redis.call('ZREM', KEYS[12], token) == 1 then
       redis.call('HDEL', KEYS[14], token)
-      redis.call('ZADD', KEYS[12], now + tonumber(ARGV[10]), ARGV[11])
+      redis.call('ZADD', KEYS[12], lease_end, ARGV[11])
       redis.call('PEXPIRE', KEYS[12], ARGV[10], 'GT')
-      return continue(next, next_seq)
+      return continue(next, next_seq, lease_end, true)
     end
   end
 end
