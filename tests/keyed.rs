@@ -1358,3 +1358,118 @@ async fn a_hand_over_passes_the_lock_on_as_it_is_and_a_fenced_one_under_a_new_to
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_key_on_a_full_worker_lets_go_after_32_in_a_row() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 100, 1).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let (seen, producer) = (order.clone(), queue.clone());
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        seen.lock().unwrap().push(job.n);
+        let producer = producer.clone();
+        async move {
+            if job.n == 2 {
+                // A key that comes while k0 runs back to back.
+                let late = Msg {
+                    n: 1000,
+                    key: "late".into(),
+                };
+                producer
+                    .push_with(late, PushOptions::new().key("late"))
+                    .await?;
+            }
+            Ok::<_, BoxError>(())
+        }
+    });
+    // One slot, and it is the busy key's: only letting go lets `late` in.
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(1)
+        .unwrap()
+        .prefetch(0);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    eventually("every message handled", secs(20), async || {
+        let n = order.lock().unwrap().len();
+        support::done_if(n == 101, n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let order = order.lock().unwrap();
+    let at = order.iter().position(|n| *n == 1000).unwrap();
+    assert!((3..=33).contains(&at), "`late` started {at}th: {order:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn code_waiting_for_a_busy_key_s_lock_gets_it_at_the_next_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 60, 1).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let third = Arc::new(tokio::sync::Notify::new());
+    let (seen, started) = (order.clone(), third.clone());
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        seen.lock().unwrap().push(format!("m{}", job.n));
+        let started = started.clone();
+        async move {
+            if job.n == 3 {
+                started.notify_one();
+                tokio::time::sleep(ms(20)).await;
+            }
+            tokio::time::sleep(ms(5)).await;
+            Ok::<_, BoxError>(())
+        }
+    });
+    // Slots to spare: nothing but the waiter makes k0 let go.
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(4)
+        .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    // Other code waits in the lock's line for k0 from m3's start on (woken
+    // by the release), as an HTTP handler's LockLayer would.
+    third.notified().await;
+    wait_outside(
+        Locker::connect(server.client()).await.unwrap(),
+        order.clone(),
+    )
+    .await;
+    eventually("every message handled", secs(20), async || {
+        let n = order.lock().unwrap().len();
+        support::done_if(n == 61, n)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    let order = order.lock().unwrap();
+    let at = order.iter().position(|s| s == "outside").unwrap();
+    // m3 ends, the lock goes to the waiter, then m4.
+    assert!(at <= 6, "the waiter got k0 {at}th: {order:?}");
+}
+
+/// Takes k0's lock as other code would, waiting in its line (woken by the
+/// release), and records when it got it.
+async fn wait_outside<C>(locker: Locker<C>, seen: Arc<Mutex<Vec<String>>>)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    use tower::ServiceExt;
+    let backoff = lockgate::Backoff::exponential(ms(5), ms(50))
+        .unwrap()
+        .unlimited_attempts()
+        .max_elapsed(secs(10));
+    let layer = LockLayer::new(locker, |_: &()| "k0".to_owned())
+        .on_conflict(lockgate::OnConflict::retry(backoff));
+    let outside = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(move |()| {
+            seen.lock().unwrap().push("outside".to_owned());
+            std::future::ready(Ok::<_, BoxError>(()))
+        }));
+    let outcome = outside.oneshot(()).await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+}

@@ -235,12 +235,12 @@ impl Held {
     }
 
     /// Appends the Redis keys of the key's limits the done script takes:
-    /// its lock (thrice), or its permits' set, line and fences; then its
-    /// rate limit log.
+    /// its lock, the lock's line of waiters and the lock again, or its
+    /// permits' set, line and fences; then its rate limit log.
     fn limit_keys(&self, prefix: &str, cmd: &mut redis::Cmd) {
         let lock = self.lock_key(prefix);
         match self.permits {
-            0 => cmd.arg(&lock).arg(&lock).arg(&lock),
+            0 => cmd.arg(&lock).arg(format!("{lock}:waiters")).arg(&lock),
             _ => cmd
                 .arg(&lock)
                 .arg(format!("{lock}:waiters"))
@@ -256,9 +256,10 @@ impl Held {
 }
 
 /// A key runs at most this many messages back to back under one hold
-/// (each claimed by the previous one's ack) before it lets go and queues
-/// behind the keys that wait: the bound on how long a busy key keeps a
-/// handler slot from the keys that wait for one.
+/// (each claimed by the previous one's ack) while its worker has no slot
+/// free, before it lets go and queues behind the keys that wait: the bound
+/// on how long a busy key keeps a handler slot from the keys that wait for
+/// one. (A worker with a slot free claims a waiting key itself.)
 pub(crate) const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
@@ -806,7 +807,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             permits: held.permits,
             rated: held.rated,
             partition: held.partition.clone(),
-            run: held.run + 1,
+            run: held.run.saturating_add(1),
             seq: redis::from_redis_value_ref(seq).map_err(bad)?,
         };
         let turn = Turn {

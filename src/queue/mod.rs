@@ -1318,16 +1318,19 @@ where
     }
 
     /// Acknowledges a claimed message; for a keyed one whose key has a next
-    /// message (and no other key waits), claims that next message at once
-    /// under the same lock, leased for `lease`. Returns whether the claim
-    /// was held, and the next job.
+    /// message, claims that next message at once under the same lock,
+    /// leased for `lease`, unless the key ran [`keyed::MAX_RUN`] messages
+    /// back to back and `run_on` is false (the worker has no slot free for
+    /// the keys that wait). Returns whether the claim was held, and the
+    /// next job.
     pub(crate) async fn ack_and_next(
         &self,
         token: &ClaimToken,
         lease: Duration,
+        run_on: bool,
     ) -> Result<(bool, Option<Job<T>>)> {
         let job = token.claim_ref();
-        let Some(held) = job.held.filter(|held| held.run < keyed::MAX_RUN) else {
+        let Some(held) = job.held.filter(|held| run_on || held.run < keyed::MAX_RUN) else {
             return Ok((self.ack(token).await?, None));
         };
         let member = (job.id(), job.claim, job.failures());

@@ -392,6 +392,7 @@ where
             continued: Mutex::new(VecDeque::new()),
             continued_ready: tokio::sync::Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            slots: Arc::new(Semaphore::new(self.config.concurrency)),
         });
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
@@ -407,7 +408,7 @@ where
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let mut run = run::Run {
-            permits: Arc::new(Semaphore::new(self.config.concurrency)),
+            permits: shared.slots.clone(),
             waiter: self.queue.waiter(self.connector),
             service: self.service,
             config: self.config,
@@ -474,6 +475,9 @@ struct Shared<T, C> {
     continued_ready: tokio::sync::Notify,
     /// Set when the loop stops: acks no longer claim the next message.
     stopping: std::sync::atomic::AtomicBool,
+    /// The handler slots (the loop's permits): a key runs on past
+    /// `MAX_RUN` messages while one is free.
+    slots: Arc<Semaphore>,
 }
 
 /// How long one hand-back at shutdown may take before the connection is
@@ -525,7 +529,13 @@ where
         let stopping = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
         let acked = match stopping {
             true => Err(None),
-            false => self.queue.ack_and_next(&token, lease).await.map_err(Some),
+            false => {
+                // With a slot free here, a key that waits is claimed here:
+                // the busy key need not let go after MAX_RUN.
+                let run_on = self.slots.available_permits() > 0;
+                let acked = self.queue.ack_and_next(&token, lease, run_on).await;
+                acked.map_err(Some)
+            }
         };
         match acked {
             Ok((true, next)) => {

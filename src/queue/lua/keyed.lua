@@ -185,12 +185,3 @@ local function owns(value, token)
   local after = string.byte(value, #token + 1)
   return string.sub(value, 1, #token) == token and (after == nil or after == 58 or after == 33)
 end
-
--- Lets go of a key's lock held by `token`; a release that someone waited
--- for (the value ends in "!") is published on the lock's channel.
-local function unlock(lock, token, publish)
-  local value = redis.call('GET', lock)
-  if not value or not owns(value, token) then return end
-  redis.call('DEL', lock)
-  if string.byte(value, -1) == 33 then redis.call(publish, lock, '') end
-end

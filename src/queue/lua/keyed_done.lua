@@ -1,12 +1,15 @@
 -- Ends a keyed message's turn at work (see keyed.lua), if the caller still
 -- holds its claim, and lets go of its key's lock or permit, or, for an
 -- acknowledged message whose key has more, keeps it and claims the key's
--- next message at once (the caller asked for it with a lease; for permits,
--- unless other code waits for one). The caller bounds such runs (a key
+-- next message at once (the caller asked for it with a lease), unless
+-- other code waits for the lock or a permit: then it lets go, and the lock
+-- goes to the first waiter in its line as a `Locker`'s release hands it
+-- (release.lua), so a key's messages and other code take turns. The caller bounds such runs (a key
 -- lets go after MAX_RUN messages back to back: see keyed.rs).
 -- KEYS[1..11]: the partition
--- KEYS[12]: the key's lock, or its permits' set   KEYS[13]: the set's line
--- of waiters   KEYS[14]: the set's fences (for a lock: the lock thrice)
+-- KEYS[12]: the key's lock, or its permits' set   KEYS[13]: the lock's or
+-- the set's line of waiters   KEYS[14]: the set's fences (for a lock: the
+-- lock)
 -- KEYS[15]: the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
 --          "release" (back as it was) or "bury"
@@ -20,7 +23,8 @@
 -- ARGV[11]: the token for the next message, if it needs a new one
 -- ARGV[12]: "1" when the message may have an error on record (an ack
 --           deletes it)
--- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: a permit's hand-off ms
+-- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: the hand-off ms
+--           of a lock or permit to a waiter (release.lua's)
 -- ARGV[15]: "1" when the key has a rate limit (its claim said so)
 -- ARGV[16]: "1" to answer an acknowledged message's record (for the
 --           completed stream)
@@ -37,8 +41,8 @@
 -- done, the key let go and ready for a claim, 3 when the key's next message
 -- was claimed under the same lock and claim number.
 --
--- The usual hand-over (a lock, no rate limit, no fence issued) passes the
--- lock on as it is, token and expiry, and the next message's lease ends
+-- The usual hand-over (a lock, no rate limit, no fence issued, nobody
+-- waiting) passes the lock on as it is, token and expiry, and the next message's lease ends
 -- when this one's would have: the lock and the lease keep ending together
 -- (the claim and every renewal set both), with no clock read and no write
 -- of the lock. A fenced lock gets a new token, so that the next message's
@@ -66,11 +70,32 @@ local function continue(next, next_seq, until_ms, renewed)
   return {3, acked, next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed and 1 or 0}
 end
 
+-- Lets go of the key's lock, held by `token`: to the first live waiter in
+-- its line when it is marked waited for (as release.lua does), else freed;
+-- a release waited for is published on the lock's channel.
+local function unlock(lock, line)
+  local value = redis.call('GET', lock)
+  if not value or not owns(value, token) then return end
+  if string.byte(value, -1) ~= 33 then
+    redis.call('DEL', lock)
+    return
+  end
+  local next = pop_live(line, lock, ARGV[9]) -- see line.lua
+  if not next then
+    redis.call('DEL', lock)
+    redis.call(ARGV[9], lock, '')
+    return
+  end
+  local handed = next
+  if redis.call('ZCARD', line) > 0 then handed = next .. '!' end
+  redis.call('SET', lock, handed, 'PX', ARGV[14])
+  redis.call(ARGV[9], lock, next)
+end
+
 local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
   local next, next_seq = head_of(key)
-  local value = next and redis.call('GET', KEYS[12])
-  if value == token or value == token .. '!' then
+  if next and redis.call('GET', KEYS[12]) == token then
     return continue(next, next_seq, deadline, false)
   end
 end
@@ -111,11 +136,11 @@ if hand_over then
   local lease_end = now + tonumber(ARGV[10])
   if next and wait == 0 then
     if limit == 0 then
+      -- A fenced lock, nobody waiting: the next message's fence is its
+      -- own, under a new token.
       local value = redis.call('GET', KEYS[12])
-      if value and owns(value, token) then
-        -- A new token; a mark that someone waits for the lock stays.
-        local marked = string.byte(value, -1) == 33 and '!' or ''
-        redis.call('SET', KEYS[12], ARGV[11] .. marked, 'PX', ARGV[10])
+      if value and owns(value, token) and string.byte(value, -1) ~= 33 then
+        redis.call('SET', KEYS[12], ARGV[11], 'PX', ARGV[10])
         return continue(next, next_seq, lease_end, true)
       end
     elseif not waiters_beside_queue(KEYS[13]) and redis.call('ZREM', KEYS[12], token) == 1 then
@@ -127,7 +152,7 @@ if hand_over then
   end
 end
 if limit == 0 then
-  unlock(KEYS[12], token, ARGV[9])
+  unlock(KEYS[12], KEYS[13])
 else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
   if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
