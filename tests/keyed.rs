@@ -383,20 +383,45 @@ async fn keys_meet_their_locks_on_every_node_of_a_cluster() {
 // ---------------------------------------------------------------------------
 
 /// Turns the ignored test `keyed_worker_child` into a worker process on the
-/// server `<url>`, recording each handler's start and end in Redis.
+/// server `<url>` (or the cluster of the nodes `<url>,<url>,…`), recording
+/// each handler's start and end in Redis.
 const CHILD: &str = "LOCKGATE_KEYED_WORKER";
 const LOG: &str = "test:log";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "run as a child process by the SIGKILL test"]
+#[ignore = "run as a child process by the SIGKILL tests"]
 async fn keyed_worker_child() {
-    let Ok(url) = std::env::var(CHILD) else {
+    let Ok(urls) = std::env::var(CHILD) else {
         return;
     };
-    let client = redis::Client::open(url).unwrap();
-    let conn = client.get_connection_manager().await.unwrap();
-    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-    let service = tower::service_fn(move |job: Job<Msg>| {
+    if urls.contains(',') {
+        let nodes: Vec<&str> = urls.split(',').collect();
+        let client = redis::cluster::ClusterClient::new(nodes.clone()).unwrap();
+        let conn = client.get_async_connection().await.unwrap();
+        let queue: Queue<Msg, _> = Queue::new(conn.clone(), "orders").unwrap();
+        let listener = lockgate::ReleaseListener::connect_cluster(
+            redis::cluster::ClusterClientBuilder::new(nodes),
+        )
+        .await
+        .unwrap();
+        let worker = Worker::new(client, queue, logging_handler(conn)).wake_on_release(listener);
+        run_child(worker).await;
+    } else {
+        let client = redis::Client::open(urls).unwrap();
+        let conn = client.get_connection_manager().await.unwrap();
+        let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+        run_child(Worker::new(client, queue, logging_handler(conn))).await;
+    }
+}
+
+/// A handler that logs its start and end in `LOG`, taking 1 to 3 ms.
+fn logging_handler<C>(
+    conn: C,
+) -> impl tower::Service<Job<Msg>, Response = (), Error = BoxError, Future: Send> + Send + 'static
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    tower::service_fn(move |job: Job<Msg>| {
         let mut conn = conn.clone();
         async move {
             let now = || format!("{:.3}", support::unix_ms_f64());
@@ -415,12 +440,18 @@ async fn keyed_worker_child() {
                 .await?;
             Ok::<_, BoxError>(())
         }
-    });
-    let worker = Worker::new(client, queue, service)
-        .concurrency(4)
-        .unwrap()
-        .lease(ms(600))
-        .unwrap();
+    })
+}
+
+/// Runs a child's worker (4 slots, 600 ms leases) until it is killed.
+async fn run_child<C, K, S>(worker: Worker<Msg, C, K, S>)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    K: lockgate::queue::Connector,
+    S: tower::Service<Job<Msg>, Response = (), Error = BoxError> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let worker = worker.concurrency(4).unwrap().lease(ms(600)).unwrap();
     worker
         .run_until(std::future::pending::<()>())
         .await
@@ -444,6 +475,59 @@ impl Drop for Child {
     }
 }
 
+/// Pushes 3000 messages over 10 keys, runs 3 worker processes on `urls`
+/// (a server's URL, or a cluster's node URLs joined by commas), kills one
+/// every second with SIGKILL (four times) and starts another; then checks
+/// every message ran, each key alone and in push order, nothing buried, and
+/// no wait longer than the dead workers' leases (600 ms).
+async fn survive_sigkills<C>(queue: &Queue<Msg, C>, conn: &C, urls: &str)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let total = 3000;
+    let msgs = (0..total).map(|n| {
+        let key = format!("k{}", n % 10);
+        let options = PushOptions::new().key(key.clone());
+        (Msg { n, key }, options)
+    });
+    queue.push_many_with(msgs).await.unwrap();
+    let mut workers: Vec<_> = (0..3).map(|_| spawn_worker(urls)).collect();
+    // Kill one every second, round robin, and start a new one.
+    for round in 0..4 {
+        tokio::time::sleep(secs(1)).await;
+        let victim = &mut workers[round % 3];
+        victim.kill();
+        *victim = spawn_worker(urls);
+    }
+    let last_kill = Instant::now();
+    let log = || async {
+        redis::cmd("LRANGE")
+            .arg(LOG)
+            .arg(0)
+            .arg(-1)
+            .query_async::<Vec<String>>(&mut conn.clone())
+            .await
+            .unwrap()
+    };
+    eventually("every message handled", secs(60), async || {
+        let log = log().await;
+        let ends: std::collections::HashSet<&str> = log
+            .iter()
+            .filter(|l| l.starts_with("e "))
+            .filter_map(|l| l.split(' ').nth(2))
+            .collect();
+        support::done_if(ends.len() == total as usize, ends.len())
+    })
+    .await;
+    let drained = last_kill.elapsed();
+    drop(workers);
+    check_keyed_log(&log().await);
+    // No 60-second safety net: the last kill's leases (600 ms) run out, and
+    // the rest is handling time.
+    assert!(drained < secs(30), "done {drained:?} after the last kill");
+    assert_eq!(queue.stats().await.unwrap().dead, 0);
+}
+
 fn spawn_worker(url: &str) -> Child {
     let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
@@ -465,36 +549,15 @@ async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-    let total = 3000;
-    push_keyed(&queue, total, 10).await;
-    let url = server.url();
-    let mut workers: Vec<_> = (0..3).map(|_| spawn_worker(&url)).collect();
-    // Kill one every second, round robin, and start a new one.
-    for round in 0..4 {
-        tokio::time::sleep(secs(1)).await;
-        let victim = &mut workers[round % 3];
-        victim.kill();
-        *victim = spawn_worker(&url);
-    }
-    let last_kill = Instant::now();
-    eventually("every message handled", secs(60), async || {
-        let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
-        let ends: std::collections::HashSet<&str> = log
-            .iter()
-            .filter(|l| l.starts_with("e "))
-            .filter_map(|l| l.split(' ').nth(2))
-            .collect();
-        support::done_if(ends.len() == total as usize, ends.len())
-    })
-    .await;
-    let drained = last_kill.elapsed();
-    drop(workers);
-    let log: Vec<String> = support::raw(&conn, &["LRANGE", LOG, "0", "-1"]).await;
-    check_keyed_log(&log);
-    // No 60-second safety net: the last kill's leases (600 ms) run out, and
-    // the rest is handling time.
-    assert!(drained < secs(30), "done {drained:?} after the last kill");
-    assert_eq!(queue.stats().await.unwrap().dead, 0);
+    survive_sigkills(&queue, &conn, &server.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone() {
+    let cluster = lockgate::testing::RedisCluster::start().expect("a 3-node cluster");
+    let conn = cluster.connection().await.unwrap();
+    let queue: Queue<Msg, _> = Queue::new(conn.clone(), "orders").unwrap();
+    survive_sigkills(&queue, &conn, &cluster.urls().join(",")).await;
 }
 
 /// Per key: no two handlers at once, and starts in push order except a

@@ -260,7 +260,7 @@ impl Held {
 /// free, before it lets go and queues behind the keys that wait: the bound
 /// on how long a busy key keeps a handler slot from the keys that wait for
 /// one. (A worker with a slot free claims a waiting key itself.)
-pub(crate) const MAX_RUN: u32 = 32;
+pub const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
 #[derive(Debug, Clone, PartialEq)]

@@ -81,6 +81,7 @@
 mod events;
 mod job;
 mod keyed;
+pub use keyed::MAX_RUN;
 use keyed::{DeadSet, Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
 pub(crate) mod scripts;
@@ -1317,22 +1318,42 @@ where
         Ok(out)
     }
 
-    /// Acknowledges a claimed message; for a keyed one whose key has a next
-    /// message, claims that next message at once under the same lock,
-    /// leased for `lease`, unless the key ran [`keyed::MAX_RUN`] messages
-    /// back to back and `run_on` is false (the worker has no slot free for
-    /// the keys that wait). Returns whether the claim was held, and the
-    /// next job.
-    pub(crate) async fn ack_and_next(
+    /// Acknowledges a claimed message and, for a keyed one
+    /// ([`PushOptions::key`]) whose key has a next message in line, claims
+    /// that one at once, under the same lock and claim number, in the same
+    /// script (what BullMQ's `moveToCompleted` with `fetchNext` does, for
+    /// one key): a busy key's messages run back to back at one script each.
+    /// The next job's lease ends when `job`'s would have (the lock's
+    /// expiry: renew it as any claim), or `lease` from now when the lock
+    /// passes on under a new token (a fence was issued) or the key has
+    /// permits. No next job (`None`) when the key has no next message in
+    /// line, when other code waits for its lock (it gets it now), when its
+    /// rate limit or permits leave no room, and after [`MAX_RUN`] messages
+    /// back to back (the key then queues behind the keys that wait).
+    /// Returns whether `job`'s claim was held, and the next job; an
+    /// unkeyed message is just acknowledged.
+    pub async fn ack_and_next<J: Claim>(
         &self,
-        token: &ClaimToken,
+        job: &J,
+        lease: Duration,
+    ) -> Result<(bool, Option<Job<T>>)> {
+        check_lease(lease)?;
+        self.ack_and_next_with(job, lease, false).await
+    }
+
+    /// [`ack_and_next`](Self::ack_and_next); `run_on` lifts [`MAX_RUN`]
+    /// (the worker has a slot free for the keys that wait).
+    pub(crate) async fn ack_and_next_with<J: Claim>(
+        &self,
+        job: &J,
         lease: Duration,
         run_on: bool,
     ) -> Result<(bool, Option<Job<T>>)> {
-        let job = token.claim_ref();
-        let Some(held) = job.held.filter(|held| run_on || held.run < keyed::MAX_RUN) else {
-            return Ok((self.ack(token).await?, None));
+        let claim = job.claim_ref();
+        let Some(held) = claim.held.filter(|held| run_on || held.run < MAX_RUN) else {
+            return Ok((self.ack(job).await?, None));
         };
+        let job = claim;
         let member = (job.id(), job.claim, job.failures());
         let settled = (self.keyed())
             .done(held, member, Outcome::Ack, Some(lease))

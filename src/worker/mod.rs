@@ -533,7 +533,7 @@ where
                 // With a slot free here, a key that waits is claimed here:
                 // the busy key need not let go after MAX_RUN.
                 let run_on = self.slots.available_permits() > 0;
-                let acked = self.queue.ack_and_next(&token, lease, run_on).await;
+                let acked = self.queue.ack_and_next_with(&token, lease, run_on).await;
                 acked.map_err(Some)
             }
         };

@@ -1,6 +1,7 @@
 //! Keyed messages through every script that moves them (issue 23): pushed
 //! with their key (ids that repeat, delays), claimed with short and long
-//! leases, acknowledged, retried, deferred, released, buried, extended and
+//! leases, acknowledged (also with the key's next message claimed in the
+//! same script, as the worker does), retried, deferred, released, buried, extended and
 //! recovered when their lease ran out, while code outside the queue takes
 //! and releases the keys' locks; each step possibly resent (its reply lost,
 //! the same call made again) or made over a connection the server just
@@ -43,6 +44,8 @@ enum Op {
         short: bool,
     },
     Ack(usize),
+    /// `ack_and_next`: the key's next message claimed by the ack.
+    AckNext(usize),
     Retry {
         job: usize,
         later: bool,
@@ -67,7 +70,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (0..IDS, prop::bool::weighted(0.1)).prop_map(|(id, later)| Op::Push { id, later }),
         5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
-        4 => job.clone().prop_map(Op::Ack),
+        3 => job.clone().prop_map(Op::Ack),
+        3 => job.clone().prop_map(Op::AckNext),
         2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
         1 => job.clone().prop_map(Op::Defer),
         1 => job.clone().prop_map(Op::Release),
@@ -112,6 +116,9 @@ struct Model {
     /// depends on which keys the claims looked at, so such a key may or
     /// may not be claimed again: a claim of it is still checked.
     uncertain: [bool; KEYS],
+    /// Per message at work, how many of its key's ran back to back before
+    /// it under the same hold (`ack_and_next` stops at `MAX_RUN`).
+    runs: BTreeMap<usize, u32>,
 }
 
 impl Model {
@@ -251,6 +258,23 @@ impl World<'_> {
                     }
                 }
             }
+            Op::AckNext(j) => {
+                let Some(job) = self.job(j) else {
+                    return Ok(());
+                };
+                let (held, next) = self.retried(at, || q.ack_and_next(&job, LONG)).await?;
+                prop_assert_eq!(held, self.holds(&job), "{}: held", at);
+                if !held {
+                    prop_assert!(next.is_none(), "{}: a next job for a lost claim", at);
+                    return Ok(());
+                }
+                let n = *job.payload() as usize;
+                let short = self.at_work(self.key_index(&job)) == Some(true);
+                self.model.lines[self.key_index(&job)].retain(|i| *i != n);
+                self.model.messages.remove(&n);
+                let run = self.model.runs.remove(&n).unwrap_or(0);
+                self.continued(&job, (short, run), next, lost, at)?;
+            }
             Op::Retry { job: j, later } => {
                 let Some(job) = self.job(j) else {
                     return Ok(());
@@ -331,6 +355,64 @@ impl World<'_> {
         }
     }
 
+    /// Checks the next job an `ack_and_next` of `job` (its lease `short`
+    /// or not, `run` messages before it under its hold) claimed: the key's
+    /// head, under the same claim and lease end, whenever the key's lock is
+    /// still the queue's (a short lease may have run out, and other code
+    /// taken the lock) and the run is not at its end.
+    fn continued(
+        &mut self,
+        job: &Job<u64>,
+        (short, run): (bool, u32),
+        next: Option<Job<u64>>,
+        lost: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        let k = self.key_index(job);
+        let head = self.model.lines[k].first().copied();
+        let Some(next) = next else {
+            let must = head.is_some()
+                && !short
+                && self.model.outside[k].is_none()
+                && run < lockgate::queue::MAX_RUN;
+            prop_assert!(
+                !must,
+                "{}: no next job though {:?} is first in line",
+                at,
+                head
+            );
+            return Ok(());
+        };
+        let n = *next.payload() as usize;
+        prop_assert_eq!(head, Some(n), "{}: the next job is not the head", at);
+        prop_assert!(
+            self.model.outside[k].is_none(),
+            "{}: continued while other code holds the lock",
+            at
+        );
+        prop_assert!(
+            run < lockgate::queue::MAX_RUN,
+            "{}: ran on past MAX_RUN",
+            at
+        );
+        prop_assert_eq!(next.claim(), job.claim(), "{}: the same claim", at);
+        let key = self.key(k);
+        prop_assert_eq!(next.key(), Some(key.as_str()), "{}: the key", at);
+        let m = self.model.messages.get_mut(&n).expect("known");
+        prop_assert_eq!(
+            (next.attempt(), next.stalls()),
+            (m.failures + 1, m.stalls),
+            "{}: counts",
+            at
+        );
+        m.state = State::InLine(Some((next.claim(), short)));
+        self.model.runs.insert(n, run + 1);
+        if !lost {
+            self.hands.push(next);
+        }
+        Ok(())
+    }
+
     /// Whether the model says `job`'s claim is the one at work.
     fn holds(&self, job: &Job<u64>) -> bool {
         let n = job.payload().to_owned() as usize;
@@ -388,6 +470,7 @@ impl World<'_> {
             let n = *job.payload() as usize;
             let m = self.model.messages.get_mut(&n).expect("known");
             m.state = State::InLine(Some((job.claim(), short)));
+            self.model.runs.remove(&n);
             // A lost reply never reached the worker: the message stays at
             // work until its lease runs out (a long one: for the history).
             if !lost {
