@@ -1,6 +1,7 @@
 //! Keyed messages (`PushOptions::key`): how long a cold key's message waits
-//! while hot keys have a backlog, beside the same without the backlog, and
-//! what a claim costs as the number of keys with waiting messages grows.
+//! while hot keys have a backlog, beside the same without the backlog, what
+//! a claim costs as the number of keys with waiting messages grows, and how
+//! close one hot key comes to 1 / (handler time + one round trip).
 //!
 //! `cargo bench --bench keyed` (full run); built and run on tiny inputs by
 //! `cargo test --all-targets`.
@@ -41,6 +42,69 @@ async fn main() -> Result<(), BoxError> {
     for keys in [size(1_000, 10), size(100_000, 100)] {
         claim_cost(keys).await?;
     }
+    println!("\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)");
+    println!("| messages | per s | handler (mean) | round trip (mean PING) | ceiling | share |\n|---|---|---|---|---|---|");
+    hot_key(size(3_000, 30)).await?;
+    Ok(())
+}
+
+/// `messages` messages on one key, a worker of 4 slots, each handler
+/// sleeping 2 ms (tokio's timer rounds up to its millisecond: the handler
+/// time is measured, and the ceiling uses it).
+async fn hot_key(messages: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "keyed")?;
+    for chunk in (0..messages).collect::<Vec<_>>().chunks(1000) {
+        let msgs = chunk.iter().map(|_| {
+            let msg = Msg {
+                key: "hot".into(),
+                pushed: 0,
+            };
+            (msg, PushOptions::new().key("hot"))
+        });
+        queue.push_many_with(msgs).await?;
+    }
+    let mut ping = conn.clone();
+    let rtt_started = Instant::now();
+    for _ in 0..1000 {
+        redis::cmd("PING").query_async::<()>(&mut ping).await?;
+    }
+    let rtt = rtt_started.elapsed() / 1000;
+    let busy = Arc::new(Mutex::new((0usize, Duration::ZERO)));
+    let seen = busy.clone();
+    let service = tower::service_fn(move |_: Job<Msg>| {
+        let seen = seen.clone();
+        async move {
+            let started = Instant::now();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let mut busy = seen.lock().unwrap_or_else(|e| e.into_inner());
+            busy.0 += 1;
+            busy.1 += started.elapsed();
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue, service).concurrency(4)?;
+    let started = Instant::now();
+    let done = busy.clone();
+    worker
+        .run_until(async move {
+            while done.lock().unwrap_or_else(|e| e.into_inner()).0 < messages {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await?;
+    let elapsed = started.elapsed();
+    let (handled, spent) = *busy.lock().unwrap_or_else(|e| e.into_inner());
+    let handler = spent / handled.max(1) as u32;
+    let rate = handled as f64 / elapsed.as_secs_f64();
+    let ceiling = 1.0 / (handler + rtt).as_secs_f64();
+    println!(
+        "| {handled} | {rate:.0} | {:.3} ms | {:.3} ms | {ceiling:.0} | {:.1} % |",
+        handler.as_secs_f64() * 1e3,
+        rtt.as_secs_f64() * 1e3,
+        rate / ceiling * 100.0
+    );
     Ok(())
 }
 
