@@ -42,8 +42,12 @@ async fn main() -> Result<(), BoxError> {
     for keys in [size(1_000, 10), size(100_000, 100)] {
         claim_cost(keys).await?;
     }
-    println!("\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)");
-    println!("| messages | per s | handler (mean) | round trip (mean PING) | ceiling | share |\n|---|---|---|---|---|---|");
+    println!(
+        "\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)"
+    );
+    println!(
+        "| messages | per s | handler (mean) | round trip (mean PING) | ceiling | share |\n|---|---|---|---|---|---|"
+    );
     hot_key(size(3_000, 30)).await?;
     Ok(())
 }

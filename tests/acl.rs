@@ -126,7 +126,10 @@ async fn keyed_messages_work_as_the_readme_acl_user() {
     let server = server_with(&readme_rule());
     let client = client(&server);
     let conn = client.get_connection_manager().await.unwrap();
-    let queue: Queue<u32, _> = Queue::new(conn.clone(), "keyed").unwrap();
+    let queue: Queue<u32, _> = Queue::new(conn.clone(), "keyed")
+        .unwrap()
+        .record_events(100)
+        .unwrap();
     for n in 0..20u32 {
         let options = lockgate::PushOptions::new().key(format!("k{}", n % 4));
         queue.push_with(n, options).await.unwrap();
@@ -144,6 +147,12 @@ async fn keyed_messages_work_as_the_readme_acl_user() {
             }
         }
     });
+    // Seen, and one removed, before the worker starts.
+    assert_eq!(queue.key_stats(10).await.unwrap().keys, 4);
+    assert_eq!(queue.peek(10).await.unwrap().waiting.len(), 4);
+    let last = lockgate::PushOptions::new().id("last").key("k0");
+    queue.push_with(99, last).await.unwrap();
+    assert!(queue.remove("last").await.unwrap());
     let worker = Worker::new(client, queue.clone(), service)
         .retry_backoff(lockgate::Backoff::exponential(ms(10), ms(20)).unwrap());
     let run = tokio::spawn(worker.run_until(tokio::time::sleep(secs(3))));
@@ -156,4 +165,10 @@ async fn keyed_messages_work_as_the_readme_acl_user() {
     assert_eq!(handled.load(std::sync::atomic::Ordering::Relaxed), 21);
     assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
     assert_eq!(queue.requeue_all_dead().await.unwrap(), 0);
+    let events = queue.events_after("0-0", 1000).await.unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.kind == lockgate::queue::EventKind::KeyReleased)
+    );
 }

@@ -238,11 +238,11 @@ async fn deferred_messages_wait_in_the_key_s_line_and_newcomers_with_the_key_beh
     worker.abort();
 }
 
-/// Messages claimed together join the line in whatever order their
-/// handlers find the key busy: each runs once, one at a time, deferred
-/// once.
+/// Messages claimed together, whose handlers race to find the key busy,
+/// take their places in the line by push time: each runs once, one at a
+/// time, in push order, deferred once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_claimed_together_each_join_the_line_once() {
+async fn messages_claimed_together_join_the_line_once_each_in_push_order() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), QUEUE).unwrap();
@@ -287,9 +287,8 @@ async fn messages_claimed_together_each_join_the_line_once() {
     })
     .await;
     let runs = log.lock().unwrap().clone();
-    let mut order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
-    order.sort_unstable();
-    assert_eq!(order, [1, 2, 3, 4, 5, 6, 7, 8], "each once");
+    let order: Vec<u32> = runs.iter().map(|(n, ..)| *n).collect();
+    assert_eq!(order, [1, 2, 3, 4, 5, 6, 7, 8], "each once, in push order");
     assert_eq!(most_at_once(&runs), 1, "one at a time");
     assert!(
         runs.iter().all(|(_, deferrals, ..)| *deferrals == 1),

@@ -96,6 +96,10 @@ enum State {
 
 #[derive(Debug, Clone)]
 struct Message {
+    /// Which push of its id made it: an id pushed again after it went is
+    /// a new message, and a job of the old one (which may carry the same
+    /// claim number, continued under one hold) is not a job of the new.
+    generation: u64,
     state: State,
     failures: u32,
     stalls: u32,
@@ -119,6 +123,8 @@ struct Model {
     /// Per message at work, how many of its key's ran back to back before
     /// it under the same hold (`ack_and_next` stops at `MAX_RUN`).
     runs: BTreeMap<usize, u32>,
+    /// Messages created so far (see `Message::generation`).
+    generations: u64,
 }
 
 impl Model {
@@ -142,7 +148,7 @@ struct World<'a> {
     locker: Locker<ConnectionManager>,
     model: Model,
     /// Claimed jobs the worker holds, stale ones included.
-    hands: Vec<Job<u64>>,
+    hands: Vec<(Job<u64>, u64)>,
     last_claim: u64,
     history: usize,
 }
@@ -161,7 +167,8 @@ impl World<'_> {
         n % KEYS
     }
 
-    fn job(&self, n: usize) -> Option<Job<u64>> {
+    /// A job the worker holds, and the generation of its message.
+    fn job(&self, n: usize) -> Option<(Job<u64>, u64)> {
         (!self.hands.is_empty()).then(|| self.hands[n % self.hands.len()].clone())
     }
 
@@ -230,7 +237,9 @@ impl World<'_> {
                         state,
                         failures: 0,
                         stalls: 0,
+                        generation: self.model.generations,
                     };
+                    self.model.generations += 1;
                     self.model.messages.insert(n, m);
                 }
             }
@@ -240,14 +249,14 @@ impl World<'_> {
                 self.claimed(jobs, max, short, lost, at)?;
             }
             Op::Ack(j) | Op::Bury(j) => {
-                let Some(job) = self.job(j) else {
+                let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let held = match op {
                     Op::Ack(_) => self.retried(at, || q.ack(&job)).await?,
                     _ => self.retried(at, || q.bury(&job, "bad")).await?,
                 };
-                prop_assert_eq!(held, self.holds(&job), "{}: held", at);
+                prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
                 if held {
                     let n = job.payload().to_owned() as usize;
                     let k = self.key_index(&job);
@@ -259,11 +268,11 @@ impl World<'_> {
                 }
             }
             Op::AckNext(j) => {
-                let Some(job) = self.job(j) else {
+                let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let (held, next) = self.retried(at, || q.ack_and_next(&job, LONG)).await?;
-                prop_assert_eq!(held, self.holds(&job), "{}: held", at);
+                prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
                 if !held {
                     prop_assert!(next.is_none(), "{}: a next job for a lost claim", at);
                     return Ok(());
@@ -276,15 +285,15 @@ impl World<'_> {
                 self.continued(&job, (short, run), next, lost, at)?;
             }
             Op::Retry { job: j, later } => {
-                let Some(job) = self.job(j) else {
+                let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let delay = if later { LATER } else { Duration::ZERO };
                 let due = self.retried(at, || q.retry(&job, delay, "boom")).await?;
-                self.back_in_line(&job, due.is_some(), later, true, at)?;
+                self.back_in_line((&job, generation), due.is_some(), later, true, at)?;
             }
             Op::Defer(j) | Op::Release(j) => {
-                let Some(job) = self.job(j) else {
+                let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let held = match op {
@@ -294,10 +303,10 @@ impl World<'_> {
                         .is_some(),
                     _ => self.retried(at, || q.release(&job)).await?,
                 };
-                self.back_in_line(&job, held, false, false, at)?;
+                self.back_in_line((&job, generation), held, false, false, at)?;
             }
             Op::Extend { job: j, short } => {
-                let Some(job) = self.job(j) else {
+                let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let lease = if short { SHORT } else { LONG };
@@ -305,7 +314,12 @@ impl World<'_> {
                 // A renewal keeps the claim, and takes the key's lock again
                 // if its lease ran out, unless other code took the lock.
                 let outside = self.model.outside[self.key_index(&job)].is_some();
-                prop_assert_eq!(held, self.holds(&job) && !outside, "{}: extended", at);
+                prop_assert_eq!(
+                    held,
+                    self.holds(&job, generation) && !outside,
+                    "{}: extended",
+                    at
+                );
                 if held {
                     let n = job.payload().to_owned() as usize;
                     let m = self.model.messages.get_mut(&n).expect("known");
@@ -406,19 +420,21 @@ impl World<'_> {
             at
         );
         m.state = State::InLine(Some((next.claim(), short)));
+        let generation = m.generation;
         self.model.runs.insert(n, run + 1);
         if !lost {
-            self.hands.push(next);
+            self.hands.push((next, generation));
         }
         Ok(())
     }
 
     /// Whether the model says `job`'s claim is the one at work.
-    fn holds(&self, job: &Job<u64>) -> bool {
+    fn holds(&self, job: &Job<u64>, generation: u64) -> bool {
         let n = job.payload().to_owned() as usize;
-        self.model.messages.get(&n).is_some_and(
-            |m| matches!(m.state, State::InLine(Some((claim, _))) if claim == job.claim()),
-        )
+        self.model.messages.get(&n).is_some_and(|m| {
+            m.generation == generation
+                && matches!(m.state, State::InLine(Some((claim, _))) if claim == job.claim())
+        })
     }
 
     fn claimed(
@@ -474,7 +490,8 @@ impl World<'_> {
             // A lost reply never reached the worker: the message stays at
             // work until its lease runs out (a long one: for the history).
             if !lost {
-                self.hands.push(job);
+                let generation = self.model.messages[&n].generation;
+                self.hands.push((job, generation));
             }
         }
         Ok(())
@@ -504,13 +521,13 @@ impl World<'_> {
 
     fn back_in_line(
         &mut self,
-        job: &Job<u64>,
+        (job, generation): (&Job<u64>, u64),
         held: bool,
         later: bool,
         failed: bool,
         at: &str,
     ) -> Result<(), TestCaseError> {
-        prop_assert_eq!(held, self.holds(job), "{}: held", at);
+        prop_assert_eq!(held, self.holds(job, generation), "{}: held", at);
         if held {
             let n = *job.payload() as usize;
             let k = self.key_index(job);

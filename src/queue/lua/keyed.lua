@@ -16,9 +16,9 @@
 --   KEYS[5]  errors    hash  id -> last error
 --   KEYS[6]  claims    string the last claim number
 --   KEYS[7]  lines     zset  every message in line, score 0, member
---                            "<key>\0<seq>\0<id>" (seq: 16 digits, the
---                            partition's counter): a key's line is a lex
---                            range, its head the range's first member
+--                            "<key>\0<seq>\0<id>" (seq: 16 digits, from
+--                            the server's time, see next_seq): a key's line
+--                            is a lex range, its head the range's first
 --   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
 --                            or AT_WORK while a key with a lock is at work
 --   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
@@ -27,7 +27,7 @@
 --                            back when due (a retry's delay; "" for none)
 --                            and the key's limits, which it brings back
 --                            (permits 0: the key's lock)
---   KEYS[10] seq       string the partition's line counter
+--   KEYS[10] seq       string the last seq handed out (see next_seq)
 --   KEYS[11] limits    hash  key -> its permits, for a key pushed with
 --                            permits (`Locker::acquire_permit`'s set, not its
 --                            lock); "<key>\0rate" -> its rate limit,
@@ -46,10 +46,25 @@ local function line_member(key, seq, id)
   return key .. '\0' .. seq .. '\0' .. id
 end
 
--- Puts a due message at the end of its key's line; the key becomes ready at
--- `now` unless its head is at work or it waits already.
-local function enter_line(key, id, now)
-  local seq = string.format('%016d', redis.call('INCR', KEYS[SEQ]))
+-- The seq a message joins its line with (16 digits, so that the text
+-- orders as the number): the time `since` (ms) in thousandths, for a
+-- message that takes the place its push time gives it (one deferred into
+-- the line); else the time `now` in thousandths, and always above every
+-- seq handed out before (the last one is kept), so that a push goes last
+-- in line, whatever the clock does. Equal seqs order by id.
+local function next_seq(now, since)
+  if since then return string.format('%016d', since * 1000) end
+  local seq = string.format('%016d',
+    math.max(now * 1000, (tonumber(redis.call('GET', KEYS[SEQ])) or 0) + 1))
+  redis.call('SET', KEYS[SEQ], seq)
+  return seq
+end
+
+-- Puts a due message in its key's line, last (or at the place `since`
+-- gives it, see next_seq); the key becomes ready at `now` unless its head
+-- is at work or it waits already.
+local function enter_line(key, id, now, since)
+  local seq = next_seq(now, since)
   redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
   redis.call('ZADD', KEYS[READY], 'NX', now, key)
 end
@@ -101,7 +116,7 @@ end
 -- ("" for none) and the key's limits: permits `limit` and its rate.
 local function aside(key, seq, limit)
   local rate = rate_of(key)
-  if limit > 0 or rate then
+  if limit > 0 or rate or seq ~= '' then
     return key .. '\0' .. seq .. '\0' .. limit .. '\0' .. (rate or '')
   end
   return key
@@ -114,12 +129,14 @@ local function set_limits(key, permits, rate)
   if rate ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rate) end
 end
 
--- Puts a new message `id` of `key` in line, or aside until `due`.
-local function place(key, id, due, now)
+-- Puts a new message `id` of `key` in line, or aside until `due`; `since`
+-- (ms, or nil) places it by that time rather than last (see next_seq).
+local function place(key, id, due, now, since)
   if due <= now then
-    enter_line(key, id, now)
+    enter_line(key, id, now, since)
   else
-    redis.call('HSET', KEYS[KEYOF], id, aside(key, '', tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0))
+    local seq = since and next_seq(now, since) or ''
+    redis.call('HSET', KEYS[KEYOF], id, aside(key, seq, tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0))
     redis.call('ZADD', KEYS[SCHEDULE], due, id)
   end
 end

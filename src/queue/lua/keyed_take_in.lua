@@ -1,8 +1,10 @@
 -- Takes a message of the queue's own keys into its key's line in this
 -- partition (see keyed.lua): an unkeyed message whose key a `LockLayer`
 -- found busy, deferred into that line, where it is claimed with the key's
--- lock. Its record keeps its counts and counts the deferral (it loses a
--- priority: a key's messages start in push order). An id that exists here
+-- lock. It takes the place its push time gives it, before the messages
+-- pushed after it (see next_seq in keyed.lua). Its record keeps its counts
+-- and counts the deferral (it loses a priority: a key's messages start in
+-- push order). An id that exists here
 -- already (a resend) is left as it is. The caller then removes the message
 -- from the queue.
 -- KEYS[1..11]: the partition   ARGV[1]: the key   ARGV[2]: its limits (as
@@ -17,5 +19,5 @@ set_limits(key, permits or '', rate or '')
 local enq, failures, deferrals, stalls, payload = parse_or_keep(ARGV[5])
 local record = make_record(enq, failures, deferrals + 1, stalls, payload)
 if redis.call('HSETNX', KEYS[DATA], id, record) == 0 then return {0, due} end
-place(key, id, due, now)
+place(key, id, due, now, tonumber(enq))
 return {1, due}
