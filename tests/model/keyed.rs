@@ -11,6 +11,10 @@
 //! heads of lines came out, of keys with room (nothing of theirs at work,
 //! not waiting out a delay, their lock not held outside), one per key, and
 //! that claiming again until nothing comes leaves no key with room behind.
+//! One key has 2 permits instead of a lock: its first message in line not
+//! at work comes out while fewer than 2 of its messages are at work or
+//! held by other code (`Locker::acquire_permit`), and its retries wait
+//! aside rather than holding the key up.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -27,6 +31,9 @@ use crate::{Fault, fault};
 /// Ids a history draws from; message `m<n>` has key `n % KEYS`.
 const IDS: usize = 6;
 const KEYS: usize = 3;
+/// The key with permits (`PushOptions::permits(LIMIT)`), not a lock.
+const PERMITS_KEY: usize = 2;
+const LIMIT: u32 = 2;
 /// A lease that runs out at the next [`Op::Expire`].
 const SHORT: Duration = ms(60);
 const LONG: Duration = secs(600);
@@ -129,16 +136,55 @@ struct Model {
 
 impl Model {
     /// The keys a claim may take: a line, nothing at work, not waiting,
-    /// the lock free.
+    /// the lock free; for the key with permits, a message in line not at
+    /// work and a permit that may be free (a short lease may have run out).
     fn with_room(&self) -> BTreeSet<usize> {
-        (0..KEYS)
-            .filter(|&k| {
-                let head = self.lines[k].first();
-                head.is_some_and(|id| self.messages[id].state == State::InLine(None))
-                    && !self.waiting[k]
-                    && self.outside[k].is_none()
-            })
-            .collect()
+        (0..KEYS).filter(|&k| self.room(k, false)).collect()
+    }
+
+    /// The keys a claim must take: as `with_room`, counting every permit
+    /// held (a short lease may still run).
+    fn surely_with_room(&self) -> BTreeSet<usize> {
+        (0..KEYS).filter(|&k| self.room(k, true)).collect()
+    }
+
+    fn room(&self, k: usize, count_short: bool) -> bool {
+        if k != PERMITS_KEY {
+            let head = self.lines[k].first();
+            return head.is_some_and(|id| self.messages[id].state == State::InLine(None))
+                && !self.waiting[k]
+                && self.outside[k].is_none();
+        }
+        let (long, short) = self.at_work_counts(k);
+        let held = long + usize::from(self.outside[k].is_some());
+        let held = if count_short { held + short } else { held };
+        self.first_waiting(k).is_some() && held < LIMIT as usize
+    }
+
+    /// The first message of key `k`'s line not at work.
+    fn first_waiting(&self, k: usize) -> Option<usize> {
+        let waiting = |id: &&usize| self.messages[*id].state == State::InLine(None);
+        self.lines[k].iter().find(waiting).copied()
+    }
+
+    /// Key `k`'s messages at work: with long leases, with short ones.
+    fn at_work_counts(&self, k: usize) -> (usize, usize) {
+        let mut counts = (0, 0);
+        for id in &self.lines[k] {
+            match self.messages[id].state {
+                State::InLine(Some((_, false))) => counts.0 += 1,
+                State::InLine(Some((_, true))) => counts.1 += 1,
+                _ => {}
+            }
+        }
+        counts
+    }
+
+    /// Whether message `n` is at work under `claim` with a short lease.
+    fn short(&self, n: usize, claim: u64) -> bool {
+        self.messages
+            .get(&n)
+            .is_some_and(|m| m.state == State::InLine(Some((claim, true))))
     }
 }
 
@@ -218,7 +264,13 @@ impl World<'_> {
             Op::Push { id: n, later } => {
                 let delay = if later { LATER } else { Duration::ZERO };
                 let key = self.key(n % KEYS);
-                let options = || PushOptions::new().id(id(n)).key(key.clone()).after(delay);
+                let options = || {
+                    let options = PushOptions::new().id(id(n)).key(key.clone()).after(delay);
+                    match n % KEYS == PERMITS_KEY {
+                        true => options.permits(LIMIT),
+                        false => options,
+                    }
+                };
                 let pushed = self
                     .retried(at, || q.push_with(n as u64, options()))
                     .await?;
@@ -278,7 +330,7 @@ impl World<'_> {
                     return Ok(());
                 }
                 let n = *job.payload() as usize;
-                let short = self.at_work(self.key_index(&job)) == Some(true);
+                let short = self.model.short(n, job.claim());
                 self.model.lines[self.key_index(&job)].retain(|i| *i != n);
                 self.model.messages.remove(&n);
                 let run = self.model.runs.remove(&n).unwrap_or(0);
@@ -312,14 +364,19 @@ impl World<'_> {
                 let lease = if short { SHORT } else { LONG };
                 let held = self.retried(at, || q.extend([&job], lease)).await?[0];
                 // A renewal keeps the claim, and takes the key's lock again
-                // if its lease ran out, unless other code took the lock.
-                let outside = self.model.outside[self.key_index(&job)].is_some();
-                prop_assert_eq!(
-                    held,
-                    self.holds(&job, generation) && !outside,
-                    "{}: extended",
-                    at
-                );
+                // if its lease ran out, unless other code took the lock (a
+                // permit: unless the key's permits were all taken since).
+                let k = self.key_index(&job);
+                let holds = self.holds(&job, generation);
+                let was_short = self.model.short(*job.payload() as usize, job.claim());
+                if k != PERMITS_KEY {
+                    let outside = self.model.outside[k].is_some();
+                    prop_assert_eq!(held, holds && !outside, "{}: extended", at);
+                } else if !was_short {
+                    prop_assert_eq!(held, holds, "{}: extended", at);
+                } else {
+                    prop_assert!(holds || !held, "{}: extended a claim not held", at);
+                }
                 if held {
                     let n = job.payload().to_owned() as usize;
                     let m = self.model.messages.get_mut(&n).expect("known");
@@ -329,6 +386,28 @@ impl World<'_> {
             Op::Expire => {
                 let recovered = self.retried(at, || q.recover(MAX_STALLS)).await?;
                 self.expired(recovered.requeued + recovered.buried, at)?;
+            }
+            Op::Hold(k) if k == PERMITS_KEY => {
+                if self.model.outside[k].is_some() {
+                    return Ok(()); // one outside holder at a time
+                }
+                let key = self.key(k);
+                let acquired = self
+                    .retried(at, || self.locker.acquire_permit(&key, LIMIT))
+                    .await?;
+                let (long, short) = self.model.at_work_counts(k);
+                match acquired {
+                    Acquisition::Acquired(lease) => {
+                        prop_assert!(long < LIMIT as usize, "{}: a permit beyond {}", at, LIMIT);
+                        self.model.outside[k] = Some(lease);
+                    }
+                    Acquisition::Contended(_) => prop_assert!(
+                        long + short >= LIMIT as usize,
+                        "{}: {} full for nobody",
+                        at,
+                        key
+                    ),
+                }
             }
             Op::Hold(k) => {
                 let key = self.key(k);
@@ -383,11 +462,12 @@ impl World<'_> {
         at: &str,
     ) -> Result<(), TestCaseError> {
         let k = self.key_index(job);
-        let head = self.model.lines[k].first().copied();
+        let permits = k == PERMITS_KEY;
+        let head = self.model.first_waiting(k);
         let Some(next) = next else {
             let must = head.is_some()
                 && !short
-                && self.model.outside[k].is_none()
+                && (permits || self.model.outside[k].is_none())
                 && run < lockgate::queue::MAX_RUN;
             prop_assert!(
                 !must,
@@ -400,7 +480,7 @@ impl World<'_> {
         let n = *next.payload() as usize;
         prop_assert_eq!(head, Some(n), "{}: the next job is not the head", at);
         prop_assert!(
-            self.model.outside[k].is_none(),
+            permits || self.model.outside[k].is_none(),
             "{}: continued while other code holds the lock",
             at
         );
@@ -419,7 +499,9 @@ impl World<'_> {
             "{}: counts",
             at
         );
-        m.state = State::InLine(Some((next.claim(), short)));
+        // A lock passed on as it is: the same lease end; a permit passed
+        // on: a new one, leased `LONG`.
+        m.state = State::InLine(Some((next.claim(), short && !permits)));
         let generation = m.generation;
         self.model.runs.insert(n, run + 1);
         if !lost {
@@ -458,12 +540,7 @@ impl World<'_> {
                 job.id()
             );
             prop_assert!(keys.insert(k), "{}: two of one key", at);
-            prop_assert_eq!(
-                self.model.lines[k].first(),
-                Some(&n),
-                "{}: not the head",
-                at
-            );
+            prop_assert_eq!(self.model.first_waiting(k), Some(n), "{}: not the head", at);
             let key = self.key(k);
             prop_assert_eq!(job.key(), Some(key.as_str()), "{}: the key", at);
             prop_assert!(
@@ -508,7 +585,7 @@ impl World<'_> {
             }
             self.claimed(jobs, 3, false, false, at)?;
         }
-        let mut room = self.model.with_room();
+        let mut room = self.model.surely_with_room();
         room.retain(|k| !self.model.uncertain[*k]);
         prop_assert!(
             room.is_empty(),
@@ -534,7 +611,14 @@ impl World<'_> {
             let m = self.model.messages.get_mut(&n).expect("known");
             m.state = State::InLine(None);
             m.failures += u32::from(failed);
-            self.model.waiting[k] = later;
+            if k != PERMITS_KEY {
+                self.model.waiting[k] = later;
+            } else if later {
+                // Aside until due (never, in a history), its place kept;
+                // the key's next messages go on meanwhile.
+                m.state = State::Later;
+                self.model.lines[k].retain(|i| *i != n);
+            }
         }
         Ok(())
     }
