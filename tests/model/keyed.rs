@@ -14,7 +14,9 @@
 //! One key has 2 permits instead of a lock: its first message in line not
 //! at work comes out while fewer than 2 of its messages are at work or
 //! held by other code (`Locker::acquire_permit`), and its retries wait
-//! aside rather than holding the key up.
+//! aside rather than holding the key up. Another has a rate limit of 3 an
+//! hour: after 3 claims (the acknowledgement's hand-overs included) it is
+//! claimed no more.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,6 +36,10 @@ const KEYS: usize = 3;
 /// The key with permits (`PushOptions::permits(LIMIT)`), not a lock.
 const PERMITS_KEY: usize = 2;
 const LIMIT: u32 = 2;
+/// The key with a rate limit (`PushOptions::rate`), at most `RATE` claims
+/// an hour: never more than `RATE` in a history.
+const RATED_KEY: usize = 1;
+const RATE: u32 = 3;
 /// A lease that runs out at the next [`Op::Expire`].
 const SHORT: Duration = ms(60);
 const LONG: Duration = secs(600);
@@ -132,6 +138,10 @@ struct Model {
     runs: BTreeMap<usize, u32>,
     /// Messages created so far (see `Message::generation`).
     generations: u64,
+    /// Admissions under `RATED_KEY`'s rate limit: at least, at most (a
+    /// hand-over whose short lease ran out may have been admitted, then
+    /// found the lock gone).
+    admitted: (u32, u32),
 }
 
 impl Model {
@@ -151,9 +161,15 @@ impl Model {
     fn room(&self, k: usize, count_short: bool) -> bool {
         if k != PERMITS_KEY {
             let head = self.lines[k].first();
+            let admitted = if count_short {
+                self.admitted.1
+            } else {
+                self.admitted.0
+            };
             return head.is_some_and(|id| self.messages[id].state == State::InLine(None))
                 && !self.waiting[k]
-                && self.outside[k].is_none();
+                && self.outside[k].is_none()
+                && (k != RATED_KEY || admitted < RATE);
         }
         let (long, short) = self.at_work_counts(k);
         let held = long + usize::from(self.outside[k].is_some());
@@ -197,6 +213,10 @@ struct World<'a> {
     hands: Vec<(Job<u64>, u64)>,
     last_claim: u64,
     history: usize,
+}
+
+fn rate() -> lockgate::lock::rate::Rate {
+    lockgate::lock::rate::Rate::new(RATE, secs(3600)).expect("a rate")
 }
 
 fn id(n: usize) -> String {
@@ -266,9 +286,10 @@ impl World<'_> {
                 let key = self.key(n % KEYS);
                 let options = || {
                     let options = PushOptions::new().id(id(n)).key(key.clone()).after(delay);
-                    match n % KEYS == PERMITS_KEY {
-                        true => options.permits(LIMIT),
-                        false => options,
+                    match n % KEYS {
+                        PERMITS_KEY => options.permits(LIMIT),
+                        RATED_KEY => options.rate(rate()),
+                        _ => options,
                     }
                 };
                 let pushed = self
@@ -462,13 +483,18 @@ impl World<'_> {
         at: &str,
     ) -> Result<(), TestCaseError> {
         let k = self.key_index(job);
-        let permits = k == PERMITS_KEY;
+        let (permits, rated) = (k == PERMITS_KEY, k == RATED_KEY);
         let head = self.model.first_waiting(k);
         let Some(next) = next else {
             let must = head.is_some()
                 && !short
                 && (permits || self.model.outside[k].is_none())
+                && (!rated || self.model.admitted.1 < RATE)
                 && run < lockgate::queue::MAX_RUN;
+            if rated && head.is_some() && short && run < lockgate::queue::MAX_RUN {
+                // Admitted, perhaps, then the lock found gone.
+                self.model.admitted.1 += 1;
+            }
             prop_assert!(
                 !must,
                 "{}: no next job though {:?} is first in line",
@@ -499,9 +525,14 @@ impl World<'_> {
             "{}: counts",
             at
         );
-        // A lock passed on as it is: the same lease end; a permit passed
-        // on: a new one, leased `LONG`.
-        m.state = State::InLine(Some((next.claim(), short && !permits)));
+        // A lock passed on as it is: the same lease end; a permit, or a
+        // key with a rate limit: a new one, leased `LONG`.
+        m.state = State::InLine(Some((next.claim(), short && !permits && !rated)));
+        if rated {
+            prop_assert!(self.model.admitted.0 < RATE, "{}: over the rate", at);
+            self.model.admitted.0 += 1;
+            self.model.admitted.1 += 1;
+        }
         let generation = m.generation;
         self.model.runs.insert(n, run + 1);
         if !lost {
@@ -561,6 +592,10 @@ impl World<'_> {
         }
         for job in jobs {
             let n = *job.payload() as usize;
+            if n % KEYS == RATED_KEY {
+                self.model.admitted.0 += 1;
+                self.model.admitted.1 += 1;
+            }
             let m = self.model.messages.get_mut(&n).expect("known");
             m.state = State::InLine(Some((job.claim(), short)));
             self.model.runs.remove(&n);
