@@ -53,6 +53,42 @@ impl Starts {
     }
 }
 
+/// A worker running in a task of its own until [`stop`](Self::stop).
+struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<lockgate::Result<()>>,
+}
+
+impl Running {
+    fn start<C, K, S>(worker: Worker<Msg, C, K, S>) -> Self
+    where
+        C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+        K: lockgate::queue::Connector,
+        S: tower::Service<Job<Msg>> + Send + 'static,
+        S::Response: lockgate::worker::WorkerResponse + Send + 'static,
+        S::Error: Into<BoxError> + Send + 'static,
+        S::Future: Send + 'static,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(worker.run_until(async move { drop(stopped.await) }));
+        Self { stop, run }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.run.await.unwrap().unwrap();
+    }
+}
+
+/// Waits until `log` holds `n` entries (20 s at most).
+async fn until_len<T>(log: &Mutex<Vec<T>>, n: usize) {
+    eventually("every message handled", secs(20), async || {
+        let len = log.lock().unwrap().len();
+        support::done_if(len == n, len)
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keyed_messages_run_one_at_a_time_per_key_in_push_order_under_the_key_s_lock() {
     let server = server();
@@ -130,15 +166,9 @@ async fn a_lock_layer_over_a_keyed_message_uses_the_lock_claimed_with_it() {
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(4)
         .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
-    eventually("every message handled", secs(20), async || {
-        let n = fences.lock().unwrap().len();
-        support::done_if(n == 20, n)
-    })
-    .await;
-    let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let running = Running::start(worker);
+    until_len(&fences, 20).await;
+    running.stop().await;
     // Fences of a key strictly increase, holder after holder.
     let fences = fences.lock().unwrap();
     for key in ["k0", "k1"] {
@@ -984,15 +1014,9 @@ async fn a_lock_layer_with_permits_uses_the_permit_claimed_with_the_message() {
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(4)
         .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
-    eventually("every message handled", secs(20), async || {
-        let n = handled.lock().unwrap().len();
-        support::done_if(n == 20, n)
-    })
-    .await;
-    let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let running = Running::start(worker);
+    until_len(&handled, 20).await;
+    running.stop().await;
     let handled = handled.lock().unwrap();
     // The layer never contended with the queue's own permits: no message
     // failed, and each had a fence of its own.
@@ -1397,15 +1421,9 @@ async fn a_hand_over_passes_the_lock_on_as_it_is_and_a_fenced_one_under_a_new_to
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(1)
         .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
-    eventually("every message handled", secs(20), async || {
-        let n = seen.lock().unwrap().len();
-        support::done_if(n == 6, n)
-    })
-    .await;
-    let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let running = Running::start(worker);
+    until_len(&seen, 6).await;
+    running.stop().await;
     let seen = seen.lock().unwrap();
     let tokens: Vec<&str> = seen.iter().map(|(_, v, ..)| v.as_str()).collect();
     assert_eq!(tokens[0], tokens[1], "passed on as it is");
@@ -1452,15 +1470,9 @@ async fn a_busy_key_on_a_full_worker_lets_go_after_32_in_a_row() {
         .concurrency(1)
         .unwrap()
         .prefetch(0);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
-    eventually("every message handled", secs(20), async || {
-        let n = order.lock().unwrap().len();
-        support::done_if(n == 101, n)
-    })
-    .await;
-    let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let running = Running::start(worker);
+    until_len(&order, 101).await;
+    running.stop().await;
     let order = order.lock().unwrap();
     let at = order.iter().position(|n| *n == 1000).unwrap();
     assert!((3..=33).contains(&at), "`late` started {at}th: {order:?}");
@@ -1491,23 +1503,14 @@ async fn code_waiting_for_a_busy_key_s_lock_gets_it_at_the_next_message() {
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(4)
         .unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(worker.run_until(async move { drop(stop_rx.await) }));
+    let running = Running::start(worker);
     // Other code waits in the lock's line for k0 from m3's start on (woken
     // by the release), as an HTTP handler's LockLayer would.
     third.notified().await;
-    wait_outside(
-        Locker::connect(server.client()).await.unwrap(),
-        order.clone(),
-    )
-    .await;
-    eventually("every message handled", secs(20), async || {
-        let n = order.lock().unwrap().len();
-        support::done_if(n == 61, n)
-    })
-    .await;
-    let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let locker = Locker::connect(server.client()).await.unwrap();
+    wait_outside(locker, order.clone()).await;
+    until_len(&order, 61).await;
+    running.stop().await;
     let order = order.lock().unwrap();
     let at = order.iter().position(|s| s == "outside").unwrap();
     // m3 ends, the lock goes to the waiter, then m4.
