@@ -181,6 +181,18 @@ impl Partition {
     }
 }
 
+/// A keyed message being pushed ([`Keyed::push`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pushing<'a> {
+    pub(crate) key: &'a str,
+    /// The push script's limits (see `lua/keyed_push.lua`).
+    pub(crate) limits: &'a str,
+    pub(crate) id: &'a str,
+    /// The push script's `when`.
+    pub(crate) when: &'a str,
+    pub(crate) payload: &'a [u8],
+}
+
 /// What a keyed message's turn at work ends with ([`Keyed::done`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Outcome<'a> {
@@ -379,36 +391,42 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
     }
 
-    /// Pushes a message on `key` (with the push script's `limits`), due
-    /// after `when` (the push script's `when`); returns whether it was
-    /// added and its due time (-1 when it is not waiting for one).
-    pub(crate) async fn push(
-        &self,
-        (key, limits): (&str, &str),
-        id: &str,
-        when: &str,
-        payload: &[u8],
-    ) -> Result<(bool, i64)> {
-        let partition = self.partition_of(key);
-        let mut cmd = partition.call(&KeyedScripts::get().push, 0);
-        cmd.arg(key).arg(limits).arg(id).arg(when).arg(payload);
-        let mut conn = self.conn.clone();
-        let attempted = || format!("pushing to key `{key}` of queue `{}`", self.keys.name);
-        let reply: Vec<i64> = run(&KeyedScripts::get().push, &cmd, &mut conn)
+    /// Pushes keyed messages of one partition in one script call (see
+    /// `lua/keyed_push.lua`): each a key with the push script's limits, an
+    /// id, the push script's `when` and a payload. Returns per message
+    /// whether it was added and its due time (-1 when it is not waiting for
+    /// one).
+    pub(crate) async fn push(&self, batch: &[Pushing<'_>]) -> Result<Vec<(bool, i64)>> {
+        let Some(first) = batch.first() else {
+            return Ok(Vec::new());
+        };
+        let partition = self.partition_of(first.key);
+        let script = &KeyedScripts::get().push;
+        let mut cmd = partition.call(script, 0);
+        for m in batch {
+            cmd.arg(m.key)
+                .arg(m.limits)
+                .arg(m.id)
+                .arg(m.when)
+                .arg(m.payload);
+        }
+        let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
+        let reply: Vec<i64> = run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(attempted()))?;
         self.mark_ready(partition.slot)
             .await
             .map_err(Error::redis(attempted()))?;
-        let [added, due] = reply[..] else {
+        if reply.len() != 2 * batch.len() {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
-        };
-        if added == 1 {
-            let mut log = Log::default();
-            log.event(EventKind::Pushed, key, (id, 1));
-            self.record(log).await;
         }
-        Ok((added == 1, due))
+        let pushed: Vec<(bool, i64)> = reply.chunks(2).map(|r| (r[0] == 1, r[1])).collect();
+        let mut log = Log::default();
+        for (m, _) in batch.iter().zip(&pushed).filter(|(_, (added, _))| *added) {
+            log.event(EventKind::Pushed, m.key, (m.id, 1));
+        }
+        self.record(log).await;
+        Ok(pushed)
     }
 
     /// Takes a message of the queue's own keys (`id`, with its `record`)

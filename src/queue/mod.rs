@@ -453,6 +453,10 @@ fn check_push(options: &PushOptions) -> Result<()> {
 /// push script's `limits`).
 type KeyOf = Option<(String, String)>;
 
+/// A message ready to push: its id, the push script's `when`, its payload
+/// and its key.
+type Encoded = (String, String, Vec<u8>, KeyOf);
+
 /// The receipt of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -786,21 +790,45 @@ where
             let pushed = self.push_batch(batch.iter().map(|(_, m)| m)).await?;
             receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
         }
-        for (n, (id, when, payload, key)) in keyed {
-            let (key, limits) = key.unwrap_or_default();
-            let keyed = self.keyed();
-            let (created, due) = keyed.push((&key, &limits), &id, &when, &payload).await?;
-            let due = (due >= 0).then(|| from_unix_ms(due));
-            receipts.push((n, Pushed { id, due, created }));
-        }
+        receipts.extend(self.push_keyed(keyed).await?);
         receipts.sort_unstable_by_key(|(n, _)| *n);
         Ok(receipts.into_iter().map(|(_, pushed)| pushed).collect())
+    }
+
+    /// Pushes keyed messages (with their place in the caller's list), in
+    /// one script call per partition and [`MAX_BATCH`] messages, each call
+    /// in the messages' order.
+    async fn push_keyed(&self, keyed: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
+        let mut by_partition = std::collections::BTreeMap::<u16, Vec<_>>::new();
+        for (n, (id, when, payload, key)) in &keyed {
+            let Some((key, limits)) = key else { continue };
+            let pushing = keyed::Pushing {
+                key,
+                limits,
+                id,
+                when,
+                payload,
+            };
+            let slot = crate::keys::lock_slot(key);
+            by_partition.entry(slot).or_default().push((*n, pushing));
+        }
+        let mut receipts = Vec::with_capacity(keyed.len());
+        for batch in by_partition.values().flat_map(|all| all.chunks(MAX_BATCH)) {
+            let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
+            let pushed = self.keyed().push(&pushing).await?;
+            for ((n, m), (created, due)) in batch.iter().zip(pushed) {
+                let due = (due >= 0).then(|| from_unix_ms(due));
+                let id = m.id.to_owned();
+                receipts.push((*n, Pushed { id, due, created }));
+            }
+        }
+        Ok(receipts)
     }
 
     /// Pushes unkeyed messages (at most [`MAX_BATCH`]) in one script call.
     async fn push_batch<'a>(
         &self,
-        batch: impl ExactSizeIterator<Item = &'a (String, String, Vec<u8>, KeyOf)>,
+        batch: impl ExactSizeIterator<Item = &'a Encoded>,
     ) -> Result<Vec<Pushed>> {
         let count = batch.len();
         let mut call = Scripts::get().push.prepare_invoke();
