@@ -1540,34 +1540,14 @@ where
     assert!(outcome.is_ok(), "{outcome:?}");
 }
 
-/// How many scripts the server ran (`EVALSHA` and `EVAL` calls).
-async fn script_calls(conn: &redis::aio::ConnectionManager) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn.clone())
-        .await
-        .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
-
 #[tokio::test]
 async fn keyed_messages_pushed_together_take_one_script_call_per_partition() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-    let before = script_calls(&conn).await;
+    let before = support::script_calls(&conn).await;
     push_keyed(&queue, 1000, 10).await;
-    let calls = script_calls(&conn).await - before;
+    let calls = support::script_calls(&conn).await - before;
     // One per partition (10 keys: 10 at most), and a first call the
     // server answered NOSCRIPT before the script was loaded.
     assert!(calls <= 11, "{calls} script calls for 10 keys");

@@ -421,11 +421,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
         }
         let pushed: Vec<(bool, i64)> = reply.chunks(2).map(|r| (r[0] == 1, r[1])).collect();
-        let mut log = Log::default();
-        for (m, _) in batch.iter().zip(&pushed).filter(|(_, (added, _))| *added) {
-            log.event(EventKind::Pushed, m.key, (m.id, 1));
+        if self.recording.events.is_some() {
+            let mut log = Log::default();
+            for (m, _) in batch.iter().zip(&pushed).filter(|(_, (added, _))| *added) {
+                log.event(EventKind::Pushed, m.key, (m.id, 1));
+            }
+            self.record(log).await;
         }
-        self.record(log).await;
         Ok(pushed)
     }
 
@@ -656,12 +658,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
         let turns = self.turns(partition, (candidates, &tokens), claim, flat);
-        let mut log = Log::default();
-        for turn in &turns {
-            let attempt = attempt_of(&turn.record);
-            log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
+        if self.recording.events.is_some() {
+            let mut log = Log::default();
+            for turn in &turns {
+                let attempt = attempt_of(&turn.record);
+                log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
+            }
+            self.record(log).await;
         }
-        self.record(log).await;
         Ok((turns, (next_at >= 0).then_some(next_at), named))
     }
 
@@ -776,13 +780,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .settled(held, (claim, next_token), reply, attempted)
             .await?;
         let (acked, settled) = settled;
-        self.record(outcome_log(
-            held,
-            (id, failures),
-            outcome,
-            (acked, &settled),
-        ))
-        .await;
+        // Nothing to build on the hot path unless something is recorded.
+        if self.recording.events.is_some() || !acked.is_empty() {
+            let log = outcome_log(held, (id, failures), outcome, (acked, &settled));
+            self.record(log).await;
+        }
         Ok(settled)
     }
 
