@@ -37,8 +37,10 @@ mod outcome;
 pub mod queue;
 mod script;
 pub mod telemetry;
+/// Throwaway `redis-server`, Redis Cluster and `nats-server` processes for
+/// tests, benches and examples (the `lockgate-testing` crate).
 #[cfg(feature = "test-util")]
-pub mod testing;
+pub use lockgate_testing as testing;
 pub mod worker;
 
 pub use backoff::Backoff;

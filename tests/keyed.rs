@@ -1226,7 +1226,7 @@ async fn keyed_messages_record_their_events_key_releases_and_completed_entries()
             "claimed 1 a",
             "dead 1 a no such account",
             "key-released 1 a",
-            "redriven 1"
+            "redriven 1 a"
         ]
     );
     let completed = queue.completed(10).await.unwrap();

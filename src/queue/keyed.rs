@@ -114,6 +114,7 @@ const ERRORS: usize = 4;
 const CLAIMS: usize = 5;
 const LINES: usize = 6;
 const READY: usize = 7;
+const KEYOF: usize = 8;
 const SEQ: usize = 9;
 
 /// The keys of one partition, in the keyed scripts' order.
@@ -134,8 +135,9 @@ pub(crate) struct DeadSet {
     pub(crate) bell: String,
     pub(crate) prioritized: String,
     pub(crate) events: String,
-    /// The partition's slot: re-driven letters make it ready.
-    pub(crate) slot: Option<u16>,
+    /// The partition's slot (re-driven letters make it ready) and its
+    /// `keyof` hash (where the letters' keys are); `None` for the queue's own.
+    pub(crate) partition: Option<(u16, String)>,
 }
 
 impl Partition {
@@ -167,7 +169,7 @@ impl Partition {
             bell: format!("{stem}:bell"),
             prioritized: format!("{stem}:prioritized"),
             events: format!("{stem}:events"),
-            slot: Some(self.slot),
+            partition: Some((self.slot, self.keys[KEYOF].clone())),
         }
     }
 
@@ -1218,11 +1220,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Records the `redriven` events of a partition's dead letters
-    /// (`pairs`: id, attempt; their keys are not known here).
-    pub(crate) async fn redriven_events(&self, pairs: Vec<(String, u32)>) {
+    /// (`pairs`: id, attempt; `keys`: each one's key).
+    pub(crate) async fn redriven_events(&self, pairs: Vec<(String, u32)>, keys: Vec<String>) {
         let mut log = Log::default();
-        for (id, attempt) in &pairs {
-            log.event(EventKind::Redriven, "", (id, *attempt));
+        for ((id, attempt), key) in pairs.iter().zip(&keys) {
+            log.event(EventKind::Redriven, key, (id, *attempt));
         }
         self.record(log).await;
     }

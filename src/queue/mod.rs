@@ -1628,7 +1628,7 @@ where
             bell: keys.bell.clone(),
             prioritized: keys.prioritized.clone(),
             events: keys.events.clone(),
-            slot: None,
+            partition: None,
         };
         let mut sets = vec![own];
         sets.extend(self.keyed().dead_sets().await?);
@@ -1712,33 +1712,37 @@ where
         id: &str,
         cutoff: Option<i64>,
     ) -> Result<(usize, usize, i64)> {
-        let events = match set.slot {
+        let events = match set.partition {
             None => self.events_arg(),
             Some(_) => String::new(),
         };
-        let (requeued, examined, started, redriven): (usize, usize, i64, Vec<(String, u32)>) =
-            Scripts::get()
-                .requeue_dead
-                .key(&set.data)
-                .key(&set.schedule)
-                .key(&set.dead)
-                .key(&set.errors)
-                .key(&set.bell)
-                .key(&set.prioritized)
-                .key(&set.events)
-                .arg(id)
-                .arg(MAX_BATCH)
-                .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
-                .arg(events)
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "re-driving dead letters of queue `{}`",
-                    self.name()
-                )))?;
-        if let (Some(slot), true) = (set.slot, requeued > 0) {
-            self.keyed().redriven(slot).await?;
-            self.keyed().redriven_events(redriven).await;
+        let mut script = Scripts::get().requeue_dead.prepare_invoke();
+        script
+            .key(&set.data)
+            .key(&set.schedule)
+            .key(&set.dead)
+            .key(&set.errors)
+            .key(&set.bell)
+            .key(&set.prioritized)
+            .key(&set.events);
+        if let Some((_, keyof)) = &set.partition {
+            script.key(keyof);
+        }
+        type Redriven = (usize, usize, i64, Vec<(String, u32)>, Vec<String>);
+        let (requeued, examined, started, redriven, keys): Redriven = script
+            .arg(id)
+            .arg(MAX_BATCH)
+            .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
+            .arg(events)
+            .invoke_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(format_args!(
+                "re-driving dead letters of queue `{}`",
+                self.name()
+            )))?;
+        if let (Some((slot, _)), true) = (&set.partition, requeued > 0) {
+            self.keyed().redriven(*slot).await?;
+            self.keyed().redriven_events(redriven, keys).await;
         }
         Ok((requeued, examined, started))
     }

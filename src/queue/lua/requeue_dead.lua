@@ -1,13 +1,14 @@
 -- Re-drives dead letters: due now, attempt, deferral and stall counts reset.
 -- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors   KEYS[5]: bell
 -- KEYS[6]: prioritized (a message keeps its priority)   KEYS[7]: events
+-- KEYS[8]: a keyed partition's keyof hash (id -> key), or none
 -- ARGV[1]: an id, or "" for the oldest ARGV[2] dead letters buried at or
 --          before ARGV[3]
 -- ARGV[2]: how many at most when ARGV[1] is ""
 -- ARGV[3]: a time in ms (when the caller's re-drive started), or "" for now
 -- ARGV[4]: the events' cap ("" for no events)
 -- Returns {re-driven, examined, the cutoff time used, {id, 1, ...} of the
--- letters re-driven}; a dead entry without a record is dropped. A caller
+-- letters re-driven, their keys (with KEYS[8])}; a dead entry without a record is dropped. A caller
 -- that re-drives everything passes the cutoff of its first call to the next
 -- ones: letters buried again meanwhile (a poison
 -- message fails at once) score later and are left, so the loop ends.
@@ -20,7 +21,7 @@ else
   ids = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[2]))
 end
 local count = 0
-local redriven = {}
+local redriven, keys = {}, {}
 for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[3], id) == 1 then
     local record = redis.call('HGET', KEYS[1], id)
@@ -32,8 +33,11 @@ for _, id in ipairs(ids) do
       count = count + 1
       redriven[#redriven + 1] = id
       redriven[#redriven + 1] = 1
+      if KEYS[8] then
+        keys[#keys + 1] = string.match(redis.call('HGET', KEYS[8], id) or '', '^[^%z]*')
+      end
     end
   end
 end
 emit(KEYS[7], ARGV[4], 'redriven', now, nil, redriven)
-return {count, #ids, cutoff, redriven}
+return {count, #ids, cutoff, redriven, keys}

@@ -1,6 +1,7 @@
 //! Throwaway `redis-server` processes for tests, benches and examples.
 //!
-//! Enabled by the `test-util` feature. Each [`RedisServer`] is a private
+//! lockgate re-exports this crate as `lockgate::testing` (its `test-util`
+//! feature). Each [`RedisServer`] is a private
 //! server on a free loopback port, started with `--save "" --appendonly no`
 //! in its own temporary directory, and killed (its directory removed) when
 //! the value is dropped. Giving every test its own server keeps tests
@@ -9,7 +10,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use lockgate::testing::RedisServer;
+//! use lockgate_testing::RedisServer;
 //!
 //! let server = RedisServer::start()?;
 //! let conn = server.connection_manager().await?;
@@ -22,7 +23,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use lockgate::testing::RedisCluster;
+//! use lockgate_testing::RedisCluster;
 //!
 //! let cluster = RedisCluster::start()?; // three primaries, no replicas
 //! let conn = cluster.connection().await?;
@@ -38,7 +39,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use lockgate::testing::RedisServer;
+//! use lockgate_testing::RedisServer;
 //!
 //! let mut server = RedisServer::start()?;
 //! // ... writes that the restart keeps ...
@@ -56,6 +57,9 @@
 //! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
 //! [`StartError::NotInstalled`], whose message says how to install it.
 
+#![warn(missing_debug_implementations, missing_docs, rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -72,6 +76,9 @@ pub use nats::NatsServer;
 pub use replica::ReplicaPair;
 #[cfg(feature = "tls")]
 pub use tls::certificates;
+
+/// The error of [`local_or_throwaway`] and [`nats_or_throwaway`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How long a fresh server may take to answer `PING`.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -620,7 +627,7 @@ impl RedisCluster {
 
     /// A cluster client builder seeded with every node (trusting the test
     /// authority alone when the nodes serve TLS), for
-    /// [`ReleaseListener::connect_cluster`](crate::ReleaseListener::connect_cluster)
+    /// lockgate's `ReleaseListener::connect_cluster`
     /// or settings of your own.
     pub fn client_builder(&self) -> redis::cluster::ClusterClientBuilder {
         let builder = redis::cluster::ClusterClientBuilder::new(self.urls());
@@ -742,7 +749,7 @@ fn describe(cmd: &redis::Cmd) -> String {
 /// `REDIS_URL` when it is set (and not empty); else `redis://127.0.0.1:6379` when a server
 /// answers there; else a throwaway server started through [`RedisServer`]
 /// (returned too, so it lives as long as the caller keeps it).
-pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), crate::BoxError> {
+pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), BoxError> {
     if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
         return Ok((redis::Client::open(url)?, None));
     }
@@ -812,7 +819,7 @@ fn server_pid(port: u16) -> Option<u32> {
 /// Redis: `NATS_URL` when it is set (and not empty); else
 /// `nats://127.0.0.1:4222` when a server listens there; else a throwaway
 /// [`NatsServer`] (returned too, so it lives as long as the caller keeps it).
-pub fn nats_or_throwaway() -> Result<(String, Option<NatsServer>), crate::BoxError> {
+pub fn nats_or_throwaway() -> Result<(String, Option<NatsServer>), BoxError> {
     if let Some(url) = std::env::var("NATS_URL").ok().filter(|u| !u.is_empty()) {
         return Ok((url, None));
     }

@@ -75,7 +75,7 @@ pub(super) fn server_args(dir: &Path, port: u16) -> Result<Vec<String>, String> 
 ///
 /// For clients the harness does not build itself, such as a
 /// [`ClusterClientBuilder`](redis::cluster::ClusterClientBuilder) given to
-/// [`ReleaseListener::connect_cluster`](crate::ReleaseListener::connect_cluster)
+/// lockgate's `ReleaseListener::connect_cluster`
 /// (`.certs(certificates())`) or a [`redis::Client::build_with_tls`].
 pub fn certificates() -> redis::TlsCertificates {
     redis::TlsCertificates {

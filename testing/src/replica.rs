@@ -16,7 +16,7 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(20);
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use lockgate::testing::ReplicaPair;
+/// use lockgate_testing::ReplicaPair;
 ///
 /// let mut pair = ReplicaPair::start()?; // waits until the replica is in sync
 /// // ... writes that reach the replica ...

@@ -20,7 +20,7 @@ use super::{START_TIMEOUT, StartError, on_a_free_port};
 ///
 /// ```no_run
 /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// let nats = lockgate::testing::NatsServer::start()?;
+/// let nats = lockgate_testing::NatsServer::start()?;
 /// println!("JetStream at {}", nats.url()); // nats://127.0.0.1:<port>
 /// # Ok(()) }
 /// ```
