@@ -224,6 +224,19 @@ local function waiting(schedule, prioritized, id)
   return nil
 end
 
+-- The next claim number, as text, kept in `claims`: the larger of the last
+-- one + 1 and the server's time in µs. A plain INCR would hand out old
+-- numbers again after the server lost recent writes (a restart from an
+-- older snapshot, a lagging replica promoted) while claims made since are
+-- still held; the clock moved on meanwhile (unless it was stepped back by
+-- more than the lost interval). '%d': not "1.7e+15".
+local function next_claim(claims, now_us)
+  local claim = math.max((tonumber(redis.call('GET', claims)) or 0) + 1, now_us)
+  local tag = string.format('%d', claim)
+  redis.call('SET', claims, tag)
+  return tag
+end
+
 -- Splits an active-set member "<id>:<claim>" into its id.
 local function member_id(member)
   return string.match(member, '^(.*):%d+$')
@@ -458,15 +471,6 @@ local function promote(now, max)
       if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
     end
   end
-end
-
--- The next claim number (see claim.lua: never handed out twice, also after
--- the server lost recent writes).
-local function next_claim(now_us)
-  local claim = math.max((tonumber(redis.call('GET', KEYS[CLAIMS])) or 0) + 1, now_us)
-  local tag = string.format('%d', claim)
-  redis.call('SET', KEYS[CLAIMS], tag)
-  return tag
 end
 
 -- Whether a lock value "<token>[:<fence>][!]" names `token`.

@@ -29,23 +29,25 @@ pub(crate) fn tag(key: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// The Redis key of the lock on `key` under `prefix`: `<prefix>:lock:{<key>}`
-/// ([`Locker::lock_key`](crate::Locker::lock_key)), whoever takes it.
-pub(crate) fn lock_key(prefix: &str, key: &str) -> String {
-    // By hand rather than `format!`: this runs on every acquire.
+/// `<prefix>:<kind>:{<key>}`, the key's hash tag in braces, built by hand
+/// in one allocation: lock and permit keys are made on every acquire.
+pub(crate) fn tagged_key(prefix: &str, kind: &str, key: &str) -> String {
     let tag = tag(key);
-    let mut lock_key = String::with_capacity(prefix.len() + tag.len() + 8);
-    lock_key.push_str(prefix);
-    lock_key.push_str(":lock:{");
-    lock_key.push_str(&tag);
-    lock_key.push('}');
-    lock_key
+    let mut out = String::with_capacity(prefix.len() + kind.len() + tag.len() + 4);
+    for part in [prefix, ":", kind, ":{", &*tag, "}"] {
+        out.push_str(part);
+    }
+    out
 }
 
-/// The Redis key of `key`'s rate limit log under `prefix`:
+/// `<prefix>:lock:{<key>}` ([`Locker::lock_key`](crate::Locker::lock_key)).
+pub(crate) fn lock_key(prefix: &str, key: &str) -> String {
+    tagged_key(prefix, "lock", key)
+}
+
 /// `<prefix>:rate:{<key>}` ([`Locker::rate_key`](crate::Locker::rate_key)).
 pub(crate) fn rate_key(prefix: &str, key: &str) -> String {
-    format!("{prefix}:rate:{{{}}}", tag(key))
+    tagged_key(prefix, "rate", key)
 }
 
 /// The hash slot of the lock on `key` (a Redis Cluster's CRC16 of the
@@ -111,6 +113,25 @@ pub(crate) async fn scan(
         }
         cursor = next;
     }
+}
+
+/// The user keys of the `<prefix>:<kind>:{<key>}` keys whose user key
+/// matches the glob `pattern` (see [`scan`]; keys of another shape are left
+/// out).
+pub(crate) async fn scan_tagged(
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
+    prefix: &str,
+    kind: &str,
+    pattern: &str,
+) -> redis::RedisResult<Vec<String>> {
+    let glob = format!("{}:{kind}:{{{pattern}}}", glob_escape(prefix));
+    let found = scan(conn, &glob).await?;
+    let start = format!("{prefix}:{kind}:{{");
+    Ok(found
+        .iter()
+        .filter_map(|k| k.strip_prefix(&start)?.strip_suffix('}'))
+        .map(untag)
+        .collect())
 }
 
 /// Deletes every key whose name starts with `<prefix>:` (`SCAN`, then

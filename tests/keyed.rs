@@ -1559,3 +1559,20 @@ async fn keyed_messages_pushed_together_take_one_script_call_per_partition() {
     first.sort_unstable();
     assert_eq!(first, (0..10).collect::<Vec<_>>());
 }
+
+#[tokio::test]
+async fn activity_counts_keyed_messages_as_stats_does() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    queue.push("plain".to_owned()).await.unwrap();
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert!(queue.bury(&jobs[0], "no").await.unwrap());
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.active, stats.dead), (2, 1), "{stats:?}");
+    let activity = queue.activity(secs(60), 1).await.unwrap();
+    assert_eq!(
+        activity.stats, stats,
+        "the dashboard's overview reads these"
+    );
+}

@@ -1,18 +1,19 @@
 //! Middleware that runs a handler while holding a per-key distributed lock.
 //!
 //! [`LockLayer`] wraps any tower service. For each request it asks a key
-//! function for the request's key (`None`: no lock needed, call straight
-//! through), takes the lock on Redis, calls the inner service while holding
-//! it, and releases it when the call returns, fails, panics, or is dropped.
-//! While the call runs longer than a third of the lock's TTL, the lock is
-//! renewed; if it is lost, the handler is told through [`HeldLock::lost`]
-//! and the call reports [`LockLost`] (see [the watchdog](#the-watchdog)).
+//! function for the request's key (`None`: no lock needed), takes the lock
+//! (or one of n permits), calls the inner service holding it, and releases
+//! it when the call returns, fails, panics or is dropped. The lock is renewed
+//! every third of its TTL; a lost lock fires [`HeldLock::lost`] and fails the
+//! call with [`LockLost`] (see [`OnLost`]). [`HeldLock::current`] gives the
+//! handler the key and its fencing token.
 //!
-//! When the key is busy, the configured [`OnConflict`] strategy decides:
-//! fail at once with [`Contended`](crate::Contended) (which says when to
-//! retry), sleep and retry with jittered backoff, or defer the message into a
-//! [`Queue`](crate::Queue), answering [`Outcome::Deferred`](crate::Outcome)
-//! — or retry first and then fail or defer.
+//! When the key is busy, the [`OnConflict`] strategy decides: fail at once
+//! with [`Contended`](crate::Contended) (which says when to retry), retry
+//! with jittered backoff (woken by the release), or defer the message into a
+//! [`Queue`](crate::Queue), answering [`Outcome::Deferred`](crate::Outcome);
+//! or retry first, then fail or defer. The watchdog's exact rules, the
+//! retry budget and wake on release: the README's "The LockLayer".
 //!
 //! # Example
 //!
@@ -46,78 +47,6 @@
 //! assert_eq!(outcome, Outcome::Done(7));
 //! # Ok(()) }
 //! ```
-//!
-//! # Differences from a plain retry
-//!
-//! `tower::retry` repeats a call that *failed*; here the handler has not run
-//! at all when the key is busy, so nothing needs undoing, and the wait is
-//! informed: [`Contended::retry_after`](crate::Contended::retry_after) says
-//! how long the holder's lock still lives. And where a retry loop can only
-//! hold its caller hostage, `defer` puts the message aside in Redis and frees
-//! the consumer at once; a [`Worker`](crate::Worker) on that queue brings it
-//! back through the same service when the key is likely free.
-//!
-//! # The watchdog
-//!
-//! While the handler runs, the layer keeps the lease's *conservative
-//! expiry*: the moment the last confirmed acquire or renewal was sent (not
-//! when its reply came), plus the TTL. The server's expiry is never earlier
-//! than that, as long as the two clocks run at the same rate. A renewal is
-//! sent when a third of the TTL has passed since that moment; one that
-//! fails with an error is retried, sooner and sooner, until the expiry.
-//!
-//! The lock counts as **lost** when a renewal's reply says it is no longer
-//! this call's (it expired, or another holder has it), or when the expiry
-//! passes without a confirmed renewal — also while a renewal is still in
-//! flight: a hung connection (cluster connections have no response timeout
-//! by default), a partition or a stalled server cannot keep a handler
-//! running under `OnLost::Cancel` past the moment another process may take
-//! the key. [`HeldLock::lost`] fires then, at the latest at the expiry (plus
-//! the scheduling delay of this task), and `OnLost::Cancel` drops the
-//! handler at that moment. Lost is final: no renewal is sent after it, and
-//! one that succeeds late does not undo it.
-//!
-//! Unless Redis itself said the lock is not this call's, the call still
-//! releases it when it ends (in the background; the release checks the
-//! token and does nothing to another holder's lock): a renewal whose reply
-//! was lost may have renewed it on the server. An acquire whose reply comes
-//! after the lease it grants has run out does not start the handler: the
-//! lock is released, and the try counts as a failed one (as if the key had
-//! been busy: retried within the budget, then the strategy's `fail` or
-//! `defer`, with [`Contended::retry_after`](crate::Contended::retry_after)
-//! zero).
-//!
-//! What the watchdog cannot do is stop a handler that blocks its thread, or
-//! writes that are already on their way: pass the fence to the storage
-//! (below) where that matters.
-//!
-//! # The retry budget
-//!
-//! Under `retry`, one budget covers the whole call, from its start: the wait
-//! behind this process's earlier calls for the same key (a local FIFO, in
-//! which only the head asks Redis), the tries with their round trips, and
-//! the waits between them.
-//!
-//! * [`Backoff::max_elapsed`](crate::Backoff::max_elapsed) is a deadline
-//!   from the call's start: no wait goes past it, and no try starts after
-//!   it; the try in flight at the deadline finishes (one round trip at most
-//!   beyond it).
-//! * [`Backoff::max_attempts`](crate::Backoff::max_attempts) counts tries
-//!   on Redis. A call that had to wait in the local queue is charged for
-//!   it: the wait uses up as many tries as it takes backoff waits (their
-//!   caps) to cover it, at least one, but always leaves one try, made
-//!   when its turn comes (the key was just handed over). The local wait and
-//!   the backoff waits together thus stay within
-//!   [`Backoff::budget`](crate::Backoff::budget), the sum of the caps;
-//!   round trips come on top, one per try left.
-//! * With neither limit, a call waits as long as it takes.
-//!
-//! # Reading the lock from the handler
-//!
-//! [`HeldLock::current`] returns the key and fencing token of the lock held
-//! for the running call (a task-local, set around the inner call). Pass the
-//! fence to the storage you write, and have it refuse fences older than the
-//! newest it has seen; `examples/fencing.rs` shows the pattern.
 
 mod contend;
 mod context;

@@ -1,13 +1,9 @@
-//! The release listener a [`Locker`](super::Locker) opens by itself, so
-//! that waiting is woken by the release without any wiring.
-//!
-//! A locker made by [`Locker::connect`](super::Locker::connect) or
-//! [`Locker::connect_cluster`](super::Locker::connect_cluster) knows how to
-//! reach its server, and opens one [`ReleaseListener`] for itself and all
-//! its clones the first time a waiter needs one: processes that never wait
-//! for a lock never open the subscriber connection. The connection is made
-//! in the background; waiters poll with their backoff until it is up, and
-//! again whenever it is down (the listener reconnects by itself).
+//! The release listener a [`Locker`](super::Locker) made by
+//! [`Locker::connect`](super::Locker::connect) or
+//! [`Locker::connect_cluster`](super::Locker::connect_cluster) opens for
+//! itself and its clones the first time a waiter needs one (processes that
+//! never wait never open it), in the background: waiters poll with their
+//! backoff until it is up, and whenever it is down.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;

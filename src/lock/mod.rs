@@ -1,42 +1,24 @@
 //! Distributed per-key locks with fencing tokens.
 //!
-//! A lock is one Redis string, `<prefix>:lock:{<key>}`, set with
-//! `SET key token NX PX ttl`: a random token identifies its holder. Release
-//! and renewal compare the token inside a Lua script, so a holder whose lock
-//! expired and was taken by someone else can never delete or extend the new
-//! holder's lock.
-//!
-//! # The lock cycle
-//!
-//! An uncontended cycle is what the bare Redis recipe costs: one
-//! `SET NX PX` command to acquire and one compare-and-delete script to
-//! release. Only contention costs more: when the `SET` finds the key held, a
-//! second script (`contend.lua`) tries again and reads the holder's remaining
-//! TTL, and a waiter that wants to be woken (see
-//! [`LockLayer`](crate::LockLayer)'s retry) marks the lock as waited for by
-//! a `!` at the end of its value. The release of a marked lock publishes on
-//! the lock key's own channel (`SPUBLISH` on a cluster, which routes by the
-//! key's hash slot; `PUBLISH` on a single server), so waiters in every
-//! process learn of it within a round trip; an unmarked release publishes
-//! nothing.
+//! A lock is one Redis string, `<prefix>:lock:{<key>}`, taken with
+//! `SET key token NX PX ttl` (one round trip when free; a second one, the
+//! `contend.lua` script, when held). A random token identifies its holder;
+//! release and renewal compare it inside a script, so a holder whose lock
+//! expired can never delete or extend the next holder's. The README's
+//! "Locks and fencing tokens" and "The LockLayer" describe the cycle, the
+//! line of waiters and the hand-off on release.
 //!
 //! # Fencing tokens, and what they guarantee
 //!
 //! A **fencing token** (fence) is a number that increases for the key across
-//! holders, lockers and processes. A lock with a TTL cannot by itself stop a
-//! holder that paused past its TTL from writing late; passing the fence to
-//! the storage you write to, and having it refuse fences lower than the
-//! highest it has seen, can.
-//!
-//! A fence is issued on first use ([`Locker::fence`],
-//! [`HeldLock::fence`](crate::HeldLock::fence)), by a script that runs only
-//! while the caller's token still holds the lock: holders follow one another
-//! in time, so fences issued this way increase in holder order, and a
-//! handler that never reads one pays nothing for it. The fence is
-//! `max(server clock in µs, last fence on record + 1)`; it is written into
-//! the lock's value (asking again returns it) and into a record,
-//! `<prefix>:fence:{<key>}`, that lives as long as the lock plus
-//! [`FENCE_GRACE`] (5 s).
+//! holders, lockers and processes: passing it to the storage you write to,
+//! and having it refuse fences lower than the highest it has seen, stops a
+//! holder that paused past its TTL from writing late. It is issued on first
+//! use ([`Locker::fence`], [`HeldLock::fence`](crate::HeldLock::fence)), only
+//! while the caller's token still holds the lock, so fences increase in
+//! holder order: `max(server clock in µs, last fence on record + 1)`, written
+//! into the lock's value and into a record, `<prefix>:fence:{<key>}`, that
+//! lives as long as the lock plus [`FENCE_GRACE`] (5 s).
 //!
 //! **Guarantee.** A new fence is higher than every earlier fence of its key
 //! unless the clock of the server issuing it (after a failover: the new
@@ -54,33 +36,27 @@
 //! rolled back. NTP keeps clocks within milliseconds; a failover takes
 //! seconds.
 //!
-//! What a failover can still do, as for every Redis lock: a primary that
-//! dies before its replica received an acquisition lets a second holder take
-//! the same lock on the promoted replica while the first still believes it
-//! holds it. Its fence is higher, so fenced storage refuses the first
-//! holder's late writes. [`Locker::require_replicas`] narrows that window:
-//! an acquisition (and renewal) then succeeds only once `WAIT` confirmed that
-//! n replicas have it.
+//! A failover can still, as for every Redis lock, let a second holder take
+//! the lock on a promoted replica that missed the first acquisition while
+//! the first holder still believes it holds it; its fence is higher, so
+//! fenced storage refuses the first holder's late writes.
+//! [`Locker::require_replicas`] narrows that window.
 //!
 //! # Resends
 //!
-//! A request may run twice when its reply is lost and the client sends it
-//! again (redis-rs' cluster connections do). Every command is safe to run
-//! twice: a resent acquire that finds the lock holding its own token reports
-//! it acquired; a resent release finds the lock gone, which
-//! [`Locker::release`] reports as released when it was sent before the
-//! lease's expiry (nothing but this lease's own release, or a deletion by
-//! hand, removes a lock before its TTL); a resent extend extends again; a
-//! resent fence request returns the fence the first one issued.
+//! Every command is safe to run twice (redis-rs' cluster connections resend
+//! a request whose reply was lost): a resent acquire that finds its own
+//! token reports the lock acquired; a resent release finds the lock gone,
+//! which [`Locker::release`] reports as released when it was sent before the
+//! lease's expiry; a resent extend extends again; a resent fence request
+//! returns the fence the first one issued.
 //!
 //! # Upgrading
 //!
-//! Older versions kept the fence in a counter key or in a tombstone left in
-//! the lock's key after a release. Mutual exclusion holds across versions
-//! (all of them take the lock with a write that fails when the key exists),
-//! but an old process sees this version's marks and fences as held, and this
-//! version sees an old tombstone (`~...`) as held for its 5 s: stop old
-//! processes before starting new ones.
+//! Stop processes of older versions (which kept the fence in a counter key or
+//! a `~...` tombstone) before starting new ones: mutual exclusion holds
+//! across versions, but an old process sees this version's marks and fences
+//! as held, and this version sees an old tombstone as held for its 5 s.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -167,23 +143,17 @@ static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fenc
 pub const DEFAULT_PREFIX: &str = "lockgate";
 /// The lock TTL used when none is configured.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
-/// How long a key's last fence stays on record after its lock ends (the
-/// record `<prefix>:fence:{<key>}` lives as long as the lock that issued it,
-/// plus this), so that the next holder's fence is higher even if the
-/// server's clock stepped back: see the [module docs](self) for the
-/// guarantee this gives.
+/// How long a key's last fence stays on record (`<prefix>:fence:{<key>}`)
+/// after its lock ends: see the [module docs](self) for the guarantee.
 pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
 /// Acquires, renews and releases per-key locks on Redis.
 ///
-/// Start with [`Locker::connect`] (or [`Locker::connect_cluster`]): such a
-/// locker also opens this process's [`ReleaseListener`] on the first wait,
-/// so that a [`LockLayer`](crate::LockLayer) that waits for a busy key is
-/// woken by its release. [`Locker::new`] takes any redis-rs async
-/// connection (a [`ConnectionManager`](redis::aio::ConnectionManager), a
-/// [`MultiplexedConnection`](redis::aio::MultiplexedConnection) or a cluster
-/// connection) and has no listener of its own: its layers poll unless given
-/// one. Cloning a `Locker` is cheap and shares the connection (and the
+/// [`Locker::connect`] and [`Locker::connect_cluster`] also open this
+/// process's [`ReleaseListener`] on the first wait, so that a waiting
+/// [`LockLayer`](crate::LockLayer) is woken by the release; [`Locker::new`]
+/// takes any redis-rs async connection and has no listener: its layers poll
+/// unless given one. Cloning is cheap and shares the connection (and the
 /// listener).
 #[derive(Clone)]
 pub struct Locker<C> {
@@ -296,12 +266,9 @@ impl EvictionPolicy {
     }
 
     /// Whether the server may evict lock keys under memory pressure, which
-    /// breaks mutual exclusion (an evicted lock is free for the next
-    /// caller). False without a memory limit (`maxmemory 0`). With one, true
-    /// for every policy but `noeviction`: `volatile-ttl`
-    /// evicts the keys closest to expiry, that is locks, first; the other
-    /// `volatile-*` policies pick among keys with a TTL, which every lock
-    /// has; `allkeys-*` pick among all keys.
+    /// breaks mutual exclusion: true when `maxmemory` is set and the policy
+    /// is not `noeviction` (`volatile-ttl` evicts locks first; every other
+    /// `volatile-*` or `allkeys-*` policy may evict them).
     pub fn may_evict_locks(&self) -> bool {
         self.limited && self.name != "noeviction"
     }
@@ -409,14 +376,13 @@ pub struct Lease {
 pub(crate) struct Ticket {
     /// The user's key.
     key: String,
-    /// The lock's Redis key.
+    /// The lock's Redis key; for one of n permits, the key's permits set.
     lock_key: String,
     /// Random token proving ownership.
     token: Token,
     /// The fencing token, once issued (see `Locker::fence`).
     fence: OnceLock<u64>,
-    /// Set for one of n permits (see [`permits`]): then `lock_key` names
-    /// the key's permits set.
+    /// How many permits the key admits (see [`permits`]); `None` for a lock.
     permits: Option<u32>,
 }
 
@@ -425,7 +391,6 @@ impl Ticket {
         &self.key
     }
 
-    /// The fence, if one was issued to this holder.
     pub(crate) fn issued_fence(&self) -> Option<u64> {
         self.fence.get().copied()
     }
@@ -434,12 +399,10 @@ impl Ticket {
         &self.lock_key
     }
 
-    /// The holder's random token.
     pub(crate) fn token(&self) -> &str {
         self.token.as_str()
     }
 
-    /// How many permits the key admits; `None` for a lock.
     pub(crate) fn permits(&self) -> Option<u32> {
         self.permits
     }
@@ -481,13 +444,11 @@ impl Lease {
 impl Locker<redis::aio::ConnectionManager> {
     /// Connects to the server `client` points at: a locker over a
     /// [`ConnectionManager`](redis::aio::ConnectionManager) (which reconnects
-    /// by itself), with the default prefix and TTL, that also opens this
-    /// process's [`ReleaseListener`] the first time a waiter needs one. A
-    /// [`LockLayer`](crate::LockLayer) over it whose strategy waits
-    /// (`OnConflict::retry`) is woken by the release of the lock it waits
-    /// for, in any process, instead of polling (see
-    /// [`LockLayer::poll_only`](crate::LockLayer::poll_only) to opt out).
-    /// Errors when the first connection fails.
+    /// by itself), with the default prefix and TTL, that opens this process's
+    /// [`ReleaseListener`] the first time a waiter needs one, so that a
+    /// waiting [`LockLayer`](crate::LockLayer) is woken by the release
+    /// instead of polling ([`LockLayer::poll_only`](crate::LockLayer::poll_only)
+    /// opts out). Errors when the first connection fails.
     pub async fn connect(client: redis::Client) -> Result<Self> {
         let conn = redis::aio::ConnectionManager::new(client.clone())
             .await
@@ -498,11 +459,9 @@ impl Locker<redis::aio::ConnectionManager> {
 
 impl Locker<redis::cluster_async::ClusterConnection> {
     /// Connects to a Redis Cluster: a locker over a cluster connection made
-    /// from `builder()`, that also opens this process's [`ReleaseListener`]
-    /// (sharded pub/sub, see [`ReleaseListener::connect_cluster`]) from
-    /// another `builder()` the first time a waiter needs one. The builder is
-    /// made twice because the subscriber's connection needs settings of its
-    /// own (RESP3 and a push channel). As [`connect`](Locker::connect)
+    /// from `builder()`, that opens its [`ReleaseListener`]
+    /// ([`ReleaseListener::connect_cluster`]) from another `builder()`, whose
+    /// connection needs settings of its own. As [`connect`](Locker::connect)
     /// otherwise.
     pub async fn connect_cluster(
         builder: impl Fn() -> redis::cluster::ClusterClientBuilder + Send + Sync + 'static,
@@ -537,11 +496,10 @@ where
     }
 
     /// The release listener of a locker made by [`connect`](Locker::connect)
-    /// or [`connect_cluster`](Locker::connect_cluster), which a
-    /// [`LockLayer`](crate::LockLayer) uses unless told otherwise. Opened on
-    /// the first call (in the background, on the current tokio runtime):
-    /// `None` until it is up, and always `None` for a locker made by
-    /// [`new`](Self::new).
+    /// or [`connect_cluster`](Locker::connect_cluster), which its
+    /// [`LockLayer`](crate::LockLayer)s use unless told otherwise: opened in
+    /// the background on the first call, `None` until it is up (always, for
+    /// [`new`](Self::new)).
     pub fn release_listener(&self) -> Option<ReleaseListener> {
         self.config.listener.as_ref()?.get()
     }
@@ -585,44 +543,25 @@ where
     }
 
     /// Makes every acquire and extend wait until `replicas` replicas have the
-    /// lock (`WAIT replicas timeout`), and fail closed when fewer confirm in
-    /// time: the lock is then released (token-checked) and the call returns
-    /// [`Error::NotReplicated`], which is retryable. Redisson's answer to
-    /// Redlock's problems is the same.
+    /// lock (`WAIT replicas timeout`, sent in one pipeline with the script:
+    /// on a cluster, to the lock's node), and fail closed when fewer confirm
+    /// in time: the lock is then released (token-checked) and the call
+    /// returns [`Error::NotReplicated`], which is retryable. A pipeline that
+    /// fails after the script may have run releases the lock too. A
+    /// contended attempt needs no replica, but its `WAIT` still waits (up to
+    /// `timeout` while a replica lags). `WAIT` narrows, but cannot close, the
+    /// window in which a failover loses a lock (the README's "Locks under
+    /// failover"): fences make a late writer harmless.
     ///
-    /// Checks at once that the server accepts `WAIT` and that `replicas`
-    /// replicas confirm within `timeout` (on a cluster: for every primary):
-    /// a server that rejects `WAIT` (some managed services, a replica) gives
-    /// [`Error::DurabilityUnsupported`]; too few replicas give
-    /// [`Error::NotReplicated`]. Neither hangs: the check waits at most
-    /// `timeout`. `replicas` must be at least 1 and `timeout` between 1 ms
-    /// and one minute (`WAIT` with 0 would block for ever).
-    ///
-    /// ## Behavior
-    ///
-    /// * The script and the `WAIT` go out as one pipeline on one connection
-    ///   (`WAIT` counts the replicas that have the writes of the connection it
-    ///   runs on). On a cluster connection, redis-rs sends a pipeline to the
-    ///   node of its first keyed command, so the `WAIT` reaches the lock's
-    ///   node.
-    /// * `WAIT` holds its connection's replies for up to `timeout` when a
-    ///   replica lags: on a multiplexed connection every other command
-    ///   waits behind it. Give a durable `Locker` a connection of its own,
-    ///   with a response timeout above `timeout` (redis-rs' default is
-    ///   500 ms).
-    /// * A contended attempt writes nothing and needs no replica; it is
-    ///   reported as [`Acquisition::Contended`] whatever `WAIT` says, but the
-    ///   `WAIT` in its pipeline still waits (up to `timeout` while a replica
-    ///   lags), which slows retries on a busy key.
-    /// * `timeout` must be at most a third of the lock TTL (checked here and
-    ///   by [`ttl`](Self::ttl)): a confirmation must leave the lease most of
-    ///   its life.
-    /// * If the pipeline fails after the script may have run, the lock is
-    ///   released (token-checked) before the error is returned.
-    /// * `WAIT` narrows, but cannot close, the window in which a failover
-    ///   loses a lock: Redis replication stays asynchronous, and a replica
-    ///   that confirmed may still not be the one promoted. Fences are what
-    ///   make a late writer harmless.
+    /// Checks at once, waiting at most `timeout`, that the server accepts
+    /// `WAIT` and that `replicas` replicas confirm (on a cluster: for every
+    /// primary): a server that rejects `WAIT` (some managed services, a
+    /// replica) gives [`Error::DurabilityUnsupported`]; too few replicas give
+    /// [`Error::NotReplicated`]. `replicas` must be at least 1, and `timeout`
+    /// between 1 ms and one minute and at most a third of the lock TTL (also
+    /// checked by [`ttl`](Self::ttl)). `WAIT` holds its connection's replies
+    /// for up to `timeout`: give a durable `Locker` a connection of its own,
+    /// with a response timeout above `timeout`.
     pub async fn require_replicas(self, replicas: u32, timeout: Duration) -> Result<Self> {
         if replicas == 0 {
             return Err(Error::config("require_replicas needs at least 1 replica"));
@@ -684,14 +623,11 @@ where
         self.config.durability.map(|d| (d.replicas, d.timeout))
     }
 
-    /// Reads the server's `maxmemory-policy` (`CONFIG GET`). Any policy but
-    /// `noeviction` lets Redis evict lock keys under memory pressure, which
-    /// breaks mutual exclusion: see [`EvictionPolicy::may_evict_locks`].
-    ///
-    /// Each `Locker` configuration also runs this once by itself, in the
-    /// background on its first acquire, and logs a warning (`tracing`) when
-    /// the policy may evict locks; servers that refuse `CONFIG` (some
-    /// managed services) are logged at debug level.
+    /// Reads the server's `maxmemory-policy` (`CONFIG GET`): see
+    /// [`EvictionPolicy::may_evict_locks`]. Each `Locker` configuration also
+    /// runs this once, in the background on its first acquire, and logs a
+    /// warning (`tracing`) when the policy may evict locks (at debug level
+    /// when the server refuses `CONFIG`).
     pub async fn check_eviction(&self) -> Result<EvictionPolicy> {
         EvictionPolicy::read(&mut self.conn.clone()).await
     }
@@ -886,32 +822,22 @@ where
 
     /// Prepares an attempt at the lock on `key`.
     pub(crate) fn ticket(&self, key: String) -> Result<Arc<Ticket>> {
-        if key.is_empty() {
-            return Err(Error::InvalidKey("lock key must not be empty".into()));
-        }
-        Ok(Arc::new(Ticket {
-            lock_key: self.lock_key(&key),
-            key,
-            token: Token::random(),
-            fence: OnceLock::new(),
-            permits: None,
-        }))
+        check_key(&key)?;
+        Ok(self.held_ticket(key, Token::random(), None))
     }
 
-    /// A ticket for the lock on `key` (one of its `permits`) that `token`
-    /// holds already (a keyed message claimed with it).
+    /// A ticket for the lock on `key` (one of its `permits`) with `token`:
+    /// an attempt's, or one that holds it already (a keyed message claimed
+    /// with it).
     pub(crate) fn held_ticket(
         &self,
         key: String,
         token: Token,
         permits: Option<u32>,
     ) -> Arc<Ticket> {
-        let lock_key = match permits {
-            Some(_) => self.permits_key(&key),
-            None => self.lock_key(&key),
-        };
+        let kind = if permits.is_some() { "permits" } else { "lock" };
         Arc::new(Ticket {
-            lock_key,
+            lock_key: keys::tagged_key(&self.config.prefix, kind, &key),
             key,
             token,
             fence: OnceLock::new(),
@@ -935,12 +861,10 @@ where
     pub(crate) async fn try_set(&self, ticket: &Arc<Ticket>) -> Result<Option<Acquisition>> {
         // Found out before the first lock is taken, so that its release
         // does not depend on one more round trip.
+        let key = &ticket.key;
         self.publish_command()
             .await
-            .map_err(Error::redis(format_args!(
-                "acquiring lock `{}`",
-                ticket.key
-            )))?;
+            .map_err(Error::redis(format_args!("acquiring lock `{key}`")))?;
         if ticket.permits.is_some() {
             // The key admits several holders: only the script can tell.
             return match self.contend(ticket, Line::Outside).await? {
@@ -963,29 +887,33 @@ where
         Ok(set.map(|_| self.lease(ticket, started, None)))
     }
 
-    /// Tries once more with the contend script, which also reads the
-    /// holder's remaining TTL, and joins or leaves the key's line of
-    /// waiters as `line` says.
+    /// Tries once more with the contend script (the acquire script for a
+    /// permit), which also reads how long until the holder's lease ends, and
+    /// joins or leaves the key's line of waiters as `line` says.
     pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, line: Line) -> Result<Acquisition> {
-        if let Some(permits) = ticket.permits {
-            return self.contend_permit(ticket, permits, line).await;
-        }
         let started = Instant::now();
-        let mark = line.arg();
-        let mut cmd = script::evalsha(&CONTEND, 2);
+        let script = match ticket.permits {
+            Some(_) => &*permits::ACQUIRE,
+            None => &*CONTEND,
+        };
+        let mut cmd = script::evalsha(script, 2);
         cmd.arg(ticket.lock_key())
             .arg(KeyName(ticket.lock_key(), WAITERS))
             .arg(ticket.token)
-            .arg(millis(self.config.ttl))
-            .arg(mark);
+            .arg(millis(self.config.ttl));
+        if let Some(permits) = ticket.permits {
+            cmd.arg(permits);
+        }
+        cmd.arg(line.arg());
         let reply: Vec<i64> = self
-            .send_acquire(Some(&CONTEND), &cmd, ticket, |reply: &Vec<i64>| {
+            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
         let [acquired, left] = reply[..] else {
+            let lock = ticket.permits.map_or("lock", |_| "a permit of");
             return Err(Error::reply(
-                format_args!("acquiring lock `{}`", ticket.key),
+                format_args!("acquiring {lock} `{}`", ticket.key),
                 format_args!("expected 2 integers, got {reply:?}"),
             ));
         };
@@ -998,20 +926,17 @@ where
             Ok(Acquisition::Contended(Contended {
                 key: ticket.key.clone(),
                 retry_after: left,
-                permits: None,
+                permits: ticket.permits,
             }))
         }
     }
 
     /// The lease a release handed to `ticket` (see `release.lua`), taken
-    /// without asking Redis: the lock holds the ticket's token for the
-    /// hand-off time from the release, which ran after `joined`, when the
-    /// ticket's first try to join the key's line of waiters was sent. So the
-    /// lease ends by `joined` + the hand-off time, conservatively; `None`
-    /// when too little of that is left (or the locker confirms with
-    /// replicas): the caller then confirms with the contend script, which
-    /// also makes the lock live a whole TTL. The `LockLayer` renews a handed
-    /// lease at once, before its handler starts.
+    /// without asking Redis: the hand-off started after `joined`, when the
+    /// ticket's first try to join the line was sent, so the lease ends by
+    /// `joined` + [`HANDOFF`], conservatively. `None` when too little of that
+    /// is left (or the locker confirms with replicas): the caller then
+    /// confirms with the contend script.
     pub(crate) fn handed(&self, ticket: &Arc<Ticket>, joined: Instant) -> Option<Lease> {
         let expires_at = joined + HANDOFF;
         let enough = Instant::now() + HANDOFF / 2 <= expires_at;
@@ -1040,10 +965,16 @@ where
         Ok(self.inspect(key).await?.and_then(|held| held.remaining))
     }
 
-    /// How long the lock `ticket` is for still lives (zero when free).
+    /// How long the lock `ticket` is for still lives (zero when free); for a
+    /// permit, until the first holder's lease ends (zero when one is free).
     pub(crate) async fn remaining_ticket(&self, ticket: &Ticket) -> Result<Duration> {
-        if ticket.permits.is_some() {
-            return self.remaining_permit(ticket).await;
+        if let Some(permits) = ticket.permits {
+            // Sorted by the end of their leases: the first ends first.
+            let holders = self.permit_holders(&ticket.key).await?;
+            return Ok(match holders.first() {
+                Some(first) if holders.len() >= permits as usize => first.remaining,
+                _ => Duration::ZERO,
+            });
         }
         let pttl: i64 = redis::cmd("PTTL")
             .arg(ticket.lock_key())
@@ -1074,35 +1005,26 @@ where
     /// Redis Cluster, call it with a connection to each master in turn
     /// (`SCAN` walks one node's keys).
     pub async fn held_locks(&self, pattern: &str) -> Result<Vec<(String, Holder)>> {
-        let attempted = || format!("listing locks matching `{pattern}`");
-        let mut conn = self.conn.clone();
-        let prefix = keys::glob_escape(&self.config.prefix);
-        let lock_keys = keys::scan(&mut conn, &format!("{prefix}:lock:{{{pattern}}}"))
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
-        // One key at a time: on a cluster, keys of one pipeline must share
-        // a slot.
-        let start = format!("{}:lock:{{", self.config.prefix);
-        let mut held = Vec::with_capacity(lock_keys.len());
-        for lock_key in &lock_keys {
-            let Some(tag) = lock_key
-                .strip_prefix(&start)
-                .and_then(|rest| rest.strip_suffix('}'))
-            else {
-                continue;
-            };
-            let (value, pttl): (Option<String>, i64) = redis::pipe()
-                .get(lock_key)
-                .pttl(lock_key)
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| Error::redis(attempted())(e))?;
-            if let Some(value) = value {
-                held.push((keys::untag(tag), Holder::read(&value, pttl)));
+        let mut held = Vec::new();
+        // One key at a time: on a cluster, a pipeline's keys share a slot.
+        for key in self.scan_keys("lock", "locks", pattern).await? {
+            if let Some(holder) = self.inspect(&key).await? {
+                held.push((key, holder));
             }
         }
         held.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(held)
+    }
+
+    /// The user keys of this locker's `<prefix>:<kind>:{<key>}` keys whose
+    /// user key matches the glob `pattern` (`listing` names them in errors).
+    async fn scan_keys(&self, kind: &str, listing: &str, pattern: &str) -> Result<Vec<String>> {
+        let mut conn = self.conn.clone();
+        keys::scan_tagged(&mut conn, &self.config.prefix, kind, pattern)
+            .await
+            .map_err(Error::redis(format_args!(
+                "listing {listing} matching `{pattern}`"
+            )))
     }
 
     /// Deletes the lock on `key` whoever holds it, and its line of waiters:
@@ -1127,14 +1049,11 @@ where
     /// than the fence of every earlier holder of this key, across restarts
     /// and failovers too, within the clock bounds the
     /// [module docs](self#fencing-tokens-and-what-they-guarantee) state.
-    /// Hand it to the storage you write to, and have it refuse writes
-    /// carrying a lower fence than it has seen.
     ///
     /// The first call errors with [`Error::NotHeld`] when the lease no
-    /// longer holds the lock (it expired, or another holder took it): a
-    /// fence issued then could be higher than the next holder's. A fence
-    /// once issued stays the lease's, held or not: it is below the next
-    /// holder's, so the storage refuses it once that holder has written.
+    /// longer holds the lock (it expired, or another holder took it). A
+    /// fence once issued stays the lease's, held or not: it is below the
+    /// next holder's.
     pub async fn fence(&self, lease: &Lease) -> Result<u64> {
         self.fence_ticket(&lease.ticket).await
     }
@@ -1143,27 +1062,26 @@ where
         if let Some(fence) = ticket.issued_fence() {
             return Ok(fence);
         }
-        let (script, cmd) = if ticket.permits.is_some() {
-            self.fence_permit_cmd(ticket)
-        } else {
-            let mut cmd = script::evalsha(&FENCE, 2);
-            // Made here, not with the ticket: most holders never ask for one.
-            cmd.arg(ticket.lock_key())
-                .arg(self.fence_key(&ticket.key))
-                .arg(ticket.token)
-                .arg(millis(FENCE_GRACE));
-            (&*FENCE, cmd)
+        let script = match ticket.permits {
+            Some(_) => &*permits::FENCE,
+            None => &*FENCE,
         };
+        let mut cmd = script::evalsha(script, 2);
+        cmd.arg(ticket.lock_key());
+        match ticket.permits {
+            Some(_) => cmd.arg(KeyName(ticket.lock_key(), permits::FENCES)),
+            // Made here, not with the ticket: most holders never ask for one.
+            None => cmd.arg(self.fence_key(&ticket.key)),
+        };
+        cmd.arg(ticket.token).arg(millis(FENCE_GRACE));
+        let key = &ticket.key;
         let fence: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
-                "issuing the fence of lock `{}`",
-                ticket.key
+                "issuing the fence of lock `{key}`"
             )))?;
         let Ok(fence) = u64::try_from(fence) else {
-            return Err(Error::NotHeld {
-                key: ticket.key.clone(),
-            });
+            return Err(Error::NotHeld { key: key.clone() });
         };
         Ok(*ticket.fence.get_or_init(|| fence))
     }
@@ -1171,7 +1089,7 @@ where
     /// The Redis key that records the last fence issued for `key` (it lives
     /// as long as the lock that issued it, plus [`FENCE_GRACE`]).
     pub fn fence_key(&self, key: &str) -> String {
-        format!("{}:fence:{{{}}}", self.config.prefix, keys::tag(key))
+        keys::tagged_key(&self.config.prefix, "fence", key)
     }
 
     /// Releases a lock. Returns `true` if it was held by `lease` and is now
@@ -1206,8 +1124,7 @@ where
             .arg(ticket.token)
             .arg(publish)
             .arg(millis(HANDOFF));
-        let script = &*RELEASE;
-        let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
+        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
             .await
             .map_err(|e| Error::redis(attempted())(e))?;
         Ok(match released {
@@ -1217,21 +1134,14 @@ where
         })
     }
 
-    /// How the release script tells waiters: `SPUBLISH` on a cluster (it
-    /// reaches the subscribers of the node that owns the lock key's slot,
-    /// where `PUBLISH` would go to every node), `PUBLISH` on a single server.
-    /// Asked once per configuration (`CLUSTER INFO` fails on a server
-    /// without cluster support).
+    /// How the release script tells waiters (see [`detect_publish`]), asked
+    /// once per configuration.
     async fn publish_command(&self) -> redis::RedisResult<&'static str> {
         match self.config.publish.get() {
             Some(command) => Ok(command),
             // Boxed: asked once, it need not weigh on every call's future.
-            None => Box::pin(self.detect_publish_command()).await,
+            None => Box::pin(detect_publish(&self.config.publish, &self.conn)).await,
         }
-    }
-
-    async fn detect_publish_command(&self) -> redis::RedisResult<&'static str> {
-        detect_publish(&self.config.publish, &self.conn).await
     }
 
     /// Renews a lock to live `ttl` from now. Returns `true` if it was still
@@ -1252,15 +1162,14 @@ where
     }
 
     pub(crate) async fn extend_ticket(&self, ticket: &Ticket, ttl: Duration) -> Result<bool> {
-        let (script, cmd) = if ticket.permits.is_some() {
-            self.extend_permit_cmd(ticket, ttl)
-        } else {
-            let mut cmd = script::evalsha(&EXTEND, 1);
-            cmd.arg(ticket.lock_key())
-                .arg(ticket.token)
-                .arg(millis(ttl));
-            (&*EXTEND, cmd)
+        let script = match ticket.permits {
+            Some(_) => &*permits::EXTEND,
+            None => &*EXTEND,
         };
+        let mut cmd = script::evalsha(script, 1);
+        cmd.arg(ticket.lock_key())
+            .arg(ticket.token)
+            .arg(millis(ttl));
         let attempted = || format!("extending lock `{}`", ticket.key);
         let extended: i64 = match self.config.durability {
             None => script::run(script, &cmd, &mut self.conn.clone())
@@ -1294,8 +1203,9 @@ pub(crate) enum Released {
 }
 
 /// How a release tells waiters on the server behind `conn`, found out once
-/// into `cell`: `SPUBLISH` on a cluster, `PUBLISH` on a single server
-/// (`CLUSTER INFO` fails on a server without cluster support).
+/// into `cell`: `SPUBLISH` on a cluster (it reaches the node that owns the
+/// channel's slot, where `PUBLISH` would go to every node), `PUBLISH` on a
+/// single server (`CLUSTER INFO` fails on a server without cluster support).
 pub(crate) async fn detect_publish(
     cell: &tokio::sync::OnceCell<&'static str>,
     conn: &(impl ConnectionLike + Clone + Send),
@@ -1383,6 +1293,14 @@ fn check_wait_fits(ttl: Duration, timeout: Duration) -> Result<()> {
         return Err(Error::config(format_args!(
             "the require_replicas timeout ({timeout:?}) must be at most a third of the lock TTL ({ttl:?})"
         )));
+    }
+    Ok(())
+}
+
+/// Checks a user key: not empty.
+fn check_key(key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::InvalidKey("lock key must not be empty".into()));
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Waking lock waiters when the lock they wait for is released, in any
 //! process.
 //!
-//! See [`ReleaseListener`] for the mechanism and why it was chosen.
+//! See [`ReleaseListener`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -49,45 +49,18 @@ fn with_presence(names: &[String]) -> Vec<String> {
 /// [`connect_cluster`](Self::connect_cluster) a Redis Cluster (sharded
 /// pub/sub: each key's channel lives on the node that owns the key).
 ///
-/// # How it works, and why
-///
-/// A waiter that found a lock held listens on a pub/sub channel named like
-/// the lock key, then marks the lock (a `!` at the end of its value) and
-/// joins the key's line of waiters (a sorted set by arrival time), both in
-/// the contend script. The release script, when the lock it deletes is
-/// marked, hands it to the first waiter in line in the same script: it sets
-/// the lock to that waiter's token for a short hand-off time and publishes
-/// the token. There is no moment at which the lock is free while its
-/// waiters sleep, and an uncontended release publishes nothing. The waiter
-/// whose token came takes the lock without another round trip: the hand-off
-/// started after its first try to join the line was sent, so the lock is
-/// surely its own until that moment plus the hand-off time, and it renews
-/// the lock to a whole TTL at once, on a task of its own. The others of the process learn that
-/// the lock was handed elsewhere and sleep on. Permits work alike, one
-/// freed permit per waiter. A holder that dies publishes nothing: its
-/// lock's expiry ends the wait instead, since a waiter sleeps at most the
-/// holder's remaining TTL. A waiter whose process died is skipped by the
-/// release, with all the waiters of its process: beside each channel, the
-/// listener subscribes a presence channel named after it and this process's
-/// tag (the first 8 characters of its tokens), which Redis drops when the
-/// process's connection closes, and the release script checks it. A waiter
-/// that is alive but does not take what it was handed (a long pause, a hang
-/// with the connection open) holds the lock up for the hand-off time at
-/// most (the others, told of the hand-off, try again when it ends).
-///
-/// This gives strict FIFO across processes with nothing to poll, and pub/sub
-/// carries it because it costs nothing while nobody waits, needs one
-/// connection per process whatever the number of keys and waiters, and
-/// cannot strand anything: a lost message (a dropped connection) only means
-/// a waiter wakes on the holder's TTL, or the hand-off's end, instead. A
-/// blocking `BLPOP` per waiting task would need a connection per task.
+/// A waiter listens on a channel named like the lock key, marks the lock
+/// and joins the key's line of waiters; a release hands the lock to the
+/// first waiter in line whose process still listens, and publishes its
+/// token (the README's "The LockLayer" describes the hand-off). A lost
+/// message (a dropped connection) only means a waiter wakes on the holder's
+/// TTL, or the hand-off's end, instead.
 ///
 /// One [`ReleaseListener`] per process is enough: it holds one subscriber
-/// connection, subscribes to a key's channel while a task of this process
-/// waits for the key (and a second longer, so that a hot key is not
-/// subscribed and unsubscribed for every waiter), and reconnects with
-/// backoff when the connection drops, waking every waiter so that none
-/// sleeps through a release it could not hear.
+/// connection, subscribes to a key's channel (and its presence channel)
+/// while a task of this process waits for the key, and a second longer, and
+/// reconnects with backoff when the connection drops, waking every waiter
+/// so that none sleeps through a release it could not hear.
 #[derive(Clone)]
 pub struct ReleaseListener {
     shared: Arc<Shared>,
@@ -145,6 +118,18 @@ pub(crate) enum Woken {
 }
 
 impl Shared {
+    /// A listener's state, and the receiver of its subscribe requests (for
+    /// its connection task).
+    fn new() -> (Arc<Self>, mpsc::UnboundedReceiver<String>) {
+        let (subscribe, requests) = mpsc::unbounded_channel();
+        let channels = Mutex::default();
+        let shared = Arc::new(Shared {
+            channels,
+            subscribe,
+        });
+        (shared, requests)
+    }
+
     fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, Channel>> {
         // Every critical section is a few map operations: nothing to poison.
         self.channels.lock().unwrap_or_else(|e| e.into_inner())
@@ -158,11 +143,7 @@ impl ReleaseListener {
     /// are retried in the background.
     pub async fn connect(client: redis::Client) -> Result<Self> {
         let pubsub = connect(&client).await?;
-        let (subscribe, requests) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            channels: Mutex::new(HashMap::new()),
-            subscribe,
-        });
+        let (shared, requests) = Shared::new();
         tokio::spawn(run(client, pubsub, Arc::downgrade(&shared), requests));
         Ok(Self { shared })
     }
@@ -182,22 +163,12 @@ impl ReleaseListener {
             .push_sender(pushes)
             .build()
             .map_err(Error::redis(attempted))?;
-        let conn = match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_connection()).await
-        {
-            Ok(conn) => conn.map_err(Error::redis(attempted))?,
-            Err(_) => return Err(timed_out(attempted)),
-        };
-        let (subscribe, requests) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            channels: Mutex::new(HashMap::new()),
-            subscribe,
-        });
-        tokio::spawn(run_cluster(
-            conn,
-            received,
-            Arc::downgrade(&shared),
-            requests,
-        ));
+        let conn = timely(client.get_async_connection(), "timed out")
+            .await
+            .map_err(Error::redis(attempted))?;
+        let (shared, requests) = Shared::new();
+        let listening = run_cluster(conn, received, Arc::downgrade(&shared), requests);
+        tokio::spawn(listening);
         Ok(Self { shared })
     }
 
@@ -308,15 +279,20 @@ impl Drop for Watch {
 }
 
 async fn connect(client: &redis::Client) -> Result<redis::aio::PubSub> {
-    let attempted = "connecting the release listener";
-    match tokio::time::timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
-        Ok(pubsub) => pubsub.map_err(Error::redis(attempted)),
-        Err(_) => Err(timed_out(attempted)),
-    }
+    timely(client.get_async_pubsub(), "timed out")
+        .await
+        .map_err(Error::redis("connecting the release listener"))
 }
 
-fn timed_out(attempted: &str) -> Error {
-    Error::redis(attempted)(redis::RedisError::from((redis::ErrorKind::Io, "timed out")))
+/// `request`, given at most `CONNECT_TIMEOUT` (a hung server must not stall
+/// the listener): an I/O error saying `silence` when it takes longer.
+async fn timely<T>(
+    request: impl Future<Output = redis::RedisResult<T>>,
+    silence: &'static str,
+) -> redis::RedisResult<T> {
+    tokio::time::timeout(CONNECT_TIMEOUT, request)
+        .await
+        .unwrap_or_else(|_| Err(redis::RedisError::from((redis::ErrorKind::Io, silence))))
 }
 
 /// The connection task: subscribes as asked, dispatches releases, drops
@@ -428,17 +404,14 @@ async fn listen(
             }
             _ = tick.tick() => {
                 let idle = take_idle(shared)?;
-                let checked = tokio::time::timeout(CONNECT_TIMEOUT, async {
+                let checked = async {
                     if !idle.is_empty() {
                         sink.unsubscribe(with_presence(&idle)).await?;
                     }
                     sink.ping::<redis::Value>().await
-                })
-                .await;
-                match checked {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(error)) => return Some(error),
-                    Err(_) => return Some(redis::RedisError::from((redis::ErrorKind::Io, "no answer to PING"))),
+                };
+                if let Err(error) = timely(checked, "no answer to PING").await {
+                    return Some(error);
                 }
             }
         }
@@ -621,17 +594,11 @@ fn take_idle(shared: &std::sync::Weak<Shared>) -> Option<Vec<String>> {
     Some(idle)
 }
 
-/// `SUBSCRIBE`s to `names`, waiting at most `CONNECT_TIMEOUT` for the
-/// confirmation (a hung server must not stall the dispatch of releases).
+/// `SUBSCRIBE`s to `names` (and their presence channels), waiting at most
+/// `CONNECT_TIMEOUT` for the confirmation.
 async fn subscribe(sink: &mut redis::aio::PubSubSink, names: &[String]) -> redis::RedisResult<()> {
     let names = with_presence(names);
-    match tokio::time::timeout(CONNECT_TIMEOUT, sink.subscribe(&names)).await {
-        Ok(subscribed) => subscribed,
-        Err(_) => Err(redis::RedisError::from((
-            redis::ErrorKind::Io,
-            "no answer to SUBSCRIBE",
-        ))),
-    }
+    timely(sink.subscribe(&names), "no answer to SUBSCRIBE").await
 }
 
 /// Marks `names` as subscribed, which lets their waiters go on.

@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 use futures_util::Stream;
 use redis::Value;
 
+use super::as_bytes;
 use super::wait::{BLOCK, Connector, MARGIN};
 use crate::error::{Error, Result};
 
@@ -49,39 +50,35 @@ pub enum EventKind {
     KeyReleased,
 }
 
+/// Each kind and the name the scripts write.
+const KINDS: [(EventKind, &str); 11] = [
+    (EventKind::Pushed, "pushed"),
+    (EventKind::Claimed, "claimed"),
+    (EventKind::Done, "done"),
+    (EventKind::Retried, "retried"),
+    (EventKind::Deferred, "deferred"),
+    (EventKind::Released, "released"),
+    (EventKind::Dead, "dead"),
+    (EventKind::Recovered, "recovered"),
+    (EventKind::Redriven, "redriven"),
+    (EventKind::Removed, "removed"),
+    (EventKind::KeyReleased, "key-released"),
+];
+
 impl EventKind {
     fn parse(name: &[u8]) -> Option<Self> {
-        Some(match name {
-            b"pushed" => Self::Pushed,
-            b"claimed" => Self::Claimed,
-            b"done" => Self::Done,
-            b"retried" => Self::Retried,
-            b"deferred" => Self::Deferred,
-            b"released" => Self::Released,
-            b"dead" => Self::Dead,
-            b"recovered" => Self::Recovered,
-            b"redriven" => Self::Redriven,
-            b"removed" => Self::Removed,
-            b"key-released" => Self::KeyReleased,
-            _ => return None,
-        })
+        KINDS
+            .iter()
+            .find(|(_, n)| n.as_bytes() == name)
+            .map(|(kind, _)| *kind)
     }
 
     /// The name the scripts write (`"pushed"`, `"claimed"`, ...).
     pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Pushed => "pushed",
-            Self::Claimed => "claimed",
-            Self::Done => "done",
-            Self::Retried => "retried",
-            Self::Deferred => "deferred",
-            Self::Released => "released",
-            Self::Dead => "dead",
-            Self::Recovered => "recovered",
-            Self::Redriven => "redriven",
-            Self::Removed => "removed",
-            Self::KeyReleased => "key-released",
-        }
+        KINDS
+            .iter()
+            .find(|(kind, _)| kind == self)
+            .map_or("", |(_, name)| name)
     }
 }
 
@@ -136,23 +133,19 @@ struct Reader<K: Connector> {
     connector: K,
     key: String,
     conn: Option<K::Connection>,
-    /// The last entry read; `None` until `EventsFrom::Now` is resolved.
-    last: Option<String>,
+    /// The last entry read.
+    last: String,
     ready: VecDeque<Event>,
     failures: u32,
 }
 
-/// Follows a queue's events (see [`Queue::events`](super::Queue::events)).
+/// Follows a queue's events after entry `last` (see
+/// [`Queue::events`](super::Queue::events), which resolves `EventsFrom`).
 pub(crate) fn follow<K: Connector>(
     connector: K,
     key: String,
-    from: EventsFrom,
+    last: String,
 ) -> impl Stream<Item = Result<Event>> + Send + 'static {
-    let last = match from {
-        EventsFrom::Now => None,
-        EventsFrom::Beginning => Some("0-0".to_owned()),
-        EventsFrom::After(id) => Some(id),
-    };
     let reader = Reader {
         connector,
         key,
@@ -201,33 +194,6 @@ impl<K: Connector> Reader<K> {
                 self.conn.insert(conn)
             }
         };
-        let last = match &self.last {
-            Some(last) => last.clone(),
-            None => {
-                // "$" resolved once: reads after it must not skip what was
-                // added between two of them.
-                let mut xrevrange = redis::cmd("XREVRANGE");
-                xrevrange
-                    .arg(&self.key)
-                    .arg("+")
-                    .arg("-")
-                    .arg("COUNT")
-                    .arg(1);
-                let newest =
-                    tokio::time::timeout(BLOCK + MARGIN, xrevrange.query_async::<Value>(conn));
-                let newest = match newest.await {
-                    Ok(reply) => reply.map_err(Error::redis(attempted()))?,
-                    Err(_) => return Err(timed_out(attempted(), "XREVRANGE")),
-                };
-                let id = entries(newest)
-                    .into_iter()
-                    .next()
-                    .map(|(id, _)| id)
-                    .unwrap_or_else(|| "0-0".to_owned());
-                self.last = Some(id.clone());
-                id
-            }
-        };
         let mut xread = redis::cmd("XREAD");
         xread
             .arg("COUNT")
@@ -236,7 +202,7 @@ impl<K: Connector> Reader<K> {
             .arg(BLOCK.as_millis() as u64)
             .arg("STREAMS")
             .arg(&self.key)
-            .arg(&last);
+            .arg(&self.last);
         let read = xread.query_async::<Value>(conn);
         let reply = match tokio::time::timeout(BLOCK + MARGIN, read).await {
             Ok(reply) => reply.map_err(Error::redis(attempted()))?,
@@ -257,7 +223,7 @@ impl<K: Connector> Reader<K> {
         for stream in streams {
             for (id, fields) in entries(stream) {
                 self.ready.extend(decode(&id, fields));
-                self.last = Some(id);
+                self.last = id;
             }
         }
         Ok(())
@@ -301,24 +267,16 @@ pub(crate) fn entries(reply: Value) -> Vec<(String, Vec<Value>)> {
                 Value::Map(pairs) => pairs.into_iter().flat_map(|(k, v)| [k, v]).collect(),
                 _ => return None,
             };
-            let id = bytes(parts.pop()?)?;
+            let id = as_bytes(parts.pop()?)?;
             Some((String::from_utf8(id).ok()?, fields))
         })
         .collect()
 }
 
-fn bytes(v: Value) -> Option<Vec<u8>> {
-    match v {
-        Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.into_bytes()),
-        _ => None,
-    }
-}
-
 /// The events of one entry: `e <kind> [k <key>] t <ms> [x <error>] <id>
 /// <attempt> ...`. An entry lockgate did not write is skipped (and logged).
 pub(crate) fn decode(entry: &str, fields: Vec<Value>) -> Vec<Event> {
-    let mut fields = fields.into_iter().map(bytes);
+    let mut fields = fields.into_iter().map(as_bytes);
     let mut next = || fields.next().flatten();
     let (e, kind, mut t) = (next(), next(), next());
     let mut key = None;

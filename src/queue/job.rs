@@ -231,8 +231,8 @@ impl<T> Job<T> {
     }
 
     /// A keyed job: its key's lock is held with it.
-    pub(crate) fn with_lock(mut self, held: Arc<Held>) -> Self {
-        self.held = Some(held);
+    pub(crate) fn with_lock(mut self, held: Option<Arc<Held>>) -> Self {
+        self.held = held;
         self
     }
 

@@ -1,24 +1,15 @@
 //! A reliable Redis delay queue: immediate and delayed messages, leases,
 //! retries and dead letters, every state change one Lua script.
 //!
-//! # Model
-//!
-//! A message is pushed with a due time ("now" is simply due at once) and
-//! lives in exactly one of three places until it is acknowledged:
-//!
-//! * **scheduled**: in the schedule, a sorted set scored by due time;
-//! * **active**: claimed by a worker under a lease (a deadline in the active
-//!   set), identified by a claim number only that worker knows;
-//! * **dead**: buried with its last error, waiting to be inspected or
-//!   re-driven.
-//!
-//! Its payload is stored once, in a hash, while the id moves between the sets.
-//! Each transition (push, claim, ack, retry, defer, bury, lease expiry) is one
-//! Lua script that reads "now" from the server's clock, so a message is never
-//! in no structure or claimable twice, and producers' clocks never matter.
-//! Every operation on a claimed message carries its claim: after a lease ran
-//! out and another worker took the message, the first worker's ack, retry or
-//! defer is refused and changes nothing.
+//! A message is **scheduled** (a sorted set by due time), **active**
+//! (claimed under a lease, with a claim number only its worker knows) or
+//! **dead** (buried with its last error), its payload stored once while its
+//! id moves between the sets. Each transition is one script on the server's
+//! clock, so a message is never in no structure or claimable twice, and
+//! every operation on a claimed message carries its claim: once another
+//! worker took the message, the first one's ack, retry or defer changes
+//! nothing. Claim numbers are the larger of the last + 1 and the server's µs,
+//! so they never repeat, also after the server lost recent writes.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -37,46 +28,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # Order
-//!
-//! Messages are claimed in ascending order of (due time in whole
-//! milliseconds, message id compared byte-wise): the schedule is a sorted set
-//! scored by due time, and Redis orders equal scores by member. So among
-//! messages due in the same millisecond:
-//!
-//! * those pushed by **one process** with generated ids come in the order
-//!   that process generated their ids, which is the order of its `push*`
-//!   calls (and the order within one [`push_many`](Queue::push_many)): ids
-//!   are UUIDv7 values, ordered by creation within a process, written in an
-//!   order-preserving base32;
-//! * those from **different processes** are ordered by each producer's wall
-//!   clock when it generated the id (the UUIDv7's millisecond), then
-//!   arbitrarily: not by their arrival at the server;
-//! * caller-chosen ids ([`PushOptions::id`], producers in other languages)
-//!   order by their bytes, whatever the push order.
-//!
-//! A retried, deferred or recovered message keeps its id and gets a new due
-//! time. The claim order is the order handlers *start* in only with one
-//! worker running one handler at a time.
-//!
-//! # Claims, attempts and stalls
-//!
-//! A claim number is the larger of the last one + 1 and the server's time in
-//! microseconds, so claim numbers never repeat, also after the server lost
-//! recent writes (a restart from an older snapshot, a promoted replica that
-//! lagged): a worker holding a claim from before such a rollback cannot
-//! settle the message once another worker claimed it again, unless the
-//! server's clock was stepped back by more than the writes it lost.
-//!
-//! Each message counts failed attempts (handler errors:
-//! [`Job::attempt`]), deferrals for lock contention ([`Job::deferrals`]) and
-//! stalls, leases that ran out because its worker died or stalled
-//! ([`Job::stalls`], counted by [`recover`](Queue::recover), which buries
-//! after `max_stalls`). A stall is not a failed attempt: the handler may
-//! never have started.
-//!
-//! Waiting for work without polling is [`Waiter`]'s job; driving a tower
-//! service from a queue is the [`Worker`](crate::Worker)'s.
+//! Messages are claimed in (due ms, id byte-wise) order: one process's
+//! generated ids (UUIDv7) in its push order. Failed attempts
+//! ([`Job::attempt`]), deferrals ([`Job::deferrals`]) and stalls, leases run
+//! out ([`Job::stalls`], counted by [`recover`](Queue::recover)), are counted
+//! apart. [`Waiter`] waits for work without polling; the
+//! [`Worker`](crate::Worker) drives a tower service from a queue. More: the
+//! README's "The queue".
 
 mod events;
 mod job;
@@ -902,16 +860,10 @@ where
         let keyed = self.keyed().claim(slots, now, max, lease).await?;
         for turn in keyed.turns {
             let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
-            match Job::<T>::decode(turn.id, turn.claim, enqueued, &turn.record, &self.keys) {
-                Ok(job) => claimed.jobs.push(job.with_lock(turn.held)),
-                Err(bad) => {
-                    let (job, error) = *bad;
-                    let job = job.with_lock(turn.held);
-                    tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
-                    if let Ok(true) = self.bury_with(&job, &error, false).await {
-                        claimed.buried += 1;
-                    }
-                }
+            let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
+            match self.decode_or_bury(record, Some(turn.held)).await {
+                Ok(job) => claimed.jobs.push(job),
+                Err(buried) => claimed.buried += usize::from(buried),
             }
         }
         if let Some(at) = keyed.next_at {
@@ -977,25 +929,39 @@ where
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            match Job::decode(id, claim, due as i64, &record, &self.keys) {
+            match self
+                .decode_or_bury((id, claim, due as i64, &record), None)
+                .await
+            {
                 Ok(job) => claimed.jobs.push(job),
-                Err(bad) => {
-                    let (job, error) = *bad;
-                    tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
-                    // A failed bury must not strand the good jobs of this
-                    // batch: the bad one comes back after its lease and is
-                    // buried then.
-                    match self.bury_with(&job, &error, false).await {
-                        Ok(true) => claimed.buried += 1,
-                        Ok(false) => {}
-                        Err(e) => {
-                            tracing::warn!(id = %job.id(), error = %e, "could not bury undecodable message")
-                        }
-                    }
-                }
+                Err(buried) => claimed.buried += usize::from(buried),
             }
         }
         Ok((claimed, slots, now))
+    }
+
+    /// A claimed message decoded as `T`, under its key's lock when `held`.
+    /// One that does not decode is buried (not as a failed attempt) and
+    /// `Err` says whether it was; a failed burial is logged and must not
+    /// strand the rest of a batch: the message comes back after its lease.
+    async fn decode_or_bury(
+        &self,
+        (id, claim, due_ms, record): (String, u64, i64, &[u8]),
+        held: Option<Arc<Held>>,
+    ) -> std::result::Result<Job<T>, bool> {
+        let (job, error) = match Job::<T>::decode(id, claim, due_ms, record, &self.keys) {
+            Ok(job) => return Ok(job.with_lock(held)),
+            Err(bad) => *bad,
+        };
+        let job = job.with_lock(held);
+        tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
+        match self.bury_with(&job, &error, false).await {
+            Ok(buried) => Err(buried),
+            Err(e) => {
+                tracing::warn!(id = %job.id(), error = %e, "could not bury undecodable message");
+                Err(false)
+            }
+        }
     }
 
     /// Completes a claimed message: it is deleted. Returns `false`, changing
@@ -1007,30 +973,8 @@ where
         if let Some(held) = job.held {
             return self.settle_keyed(job, held, Outcome::Ack).await;
         }
-        let completed = self.completed.unwrap_or_default().args();
-        let acked: i64 = Scripts::get()
-            .ack
-            .key(&self.keys.data)
-            .key(&self.keys.active)
-            .key(&self.keys.errors)
-            .key(&self.keys.completed)
-            .key(&self.keys.events)
-            .arg(job.member())
-            .arg(job.id())
-            .arg(if job.failures() > 0 { "1" } else { "0" })
-            .arg(self.events_arg())
-            .arg(if self.completed.is_some() { "1" } else { "" })
-            .arg(&completed.0)
-            .arg(&completed.1)
-            .arg(job.failed_attempts())
-            .arg("done")
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "acknowledging message `{}`",
-                job.id()
-            )))?;
-        Ok(acked == 1)
+        let acked = self.ack_batch(&[job], "done").await?;
+        Ok(acked.first() == Some(&Acked::Done))
     }
 
     /// Completes many claimed messages in one round trip (at most
@@ -1057,22 +1001,27 @@ where
         if jobs.iter().any(|j| j.held.is_some()) {
             return self.ack_mixed(&jobs).await;
         }
-        self.ack_batch(&jobs).await
+        self.ack_batch(&jobs, "done").await
     }
 
     /// Acknowledges unkeyed messages in one script call.
-    async fn ack_batch(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
+    /// Acknowledges unkeyed messages in one script call; `kind` names their
+    /// event: `done`, or `deferred` for one that moved into its key's line
+    /// (not kept on the completed stream).
+    async fn ack_batch(&self, jobs: &[ClaimRef<'_>], kind: &str) -> Result<Vec<Acked>> {
         let mut call = Scripts::get().ack_many.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
+        let keep = kind == "done" && self.completed.is_some();
         call.key(&self.keys.data)
             .key(&self.keys.active)
             .key(&self.keys.errors)
             .key(&self.keys.completed)
             .key(&self.keys.events)
             .arg(self.events_arg())
-            .arg(if self.completed.is_some() { "1" } else { "" })
+            .arg(if keep { "1" } else { "" })
             .arg(completed.0)
-            .arg(completed.1);
+            .arg(completed.1)
+            .arg(kind);
         let mut count = 0;
         for job in jobs {
             call.arg(job.member())
@@ -1110,7 +1059,7 @@ where
     /// keyed one in its key's partition; the answers in the batch's order.
     async fn ack_mixed(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
         let plain: Vec<ClaimRef<'_>> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
-        let mut plain = self.ack_batch(&plain).await?.into_iter();
+        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
         let mut out = Vec::with_capacity(jobs.len());
         for job in jobs {
             out.push(match job.held {
@@ -1178,28 +1127,10 @@ where
         let (_, due) = keyed
             .take_in((key, limits), job.id(), millis(delay), &record)
             .await?;
-        // Out of this queue: the ack script, with no completed entry and a
-        // `deferred` event (the message goes on, in its key's line).
-        let removed: i64 = Scripts::get()
-            .ack
-            .key(&self.keys.data)
-            .key(&self.keys.active)
-            .key(&self.keys.errors)
-            .key(&self.keys.completed)
-            .key(&self.keys.events)
-            .arg(job.member())
-            .arg(job.id())
-            .arg("1")
-            .arg(self.events_arg())
-            .arg("")
-            .arg("")
-            .arg("")
-            .arg(job.failed_attempts())
-            .arg("deferred")
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(attempted()))?;
-        if removed != 1 {
+        // Out of this queue, with a `deferred` event (the message goes on,
+        // in its key's line).
+        let removed = self.ack_batch(&[job], "deferred").await?;
+        if removed.first() != Some(&Acked::Done) {
             tracing::warn!(id = %job.id(), %key, "claim lost while the message moved into its key's line: it may run twice");
         }
         Ok(Some(from_unix_ms(due)))
@@ -1392,16 +1323,11 @@ where
             Settled::Next(turn) => turn,
         };
         let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
-        match Job::<T>::decode(turn.id, turn.claim, enqueued, &turn.record, &self.keys) {
-            Ok(next) => Ok((true, Some(next.with_lock(turn.held)))),
-            Err(bad) => {
-                let (next, error) = *bad;
-                let next = next.with_lock(turn.held);
-                tracing::warn!(queue = %self.name(), id = %next.id(), %error, "burying undecodable message");
-                self.bury_with(&next, &error, false).await?;
-                Ok((true, None))
-            }
-        }
+        let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
+        Ok((
+            true,
+            self.decode_or_bury(record, Some(turn.held)).await.ok(),
+        ))
     }
 
     /// Ends a keyed message's turn; `false` when its claim was lost.
@@ -1469,16 +1395,9 @@ where
     /// holds something.)
     pub async fn exists(&self) -> Result<bool> {
         let keys = &self.keys;
+        // Every key but the bell (a ring alone is no queue).
         let found: u32 = redis::cmd("EXISTS")
-            .arg(&keys.partitions)
-            .arg(&keys.data)
-            .arg(&keys.schedule)
-            .arg(&keys.prioritized)
-            .arg(&keys.completed)
-            .arg(&keys.events)
-            .arg(&keys.active)
-            .arg(&keys.dead)
-            .arg(&keys.errors)
+            .arg(&keys.all()[..9])
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!(
@@ -1503,13 +1422,21 @@ where
                 self.name()
             )))?;
         let (due, later, active, dead, oldest, now, next_due) = v;
+        self.with_keyed([due, later, active, dead], [oldest, now, next_due])
+            .await
+    }
+
+    /// The queue's `Stats`: its own counts (due, later, active, dead) and
+    /// times (oldest due, now, next due; -1 for none) and its keyed ones.
+    async fn with_keyed(&self, counts: [u64; 4], times: [i64; 3]) -> Result<Stats> {
         let keyed = self.keyed().counts().await?;
+        let [oldest, now, next_due] = times;
         let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
         Ok(Stats {
-            due: due + keyed.0,
-            later: later + keyed.2,
-            active: active + keyed.1,
-            dead: dead + keyed.3,
+            due: counts[0] + keyed.0,
+            later: counts[1] + keyed.2,
+            active: counts[2] + keyed.1,
+            dead: counts[3] + keyed.3,
             oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
             next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
         })
@@ -1572,18 +1499,12 @@ where
                 format_args!("{} values", reply.len()),
             ));
         }
-        let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
         let count = |v: i64| u64::try_from(v).unwrap_or(0);
-        let (oldest, now, next_due) = (reply[4], reply[5], reply[6]);
+        let counts = [reply[0], reply[1], reply[2], reply[3]].map(count);
         Ok(Activity {
-            stats: Stats {
-                due: count(reply[0]),
-                later: count(reply[1]),
-                active: count(reply[2]),
-                dead: count(reply[3]),
-                oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
-                next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
-            },
+            stats: self
+                .with_keyed(counts, [reply[4], reply[5], reply[6]])
+                .await?,
             recorded: reply[7] == 1,
             bucket: Duration::from_millis(width),
             done: reply[8..8 + n].iter().copied().map(count).collect(),
@@ -1853,20 +1774,18 @@ where
         connector: K,
         from: EventsFrom,
     ) -> Result<impl futures_util::Stream<Item = Result<Event>> + Send + 'static> {
-        let from = match from {
-            EventsFrom::Now => EventsFrom::After(
-                self.last_event_entry()
-                    .await?
-                    .unwrap_or_else(|| "0-0".into()),
-            ),
+        let last = match from {
+            EventsFrom::Now => self.last_event_entry().await?,
+            EventsFrom::Beginning => None,
             EventsFrom::After(id) if !events::is_entry_id(&id) => {
                 return Err(Error::config(format_args!(
                     "`{id}` is not a stream entry id (`<ms>-<seq>`)"
                 )));
             }
-            from => from,
+            EventsFrom::After(id) => Some(id),
         };
-        Ok(events::follow(connector, self.keys.events.clone(), from))
+        let last = last.unwrap_or_else(|| "0-0".into());
+        Ok(events::follow(connector, self.keys.events.clone(), last))
     }
 
     /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
@@ -2210,6 +2129,7 @@ fn as_int(v: &Value) -> Option<i64> {
 fn as_bytes(v: Value) -> Option<Vec<u8>> {
     match v {
         Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
         _ => None,
     }
 }

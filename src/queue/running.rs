@@ -1,50 +1,19 @@
 //! The claim of the job a [`Worker`](crate::Worker) is running, handed to
-//! the first [`LockLayer`](crate::LockLayer) its request passes.
+//! the first [`LockLayer`](crate::LockLayer) its request passes, so that a
+//! layer over the payload alone (`map_request(|job: Job<T>|
+//! job.into_payload())`) can defer the job in place: same id, counts and
+//! stored bytes, identified by the claim, never by comparing payloads.
 //!
-//! A handler often sees only the payload (`map_request(|job: Job<T>|
-//! job.into_payload())` before the lock layer), so the layer cannot read the
-//! claim off the request. The worker hands the claim over beside the request
-//! instead, and the layer identifies "the running job" by that claim alone,
-//! never by comparing payload bytes: a producer's JSON may differ byte-wise
-//! from what `T` serializes to (spacing, field order, unknown fields,
-//! escapes), and the job must still be deferred in place, under its own id,
-//! with its counts and its stored bytes kept.
-//!
-//! The types say who may reschedule what: a [`RunningJob`] is made only by
-//! the worker (from the [`Job`] it claimed), it is not `Clone`, and
-//! [`RunningJob::take`] hands it out once per handler call, so exactly one
-//! layer holds the right to reschedule that claim; a deferral uses it only
-//! for a queue with the job's own keys (a `Defer` into another queue pushes
-//! a new message).
-//!
-//! The worker offers the claim for the whole of the call: while it calls
-//! the service, and while it polls the future the call returned, on the
-//! worker's task. During `call`, the first `LockLayer` (or
-//! `RateLimitLayer`) that needs a lock for the request takes it (the request
-//! passing through `map_request` and the like). From the future, where a
-//! middleware that calls its inner service later (an `async` wrapper,
-//! `and_then`, `ServiceExt::oneshot` in a `service_fn`) and a handler's own
-//! calls both come from, a layer takes it only once the job's payload was
-//! taken out of it ([`Job::into_payload`](crate::Job::into_payload), as
-//! `map_request(|job: Job<T>| job.into_payload())` does): that request is
-//! the job. A handler that forwards a copy of its payload (or any other
-//! message) through a `LockLayer` keeps its job, and the forwarded message
-//! is pushed as the new message it is. Once taken, the slot is empty. A
-//! layer that took it and did not need it (it does not defer into the job's
-//! queue), or that needs no lock for this request, hands it on to the
-//! layers it wraps, but only while it calls them (synchronously): never to
-//! the handler's own calls.
-//!
-//! What the claim cannot reach: a service that calls its inner service on
-//! another task (tower's `Buffer`), a layer behind a middleware that calls
-//! later and clones the payload instead of taking it out, and a layer
-//! wrapped by another lock layer through a middleware that calls later. A
-//! deferral there pushes a copy under a new id (its counts start again,
-//! fields the payload type does not know are lost) and the worker
-//! acknowledges the original; when no layer took its claim, the worker
-//! counts it as [`copied`](crate::worker::MetricsSnapshot::copied), with a
-//! warning. A `LockLayer` whose request is the `Job<T>` itself needs none of
-//! this: the job carries its claim.
+//! A [`RunningJob`] is made only by the worker, is not `Clone`, and
+//! [`RunningJob::take`] hands it out once per call. The worker offers it
+//! while it calls the service and while it polls the call's future; from
+//! the future a layer takes it only once the payload was taken out of the
+//! job ([`Job::into_payload`](crate::Job::into_payload)). A layer that took
+//! it and does not need it hands it on to the layers it wraps while it
+//! calls them, never to the handler's own calls. Where it cannot reach (a
+//! `Buffer` in front of the layer), a deferral pushes a copy and the worker
+//! counts it as [`copied`](crate::worker::MetricsSnapshot::copied). The
+//! README's "How in-place deferral finds the job" has the whole of it.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -8,7 +8,6 @@ use redis::Script;
 pub(crate) struct Scripts {
     pub(crate) push: Script,
     pub(crate) claim: Script,
-    pub(crate) ack: Script,
     pub(crate) ack_many: Script,
     pub(crate) reschedule: Script,
     pub(crate) bury: Script,
@@ -41,7 +40,6 @@ impl Scripts {
         static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
             push: Script::new(&push_source()),
             claim: load(include_str!("lua/claim.lua")),
-            ack: load(include_str!("lua/ack.lua")),
             ack_many: load(include_str!("lua/ack_many.lua")),
             reschedule: load(include_str!("lua/reschedule.lua")),
             bury: load(include_str!("lua/bury.lua")),

@@ -1,34 +1,17 @@
 //! Waiting for work without polling.
 //!
-//! Producers ring a queue's doorbell (a one-element list) whenever they add a
-//! message that is due earlier than everything already scheduled. A
-//! [`Waiter`] blocks on that doorbell with `BLPOP` on a connection of its
-//! own, because a blocking command on the shared multiplexed connection
-//! would stall every other command queued behind it.
+//! A [`Waiter`] blocks with `BLPOP`, on a connection of its own, on the
+//! queue's doorbell (a one-element list producers ring when they add a
+//! message due before everything scheduled) and on a poke list of its own
+//! (`<prefix>:{<queue>}:poke:<uuid>`, in the bell's slot, expiring after
+//! 10 s). A tokio timer times the due moment (Redis times out blocked
+//! clients only on its `hz` tick), so the `BLPOP` only wakes it early; it
+//! blocks at most [`BLOCK`] and is abandoned after [`BLOCK`] + [`MARGIN`].
 //!
-//! The due moment itself is timed by a tokio timer, not by the server: Redis
-//! notices a blocked client's timeout only on its `hz` tick (every 100 ms
-//! at the default `hz 10`), far too coarse to deliver a delayed message on
-//! time. So the `BLPOP` only ever wakes us *early*; it blocks for at most
-//! [`BLOCK`] server-side, and is abandoned (the connection dropped and
-//! rebuilt) if no answer arrives within [`BLOCK`] + [`MARGIN`], which covers
-//! half-open connections after a failover.
-//!
-//! A ring is one list element, and Redis hands it to the client that has
-//! been blocked longest. So no `BLPOP` may stay blocked while its worker is
-//! busy, or it would take a ring an idle worker was waiting for. Each waiter
-//! therefore blocks on two lists: the bell, and a "poke" list of its own
-//! (`<prefix>:{<queue>}:poke:<uuid>`, in the bell's hash slot). When `wait`
-//! returns on its deadline, it first pushes to its poke list over the queue's
-//! shared connection, which ends its own `BLPOP` and no one else's; the
-//! answer (the poke, or a ring that arrived in between) is collected by the
-//! next `wait`, so a ring is never lost. The poke is confirmed before `wait`
-//! returns (one round trip): the caller's next command (a claim, which rings
-//! again when due messages remain) must not pass its ring on to this very
-//! waiter's `BLPOP`, the longest blocked one when it was the only waiter that
-//! knew the due time; other idle waiters would then sleep until their safety
-//! timer. Both lists are addressed by key, so this works the same on a Redis
-//! Cluster. A poke left over expires after ten seconds.
+//! Redis hands a ring to the client blocked longest, so no `BLPOP` may stay
+//! blocked while its worker is busy: a `wait` that returns on its deadline
+//! first pokes its own list (confirmed, one round trip) to end its `BLPOP`,
+//! and the next `wait` collects the answer, so a ring is never lost.
 
 use std::future::Future;
 use std::pin::Pin;

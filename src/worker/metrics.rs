@@ -7,23 +7,30 @@ use std::sync::{Arc, OnceLock};
 use crate::telemetry::QueueInstruments;
 
 /// A handle on a [`Worker`](super::Worker)'s counters. Cloning shares them.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct Metrics(Arc<Counters>);
 
 #[derive(Default)]
 struct Counters {
     /// The facade's instruments, registered when the worker starts.
     instruments: OnceLock<QueueInstruments>,
-    claimed: AtomicU64,
-    done: AtomicU64,
-    retried: AtomicU64,
-    deferred: AtomicU64,
-    copied: AtomicU64,
-    dead: AtomicU64,
-    lost_leases: AtomicU64,
-    unconfirmed: AtomicU64,
-    recovered: AtomicU64,
-    redis_errors: AtomicU64,
+    /// Indexed by [`Count`].
+    counts: [AtomicU64; Count::RedisErrors as usize + 1],
+}
+
+/// One of the counters (see [`MetricsSnapshot`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Count {
+    Claimed,
+    Done,
+    Retried,
+    Deferred,
+    Copied,
+    Dead,
+    LostLeases,
+    Unconfirmed,
+    Recovered,
+    RedisErrors,
 }
 
 /// The counters at one moment.
@@ -69,18 +76,18 @@ pub struct MetricsSnapshot {
 impl Metrics {
     /// Reads all counters.
     pub fn snapshot(&self) -> MetricsSnapshot {
-        let c = &self.0;
+        let c = |count: Count| self.0.counts[count as usize].load(Relaxed);
         MetricsSnapshot {
-            claimed: c.claimed.load(Relaxed),
-            done: c.done.load(Relaxed),
-            retried: c.retried.load(Relaxed),
-            deferred: c.deferred.load(Relaxed),
-            copied: c.copied.load(Relaxed),
-            dead: c.dead.load(Relaxed),
-            lost_leases: c.lost_leases.load(Relaxed),
-            unconfirmed: c.unconfirmed.load(Relaxed),
-            recovered: c.recovered.load(Relaxed),
-            redis_errors: c.redis_errors.load(Relaxed),
+            claimed: c(Count::Claimed),
+            done: c(Count::Done),
+            retried: c(Count::Retried),
+            deferred: c(Count::Deferred),
+            copied: c(Count::Copied),
+            dead: c(Count::Dead),
+            lost_leases: c(Count::LostLeases),
+            unconfirmed: c(Count::Unconfirmed),
+            recovered: c(Count::Recovered),
+            redis_errors: c(Count::RedisErrors),
         }
     }
 
@@ -97,58 +104,31 @@ impl Metrics {
         self.0.instruments.get()
     }
 
-    fn record(&self, f: impl FnOnce(&QueueInstruments)) {
-        if let Some(instruments) = self.0.instruments.get() {
-            f(instruments);
-        }
+    pub(crate) fn count(&self, count: Count) {
+        self.add(count, 1);
     }
 
-    pub(crate) fn add_claimed(&self, n: u64) {
-        self.0.claimed.fetch_add(n, Relaxed);
-        self.record(|i| i.claimed.increment(n));
-    }
-    pub(crate) fn count_done(&self) {
-        self.0.done.fetch_add(1, Relaxed);
-        self.record(|i| i.done.increment(1));
-    }
-    pub(crate) fn count_retried(&self) {
-        self.0.retried.fetch_add(1, Relaxed);
-        self.record(|i| i.retried.increment(1));
-    }
-    pub(crate) fn count_deferred(&self) {
-        self.0.deferred.fetch_add(1, Relaxed);
-        self.record(|i| i.deferred.increment(1));
-    }
-    pub(crate) fn count_copied(&self) {
-        self.0.copied.fetch_add(1, Relaxed);
-    }
-    pub(crate) fn add_dead(&self, n: u64) {
-        self.0.dead.fetch_add(n, Relaxed);
-        self.record(|i| i.dead.increment(n));
-    }
-    pub(crate) fn count_lost_lease(&self) {
-        self.0.lost_leases.fetch_add(1, Relaxed);
-        self.record(|i| i.lost_leases.increment(1));
-    }
-    pub(crate) fn count_unconfirmed(&self) {
-        self.0.unconfirmed.fetch_add(1, Relaxed);
-    }
-    pub(crate) fn add_recovered(&self, n: u64) {
-        self.0.recovered.fetch_add(n, Relaxed);
-        self.record(|i| i.recovered.increment(n));
-    }
-    pub(crate) fn count_error(&self) {
-        self.0.redis_errors.fetch_add(1, Relaxed);
-        self.record(|i| i.redis_errors.increment(1));
+    /// Adds `n` to a counter, and to its instrument if it has one.
+    pub(crate) fn add(&self, count: Count, n: u64) {
+        self.0.counts[count as usize].fetch_add(n, Relaxed);
+        let Some(i) = self.instruments() else { return };
+        let instrument = match count {
+            Count::Claimed => &i.claimed,
+            Count::Done => &i.done,
+            Count::Retried => &i.retried,
+            Count::Deferred => &i.deferred,
+            Count::Dead => &i.dead,
+            Count::LostLeases => &i.lost_leases,
+            Count::Recovered => &i.recovered,
+            Count::RedisErrors => &i.redis_errors,
+            Count::Copied | Count::Unconfirmed => return,
+        };
+        instrument.increment(n);
     }
 }
 
-impl std::fmt::Debug for Counters {
+impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Counters")
-            .field("claimed", &self.claimed)
-            .field("done", &self.done)
-            .field("dead", &self.dead)
-            .finish_non_exhaustive()
+        f.debug_tuple("Metrics").field(&self.snapshot()).finish()
     }
 }

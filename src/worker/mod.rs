@@ -1,59 +1,19 @@
 //! Drives a tower service from a [`Queue`]: the consumer loop that brings
 //! fresh, delayed, retried and deferred messages back into the pipeline.
 //!
-//! # Behavior
-//!
-//! * **Claiming.** The worker claims due messages in batches sized to its
-//!   free capacity (`concurrency` plus `prefetch`, minus the messages it
-//!   runs or holds), and keeps claiming while batches come back full. Each claimed [`Job`] is passed to the
-//!   service once it is ready (`poll_ready` is respected), in a task of its
-//!   own.
-//! * **Settling.** `Ok` acknowledges the message (deletes it);
-//!   [`Outcome::Deferred`] leaves it where the [`LockLayer`](crate::LockLayer)
-//!   put it; `Err`, or a panic, retries it with backoff, and buries it as a
-//!   dead letter with the error text after `max_attempts`.
-//! * **In-place deferral.** While the worker calls the service, it offers
-//!   the job's claim (id and claim number) to the first `LockLayer` whose
-//!   `call` runs inside that call (through `map_request(|job: Job<T>|
-//!   job.into_payload())`, say). When that layer defers into the job's own
-//!   queue, it reschedules that claim in place: same id, same stored bytes,
-//!   one more deferral (so `max_deferrals` applies). The payload's bytes play
-//!   no part. Calls the handler makes later, from its future, through other
-//!   `LockLayer`s are new messages, pushed under ids of their own.
-//! * **Leases.** In-flight messages are leased; one timer renews all their
-//!   leases every third of the lease, and recovers messages whose worker
-//!   died (their lease ran out) so another worker takes them. A renewal that
-//!   finds a claim gone only marks it; when the handler returns, an in-place
-//!   deferral of that claim means nothing was lost (the deferral ended the
-//!   claim); otherwise the lease is counted lost once and no settlement is
-//!   attempted.
-//! * **Metrics.** `lost_leases` counts claims the server confirmed were no
-//!   longer this worker's. `unconfirmed` counts retries and burials whose
-//!   first attempt failed in transport and whose resend was refused: the
-//!   first attempt may have been applied, its reply lost. An acknowledgement
-//!   is decided by what the server holds: a message that is gone after a
-//!   lost reply was completed by the earlier attempt (counted done; or, if
-//!   the outage outlasted the lease, by another worker), one that still
-//!   exists under another claim is a lost lease. Only an error without an
-//!   answer (timeout, dropped connection) counts as a possibly lost reply.
-//! * **Idle.** With nothing due, the worker sleeps on a tokio timer until the
-//!   next due time, and is woken early by the queue's doorbell when a
-//!   producer adds an earlier message (see [`Waiter`](crate::queue::Waiter)).
-//!   No polling loop; a message due at T starts within milliseconds of T.
-//! * **Faults.** Every Redis error is logged and followed by a jittered
-//!   backoff (100 ms doubling to 5 s); the blocking connection is rebuilt,
-//!   and the queue's connection should be a
-//!   [`ConnectionManager`](redis::aio::ConnectionManager), which reconnects
-//!   by itself. Nothing is lost: a message whose settlement could not be
-//!   written comes back after its lease.
-//! * **Shutdown.** When the shutdown future completes, the worker stops
-//!   claiming and hands back the claimed messages it has not started. It
-//!   waits up to `shutdown_timeout` for running handlers; then it cancels
-//!   the handlers still running and hands their messages back, due now,
-//!   without counting an attempt. Settlements already under way (a handler
-//!   that returned) are not cancelled: they finish, within about a lease
-//!   (the time a settlement retries Redis errors for). A hand-back that
-//!   fails is logged; that message comes back after its lease.
+//! The worker claims due messages in batches sized to its free capacity
+//! (`concurrency` plus `prefetch`), calls the service once it is ready, and
+//! settles: `Ok` acknowledges, [`Outcome::Deferred`] leaves the message
+//! where the [`LockLayer`](crate::LockLayer) put it (a job deferred into its
+//! own queue is rescheduled in place, same id and bytes), `Err` or a panic
+//! retries with backoff and buries after `max_attempts`. One timer renews
+//! every lease and recovers dead workers' messages. Idle, it sleeps on a
+//! timer and the queue's doorbell ([`Waiter`](crate::queue::Waiter)), never
+//! polling. Redis errors are logged and retried with jittered backoff;
+//! nothing is lost (an unwritten settlement comes back after its lease). On
+//! shutdown it hands back what it has not started, waits `shutdown_timeout`,
+//! then cancels the rest and hands them back without counting an attempt.
+//! What each metric counts, and the rest: the README's "The worker".
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), lockgate::BoxError> {
@@ -91,12 +51,21 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::Service;
 
+use self::metrics::Count;
 pub use self::metrics::{Metrics, MetricsSnapshot};
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::outcome::Outcome;
 use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, Slot};
+
+/// What the worker's tasks need of a payload type: its bounds, named once.
+trait Payload: Serialize + DeserializeOwned + Send + Sync + 'static {}
+impl<T: Serialize + DeserializeOwned + Send + Sync + 'static> Payload for T {}
+
+/// What the worker's tasks need of a connection type.
+trait Conn: ConnectionLike + Clone + Send + Sync + 'static {}
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Conn for C {}
 
 /// The most handlers one worker runs at once.
 pub const MAX_CONCURRENCY: usize = 100_000;
@@ -316,10 +285,7 @@ where
     /// Tries per message, the first included, before it becomes a dead
     /// letter. Errors on zero.
     pub fn max_attempts(mut self, n: u32) -> Result<Self> {
-        if n == 0 {
-            return Err(Error::config("max_attempts must be at least 1"));
-        }
-        self.config.max_attempts = n;
+        self.config.max_attempts = at_least_one("max_attempts", n)?;
         Ok(self)
     }
 
@@ -333,10 +299,7 @@ where
     /// innocent, so a single expiry is too little evidence; 3 bounds what a
     /// poison message costs to 3 worker crashes. Errors on zero.
     pub fn max_stalls(mut self, n: u32) -> Result<Self> {
-        if n == 0 {
-            return Err(Error::config("max_stalls must be at least 1"));
-        }
-        self.config.max_stalls = n;
+        self.config.max_stalls = at_least_one("max_stalls", n)?;
         Ok(self)
     }
 
@@ -383,36 +346,33 @@ where
     pub async fn run_until(self, shutdown: impl Future) -> Result<()> {
         warn_on_eviction(&self.queue).await;
         let shared = Arc::new(Shared {
+            slots: Arc::new(Semaphore::new(self.config.concurrency)),
             queue: self.queue.clone(),
-            config: self.config.clone(),
-            metrics: self.metrics.clone(),
+            config: self.config,
+            metrics: self.metrics,
             in_flight: Mutex::new(HashMap::new()),
             cancel: watch::Sender::new(false),
             hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
             continued: Mutex::new(VecDeque::new()),
             continued_ready: tokio::sync::Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
-            slots: Arc::new(Semaphore::new(self.config.concurrency)),
         });
         // Aborted when run_until ends or is dropped: it must not keep
         // renewing the leases of messages nobody handles any more.
         let housekeeping = AbortOnDrop(tokio::spawn(housekeep(shared.clone())));
-        self.metrics.register(self.queue.name());
-        let _sampling = self.config.sample_every.map(|every| {
+        shared.metrics.register(self.queue.name());
+        let _sampling = shared.config.sample_every.map(|every| {
             AbortOnDrop(tokio::spawn(sample_depth(
                 self.queue.clone(),
-                self.metrics.clone(),
+                shared.metrics.clone(),
                 every,
             )))
         });
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let mut run = run::Run {
-            permits: shared.slots.clone(),
             waiter: self.queue.waiter(self.connector),
             service: self.service,
-            config: self.config,
-            metrics: self.metrics,
             shared,
             acks,
             tasks: JoinSet::new(),
@@ -440,6 +400,14 @@ where
         let _ = acker.await;
         drop(housekeeping);
         result
+    }
+}
+
+/// `n`, or an error naming the setting when it is zero.
+fn at_least_one(setting: &str, n: u32) -> Result<u32> {
+    match n {
+        0 => Err(Error::config(format_args!("{setting} must be at least 1"))),
+        n => Ok(n),
     }
 }
 
@@ -506,58 +474,48 @@ impl InFlight {
 
 /// What to write back for a handled message.
 enum Settlement {
-    Ack,
+    /// Whether the message counts as done (not so when deferred as a copy).
+    Ack(bool),
     Retry(String),
-    /// Failed for the last time.
-    Bury(String),
-    /// Deferred too often (not a failed attempt).
-    BuryDeferred(String),
+    /// `failed`: failed for the last time (else deferred too often, which is
+    /// not a failed attempt).
+    Bury {
+        error: String,
+        failed: bool,
+    },
 }
 
-impl<T, C> Shared<T, C>
-where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+impl<T: Payload, C: Conn> Shared<T, C> {
     /// Acknowledges a keyed message and, when its key has a next message,
     /// claims it under the same lock and hands it to the loop: a busy key
     /// runs back to back, one script per message. Falls back to the
     /// batched acknowledgement (which retries) when the call fails, and
     /// once the loop stops.
     async fn ack_and_continue(&self, token: ClaimToken, acks: AckQueue) {
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            return self.queue_ack(&acks, token, true).await;
+        }
+        // With a slot free here, a key that waits is claimed here: the busy
+        // key need not let go after MAX_RUN.
+        let run_on = self.slots.available_permits() > 0;
         let lease = self.config.lease;
-        let stopping = self.stopping.load(std::sync::atomic::Ordering::Relaxed);
-        let acked = match stopping {
-            true => Err(None),
-            false => {
-                // With a slot free here, a key that waits is claimed here:
-                // the busy key need not let go after MAX_RUN.
-                let run_on = self.slots.available_permits() > 0;
-                let acked = self.queue.ack_and_next_with(&token, lease, run_on).await;
-                acked.map_err(Some)
-            }
-        };
-        match acked {
+        match self.queue.ack_and_next_with(&token, lease, run_on).await {
             Ok((true, next)) => {
-                self.metrics.count_done();
+                self.metrics.count(Count::Done);
                 if let Some(next) = next {
-                    self.metrics.add_claimed(1);
+                    self.metrics.add(Count::Claimed, 1);
                     self.continued().push_back(next);
                     self.continued_ready.notify_one();
                 }
             }
             Ok((false, _)) => {
-                self.metrics.count_lost_lease();
+                self.metrics.count(Count::LostLeases);
                 tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
             }
             Err(error) => {
-                if let Some(error) = error {
-                    self.metrics.count_error();
-                    tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
-                }
-                if let Err(mpsc::error::SendError((token, _))) = acks.send((token, true)) {
-                    self.settle(&token, Settlement::Ack).await;
-                }
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
+                self.queue_ack(&acks, token, true).await;
             }
         }
     }
@@ -574,73 +532,108 @@ where
         self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Writes a settlement, retrying Redis errors for about a lease. If it
-    /// still fails, the message comes back when its lease runs out.
-    async fn settle(&self, token: &ClaimToken, settlement: Settlement) {
+    /// Queues an acknowledgement for the acker; writes it here when the
+    /// acker is gone.
+    async fn queue_ack(&self, acks: &AckQueue, token: ClaimToken, done: bool) {
+        if let Err(mpsc::error::SendError(ack)) = acks.send((token, done)) {
+            self.ack(&[ack]).await;
+        }
+    }
+
+    /// Runs `write` until the server answers, retrying Redis errors with a
+    /// growing pause for about a lease; `None` if it never answered (the
+    /// messages come back after their lease). With the answer comes whether
+    /// an earlier attempt failed in transport: the server may have run it
+    /// all the same (its reply was lost), so a refusal now is no proof of a
+    /// lost lease.
+    async fn persist<R, F>(
+        &self,
+        what: impl Fn() -> String,
+        mut write: impl FnMut() -> F,
+    ) -> Option<(R, bool)>
+    where
+        F: Future<Output = Result<R>>,
+    {
         let mut pause = Duration::from_millis(50);
         let give_up = Instant::now() + self.config.lease;
-        // Whether an earlier attempt failed in transport: the server may have
-        // run it all the same (its reply was lost), so a refusal now is no
-        // proof of a lost lease.
         let mut resent = false;
         loop {
-            let written = match &settlement {
-                Settlement::Ack => self.queue.ack_claims([token]).await.map(|acked| {
-                    match acked.first() {
-                        Some(Acked::Done) => Some(true),
-                        // Gone after a lost reply: the earlier copy completed
-                        // it. Gone without one: removed by hand, or completed
-                        // elsewhere after our lease ran out.
-                        Some(Acked::Gone) if resent => None,
-                        _ => Some(false),
-                    }
-                }),
-                Settlement::Retry(error) => {
-                    let delay = self.config.retry.delay(token.attempt() - 1);
-                    self.queue
-                        .retry(token, delay, error)
-                        .await
-                        .map(|due| Some(due.is_some()))
-                }
-                Settlement::Bury(error) => self.queue.bury(token, error).await.map(Some),
-                Settlement::BuryDeferred(error) => {
-                    self.queue.bury_with(token, error, false).await.map(Some)
-                }
+            let error = match write().await {
+                Ok(answer) => return Some((answer, resent)),
+                Err(error) => error,
             };
-            match written {
-                Ok(Some(true)) | Ok(None) => {
-                    match settlement {
-                        Settlement::Ack => self.metrics.count_done(),
-                        Settlement::Retry(_) => self.metrics.count_retried(),
-                        Settlement::Bury(_) | Settlement::BuryDeferred(_) => {
-                            self.metrics.add_dead(1)
-                        }
-                    }
-                    return;
+            self.metrics.count(Count::RedisErrors);
+            if Instant::now() + pause >= give_up {
+                tracing::error!(%error, "could not {}; it comes back after its lease", what());
+                return None;
+            }
+            resent |= may_have_run(&error);
+            tracing::warn!(%error, "could not {}; retrying", what());
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Acknowledges messages, each with whether it counts as done. A message
+    /// gone after an attempt whose reply was lost was completed by that
+    /// attempt; one gone otherwise, or under another claim, is a lost lease.
+    async fn ack(&self, batch: &[(ClaimToken, bool)]) {
+        let what = || format!("acknowledge {} message(s)", batch.len());
+        let write = || self.queue.ack_claims(batch.iter().map(|(token, _)| token));
+        let Some((acked, resent)) = self.persist(what, write).await else {
+            return;
+        };
+        for ((token, done), acked) in batch.iter().zip(acked) {
+            match acked {
+                Acked::Done => {}
+                Acked::Gone if resent => {
+                    tracing::debug!(id = %token.id(), "acknowledged by an earlier attempt whose reply was lost");
                 }
-                Ok(Some(false)) if resent => {
-                    self.metrics.count_unconfirmed();
-                    tracing::info!(id = %token.id(), "settlement refused after an earlier attempt's reply was lost: it may have been applied by the earlier attempt, or the lease ran out in between");
-                    return;
+                Acked::Gone => {
+                    self.metrics.count(Count::LostLeases);
+                    tracing::warn!(id = %token.id(), "the message was gone before it was acknowledged (removed, or handled elsewhere after its lease ran out)");
+                    continue;
                 }
-                Ok(Some(false)) => {
-                    self.metrics.count_lost_lease();
-                    tracing::warn!(id = %token.id(), "lease ran out before the message was settled; it is handled again elsewhere");
-                    return;
-                }
-                Err(error) if Instant::now() + pause < give_up => {
-                    resent |= may_have_run(&error);
-                    self.metrics.count_error();
-                    tracing::warn!(id = %token.id(), %error, "could not settle message; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
-                }
-                Err(error) => {
-                    self.metrics.count_error();
-                    tracing::error!(id = %token.id(), %error, "could not settle message; it comes back after its lease");
-                    return;
+                Acked::NotHeld => {
+                    self.metrics.count(Count::LostLeases);
+                    tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+                    continue;
                 }
             }
+            if *done {
+                self.metrics.count(Count::Done);
+            }
+        }
+    }
+
+    /// Writes a settlement (see `persist`); if it fails for good, the
+    /// message comes back when its lease runs out.
+    async fn settle(&self, token: &ClaimToken, settlement: Settlement) {
+        let what = || format!("settle message {}", token.id());
+        let (count, written) = match &settlement {
+            Settlement::Ack(done) => return self.ack(&[(token.clone(), *done)]).await,
+            Settlement::Retry(error) => {
+                let delay = self.config.retry.delay(token.attempt() - 1);
+                let write =
+                    || async move { Ok(self.queue.retry(token, delay, error).await?.is_some()) };
+                (Count::Retried, self.persist(what, write).await)
+            }
+            Settlement::Bury { error, failed } => {
+                let write = || self.queue.bury_with(token, error, *failed);
+                (Count::Dead, self.persist(what, write).await)
+            }
+        };
+        match written {
+            Some((true, _)) => self.metrics.count(count),
+            Some((false, true)) => {
+                self.metrics.count(Count::Unconfirmed);
+                tracing::info!(id = %token.id(), "settlement refused after an earlier attempt's reply was lost: it may have been applied by the earlier attempt, or the lease ran out in between");
+            }
+            Some((false, false)) => {
+                self.metrics.count(Count::LostLeases);
+                tracing::warn!(id = %token.id(), "lease ran out before the message was settled; it is handled again elsewhere");
+            }
+            None => {}
         }
     }
 
@@ -655,8 +648,8 @@ where
     ) -> Result<(bool, Option<Instant>)> {
         let claimed = self.queue.claim(max, self.config.lease).await?;
         let claimed_at = Instant::now();
-        self.metrics.add_claimed(claimed.jobs.len() as u64);
-        self.metrics.add_dead(claimed.buried as u64);
+        self.metrics.add(Count::Claimed, claimed.jobs.len() as u64);
+        self.metrics.add(Count::Dead, claimed.buried as u64);
         let full = claimed.jobs.len() == max;
         let mut in_flight = self.in_flight();
         for job in claimed.jobs {
@@ -688,24 +681,21 @@ where
 
     /// Hands a claim back at shutdown, due now; logs a failure (the message
     /// then comes back after its lease).
-    async fn release(&self, token: &ClaimToken) -> bool {
+    async fn release(&self, token: &ClaimToken) {
         use std::sync::atomic::Ordering;
         if self.hand_back_stalled.load(Ordering::Relaxed) {
-            return false;
+            return;
         }
-        let released = tokio::time::timeout(HAND_BACK_TIMEOUT, self.queue.release(token)).await;
-        let Ok(released) = released else {
-            self.hand_back_stalled.store(true, Ordering::Relaxed);
-            self.metrics.count_error();
-            tracing::warn!(id = %token.id(), "shutdown: no answer to a hand-back within {HAND_BACK_TIMEOUT:?}; the messages not handed back come back after their lease");
-            return false;
-        };
-        match released {
-            Ok(released) => released,
-            Err(error) => {
-                self.metrics.count_error();
+        match tokio::time::timeout(HAND_BACK_TIMEOUT, self.queue.release(token)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                self.metrics.count(Count::RedisErrors);
                 tracing::warn!(id = %token.id(), %error, "shutdown: could not hand a message back; it comes back after its lease");
-                false
+            }
+            Err(_) => {
+                self.hand_back_stalled.store(true, Ordering::Relaxed);
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(id = %token.id(), "shutdown: no answer to a hand-back within {HAND_BACK_TIMEOUT:?}; the messages not handed back come back after their lease");
             }
         }
     }
@@ -718,7 +708,7 @@ where
             return false;
         }
         in_flight.remove(&seq);
-        self.metrics.count_lost_lease();
+        self.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
         true
     }
@@ -728,21 +718,20 @@ where
     /// settlements already under way finish (within about a lease, the time
     /// a settlement retries for).
     async fn drain(&self, mut tasks: JoinSet<()>) {
-        let drained = tokio::time::timeout(self.config.shutdown_timeout, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
-        if drained.is_ok() {
+        let join = async |tasks: &mut JoinSet<()>| while tasks.join_next().await.is_some() {};
+        let timeout = self.config.shutdown_timeout;
+        if tokio::time::timeout(timeout, join(&mut tasks))
+            .await
+            .is_ok()
+        {
             return;
         }
         // Each task drops its handler call and hands its message back.
         self.cancel.send_replace(true);
         let grace = self.config.lease + Duration::from_secs(1);
-        let settled =
-            tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
-        if settled.is_err() {
+        if tokio::time::timeout(grace, join(&mut tasks)).await.is_err() {
             tasks.abort_all();
-            while tasks.join_next().await.is_some() {}
+            join(&mut tasks).await;
         }
         // Claims of tasks aborted before they reached their settlement.
         let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, f)| f.token).collect();
@@ -759,73 +748,19 @@ type AckQueue = mpsc::UnboundedSender<(ClaimToken, bool)>;
 
 /// Writes acknowledgements in batches: everything queued while the previous
 /// batch was in flight goes in the next, one round trip for many messages.
-async fn acker<T, C>(
+async fn acker<T: Payload, C: Conn>(
     shared: Arc<Shared<T, C>>,
     mut queued: mpsc::UnboundedReceiver<(ClaimToken, bool)>,
-) where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+) {
     let mut batch = Vec::new();
     while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        let mut pause = Duration::from_millis(50);
-        let give_up = Instant::now() + shared.config.lease;
-        // Whether an earlier attempt failed in transport (it may have run).
-        let mut resent = false;
-        loop {
-            match shared
-                .queue
-                .ack_claims(batch.iter().map(|(token, _)| token))
-                .await
-            {
-                Ok(acked) => {
-                    for ((token, done), acked) in batch.iter().zip(acked) {
-                        match acked {
-                            Acked::Done => {
-                                if *done {
-                                    shared.metrics.count_done();
-                                }
-                            }
-                            // An earlier copy of this batch ran, and its
-                            // reply was lost: completed, not lost.
-                            Acked::Gone if resent => {
-                                tracing::debug!(id = %token.id(), "acknowledged by an earlier attempt whose reply was lost");
-                                if *done {
-                                    shared.metrics.count_done();
-                                }
-                            }
-                            Acked::Gone => {
-                                shared.metrics.count_lost_lease();
-                                tracing::warn!(id = %token.id(), "the message was gone before it was acknowledged (removed, or handled elsewhere after its lease ran out)");
-                            }
-                            Acked::NotHeld => {
-                                shared.metrics.count_lost_lease();
-                                tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
-                            }
-                        }
-                    }
-                    break;
-                }
-                Err(error) if Instant::now() + pause < give_up => {
-                    resent |= may_have_run(&error);
-                    shared.metrics.count_error();
-                    tracing::warn!(%error, "could not acknowledge messages; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(2));
-                }
-                Err(error) => {
-                    shared.metrics.count_error();
-                    tracing::error!(%error, count = batch.len(), "could not acknowledge messages; they come back after their lease");
-                    break;
-                }
-            }
-        }
+        shared.ack(&batch).await;
         batch.clear();
     }
 }
 
 /// Runs one handler call and settles its message.
-async fn handle<T, C, R, E>(
+async fn handle<T: Payload, C: Conn, R, E>(
     shared: Arc<Shared<T, C>>,
     acks: AckQueue,
     seq: u64,
@@ -837,8 +772,6 @@ async fn handle<T, C, R, E>(
     ),
     _permit: OwnedSemaphorePermit,
 ) where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
     R: WorkerResponse,
     E: Into<BoxError>,
 {
@@ -867,33 +800,28 @@ async fn handle<T, C, R, E>(
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any
         // settlement would be refused: count the loss once, write nothing.
-        shared.metrics.count_lost_lease();
+        shared.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
         return;
     }
     match settlement {
-        Some((Settlement::Ack, true)) if token.held_lock().is_some() => {
+        Some(Settlement::Ack(true)) if token.held_lock().is_some() => {
             shared.ack_and_continue(token, acks).await;
         }
-        Some((Settlement::Ack, done)) => {
-            if let Err(mpsc::error::SendError((token, _))) = acks.send((token, done)) {
-                shared.settle(&token, Settlement::Ack).await;
-            }
-        }
-        Some((settlement, _)) => shared.settle(&token, settlement).await,
+        Some(Settlement::Ack(done)) => shared.queue_ack(&acks, token, done).await,
+        Some(settlement) => shared.settle(&token, settlement).await,
         None => {}
     }
 }
 
 /// How a handled message is settled: `None` when a LockLayer rescheduled it
-/// in place; else the settlement, and for an ack whether the message is
-/// done (not deferred as a copy).
+/// in place.
 fn settlement_of<T, C, R, E>(
     shared: &Shared<T, C>,
     token: &ClaimToken,
     running: &Slot,
     outcome: std::thread::Result<std::result::Result<R, E>>,
-) -> Option<(Settlement, bool)>
+) -> Option<Settlement>
 where
     R: WorkerResponse,
     E: Into<BoxError>,
@@ -904,30 +832,30 @@ where
             // deferral ended the claim, so a renewal racing it was refused:
             // nothing was lost (the deferral's script proved the claim ours).
             Some(id) if id == token.id() => {
-                shared.metrics.count_deferred();
+                shared.metrics.count(Count::Deferred);
                 None
             }
             // Copied into another queue: acknowledge the original.
             Some(copy) => {
-                shared.metrics.count_deferred();
+                shared.metrics.count(Count::Deferred);
                 if running.take_back().is_some() {
                     // No layer on this task took the claim: the deferral ran
                     // elsewhere (behind a `Buffer`, say) and pushed a copy,
                     // maybe into this very queue (see `RunningJob`).
-                    shared.metrics.count_copied();
+                    shared.metrics.count(Count::Copied);
                     tracing::warn!(id = %token.id(), %copy, "deferred as a copy under a new id: no LockLayer on the worker's task took its claim (is it behind a Buffer?); the original is acknowledged and the copy's counts start again");
                 }
-                Some((Settlement::Ack, false))
+                Some(Settlement::Ack(false))
             }
-            None => Some((Settlement::Ack, true)),
+            None => Some(Settlement::Ack(true)),
         },
         Ok(Err(error)) => {
             let error = error_chain(&*error.into());
-            Some((failure(&shared.config, token, error), false))
+            Some(failure(&shared.config, token, error))
         }
         Err(panic) => {
             let error = format!("handler panicked: {}", panic_message(&*panic));
-            Some((failure(&shared.config, token, error), false))
+            Some(failure(&shared.config, token, error))
         }
     }
 }
@@ -957,11 +885,12 @@ fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
         tracing::warn!(id = %token.id(), attempt = token.attempt(), %error, "message failed for the last time; burying it");
         // The dead letter says which limit it hit (recover's says
         // "lease expired N times (limit N)", a deferral cap "deferred N times").
-        Settlement::Bury(format!(
-            "failed {} times (max_attempts {}): {error}",
-            token.attempt(),
-            config.max_attempts
-        ))
+        let (attempt, max) = (token.attempt(), config.max_attempts);
+        let error = format!("failed {attempt} times (max_attempts {max}): {error}");
+        Settlement::Bury {
+            error,
+            failed: true,
+        }
     } else {
         tracing::info!(id = %token.id(), attempt = token.attempt(), %error, "message failed; retrying later");
         Settlement::Retry(error)
@@ -980,14 +909,8 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
-/// Renews the leases of in-flight messages every third of the lease, and
-/// recovers expired leases of dead workers.
 /// Sets the queue's depth gauges every `every` (see `Worker::sample_every`).
-async fn sample_depth<T, C>(queue: Queue<T, C>, metrics: Metrics, every: Duration)
-where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+async fn sample_depth<T: Payload, C: Conn>(queue: Queue<T, C>, metrics: Metrics, every: Duration) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1003,18 +926,16 @@ where
                 }
             }
             Err(error) => {
-                metrics.count_error();
+                metrics.count(Count::RedisErrors);
                 tracing::debug!(%error, "could not sample the queue's depth");
             }
         }
     }
 }
 
-async fn housekeep<T, C>(shared: Arc<Shared<T, C>>)
-where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+/// Renews the leases of in-flight messages every third of the lease, and
+/// recovers expired leases of dead workers.
+async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
     let lease = shared.config.lease;
     let mut ticks = tokio::time::interval(lease / 3);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1043,59 +964,25 @@ where
                     }
                 }
                 Err(error) => {
-                    shared.metrics.count_error();
+                    shared.metrics.count(Count::RedisErrors);
                     tracing::warn!(%error, "could not renew leases");
                 }
             }
         }
         match shared.queue.recover(shared.config.max_stalls).await {
             Ok(recovered) => {
-                shared
-                    .metrics
-                    .add_recovered((recovered.requeued + recovered.buried) as u64);
-                shared.metrics.add_dead(recovered.buried as u64);
+                shared.metrics.add(
+                    Count::Recovered,
+                    (recovered.requeued + recovered.buried) as u64,
+                );
+                shared.metrics.add(Count::Dead, recovered.buried as u64);
             }
             Err(error) => {
-                shared.metrics.count_error();
+                shared.metrics.count(Count::RedisErrors);
                 tracing::warn!(%error, "could not recover expired leases");
             }
         }
     }
-}
-
-/// Logs a Redis error and sleeps a jittered, growing pause; returns `true`
-/// when shutdown came first.
-async fn pause_after_error(
-    error: &Error,
-    failures: &mut u32,
-    shutdown: &mut (impl Future + Unpin),
-) -> bool {
-    let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5))
-        .expect("constant arguments are valid");
-    // At least half the cap, so that a dead server is not hammered.
-    let cap = backoff.cap(*failures);
-    let pause = cap / 2 + backoff.delay(*failures) / 2;
-    *failures = failures.saturating_add(1);
-    tracing::warn!(%error, ?pause, "redis error in the worker loop; pausing");
-    tokio::select! {
-        biased;
-        _ = shutdown => true,
-        () = tokio::time::sleep(pause) => false,
-    }
-}
-
-/// How long the server may refuse the worker's user (an ACL change under
-/// way, a password being rotated) before the worker gives up with the error.
-const DENIED_GRACE: Duration = Duration::from_secs(5);
-
-/// Whether `error` is a refusal that has lasted `DENIED_GRACE` (keeping
-/// track of since when in `since`): then waiting does not help.
-fn denied_for_good(error: &Error, since: &mut Option<Instant>) -> bool {
-    if !error.is_denied() {
-        return false;
-    }
-    let first = *since.get_or_insert_with(Instant::now);
-    first.elapsed() >= DENIED_GRACE
 }
 
 /// Warns when the server may evict keys: an evicted queue key loses messages.

@@ -6,37 +6,36 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::Duration;
 
-use redis::aio::ConnectionLike;
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
 use tracing::Instrument;
 
 use super::{
-    AckQueue, Config, Metrics, Settlement, Shared, WorkerResponse, denied_for_good, failure,
-    handle, panic_message, pause_after_error,
+    AckQueue, Conn, Count, Payload, Settlement, Shared, WorkerResponse, failure, handle,
+    panic_message,
 };
 use crate::BoxError;
+use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, RunningJob, Slot, Waiter};
 
 /// What ends the loop: `Some` with how `run_until` returns.
 pub(super) type Stop = Option<Result<()>>;
 
+/// How long the server may refuse the worker's user (an ACL change under
+/// way, a password being rotated) before the worker gives up with the error.
+const DENIED_GRACE: Duration = Duration::from_secs(5);
+
 /// The loop's state between rounds.
 pub(super) struct Run<T, C, K: Connector, S> {
     pub(super) service: S,
-    pub(super) config: Config,
-    pub(super) metrics: Metrics,
     pub(super) shared: Arc<Shared<T, C>>,
     pub(super) acks: AckQueue,
     pub(super) waiter: Waiter<K, C>,
-    /// One per handler slot.
-    pub(super) permits: Arc<Semaphore>,
     pub(super) tasks: JoinSet<()>,
     /// Claimed jobs waiting for a free handler slot: leased (and renewed)
     /// like running ones.
@@ -55,10 +54,8 @@ pub(super) struct Run<T, C, K: Connector, S> {
     pub(super) next_due: Option<Instant>,
 }
 
-impl<T, C, K, S> Run<T, C, K, S>
+impl<T: Payload, C: Conn, K, S> Run<T, C, K, S>
 where
-    T: Serialize + DeserializeOwned + Send + Sync + 'static,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
     K: Connector,
     S: Service<Job<T>> + Send + 'static,
     S::Response: WorkerResponse + Send + 'static,
@@ -66,10 +63,8 @@ where
     S::Future: Send + 'static,
 {
     fn prefetch(&self) -> usize {
-        let concurrency = self.config.concurrency;
-        self.config
-            .prefetch
-            .unwrap_or(concurrency.min(crate::queue::MAX_BATCH))
+        let config = &self.shared.config;
+        (config.prefetch).unwrap_or(config.concurrency.min(crate::queue::MAX_BATCH))
     }
 
     /// One round of the loop.
@@ -82,20 +77,19 @@ where
         {
             return Some(stop);
         }
-        let (concurrency, prefetch) = (self.config.concurrency, self.prefetch());
-        let running = concurrency - self.permits.available_permits();
+        let (concurrency, prefetch) = (self.shared.config.concurrency, self.prefetch());
+        let running = concurrency - self.shared.slots.available_permits();
         let room = (concurrency + prefetch).saturating_sub(running + self.buffer.len());
         // Refill once the buffer is down to half the prefetch, in batches
         // as large as the room allows (few round trips under backlog).
-        if self.maybe_due && room > 0 && self.buffer.len() <= prefetch / 2 {
-            match self
+        if self.maybe_due
+            && room > 0
+            && self.buffer.len() <= prefetch / 2
+            && let Err(stop) = self
                 .refill(room.min(crate::queue::MAX_BATCH), shutdown)
                 .await
-            {
-                Refill::Claimed => {}
-                Refill::Again => return None,
-                Refill::Stop(result) => return Some(result),
-            }
+        {
+            return stop;
         }
         if let Some(stop) = self.start_buffered(shutdown).await {
             return Some(stop);
@@ -105,7 +99,7 @@ where
             return self.wait_for_slot(shutdown).await;
         }
         if self.maybe_due {
-            if self.permits.available_permits() == 0 && prefetch == 0 {
+            if self.shared.slots.available_permits() == 0 && prefetch == 0 {
                 return self.wait_for_slot(shutdown).await;
             }
             return None;
@@ -130,39 +124,63 @@ where
         true
     }
 
-    /// Claims up to `max` jobs into the buffer. Not raced against shutdown:
-    /// a claim cancelled after the server ran it would strand its jobs
-    /// until their lease ran out.
-    async fn refill(&mut self, max: usize, shutdown: &mut (impl Future + Unpin)) -> Refill {
-        let claimed = self
-            .shared
-            .claim(max, &mut self.buffer, &mut self.next_seq)
-            .await;
-        match claimed {
+    /// Claims up to `max` jobs into the buffer; `Err` ends the round (see
+    /// `after_error`). Not raced against shutdown: a claim cancelled after
+    /// the server ran it would strand its jobs until their lease ran out.
+    async fn refill(
+        &mut self,
+        max: usize,
+        shutdown: &mut (impl Future + Unpin),
+    ) -> std::result::Result<(), Stop> {
+        let claimed = self.shared.claim(max, &mut self.buffer, &mut self.next_seq);
+        match claimed.await {
             Ok((full, due)) => {
                 self.failures = 0;
                 self.claims_denied = None;
                 self.maybe_due = full;
                 self.next_due = due;
-                Refill::Claimed
+                Ok(())
             }
-            Err(error) => {
-                self.metrics.count_error();
-                if denied_for_good(&error, &mut self.claims_denied) {
-                    return Refill::Stop(Err(error));
-                }
-                if pause_after_error(&error, &mut self.failures, shutdown).await {
-                    return Refill::Stop(Ok(()));
-                }
-                Refill::Again
-            }
+            Err(error) => Err(self.after_error(error, true, shutdown).await),
+        }
+    }
+
+    /// After a Redis error in a claim (`claiming`) or an idle wait: counts
+    /// it, and ends the loop with it once the server has refused this
+    /// worker's user for `DENIED_GRACE` (waiting does not help); else logs
+    /// it and sleeps a jittered, growing pause (`Some(Ok(()))` when shutdown
+    /// came first).
+    async fn after_error(
+        &mut self,
+        error: Error,
+        claiming: bool,
+        shutdown: &mut (impl Future + Unpin),
+    ) -> Stop {
+        self.shared.metrics.count(Count::RedisErrors);
+        let denied = match claiming {
+            true => &mut self.claims_denied,
+            false => &mut self.waits_denied,
+        };
+        if error.is_denied() && denied.get_or_insert_with(Instant::now).elapsed() >= DENIED_GRACE {
+            return Some(Err(error));
+        }
+        let backoff = Backoff::exponential(Duration::from_millis(100), Duration::from_secs(5))
+            .expect("constant arguments are valid");
+        // At least half the cap, so that a dead server is not hammered.
+        let pause = backoff.cap(self.failures) / 2 + backoff.delay(self.failures) / 2;
+        self.failures = self.failures.saturating_add(1);
+        tracing::warn!(%error, ?pause, "redis error in the worker loop; pausing");
+        tokio::select! {
+            biased;
+            _ = shutdown => Some(Ok(())),
+            () = tokio::time::sleep(pause) => None,
         }
     }
 
     /// Starts as many buffered jobs as there are free slots.
     async fn start_buffered(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
         while let Some((seq, job)) = self.buffer.pop_front() {
-            let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            let Ok(permit) = self.shared.slots.clone().try_acquire_owned() else {
                 self.buffer.push_front((seq, job));
                 return None;
             };
@@ -170,13 +188,16 @@ where
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
             }
-            let max_deferrals = self.config.max_deferrals;
+            let max_deferrals = self.shared.config.max_deferrals;
             if let Some(max) = max_deferrals.filter(|max| job.deferrals() > *max) {
                 let error = format!(
                     "deferred {} times (limit {max}): its lock stayed busy",
                     job.deferrals()
                 );
-                let settlement = Settlement::BuryDeferred(error);
+                let settlement = Settlement::Bury {
+                    error,
+                    failed: false,
+                };
                 (self.shared).spawn_settle(&mut self.tasks, seq, token, settlement, permit);
                 continue;
             }
@@ -224,7 +245,7 @@ where
         // its request reschedules it in place.
         let running = Slot::new(Some(RunningJob::of(&job)));
         job.offer(running.clone());
-        if let Some(instruments) = self.metrics.instruments() {
+        if let Some(instruments) = self.shared.metrics.instruments() {
             // Due time by the server's clock, start by this host's.
             let lag = std::time::SystemTime::now()
                 .duration_since(job.due_at())
@@ -263,7 +284,7 @@ where
         tokio::select! {
             biased;
             _ = &mut *shutdown => Some(Ok(())),
-            permit = self.permits.clone().acquire_owned() => {
+            permit = self.shared.slots.clone().acquire_owned() => {
                 drop(permit);
                 None
             }
@@ -289,14 +310,7 @@ where
             self.waits_denied = None;
             return None;
         };
-        self.metrics.count_error();
-        if denied_for_good(&error, &mut self.waits_denied) {
-            return Some(Err(error));
-        }
-        if pause_after_error(&error, &mut self.failures, shutdown).await {
-            return Some(Ok(()));
-        }
-        None
+        self.after_error(error, false, shutdown).await
     }
 
     /// After the loop: hands back what was claimed but never started, and
@@ -316,13 +330,4 @@ where
             self.shared.release(&job.claim_ref().to_token()).await;
         }
     }
-}
-
-/// What a refill did.
-enum Refill {
-    /// Claimed (perhaps nothing): go on with this round.
-    Claimed,
-    /// Failed and paused: start the next round.
-    Again,
-    Stop(Result<()>),
 }

@@ -1,23 +1,12 @@
 //! Permits: at most n holders of a key at a time (a lock is the case n = 1).
 //!
-//! A key's permits are one sorted set, `<prefix>:permits:{<key>}`: each
-//! member is a holder's random token, scored by the end of its lease in
-//! milliseconds by the server's clock. Taking a permit (`acquire.lua`) adds
-//! the caller's token if fewer than n are in the set; a full set first drops
-//! the leases that ran out and counts again. So a holder that died gives its
-//! permit back when its lease ends, and never before. Releases, renewals
-//! and fences compare the token, as for locks, and the set lives as long as
-//! its longest lease.
-//!
-//! Waiters are handed permits as locks are: one that listens joins the
-//! key's line of waiters (`<prefix>:permits:{<key>}:waiters`), and a release
-//! hands its permit to the first of them (leased for the hand-off time, made
-//! a whole lease by the waiter's next try or watchdog) and publishes its
-//! token on the channel named after the set. Fences are issued on first use
-//! (`fence.lua`), from the same clock-and-record rule as a lock's, kept in
-//! `<prefix>:permits:{<key>}:fences`. All three keys share the key's hash
-//! slot. The functions that take and give back permits are in
-//! `permits.lua`, shared with the keyed queue's scripts.
+//! A key's permits are one sorted set, `<prefix>:permits:{<key>}`, of holder
+//! tokens scored by the end of their leases (server clock, ms); its line of
+//! waiters is `<set>:waiters` and its fences `<set>:fences`, in the same
+//! hash slot. A holder that died gives its permit back when its lease ends,
+//! and never before. Waiters, hand-offs, fences and resends work as for
+//! locks (see the README's "Permits" section); the functions that take and
+//! give back permits are in `permits.lua`, shared with the keyed queue.
 //!
 //! The limit is the caller's: each acquire says how many holders it admits,
 //! so callers that disagree on n for one key each apply their own (a caller
@@ -30,9 +19,8 @@ use std::time::Duration;
 
 use redis::Script;
 use redis::aio::ConnectionLike;
-use tokio::time::Instant;
 
-use super::{Acquisition, Contended, FENCE_GRACE, Lease, Locker, Released, Ticket, millis};
+use super::{Acquisition, Lease, Locker, Released, Ticket, WAITERS, millis};
 use crate::error::{Error, Result};
 use crate::keys::{self, KeyName};
 use crate::script;
@@ -45,10 +33,16 @@ pub(crate) const PERMITS_LUA: &str = concat!(
     include_str!("permits.lua")
 );
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("acquire.lua")));
+pub(super) static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| with_permits(include_str!("acquire.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| with_permits(include_str!("release.lua")));
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
-static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fence.lua")));
+pub(super) static EXTEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("extend.lua")));
+pub(super) static FENCE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("fence.lua")));
+
+/// The suffix of a permits set's fences, `<set>:fences` (see `fence.lua`).
+pub(super) const FENCES: &str = ":fences";
 
 fn with_permits(body: &str) -> Script {
     Script::new(&format!("{PERMITS_LUA}\n{body}"))
@@ -85,41 +79,9 @@ pub struct PermitHolder {
     pub remaining: Duration,
 }
 
-/// The Redis keys of a key's permits: `<set>`, `<set>:waiters` (the line
-/// of waiters) and `<set>:fences`. Written straight into commands: they
-/// are named on every acquire and release.
-pub(crate) struct PermitKeys<'a> {
-    pub(crate) set: &'a str,
-    pub(crate) line: KeyName<'a>,
-    pub(crate) fences: KeyName<'a>,
-}
-
-impl<'a> PermitKeys<'a> {
-    /// The keys of the set named `set`.
-    pub(crate) fn of(set: &'a str) -> Self {
-        Self {
-            set,
-            line: KeyName(set, ":waiters"),
-            fences: KeyName(set, ":fences"),
-        }
-    }
-
-    /// The keys of a ticket's permits.
-    fn of_ticket(ticket: &'a Ticket) -> Self {
-        Self::of(ticket.lock_key())
-    }
-}
-
-/// `<prefix>:permits:{<key>}`, built without `format!`: it is made on every
-/// acquire.
+/// `<prefix>:permits:{<key>}` (see [`keys::tagged_key`]).
 pub(crate) fn permits_key(prefix: &str, key: &str) -> String {
-    let tag = keys::tag(key);
-    let mut set = String::with_capacity(prefix.len() + tag.len() + 12);
-    set.push_str(prefix);
-    set.push_str(":permits:{");
-    set.push_str(&tag);
-    set.push('}');
-    set
+    keys::tagged_key(prefix, "permits", key)
 }
 
 impl<C> Locker<C>
@@ -133,7 +95,7 @@ where
     /// renewed, fenced and released with the same methods as a lock's
     /// ([`extend`](Self::extend), [`fence`](Self::fence),
     /// [`release`](Self::release)); a holder that dies gives its permit back
-    /// when its lease ends. When all are taken, the [`Contended`] says when
+    /// when its lease ends. When all are taken, the [`Contended`](super::Contended) says when
     /// the first holder's lease ends. Errors on an empty key, on `permits`
     /// of 0 or above [`MAX_PERMITS`], and on a Redis failure.
     pub async fn acquire_permit(&self, key: &str, permits: u32) -> Result<Acquisition> {
@@ -151,17 +113,16 @@ where
     /// long their leases still live (leases that ran out are left out).
     pub async fn permit_holders(&self, key: &str) -> Result<Vec<PermitHolder>> {
         let set = self.permits_key(key);
-        let keys = PermitKeys::of(&set);
         type Reply = ((u64, u64), Vec<(String, f64)>, Vec<(String, String)>);
         let (time, members, fences): Reply = redis::pipe()
             .cmd("TIME")
             .cmd("ZRANGE")
-            .arg(keys.set)
+            .arg(&set)
             .arg(0)
             .arg(-1)
             .arg("WITHSCORES")
             .cmd("HGETALL")
-            .arg(keys.fences)
+            .arg(KeyName(&set, FENCES))
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("reading the permits of `{key}`")))?;
@@ -186,21 +147,8 @@ where
     /// (on a Redis Cluster, call it with a connection to each master: `SCAN`
     /// walks one node's keys). Keys whose leases all ran out are left out.
     pub async fn held_permits(&self, pattern: &str) -> Result<Vec<(String, Vec<PermitHolder>)>> {
-        let attempted = || format!("listing permits matching `{pattern}`");
-        let prefix = keys::glob_escape(&self.config.prefix);
-        let sets = keys::scan(
-            &mut self.conn.clone(),
-            &format!("{prefix}:permits:{{{pattern}}}"),
-        )
-        .await
-        .map_err(|e| Error::redis(attempted())(e))?;
-        let start = format!("{}:permits:{{", self.config.prefix);
         let mut held = Vec::new();
-        for set in &sets {
-            let Some(tag) = set.strip_prefix(&start).and_then(|r| r.strip_suffix('}')) else {
-                continue;
-            };
-            let key = keys::untag(tag);
+        for key in self.scan_keys("permits", "permits", pattern).await? {
             let holders = self.permit_holders(&key).await?;
             if !holders.is_empty() {
                 held.push((key, holders));
@@ -212,57 +160,9 @@ where
 
     /// Prepares an attempt at one of `permits` permits on `key`.
     pub(crate) fn permit_ticket(&self, key: String, permits: u32) -> Result<Arc<Ticket>> {
-        if key.is_empty() {
-            return Err(Error::InvalidKey("lock key must not be empty".into()));
-        }
+        super::check_key(&key)?;
         let permits = check_permits(permits)?;
-        Ok(Arc::new(Ticket {
-            lock_key: permits_key(&self.config.prefix, &key),
-            key,
-            token: super::Token::random(),
-            fence: std::sync::OnceLock::new(),
-            permits: Some(permits),
-        }))
-    }
-
-    /// The acquire script for a permit ticket (see `Locker::contend`).
-    pub(crate) async fn contend_permit(
-        &self,
-        ticket: &Arc<Ticket>,
-        permits: u32,
-        line: super::Line,
-    ) -> Result<Acquisition> {
-        let started = Instant::now();
-        let keys = PermitKeys::of_ticket(ticket);
-        let mark = line.arg();
-        let mut cmd = script::evalsha(&ACQUIRE, 2);
-        cmd.arg(keys.set)
-            .arg(keys.line)
-            .arg(ticket.token)
-            .arg(millis(self.config.ttl))
-            .arg(permits)
-            .arg(mark);
-        let reply: Vec<i64> = self
-            .send_acquire(Some(&ACQUIRE), &cmd, ticket, |reply: &Vec<i64>| {
-                reply.first() == Some(&1)
-            })
-            .await?;
-        let [acquired, left] = reply[..] else {
-            return Err(Error::reply(
-                format_args!("acquiring a permit of `{}`", ticket.key),
-                format_args!("expected 2 integers, got {reply:?}"),
-            ));
-        };
-        let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
-        Ok(if acquired == 1 {
-            self.lease(ticket, started, Some(left))
-        } else {
-            Acquisition::Contended(Contended {
-                key: ticket.key.clone(),
-                retry_after: left,
-                permits: Some(permits),
-            })
-        })
+        Ok(self.held_ticket(key, super::Token::random(), Some(permits)))
     }
 
     /// The release script for a permit ticket (see `Locker::release_ticket`).
@@ -271,89 +171,26 @@ where
         ticket: &Ticket,
         publish: &'static str,
     ) -> Result<Released> {
-        let keys = PermitKeys::of_ticket(ticket);
-        let permits = ticket.permits.unwrap_or(1);
-        let handoff = millis(super::HANDOFF);
-        let fenced = if ticket.issued_fence().is_some() {
-            "1"
-        } else {
-            "0"
-        };
+        let set = ticket.lock_key();
+        let fenced = ticket.issued_fence().map_or("0", |_| "1");
         let mut cmd = script::evalsha(&RELEASE, 3);
-        cmd.arg(keys.set)
-            .arg(keys.line)
-            .arg(keys.fences)
+        cmd.arg(set)
+            .arg(KeyName(set, WAITERS))
+            .arg(KeyName(set, FENCES))
             .arg(ticket.token)
-            .arg(permits)
+            .arg(ticket.permits.unwrap_or(1))
             .arg(publish)
             .arg(fenced)
-            .arg(handoff);
-        let script = &*RELEASE;
-        let released: i64 = script::run(script, &cmd, &mut self.conn.clone())
+            .arg(millis(super::HANDOFF));
+        let key = &ticket.key;
+        let released: i64 = script::run(&RELEASE, &cmd, &mut self.conn.clone())
             .await
-            .map_err(Error::redis(format_args!(
-                "releasing a permit of `{}`",
-                ticket.key
-            )))?;
+            .map_err(Error::redis(format_args!("releasing a permit of `{key}`")))?;
         // 1: free now; 2: free and handed to a waiter in line.
         Ok(if released >= 1 {
             Released::Now
         } else {
             Released::Gone
-        })
-    }
-
-    /// The renewal script for a permit ticket (see `Locker::extend_ticket`).
-    pub(crate) fn extend_permit_cmd(
-        &self,
-        ticket: &Ticket,
-        ttl: Duration,
-    ) -> (&'static Script, redis::Cmd) {
-        let mut cmd = script::evalsha(&EXTEND, 1);
-        cmd.arg(ticket.lock_key())
-            .arg(ticket.token)
-            .arg(millis(ttl));
-        (&EXTEND, cmd)
-    }
-
-    /// The fence script for a permit ticket (see `Locker::fence_ticket`).
-    pub(crate) fn fence_permit_cmd(&self, ticket: &Ticket) -> (&'static Script, redis::Cmd) {
-        let keys = PermitKeys::of_ticket(ticket);
-        let mut cmd = script::evalsha(&FENCE, 2);
-        cmd.arg(keys.set)
-            .arg(keys.fences)
-            .arg(ticket.token)
-            .arg(millis(FENCE_GRACE));
-        (&FENCE, cmd)
-    }
-
-    /// How long until the first holder's lease of a permit ticket's key
-    /// ends (zero when a permit is free or unknown).
-    pub(crate) async fn remaining_permit(&self, ticket: &Ticket) -> Result<Duration> {
-        let (time, leases): ((u64, u64), Vec<(String, f64)>) = redis::pipe()
-            .cmd("TIME")
-            .cmd("ZRANGE")
-            .arg(ticket.lock_key())
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "reading the permits of `{}`",
-                ticket.key
-            )))?;
-        let now = time.0 * 1000 + time.1 / 1000;
-        // Sorted by the end of their leases: the first live one ends first.
-        let live: Vec<u64> = leases
-            .iter()
-            .map(|(_, until)| *until as u64)
-            .filter(|until| *until > now)
-            .collect();
-        let permits = ticket.permits.unwrap_or(1) as usize;
-        Ok(match live.first() {
-            Some(first) if live.len() >= permits => Duration::from_millis(first - now),
-            _ => Duration::ZERO,
         })
     }
 }

@@ -1,22 +1,14 @@
 //! Rate limits per key: at most r admissions in any window of a period, by
-//! the server's clock.
+//! the server's clock (see the README's "Rate limits per key").
 //!
 //! A key's admissions are one sorted set, `<prefix>:rate:{<key>}`, of
-//! admission times in µs (a sliding-window log). One script (`admit.lua`)
-//! drops the admissions older than the period and places the next one:
-//! now if it fits, else at the exact moment the oldest admission that
-//! stands in the way leaves the window. Admissions are placed in time order,
-//! each at least a period after the one r places before it, so no window of
-//! the period ever holds more than r, however many processes ask. A burst
-//! setting b < r also spreads them: at most b in any window of period × b /
-//! r.
-//!
-//! A message that will come back later (a deferral) can **reserve** its
-//! slot: the script records it at the slot's future time, under the
-//! message's id, and when the message comes back it is admitted at once,
-//! in the period it was deferred to. Calls that come meanwhile queue behind
-//! the reservations. The log holds at most r entries per key (plus
-//! reservations), and expires a period after its last one.
+//! admission times in µs (a sliding-window log), kept by one script
+//! (`admit.lua`): no window of the period ever holds more than r, however
+//! many processes ask, and a burst setting b < r allows at most b in any
+//! window of period × b / r. A message that will come back later (a
+//! deferral) can **reserve** its slot: it is then admitted at once, in the
+//! period it was deferred to; calls that come meanwhile queue behind the
+//! reservations. The log expires a period after its last entry.
 
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

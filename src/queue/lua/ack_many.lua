@@ -1,21 +1,26 @@
--- Completes many claimed messages at once: deletes each whose claim the
--- caller still holds.
+-- Completes claimed messages: deletes each whose claim the caller still
+-- holds.
 -- KEYS[1]: data   KEYS[2]: active   KEYS[3]: errors   KEYS[4]: completed
 -- KEYS[5]: events
 -- ARGV[1]: the events' cap ("" for no events)
--- ARGV[2]: "1" to keep them on the completed stream, ARGV[3] and ARGV[4] its
---          limits (see ack.lua)
--- ARGV[5..]: quadruplets of (active member "<id>:<claim>", id, "1" when the
+-- ARGV[2]: "1" to keep them on the completed stream (Queue::keep_completed),
+--          ARGV[3] and ARGV[4] its limits: the most entries, and the most
+--          ms to keep one ("" for no limit)
+-- ARGV[5]: the events' kind: "done", or "deferred" for messages that moved
+--          into their key's line (see keyed_take_in.lua)
+-- ARGV[6..]: quadruplets of (active member "<id>:<claim>", id, "1" when the
 --          message may have an error entry to delete, its failed attempts
 --          before this one)
 -- Returns per message 1; 0 when its claim is no longer held but the message
--- still exists (its lease ran out); -1 when the message is gone (already
--- completed, say by an earlier copy of this call whose reply was lost).
+-- still exists (its lease ran out: scheduled again, claimed by another
+-- worker, or dead); -1 when the message is gone (already completed, say by
+-- an earlier copy of this call whose reply was lost, or removed). Nothing
+-- changes for a message unless its answer is 1.
 local out = {}
 local observed = ARGV[1] ~= '' or ARGV[2] == '1'
 local now = observed and now_ms()
 local done, kept = {}, {}
-for i = 5, #ARGV, 4 do
+for i = 6, #ARGV, 4 do
   if redis.call('ZREM', KEYS[2], ARGV[i]) == 1 then
     local id = ARGV[i + 1]
     if observed then
@@ -42,5 +47,5 @@ end
 for i = 1, #kept, 2 do
   keep_completed(KEYS[4], ARGV[3], ARGV[4], now, kept[i], kept[i + 1])
 end
-if observed then emit(KEYS[5], ARGV[1], 'done', now, nil, done) end
+if observed then emit(KEYS[5], ARGV[1], ARGV[5], now, nil, done) end
 return out

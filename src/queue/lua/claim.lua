@@ -77,23 +77,12 @@ if ARGV[3] ~= '' then
 end
 if #from_prioritized > 0 then redis.call('ZREM', KEYS[6], unpack(from_prioritized)) end
 if #from_schedule > 0 then redis.call('ZREM', KEYS[2], unpack(from_schedule)) end
--- The claim number is the larger of the last one + 1 and the server's time
--- in microseconds. A plain INCR would hand out old numbers again after the
--- server lost recent writes (a restart from an older snapshot, a promoted
--- replica that lagged): the counter comes back older while the claims made
--- since are still held, and a stale holder's "<id>:<claim>" would equal the
--- new holder's. The clock moved on meanwhile, so the new number is larger
--- than any handed out before the rollback (unless the server's clock was
--- stepped back by more than the lost interval).
-local claim = math.max((tonumber(redis.call('GET', KEYS[4])) or 0) + 1, now_us)
--- '%d': concatenating a 16-digit number would write it as "1.7e+15".
-local tag = string.format('%d', claim)
-redis.call('SET', KEYS[4], tag)
+local tag = next_claim(KEYS[4], now_us)
 local deadline = now + tonumber(ARGV[2])
 local leases = {}
 local next_at = next_due()
 if next_at and next_at <= now then ring(KEYS[5]) end
-local out = {claim, next_at or -1, now, slots}
+local out = {tag, next_at or -1, now, slots}
 for i, id in ipairs(ids) do
   if records[i] then
     leases[#leases + 1] = deadline

@@ -188,15 +188,6 @@ local function promote(now, max)
   end
 end
 
--- The next claim number (see claim.lua: never handed out twice, also after
--- the server lost recent writes).
-local function next_claim(now_us)
-  local claim = math.max((tonumber(redis.call('GET', KEYS[CLAIMS])) or 0) + 1, now_us)
-  local tag = string.format('%d', claim)
-  redis.call('SET', KEYS[CLAIMS], tag)
-  return tag
-end
-
 -- Whether a lock value "<token>[:<fence>][!]" names `token`.
 local function owns(value, token)
   local after = string.byte(value, #token + 1)

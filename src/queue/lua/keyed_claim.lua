@@ -32,7 +32,7 @@ local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
 
 -- Moves the head `id` of `key`'s line to the active set, under this claim.
 local function take(key, id, seq, permits, rate)
-  tag = tag or next_claim(now_us)
+  tag = tag or next_claim(KEYS[CLAIMS], now_us)
   local member = line_member(key, seq, id)
   redis.call('ZREM', KEYS[LINES], member)
   redis.call('ZADD', KEYS[ACTIVE], deadline, member .. ':' .. tag)
