@@ -106,6 +106,12 @@ local function ring(bell)
   end
 end
 
+-- Appends the values to the array `t`, in order (a call per element: the
+-- hot loops of push, claim and ack append inline instead).
+local function append(t, ...)
+  for i = 1, select('#', ...) do t[#t + 1] = (select(i, ...)) end
+end
+
 -- Splits a record into its header fields and payload; nil if malformed.
 -- Records written before the stall counter existed have three counters
 -- ("<enqueued>:<failures>:<deferrals>:<payload>") and read as 0 stalls. The

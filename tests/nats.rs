@@ -123,14 +123,30 @@ async fn publish(nats: &NatsServer, n: u64, accounts: &[&str]) {
     })
     .await
     .unwrap();
+    let order = |id: u64| {
+        let subject = format!("{SUBJECT}.{}", accounts[id as usize % accounts.len()]);
+        (subject, format!(r#"{{"id":{id},"amount":{id}}}"#))
+    };
     let mut acks = Vec::new();
     for id in 0..n {
-        let subject = format!("{SUBJECT}.{}", accounts[id as usize % accounts.len()]);
-        let payload = format!(r#"{{"id":{id},"amount":{id}}}"#);
-        acks.push(js.publish(subject, payload.into()).await.unwrap());
+        let (subject, payload) = order(id);
+        acks.push((id, js.publish(subject, payload.into()).await.unwrap()));
     }
-    for ack in acks {
-        ack.await.unwrap();
+    // A loaded server may answer "no stream for the subject" for a moment
+    // after creating it: such a message was not stored; publish it again.
+    for (id, ack) in acks {
+        let mut ack = ack.await;
+        let deadline = Instant::now() + secs(10);
+        while let Err(e) = &ack {
+            let missing = e.kind() == jetstream::context::PublishErrorKind::StreamNotFound;
+            assert!(
+                missing && Instant::now() < deadline,
+                "publishing order {id}: {e}"
+            );
+            sleep(ms(50)).await;
+            let (subject, payload) = order(id);
+            ack = js.publish(subject, payload.into()).await.unwrap().await;
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use tower::Service;
 
 use super::LockKey;
 use super::future::ResponseFuture;
+use super::service::call_ready;
 use super::strategy::{Fail, GiveUp, OnConflict};
 use crate::BoxError;
 use crate::lock::rate::{Decision, Rate, server_time};
@@ -219,11 +220,7 @@ where
         let running = Handoff::take();
         ResponseFuture::new(Box::pin(async move {
             match key {
-                None => {
-                    let mut inner = inner;
-                    let call = running.provide(|| inner.call(req));
-                    call.await.map(Outcome::Done).map_err(Into::into)
-                }
+                None => call_ready(inner, req, running).await,
                 Some(key) => admitted_call(config, inner, key, req, running).await,
             }
         }))

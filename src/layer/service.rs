@@ -116,7 +116,7 @@ where
 
 /// Calls an already ready service for a message that needs no lock,
 /// handing `running` on to the layers it wraps.
-async fn call_ready<S, Req>(
+pub(super) async fn call_ready<S, Req>(
     mut inner: S,
     req: Req,
     running: Handoff,

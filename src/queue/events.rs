@@ -284,14 +284,10 @@ pub(crate) fn decode(entry: &str, fields: Vec<Value>) -> Vec<Event> {
         key = next().map(|k| String::from_utf8_lossy(&k).into_owned());
         t = next();
     }
-    let header = (e, kind, t, next());
-    let (Some(e), Some(kind), Some(t), Some(ms)) = header else {
-        tracing::warn!(entry, "queue events: malformed entry");
-        return Vec::new();
-    };
-    let kind = EventKind::parse(&kind);
-    let ms: Option<u64> = std::str::from_utf8(&ms).ok().and_then(|m| m.parse().ok());
-    let (Some(kind), Some(ms), b"e", b"t") = (kind, ms, &e[..], &t[..]) else {
+    let kind = kind.as_deref().and_then(EventKind::parse);
+    let ms = next().and_then(|ms| std::str::from_utf8(&ms).ok()?.parse::<u64>().ok());
+    let (Some(kind), Some(ms), Some(b"e"), Some(b"t")) = (kind, ms, e.as_deref(), t.as_deref())
+    else {
         tracing::warn!(entry, "queue events: malformed entry");
         return Vec::new();
     };

@@ -7,24 +7,20 @@ use std::time::SystemTime;
 use serde::de::DeserializeOwned;
 
 use super::keyed::Held;
-use super::{Claim, ClaimRef, QueueKeys, Slot, from_unix_ms};
+use super::{Claim, ClaimRef, ClaimToken, QueueKeys, Slot, from_unix_ms};
 
 /// A message claimed from a [`Queue`](super::Queue), with what is known about
 /// its delivery. Dereferences to the payload.
 #[derive(Clone)]
 pub struct Job<T> {
-    /// The message id.
-    id: String,
+    /// Its claim: the id, the claim number that proves ownership to ack,
+    /// retry, defer and bury, the failed attempts before this one, the
+    /// stalls (leases that ran out), and for a keyed message its key's lock.
+    token: ClaimToken,
     /// The decoded payload.
     payload: T,
-    /// Which claim this is; proves ownership to ack, retry, defer, bury.
-    claim: u64,
-    /// Failed attempts before this one.
-    failures: u32,
     /// Times it was deferred because its lock was busy.
     deferrals: u32,
-    /// Times a lease on it ran out (its worker died or stalled).
-    stalls: u32,
     /// Its priority (0: none).
     priority: u8,
     /// When it was first pushed (server clock).
@@ -37,8 +33,6 @@ pub struct Job<T> {
     /// told when the payload is taken out, which makes that payload the
     /// job's own for a `LockLayer` that meets it later.
     offered: Option<Slot>,
-    /// For a keyed message, its key's lock, claimed with it.
-    held: Option<Arc<Held>>,
 }
 
 /// A record's header fields and payload:
@@ -85,8 +79,18 @@ pub(crate) fn split_record(record: &[u8]) -> Option<Record<'_>> {
     })
 }
 
+/// [`split_record`], or for a malformed record the whole of it as the
+/// payload, every count 0.
+pub(crate) fn split_or_raw(record: &[u8]) -> Record<'_> {
+    let raw = Record {
+        payload: record,
+        ..Record::default()
+    };
+    split_record(record).unwrap_or(raw)
+}
+
 /// The parts of a stored record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Record<'a> {
     pub(crate) enqueued: i64,
     pub(crate) failures: u32,
@@ -106,43 +110,32 @@ impl<T: DeserializeOwned> Job<T> {
         record: &[u8],
         queue: &Arc<QueueKeys>,
     ) -> Result<Self, Box<(Job<()>, String)>> {
-        let parsed = split_record(record);
-        let Record {
-            enqueued,
-            failures,
-            deferrals,
-            stalls,
-            payload,
-            priority,
-        } = parsed.unwrap_or(Record {
-            enqueued: 0,
-            failures: 0,
-            deferrals: 0,
-            stalls: 0,
-            payload: record,
-            priority: 0,
-        });
-        let job = Job {
+        let r = split_or_raw(record);
+        let token = ClaimToken {
             id,
-            payload: (),
             claim,
-            failures,
-            deferrals,
-            stalls,
-            priority,
-            enqueued_at: from_unix_ms(enqueued),
+            failures: r.failures,
+            stalls: r.stalls,
+            held: None,
+        };
+        let job = Job {
+            token,
+            payload: (),
+            deferrals: r.deferrals,
+            priority: r.priority,
+            enqueued_at: from_unix_ms(r.enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
             offered: None,
-            held: None,
         };
-        if parsed.is_none() {
+        // Only a malformed record's payload is the whole of it.
+        if r.payload.len() == record.len() {
             return Err(Box::new((
                 job,
                 "malformed record: no `<enqueued>:<failures>:<deferrals>:<stalls>:` header".into(),
             )));
         }
-        match serde_json::from_slice(payload) {
+        match serde_json::from_slice(r.payload) {
             Ok(payload) => Ok(job.map(|()| payload)),
             Err(e) => Err(Box::new((job, format!("could not decode payload: {e}")))),
         }
@@ -152,7 +145,7 @@ impl<T: DeserializeOwned> Job<T> {
 impl<T> Job<T> {
     /// The message id.
     pub fn id(&self) -> &str {
-        &self.id
+        &self.token.id
     }
 
     /// The payload.
@@ -184,7 +177,7 @@ impl<T> Job<T> {
     /// attempt (a handler error), and so on. Deferrals for lock contention
     /// and leases that ran out ([`stalls`](Self::stalls)) do not count.
     pub fn attempt(&self) -> u32 {
-        self.failures.saturating_add(1)
+        self.token.attempt()
     }
 
     /// How many times the message was deferred because its lock was busy.
@@ -195,7 +188,7 @@ impl<T> Job<T> {
     /// How many times a lease on the message ran out before this delivery
     /// (its worker died or stalled). Counted apart from failed attempts.
     pub fn stalls(&self) -> u32 {
-        self.stalls
+        self.token.stalls
     }
 
     /// Its priority, 0 (none) to 9 ([`PushOptions::priority`](super::PushOptions::priority)).
@@ -220,19 +213,19 @@ impl<T> Job<T> {
 
     /// The claim number of this delivery.
     pub fn claim(&self) -> u64 {
-        self.claim
+        self.token.claim
     }
 
     /// The message's key, for a keyed message
     /// ([`PushOptions::key`](super::PushOptions::key)): its handler runs
     /// holding the key's lock.
     pub fn key(&self) -> Option<&str> {
-        self.held.as_ref().map(|held| held.key.as_str())
+        self.token.held.as_ref().map(|held| held.key.as_str())
     }
 
     /// A keyed job: its key's lock is held with it.
     pub(crate) fn with_lock(mut self, held: Option<Arc<Held>>) -> Self {
-        self.held = held;
+        self.token.held = held;
         self
     }
 
@@ -244,18 +237,14 @@ impl<T> Job<T> {
     /// job's payload type).
     pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Job<U> {
         Job {
-            id: self.id,
+            token: self.token,
             payload: f(self.payload),
-            claim: self.claim,
-            failures: self.failures,
             deferrals: self.deferrals,
-            stalls: self.stalls,
             priority: self.priority,
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
             offered: self.offered,
-            held: self.held,
         }
     }
 }
@@ -264,7 +253,7 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Job<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Job")
             .field("queue", &self.queue.name)
-            .field("id", &self.id)
+            .field("id", &self.token.id)
             .field("attempt", &self.attempt())
             .field("deferrals", &self.deferrals)
             .field("payload", &self.payload)
@@ -274,13 +263,7 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Job<T> {
 
 impl<T> Claim for Job<T> {
     fn claim_ref(&self) -> ClaimRef<'_> {
-        ClaimRef {
-            id: &self.id,
-            claim: self.claim,
-            failures: self.failures,
-            stalls: self.stalls,
-            held: self.held.as_ref(),
-        }
+        self.token.claim_ref()
     }
 }
 
@@ -332,18 +315,15 @@ impl DeadLetter {
         error: Option<String>,
     ) -> Self {
         let record = record.unwrap_or_default();
-        let (failures, deferrals, stalls, payload) = match split_record(&record) {
-            Some(r) => (r.failures, r.deferrals, r.stalls, r.payload.to_vec()),
-            None => (0, 0, 0, record),
-        };
+        let r = split_or_raw(&record);
         Self {
             id,
             buried_at,
             error,
-            failures,
-            deferrals,
-            stalls,
-            payload,
+            failures: r.failures,
+            deferrals: r.deferrals,
+            stalls: r.stalls,
+            payload: r.payload.to_vec(),
         }
     }
 

@@ -14,12 +14,13 @@
 //!
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, LazyLock, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use redis::Script;
 use redis::aio::ConnectionLike;
+use redis::{FromRedisValue, Script};
 
+use super::scripts::Query;
 use super::{EventKind, QueueKeys};
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
@@ -253,12 +254,10 @@ impl Held {
     /// permits' set, line and fences; then its rate limit log.
     fn limit_keys(&self, prefix: &str, cmd: &mut redis::Cmd) {
         let lock = self.lock_key(prefix);
+        cmd.arg(&lock).arg(format!("{lock}:waiters"));
         match self.permits {
-            0 => cmd.arg(&lock).arg(format!("{lock}:waiters")).arg(&lock),
-            _ => cmd
-                .arg(&lock)
-                .arg(format!("{lock}:waiters"))
-                .arg(format!("{lock}:fences")),
+            0 => cmd.arg(&lock),
+            _ => cmd.arg(format!("{lock}:fences")),
         };
         cmd.arg(keys::rate_key(prefix, &self.key));
     }
@@ -413,12 +412,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(m.payload);
         }
         let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
-        let reply: Vec<i64> = run(script, &cmd, &mut self.conn.clone())
-            .await
-            .map_err(Error::redis(attempted()))?;
-        self.mark_ready(partition.slot)
-            .await
-            .map_err(Error::redis(attempted()))?;
+        let reply: Vec<i64> = self.run(script, &cmd, attempted).await?;
+        self.mark_ready(partition.slot, attempted).await?;
         if reply.len() != 2 * batch.len() {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
         }
@@ -449,12 +444,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut cmd = partition.call(script, 0);
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
-        let (added, due): (i64, i64) = run(script, &cmd, &mut self.conn.clone())
-            .await
-            .map_err(Error::redis(attempted()))?;
-        self.mark_ready(partition.slot)
-            .await
-            .map_err(Error::redis(attempted()))?;
+        let (added, due): (i64, i64) = self.run(script, &cmd, attempted).await?;
+        self.mark_ready(partition.slot, attempted).await?;
         Ok((added == 1, due))
     }
 
@@ -522,7 +513,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 None
             }
         };
-        let mut candidates = self.take_candidates(slot);
+        let mut candidates = self.candidates().remove(&slot).unwrap_or_default();
         let mut reply = self
             .claim_keys(&partition, &candidates, (max, lease), first.take())
             .await?;
@@ -536,7 +527,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let (turns, next_at, named) = reply;
         claimed.turns.extend(turns);
         let lower_to = if named.is_empty() { next_at } else { Some(0) };
-        self.put_candidates(slot, named);
+        match named.is_empty() {
+            true => self.candidates().remove(&slot),
+            false => self.candidates().insert(slot, named),
+        };
         if let Some(at) = lower_to {
             redis::cmd("ZADD")
                 .arg(&self.keys.partitions)
@@ -594,26 +588,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         });
     }
 
-    fn take_candidates(&self, slot: u16) -> Vec<String> {
-        let mut all = self
-            .state
-            .candidates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        all.remove(&slot).unwrap_or_default()
-    }
-
-    fn put_candidates(&self, slot: u16, named: Vec<String>) {
-        let mut all = self
-            .state
-            .candidates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if named.is_empty() {
-            all.remove(&slot);
-        } else {
-            all.insert(slot, named);
-        }
+    /// The ready keys each partition's last claim named (held for one
+    /// map operation: nothing can poison it).
+    fn candidates(&self) -> MutexGuard<'_, HashMap<u16, Vec<String>>> {
+        (self.state.candidates.lock()).unwrap_or_else(|e| e.into_inner())
     }
 
     /// One claim script call (after `first`, in the same round trip): the
@@ -655,7 +633,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             None => run(script, &cmd, &mut conn).await,
         };
         let (claim, _now, next_at, named, flat, blocked): Reply =
-            reply.map_err(Error::redis(attempted()))?;
+            reply.map_err(|e| Error::redis(attempted())(e))?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
@@ -752,6 +730,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         };
         let next_token = Token::random();
         let (dead_count, dead_age) = self.recording.dead.args();
+        let flag = |on: bool| if on { "1" } else { "" };
         cmd.arg(op)
             .arg(&held.key)
             .arg(id)
@@ -763,25 +742,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(publish)
             .arg(next.map_or(String::new(), |lease| millis(lease).to_string()))
             .arg(next_token.as_str())
-            .arg(if failures > 0 { "1" } else { "" })
+            .arg(flag(failures > 0))
             .arg(held.permits)
             .arg(millis(crate::lock::HANDOFF))
-            .arg(if held.rated { "1" } else { "" })
-            .arg(if self.recording.completed.is_some() {
-                "1"
-            } else {
-                ""
-            })
+            .arg(flag(held.rated))
+            .arg(flag(self.recording.completed.is_some()))
             .arg(dead_count)
             .arg(dead_age);
-        let mut conn = self.conn.clone();
-        let reply: Vec<redis::Value> = run(script, &cmd, &mut conn)
-            .await
-            .map_err(Error::redis(attempted()))?;
-        let settled = self
-            .settled(held, (claim, next_token), reply, attempted)
-            .await?;
-        let (acked, settled) = settled;
+        let reply: Vec<redis::Value> = self.run(script, &cmd, attempted).await?;
+        let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
         // Nothing to build on the hot path unless something is recorded.
         if self.recording.events.is_some() || !acked.is_empty() {
             let log = outcome_log(held, (id, failures), outcome, (acked, &settled));
@@ -798,7 +767,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
         reply: Vec<redis::Value>,
-        attempted: impl Fn() -> String,
+        attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled)> {
         let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
         let (status, acked) = match reply.as_slice() {
@@ -813,9 +782,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             (1, []) => return Ok((acked, Settled::Done)),
             (2, []) => {
                 // The key is ready for the next claim, whoever makes it.
-                self.mark_ready(held.partition.slot)
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                self.mark_ready(held.partition.slot, attempted).await?;
                 return Ok((acked, Settled::Done));
             }
             (3, [id, seq, record, renewed]) => (id, seq, record, renewed),
@@ -858,11 +825,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(events.map_or(String::new(), |cap| cap.to_string()))
             .arg(count)
             .arg(age)
-            .arg(if events.is_some() {
-                log.entries.len()
-            } else {
-                0
-            });
+            .arg(events.map_or(0, |_| log.entries.len()));
         for entry in log.entries.iter().filter(|_| events.is_some()) {
             cmd.arg(entry.kind.as_str())
                 .arg(&entry.key)
@@ -880,8 +843,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
     }
 
-    /// Marks a partition as having a ready key, and rings the doorbell.
-    async fn mark_ready(&self, slot: u16) -> redis::RedisResult<()> {
+    /// Marks a partition as having a ready key, and rings the doorbell;
+    /// `attempted` names the caller's operation in an error.
+    async fn mark_ready(&self, slot: u16, attempted: impl FnOnce() -> String) -> Result<()> {
         let mut hint = redis::pipe();
         hint.cmd("ZADD")
             .arg(&self.keys.partitions)
@@ -895,7 +859,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(0)
             .arg(0)
             .ignore();
-        hint.query_async(&mut self.conn.clone()).await
+        let done = hint.query_async(&mut self.conn.clone()).await;
+        done.map_err(|e| Error::redis(attempted())(e))
+    }
+
+    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`);
+    /// `attempted` names it in an error.
+    async fn run<R: FromRedisValue>(
+        &self,
+        script: &Script,
+        cmd: &redis::Cmd,
+        attempted: impl FnOnce() -> String,
+    ) -> Result<R> {
+        let reply = run(script, cmd, &mut self.conn.clone()).await;
+        reply.map_err(|e| Error::redis(attempted())(e))
     }
 
     /// Makes `key` ready at once if it waits (for a lock other code held,
@@ -903,18 +880,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
         let partition = self.partition_of(key);
         // LT: a key at work (its score below 0) stays so.
+        let attempted = || format!("waking key `{key}`");
         redis::cmd("ZADD")
             .arg(&partition.keys[READY])
             .arg("XX")
             .arg("LT")
             .arg(0)
             .arg(key)
-            .query_async::<()>(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!("waking key `{key}`")))?;
-        self.mark_ready(partition.slot)
-            .await
-            .map_err(Error::redis(format_args!("waking key `{key}`")))
+            .query_on::<(), _>(self.conn, attempted)
+            .await?;
+        self.mark_ready(partition.slot, attempted).await
     }
 
     /// Extends a turn's lease and its key's lock; `false` when either is
@@ -933,35 +908,30 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(held.token.as_str())
             .arg(millis(lease))
             .arg(held.permits);
-        let extended: i64 =
-            run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "extending keyed message `{member}`"
-                )))?;
+        let attempted = || format!("extending keyed message `{member}`");
+        let extended: i64 = self.run(script, &cmd, attempted).await?;
         Ok(extended == 1)
     }
 
-    /// Counts over every partition of the index: (in line, at work,
-    /// delayed, dead). Each partition is read at its own instant.
-    pub(crate) async fn counts(&self) -> Result<(u64, u64, u64, u64)> {
+    /// Counts over every partition of the index: [in line, delayed, at
+    /// work, dead]. Each partition is read at its own instant.
+    pub(crate) async fn counts(&self) -> Result<[u64; 4]> {
         let attempted = || format!("reading stats of queue `{}`", self.keys.name);
-        let mut total = (0, 0, 0, 0);
+        let mut total = [0; 4];
         for slot in self.slots().await? {
             let partition = self.partition(slot);
             let k = &partition.keys;
-            let (lines, held, later, dead): (u64, u64, u64, u64) = redis::pipe()
+            let counts: [u64; 4] = redis::pipe()
                 .zcard(&k[LINES])
-                .zcard(&k[ACTIVE])
                 .zcard(&k[SCHEDULE])
+                .zcard(&k[ACTIVE])
                 .zcard(&k[DEAD])
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
-            total.0 += lines;
-            total.1 += held;
-            total.2 += later;
-            total.3 += dead;
+            for (total, n) in total.iter_mut().zip(counts) {
+                *total += n;
+            }
         }
         Ok(total)
     }
@@ -971,16 +941,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// first in line has waited since it was pushed. Reads at most `most`
     /// keys of each partition's active and ready sets.
     pub(crate) async fn loads(&self, most: usize) -> Result<Vec<super::KeyLoad>> {
-        use redis::FromRedisValue;
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
         let script = &KeyedScripts::get().keys;
         let mut loads = Vec::new();
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(script, 0);
             cmd.arg(most.max(1));
-            let (now, flat): (i64, Vec<redis::Value>) = run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?;
+            let (now, flat): (i64, Vec<redis::Value>) = self.run(script, &cmd, attempted).await?;
             for entry in flat.chunks_exact(4) {
                 let (Ok(key), Ok(waiting), Ok(at_work), Ok(pushed)) = (
                     String::from_redis_value_ref(&entry[0]),
@@ -990,13 +957,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 ) else {
                     return Err(Error::reply(attempted(), "a malformed key entry"));
                 };
-                let age =
-                    (pushed >= 0).then(|| Duration::from_millis((now - pushed).max(0) as u64));
+                let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
                 loads.push(super::KeyLoad {
                     key,
                     waiting,
                     at_work,
-                    oldest_waiting: age,
+                    oldest_waiting,
                 });
             }
         }
@@ -1015,19 +981,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             redis::cmd("UNLINK")
                 .arg(&k[..CLAIMS])
                 .arg(&k[CLAIMS + 1..SEQ])
-                .exec_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "purging queue `{}`",
-                    self.keys.name
-                )))?;
+                .query_on::<(), _>(self.conn, || format!("purging queue `{}`", self.keys.name))
+                .await?;
         }
-        let mut all = self
-            .state
-            .candidates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        all.clear();
+        self.candidates().clear();
         Ok(())
     }
 
@@ -1040,28 +997,34 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .collect())
     }
 
-    /// Makes a partition whose dead letters were re-driven look for them.
-    pub(crate) async fn redriven(&self, slot: u16) -> Result<()> {
-        self.mark_ready(slot)
-            .await
-            .map_err(Error::redis(format_args!(
-                "re-driving dead letters of queue `{}`",
-                self.keys.name
-            )))
+    /// Makes a partition whose dead letters were re-driven look for them,
+    /// and records their `redriven` events (`pairs`: id, attempt; `keys`:
+    /// each one's key).
+    pub(crate) async fn redriven(
+        &self,
+        slot: u16,
+        pairs: Vec<(String, u32)>,
+        keys: Vec<String>,
+    ) -> Result<()> {
+        let attempted = || format!("re-driving dead letters of queue `{}`", self.keys.name);
+        self.mark_ready(slot, attempted).await?;
+        let mut log = Log::default();
+        for ((id, attempt), key) in pairs.iter().zip(&keys) {
+            log.event(EventKind::Redriven, key, (id, *attempt));
+        }
+        self.record(log).await;
+        Ok(())
     }
 
     /// Every partition in the index.
     async fn slots(&self) -> Result<Vec<u16>> {
+        let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
         let slots: Vec<u16> = redis::cmd("ZRANGE")
             .arg(&self.keys.partitions)
             .arg(0)
             .arg(-1)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "listing the partitions of queue `{}`",
-                self.keys.name
-            )))?;
+            .query_on(self.conn, attempted)
+            .await?;
         Ok(slots.into_iter().filter(|slot| *slot < SLOTS).collect())
     }
 
@@ -1080,15 +1043,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(&dead_count)
                 .arg(&dead_age);
             let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
-                run(script, &cmd, &mut self.conn.clone())
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                self.run(script, &cmd, attempted).await?;
             if ended.is_empty() {
                 continue;
             }
-            self.mark_ready(slot)
-                .await
-                .map_err(Error::redis(attempted()))?;
+            self.mark_ready(slot, attempted).await?;
             let mut log = Log::default();
             for (key, id, attempt, error) in &ended {
                 match error.as_str() {
@@ -1112,16 +1071,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         waiting: &mut Vec<super::Peeked>,
         active: &mut Vec<super::Peeked>,
     ) -> Result<()> {
-        use redis::FromRedisValue;
         let attempted = || format!("looking into queue `{}`", self.keys.name);
         let script = &KeyedScripts::get().peek;
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(script, 0);
             cmd.arg(limit);
             let (count, flat): (usize, Vec<redis::Value>) =
-                run(script, &cmd, &mut self.conn.clone())
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                self.run(script, &cmd, attempted).await?;
             for (n, entry) in flat.chunks_exact(4).enumerate() {
                 let (Ok(id), Ok(at), Ok(key), Ok(record)) = (
                     String::from_redis_value_ref(&entry[0]),
@@ -1172,9 +1128,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let script = &KeyedScripts::get().remove;
             let mut cmd = partition.call(script, 0);
             cmd.arg(id).arg(member.unwrap_or_default());
-            let key: Option<String> = run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?;
+            let key: Option<String> = self.run(script, &cmd, attempted).await?;
             if let Some(key) = key {
                 let mut log = Log::default();
                 log.event(EventKind::Removed, &key, (id, 1));
@@ -1204,11 +1158,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(&pattern)
                 .arg("COUNT")
                 .arg(1000)
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "looking for message `{id}` in line"
-                )))?;
+                .query_on(self.conn, || format!("looking for message `{id}` in line"))
+                .await?;
             if let Some((member, _)) = found.into_iter().next() {
                 return Ok(Some(member));
             }
@@ -1217,16 +1168,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             cursor = next;
         }
-    }
-
-    /// Records the `redriven` events of a partition's dead letters
-    /// (`pairs`: id, attempt; `keys`: each one's key).
-    pub(crate) async fn redriven_events(&self, pairs: Vec<(String, u32)>, keys: Vec<String>) {
-        let mut log = Log::default();
-        for ((id, attempt), key) in pairs.iter().zip(&keys) {
-            log.event(EventKind::Redriven, key, (id, *attempt));
-        }
-        self.record(log).await;
     }
 }
 

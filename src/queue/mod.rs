@@ -63,7 +63,7 @@ pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::millis;
-use scripts::Scripts;
+use scripts::{Query, Scripts};
 
 /// The most messages one script call handles (claim, push batch, recover).
 /// Lua's `unpack` fails somewhere past 8,000 values; staying far below keeps
@@ -215,20 +215,13 @@ impl QueueKeys {
         }
     }
 
-    /// The keys `purge` deletes: all but the claim counter.
-    fn all(&self) -> [&str; 10] {
-        [
-            &self.partitions,
-            &self.data,
-            &self.schedule,
-            &self.prioritized,
-            &self.events,
-            &self.completed,
-            &self.active,
-            &self.dead,
-            &self.errors,
-            &self.bell,
-        ]
+    /// The keys `<base>:<name>` of `names`.
+    fn named(&self, names: impl IntoIterator<Item = &'static str>) -> Vec<String> {
+        let base = &self.base;
+        names
+            .into_iter()
+            .map(|name| format!("{base}:{name}"))
+            .collect()
     }
 }
 
@@ -486,17 +479,14 @@ pub struct Peeked {
 impl Peeked {
     fn new(id: String, at: SystemTime, priority: u8, record: Option<Vec<u8>>) -> Self {
         let record = record.unwrap_or_default();
-        let (failures, deferrals, payload) = match job::split_record(&record) {
-            Some(r) => (r.failures, r.deferrals, r.payload.to_vec()),
-            None => (0, 0, record.clone()),
-        };
+        let r = job::split_or_raw(&record);
         Self {
             id,
             at,
             priority,
-            failures,
-            deferrals,
-            payload,
+            failures: r.failures,
+            deferrals: r.deferrals,
+            payload: r.payload.to_vec(),
             key: None,
         }
     }
@@ -635,8 +625,6 @@ where
     names.dedup();
     Ok(names)
 }
-
-impl<T, C> Queue<T, C> {}
 
 impl<T, C> Queue<T, C>
 where
@@ -789,13 +777,11 @@ where
         batch: impl ExactSizeIterator<Item = &'a Encoded>,
     ) -> Result<Vec<Pushed>> {
         let count = batch.len();
+        let k = &self.keys;
         let mut call = Scripts::get().push.prepare_invoke();
-        call.key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.bell)
-            .key(&self.keys.prioritized);
+        call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
         if let Some(cap) = self.events {
-            call.key(&self.keys.events).arg(cap);
+            call.key(&k.events).arg(cap);
         }
         let mut ids = Vec::with_capacity(count);
         for (id, when, payload, _) in batch {
@@ -803,10 +789,7 @@ where
             ids.push(id);
         }
         let attempted = || format!("pushing to queue `{}`", self.name());
-        let reply: Vec<i64> = call
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(attempted()))?;
+        let reply: Vec<i64> = call.query_on(&self.conn, attempted).await?;
         if reply.len() != count * 2 {
             return Err(Error::reply(
                 attempted(),
@@ -859,15 +842,13 @@ where
     ) -> Result<()> {
         let keyed = self.keyed().claim(slots, now, max, lease).await?;
         for turn in keyed.turns {
-            let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
-            let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
-            match self.decode_or_bury(record, Some(turn.held)).await {
+            match self.decode_turn(turn).await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
         }
         if let Some(at) = keyed.next_at {
-            let wait = Duration::from_millis(u64::try_from(at - now).unwrap_or(0));
+            let wait = span(at - now);
             claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
         }
         Ok(())
@@ -881,23 +862,17 @@ where
         lease: Duration,
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
+        let k = &self.keys;
         let reply: Vec<Value> = Scripts::get()
             .claim
-            .key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.active)
-            .key(&self.keys.claims)
-            .key(&self.keys.bell)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.events)
-            .key(&self.keys.partitions)
+            .key(&[&k.data, &k.schedule, &k.active, &k.claims])
+            .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(max)
             .arg(millis(lease))
             .arg(self.events_arg())
             .arg(keyed::PARTITIONS_PER_CLAIM)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         let bad = |detail: &str| Error::reply(attempted(), detail);
         let mut values = reply.into_iter();
         let int = |v: Option<Value>| v.as_ref().and_then(as_int).ok_or_else(|| bad("bad header"));
@@ -911,33 +886,34 @@ where
         let claim = u64::try_from(claim).map_err(|_| bad("negative claim"))?;
         let mut claimed = Claimed {
             jobs: Vec::new(),
-            next_due: (next_due >= 0)
-                .then(|| Duration::from_millis(u64::try_from(next_due - now).unwrap_or(0))),
+            next_due: (next_due >= 0).then(|| span(next_due - now)),
             buried: 0,
         };
         while let (Some(id), Some(due), Some(record)) =
             (values.next(), values.next(), values.next())
         {
-            let (Some(id), Some(due), Value::BulkString(record)) = (
-                as_string(id),
-                as_string(due).and_then(|d| d.parse::<f64>().ok()),
-                record,
-            ) else {
+            let (Some(id), Some(due), Value::BulkString(record)) =
+                (as_string(id), as_ms(due), record)
+            else {
                 // Cannot happen with lockgate's script; if it does, the jobs
                 // decoded so far must still reach the caller (they are
                 // leased), and the odd entry comes back after its lease.
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            match self
-                .decode_or_bury((id, claim, due as i64, &record), None)
-                .await
-            {
+            match self.decode_or_bury((id, claim, due, &record), None).await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
         }
         Ok((claimed, slots, now))
+    }
+
+    /// A keyed message's turn, decoded (due when pushed) or buried.
+    async fn decode_turn(&self, turn: keyed::Turn) -> std::result::Result<Job<T>, bool> {
+        let enqueued = job::split_or_raw(&turn.record).enqueued;
+        let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
+        self.decode_or_bury(record, Some(turn.held)).await
     }
 
     /// A claimed message decoded as `T`, under its key's lock when `held`.
@@ -1004,7 +980,6 @@ where
         self.ack_batch(&jobs, "done").await
     }
 
-    /// Acknowledges unkeyed messages in one script call.
     /// Acknowledges unkeyed messages in one script call; `kind` names their
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
@@ -1012,11 +987,8 @@ where
         let mut call = Scripts::get().ack_many.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.completed.is_some();
-        call.key(&self.keys.data)
-            .key(&self.keys.active)
-            .key(&self.keys.errors)
-            .key(&self.keys.completed)
-            .key(&self.keys.events)
+        let k = &self.keys;
+        call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
             .arg(self.events_arg())
             .arg(if keep { "1" } else { "" })
             .arg(completed.0)
@@ -1027,7 +999,7 @@ where
             call.arg(job.member())
                 .arg(job.id())
                 .arg(if job.failures() > 0 { "1" } else { "0" })
-                .arg(job.failed_attempts());
+                .arg(job.failures);
             count += 1;
         }
         if count == 0 {
@@ -1038,13 +1010,8 @@ where
                 "ack_many takes at most {MAX_BATCH} messages, got {count}"
             )));
         }
-        let acked: Vec<i64> =
-            call.invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "acknowledging messages in queue `{}`",
-                    self.name()
-                )))?;
+        let attempted = || format!("acknowledging messages in queue `{}`", self.name());
+        let acked: Vec<i64> = call.query_on(&self.conn, attempted).await?;
         Ok(acked
             .into_iter()
             .map(|a| match a {
@@ -1163,27 +1130,20 @@ where
             let due = SystemTime::now() + delay;
             return Ok(settled.then_some(due));
         }
+        let k = &self.keys;
+        let attempted = || format!("rescheduling message `{}` ({counter})", job.id());
         let due: i64 = Scripts::get()
             .reschedule
-            .key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.active)
-            .key(&self.keys.errors)
-            .key(&self.keys.bell)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.events)
+            .key(&[&k.data, &k.schedule, &k.active, &k.errors])
+            .key(&[&k.bell, &k.prioritized, &k.events])
             .arg(job.member())
             .arg(job.id())
             .arg(millis(delay))
             .arg(counter)
             .arg(error)
             .arg(self.events_arg())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "rescheduling message `{}` ({counter})",
-                job.id()
-            )))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         Ok((due >= 0).then(|| from_unix_ms(due)))
     }
 
@@ -1207,13 +1167,10 @@ where
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
         let (max_count, max_age) = self.retention.args();
+        let k = &self.keys;
         let buried: i64 = Scripts::get()
             .bury
-            .key(&self.keys.active)
-            .key(&self.keys.dead)
-            .key(&self.keys.errors)
-            .key(&self.keys.data)
-            .key(&self.keys.events)
+            .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
             .arg(job.member())
             .arg(job.id())
             .arg(error)
@@ -1221,9 +1178,8 @@ where
             .arg(max_count)
             .arg(max_age)
             .arg(self.events_arg())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!("burying message `{}`", job.id())))?;
+            .query_on(&self.conn, || format!("burying message `{}`", job.id()))
+            .await?;
         Ok(buried == 1)
     }
 
@@ -1244,19 +1200,18 @@ where
             .collect();
         let mut plain = Vec::with_capacity(members.len());
         // Bounded script calls: one call never keeps the server busy for long.
+        let attempted = || format!("extending leases in queue `{}`", self.name());
         for batch in members.chunks(MAX_BATCH) {
-            let mut call = Scripts::get().extend.prepare_invoke();
-            call.key(&self.keys.active).arg(millis(lease)).arg(batch);
-            let held: Vec<i64> =
-                call.invoke_async(&mut self.conn.clone())
-                    .await
-                    .map_err(Error::redis(format_args!(
-                        "extending leases in queue `{}`",
-                        self.name()
-                    )))?;
+            let held: Vec<i64> = Scripts::get()
+                .extend
+                .key(&self.keys.active)
+                .arg(millis(lease))
+                .arg(batch)
+                .query_on(&self.conn, attempted)
+                .await?;
             if held.len() != batch.len() {
                 return Err(Error::reply(
-                    format_args!("extending leases in queue `{}`", self.name()),
+                    attempted(),
                     format_args!("{} values for {} leases", held.len(), batch.len()),
                 ));
             }
@@ -1280,9 +1235,7 @@ where
     /// Acknowledges a claimed message and, for a keyed one
     /// ([`PushOptions::key`]) whose key has a next message in line, claims
     /// that one at once, under the same lock and claim number, in the same
-    /// script (what BullMQ's `moveToCompleted` with `fetchNext` does, for
-    /// one key): a busy key's messages run back to back at one script each.
-    /// The next job's lease ends when `job`'s would have (the lock's
+    /// script (see the README's "Keyed messages"). The next job's lease ends when `job`'s would have (the lock's
     /// expiry: renew it as any claim), or `lease` from now when the lock
     /// passes on under a new token (a fence was issued) or the key has
     /// permits. No next job (`None`) when the key has no next message in
@@ -1322,12 +1275,7 @@ where
             Settled::Done => return Ok((true, None)),
             Settled::Next(turn) => turn,
         };
-        let enqueued = job::split_record(&turn.record).map_or(0, |r| r.enqueued);
-        let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
-        Ok((
-            true,
-            self.decode_or_bury(record, Some(turn.held)).await.ok(),
-        ))
+        Ok((true, self.decode_turn(turn).await.ok()))
     }
 
     /// Ends a keyed message's turn; `false` when its claim was lost.
@@ -1354,28 +1302,20 @@ where
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
         let (max_count, max_age) = self.retention.args();
+        let k = &self.keys;
+        let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
             let (requeued, buried, examined): (usize, usize, usize) = Scripts::get()
                 .recover
-                .key(&self.keys.data)
-                .key(&self.keys.schedule)
-                .key(&self.keys.active)
-                .key(&self.keys.dead)
-                .key(&self.keys.errors)
-                .key(&self.keys.bell)
-                .key(&self.keys.prioritized)
-                .key(&self.keys.events)
+                .key(&[&k.data, &k.schedule, &k.active, &k.dead])
+                .key(&[&k.errors, &k.bell, &k.prioritized, &k.events])
                 .arg(max_stalls.max(1))
                 .arg(MAX_BATCH)
                 .arg(&max_count)
                 .arg(&max_age)
                 .arg(self.events_arg())
-                .invoke_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(format_args!(
-                    "recovering expired leases in queue `{}`",
-                    self.name()
-                )))?;
+                .query_on(&self.conn, attempted)
+                .await?;
             total.requeued += requeued;
             total.buried += buried;
             if examined < MAX_BATCH {
@@ -1394,33 +1334,23 @@ where
     /// or dead, or errors on record. (A queue exists in Redis only while it
     /// holds something.)
     pub async fn exists(&self) -> Result<bool> {
-        let keys = &self.keys;
         // Every key but the bell (a ring alone is no queue).
         let found: u32 = redis::cmd("EXISTS")
-            .arg(&keys.all()[..9])
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "looking up queue `{}`",
-                self.name()
-            )))?;
+            .arg(self.keys.named(QUEUE_KEYS))
+            .query_on(&self.conn, || format!("looking up queue `{}`", self.name()))
+            .await?;
         Ok(found > 0)
     }
 
     /// Counts the queue's messages in each state.
     pub async fn stats(&self) -> Result<Stats> {
+        let k = &self.keys;
+        let attempted = || format!("reading stats of queue `{}`", self.name());
         let v: (u64, u64, u64, u64, i64, i64, i64) = Scripts::get()
             .stats
-            .key(&self.keys.schedule)
-            .key(&self.keys.active)
-            .key(&self.keys.dead)
-            .key(&self.keys.prioritized)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "reading stats of queue `{}`",
-                self.name()
-            )))?;
+            .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized])
+            .query_on(&self.conn, attempted)
+            .await?;
         let (due, later, active, dead, oldest, now, next_due) = v;
         self.with_keyed([due, later, active, dead], [oldest, now, next_due])
             .await
@@ -1430,15 +1360,15 @@ where
     /// times (oldest due, now, next due; -1 for none) and its keyed ones.
     async fn with_keyed(&self, counts: [u64; 4], times: [i64; 3]) -> Result<Stats> {
         let keyed = self.keyed().counts().await?;
+        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| counts[i] + keyed[i]);
         let [oldest, now, next_due] = times;
-        let millis = |ms: i64| Duration::from_millis(u64::try_from(ms).unwrap_or(0));
         Ok(Stats {
-            due: counts[0] + keyed.0,
-            later: counts[1] + keyed.2,
-            active: counts[2] + keyed.1,
-            dead: counts[3] + keyed.3,
-            oldest_due_age: (oldest >= 0).then(|| millis(now - oldest)),
-            next_due_in: (next_due >= 0).then(|| millis(next_due - now)),
+            due,
+            later,
+            active,
+            dead,
+            oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
+            next_due_in: (next_due >= 0).then(|| span(next_due - now)),
         })
     }
 
@@ -1479,19 +1409,15 @@ where
         let buckets = buckets.clamp(1, 1000);
         let width = (millis(window) / u64::from(buckets)).max(1);
         let attempted = || format!("reading the activity of queue `{}`", self.name());
+        let k = &self.keys;
         let reply: Vec<i64> = Scripts::get()
             .stats
-            .key(&self.keys.schedule)
-            .key(&self.keys.active)
-            .key(&self.keys.dead)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.events)
+            .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized, &k.events])
             .arg(width * u64::from(buckets))
             .arg(width)
             .arg(buckets)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         let n = buckets as usize;
         if reply.len() != 8 + 2 * n {
             return Err(Error::reply(
@@ -1558,36 +1484,24 @@ where
 
     /// The first `stop + 1` dead letters of one set, oldest first.
     async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
+        let attempted = || format!("listing dead letters of queue `{}`", self.name());
         let reply: Vec<Value> = Scripts::get()
             .dead
-            .key(&set.data)
-            .key(&set.dead)
-            .key(&set.errors)
+            .key(&[&set.data, &set.dead, &set.errors])
             .arg(0)
             .arg(stop)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "listing dead letters of queue `{}`",
-                self.name()
-            )))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         let mut out = Vec::with_capacity(reply.len() / 4);
         let mut values = reply.into_iter();
         while let (Some(id), Some(at), Some(record), Some(error)) =
             (values.next(), values.next(), values.next(), values.next())
         {
-            let (Some(id), Some(at)) = (
-                as_string(id),
-                as_string(at).and_then(|a| a.parse::<f64>().ok()),
-            ) else {
+            let (Some(id), Some(at)) = (as_string(id), as_ms(at)) else {
                 return Err(Error::reply("listing dead letters", "bad entry"));
             };
-            out.push(DeadLetter::new(
-                id,
-                from_unix_ms(at as i64),
-                as_bytes(record),
-                as_string(error),
-            ));
+            let (at, record) = (from_unix_ms(at), as_bytes(record));
+            out.push(DeadLetter::new(id, at, record, as_string(error)));
         }
         Ok(out)
     }
@@ -1637,15 +1551,11 @@ where
             None => self.events_arg(),
             Some(_) => String::new(),
         };
+        let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
         let mut script = Scripts::get().requeue_dead.prepare_invoke();
         script
-            .key(&set.data)
-            .key(&set.schedule)
-            .key(&set.dead)
-            .key(&set.errors)
-            .key(&set.bell)
-            .key(&set.prioritized)
-            .key(&set.events);
+            .key(&[&set.data, &set.schedule, &set.dead, &set.errors])
+            .key(&[&set.bell, &set.prioritized, &set.events]);
         if let Some((_, keyof)) = &set.partition {
             script.key(keyof);
         }
@@ -1655,15 +1565,10 @@ where
             .arg(MAX_BATCH)
             .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
             .arg(events)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "re-driving dead letters of queue `{}`",
-                self.name()
-            )))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         if let (Some((slot, _)), true) = (&set.partition, requeued > 0) {
-            self.keyed().redriven(*slot).await?;
-            self.keyed().redriven_events(redriven, keys).await;
+            self.keyed().redriven(*slot, redriven, keys).await?;
         }
         Ok((requeued, examined, started))
     }
@@ -1690,8 +1595,7 @@ where
     /// makes (pushed, claimed, done, retried, deferred, released,
     /// dead, recovered, re-driven, removed) is appended, with the message
     /// id, the attempt and the server's time, to the queue's events stream
-    /// (`<prefix>:{<name>}:events`), capped near `max_len` entries (each
-    /// script call writes one entry, for one message or a batch). Follow
+    /// (`<prefix>:{<name>}:events`), capped near `max_len` entries. Follow
     /// them with [`events`](Self::events). Off by default, and then a
     /// message costs exactly what it costs without events. Turn it on for
     /// every handle that changes the queue (producers, workers, the layer's
@@ -1800,16 +1704,13 @@ where
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
+        let k = &self.keys;
         let reply: Vec<Value> = Scripts::get()
             .peek
-            .key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.active)
+            .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
             .arg(limit)
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         let bad = || Error::reply(attempted(), "bad entry");
         let mut values = reply.into_iter();
         let waiting_count = values.next().as_ref().and_then(as_int).ok_or_else(bad)?;
@@ -1820,18 +1721,12 @@ where
             else {
                 return Err(bad());
             };
-            let due = as_string(due)
-                .and_then(|d| d.parse::<f64>().ok())
-                .ok_or_else(bad)?;
+            let due = from_unix_ms(as_ms(due).ok_or_else(bad)?);
             let priority = as_int(&priority)
                 .and_then(|p| u8::try_from(p).ok())
                 .ok_or_else(bad)?;
-            waiting.push(Peeked::new(
-                as_string(id).ok_or_else(bad)?,
-                from_unix_ms(due as i64),
-                priority,
-                as_bytes(record),
-            ));
+            let id = as_string(id).ok_or_else(bad)?;
+            waiting.push(Peeked::new(id, due, priority, as_bytes(record)));
         }
         let mut active = Vec::new();
         self.keyed().peek(limit, &mut waiting, &mut active).await?;
@@ -1840,20 +1735,11 @@ where
         while let (Some(id), Some(deadline), Some(record)) =
             (values.next(), values.next(), values.next())
         {
-            let deadline = as_string(deadline)
-                .and_then(|d| d.parse::<f64>().ok())
-                .ok_or_else(bad)?;
+            let deadline = from_unix_ms(as_ms(deadline).ok_or_else(bad)?);
             let record = as_bytes(record);
-            let priority = record
-                .as_deref()
-                .and_then(job::split_record)
-                .map_or(0, |r| r.priority);
-            active.push(Peeked::new(
-                as_string(id).ok_or_else(bad)?,
-                from_unix_ms(deadline as i64),
-                priority,
-                record,
-            ));
+            let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
+            let id = as_string(id).ok_or_else(bad)?;
+            active.push(Peeked::new(id, deadline, priority, record));
         }
         active.sort_by_key(|a| a.at);
         active.truncate(limit);
@@ -1874,9 +1760,8 @@ where
             .arg("+")
             .arg("COUNT")
             .arg(limit.clamp(1, MAX_BATCH))
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         Ok(events::entries(reply)
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
@@ -1892,12 +1777,10 @@ where
             .arg("-")
             .arg("COUNT")
             .arg(1)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!(
-                "reading the events of queue `{}`",
-                self.name()
-            )))?;
+            .query_on(&self.conn, || {
+                format!("reading the events of queue `{}`", self.name())
+            })
+            .await?;
         Ok(events::entries(reply).into_iter().next().map(|(id, _)| id))
     }
 
@@ -1919,9 +1802,8 @@ where
             .arg("-")
             .arg("COUNT")
             .arg(limit)
-            .query_async(&mut self.conn.clone())
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
+            .query_on(&self.conn, attempted)
+            .await?;
         reply
             .into_iter()
             .map(|(entry, fields)| {
@@ -1957,19 +1839,15 @@ where
     /// partition's lines for its place: O(messages in line) there), and
     /// removed from its key's line, the delayed ones or the dead letters.
     pub async fn remove(&self, id: &str) -> Result<bool> {
+        let k = &self.keys;
         let removed: i64 = Scripts::get()
             .remove
-            .key(&self.keys.data)
-            .key(&self.keys.schedule)
-            .key(&self.keys.dead)
-            .key(&self.keys.errors)
-            .key(&self.keys.prioritized)
-            .key(&self.keys.events)
+            .key(&[&k.data, &k.schedule, &k.dead])
+            .key(&[&k.errors, &k.prioritized, &k.events])
             .arg(id)
             .arg(self.events_arg())
-            .invoke_async(&mut self.conn.clone())
-            .await
-            .map_err(Error::redis(format_args!("removing message `{id}`")))?;
+            .query_on(&self.conn, || format!("removing message `{id}`"))
+            .await?;
         Ok(removed == 1 || self.keyed().remove(id).await?)
     }
 
@@ -1981,13 +1859,9 @@ where
     pub async fn purge(&self) -> Result<()> {
         self.keyed().purge().await?;
         redis::cmd("UNLINK")
-            .arg(&self.keys.all()[..])
-            .exec_async(&mut self.conn.clone())
+            .arg(self.keys.named(QUEUE_KEYS.into_iter().chain(["bell"])))
+            .query_on(&self.conn, || format!("purging queue `{}`", self.name()))
             .await
-            .map_err(Error::redis(format_args!(
-                "purging queue `{}`",
-                self.name()
-            )))
     }
 
     /// A [`Waiter`] that blocks until this queue's doorbell rings, on its own
@@ -2027,9 +1901,7 @@ impl ClaimToken {
     pub fn attempt(&self) -> u32 {
         self.failures.saturating_add(1)
     }
-}
 
-impl ClaimToken {
     /// For a keyed message, its key, the token its lock (or permit) holds
     /// and the key's permits (0: its lock).
     pub(crate) fn held_lock(&self) -> Option<(&str, crate::lock::Token, u32)> {
@@ -2091,10 +1963,6 @@ impl ClaimRef<'_> {
     fn member(&self) -> String {
         format!("{}:{}", self.id, self.claim)
     }
-    /// Failed attempts before this one (the attempt is this plus one).
-    fn failed_attempts(&self) -> u32 {
-        self.failures
-    }
 }
 
 fn check_lease(lease: Duration) -> Result<()> {
@@ -2115,7 +1983,17 @@ pub(crate) fn unix_ms(t: SystemTime) -> i64 {
 }
 
 pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+    UNIX_EPOCH + span(ms)
+}
+
+/// `ms` milliseconds (none when negative).
+fn span(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// A time in ms as the scripts give scores: a number, maybe with a fraction.
+fn as_ms(v: Value) -> Option<i64> {
+    Some(as_string(v)?.parse::<f64>().ok()? as i64)
 }
 
 fn as_int(v: &Value) -> Option<i64> {

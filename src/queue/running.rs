@@ -128,14 +128,13 @@ impl Slot {
         if self.from_future && !self.shared.payload_out.load(Ordering::Acquire) {
             return None;
         }
-        // Held for one `Option::take`: nothing can poison it.
-        let mut job = self.shared.job.lock().unwrap_or_else(|e| e.into_inner());
-        job.take()
+        self.take_back()
     }
 
     /// Takes the claim whatever the request (the worker, once the call is
     /// over: `Some` means no layer took it).
     pub(crate) fn take_back(&self) -> Option<RunningJob> {
+        // Held for one `Option::take`: nothing can poison it.
         let mut job = self.shared.job.lock().unwrap_or_else(|e| e.into_inner());
         job.take()
     }

@@ -2,7 +2,10 @@
 
 use std::sync::LazyLock;
 
-use redis::Script;
+use redis::aio::ConnectionLike;
+use redis::{Cmd, FromRedisValue, RedisResult, Script, ScriptInvocation};
+
+use crate::error::{Error, Result};
 
 /// Every queue script, hashed once per process.
 pub(crate) struct Scripts {
@@ -55,41 +58,66 @@ impl Scripts {
     }
 }
 
+/// A script call or a command, sent on a clone of a queue's connection.
+pub(crate) trait Query {
+    /// Sends it; `attempted` names it in an error (formatted only then).
+    async fn query_on<R, C>(&self, conn: &C, attempted: impl FnOnce() -> String) -> Result<R>
+    where
+        R: FromRedisValue,
+        C: ConnectionLike + Clone + Send;
+}
+
+impl Query for ScriptInvocation<'_> {
+    async fn query_on<R, C>(&self, conn: &C, attempted: impl FnOnce() -> String) -> Result<R>
+    where
+        R: FromRedisValue,
+        C: ConnectionLike + Clone + Send,
+    {
+        let reply: RedisResult<R> = self.invoke_async(&mut conn.clone()).await;
+        reply.map_err(|e| Error::redis(attempted())(e))
+    }
+}
+
+impl Query for Cmd {
+    async fn query_on<R, C>(&self, conn: &C, attempted: impl FnOnce() -> String) -> Result<R>
+    where
+        R: FromRedisValue,
+        C: ConnectionLike + Clone + Send,
+    {
+        let reply: RedisResult<R> = self.query_async(&mut conn.clone()).await;
+        reply.map_err(|e| Error::redis(attempted())(e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    /// `scripts/push_keyed.lua`, the keyed push for producers in other
-    /// languages, is the library's; regenerate it as `push.lua`'s.
-    #[test]
-    fn the_shipped_keyed_push_script_is_the_one_the_library_loads() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/push_keyed.lua");
-        let expected = super::super::keyed::push_source();
+    /// `scripts/<file>` is what producers in other languages load; it must
+    /// never drift from the script the library runs (`sources`). To
+    /// regenerate it after changing them, run the tests with
+    /// `LOCKGATE_WRITE_SCRIPTS=1`.
+    fn check_shipped(file: &str, expected: &str, sources: &str) {
+        let path = format!("{}/scripts/{file}", env!("CARGO_MANIFEST_DIR"));
         if std::env::var_os("LOCKGATE_WRITE_SCRIPTS").is_some() {
-            std::fs::write(path, &expected).expect("write scripts/push_keyed.lua");
+            std::fs::write(&path, expected).expect("write the shipped script");
         }
-        let shipped = std::fs::read_to_string(path).expect("read scripts/push_keyed.lua");
+        let shipped = std::fs::read_to_string(&path).expect("read the shipped script");
         assert!(
             shipped == expected,
-            "scripts/push_keyed.lua differs from prelude.lua + keyed.lua + keyed_push.lua: \
-             regenerate it with LOCKGATE_WRITE_SCRIPTS=1 cargo test shipped_keyed_push_script"
+            "scripts/{file} differs from {sources}: \
+             regenerate it with LOCKGATE_WRITE_SCRIPTS=1 cargo test --lib shipped"
         );
     }
 
-    /// `scripts/push.lua` is what producers in other languages load; it must
-    /// never drift from the script the library runs. To regenerate it after
-    /// changing `prelude.lua` or `push.lua`, run this test with
-    /// `LOCKGATE_WRITE_SCRIPTS=1`.
+    #[test]
+    fn the_shipped_keyed_push_script_is_the_one_the_library_loads() {
+        let expected = super::super::keyed::push_source();
+        let sources = "prelude.lua + keyed.lua + keyed_push.lua";
+        check_shipped("push_keyed.lua", &expected, sources);
+    }
+
     #[test]
     fn the_shipped_push_script_is_the_one_the_library_loads() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/push.lua");
-        let expected = super::push_source();
-        if std::env::var_os("LOCKGATE_WRITE_SCRIPTS").is_some() {
-            std::fs::write(path, &expected).expect("write scripts/push.lua");
-        }
-        let shipped = std::fs::read_to_string(path).expect("read scripts/push.lua");
-        assert!(
-            shipped == expected,
-            "scripts/push.lua differs from prelude.lua + push.lua: \
-             regenerate it with LOCKGATE_WRITE_SCRIPTS=1 cargo test shipped_push_script"
-        );
+        let sources = "prelude.lua + push.lua";
+        check_shipped("push.lua", &super::push_source(), sources);
     }
 }

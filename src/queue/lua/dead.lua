@@ -6,9 +6,6 @@ local dead = redis.call('ZRANGE', KEYS[2], ARGV[1], ARGV[2], 'WITHSCORES')
 local out = {}
 for i = 1, #dead, 2 do
   local id = dead[i]
-  out[#out + 1] = id
-  out[#out + 1] = dead[i + 1]
-  out[#out + 1] = redis.call('HGET', KEYS[1], id)
-  out[#out + 1] = redis.call('HGET', KEYS[3], id)
+  append(out, id, dead[i + 1], redis.call('HGET', KEYS[1], id), redis.call('HGET', KEYS[3], id))
 end
 return out

@@ -17,16 +17,9 @@ local cap, at = ARGV[1], 5
 for _ = 1, tonumber(ARGV[4]) do
   local kind, key, error, n = ARGV[at], ARGV[at + 1], ARGV[at + 2], tonumber(ARGV[at + 3])
   local fields = {'e', kind}
-  if key ~= '' then
-    fields[#fields + 1] = 'k'
-    fields[#fields + 1] = key
-  end
-  fields[#fields + 1] = 't'
-  fields[#fields + 1] = now
-  if error ~= '' then
-    fields[#fields + 1] = 'x'
-    fields[#fields + 1] = error
-  end
+  if key ~= '' then append(fields, 'k', key) end
+  append(fields, 't', now)
+  if error ~= '' then append(fields, 'x', error) end
   for i = at + 4, at + 3 + 2 * n do fields[#fields + 1] = ARGV[i] end
   if cap ~= '' then redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', unpack(fields)) end
   at = at + 4 + 2 * n

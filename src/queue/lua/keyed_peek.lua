@@ -12,10 +12,7 @@ local now = now_ms()
 local out, waiting = {}, 0
 
 local function add(id, at, key)
-  out[#out + 1] = id
-  out[#out + 1] = string.format('%d', at)
-  out[#out + 1] = key
-  out[#out + 1] = redis.call('HGET', KEYS[DATA], id)
+  append(out, id, string.format('%d', at), key, redis.call('HGET', KEYS[DATA], id))
 end
 
 local ready = redis.call('ZRANGE', KEYS[READY], 0, limit - 1, 'WITHSCORES')

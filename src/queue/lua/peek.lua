@@ -19,16 +19,11 @@ for i = 1, #prioritized, 2 do
 end
 local out = {#waiting}
 for _, w in ipairs(waiting) do
-  out[#out + 1] = w[1]
-  out[#out + 1] = w[2]
-  out[#out + 1] = w[3]
-  out[#out + 1] = redis.call('HGET', KEYS[1], w[1])
+  append(out, w[1], w[2], w[3], redis.call('HGET', KEYS[1], w[1]))
 end
 local active = redis.call('ZRANGE', KEYS[4], 0, limit, 'WITHSCORES')
 for i = 1, #active, 2 do
   local id = member_id(active[i]) or active[i]
-  out[#out + 1] = id
-  out[#out + 1] = active[i + 1]
-  out[#out + 1] = redis.call('HGET', KEYS[1], id)
+  append(out, id, active[i + 1], redis.call('HGET', KEYS[1], id))
 end
 return out

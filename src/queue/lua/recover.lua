@@ -30,14 +30,12 @@ for _, member in ipairs(expired) do
         .. max_stalls .. '): its worker died or stalled every time it held the message')
       redis.call('ZADD', KEYS[4], now, id)
       buried = buried + 1
-      dead[#dead + 1] = id
-      dead[#dead + 1] = failures + 1
+      append(dead, id, failures + 1)
     else
       redis.call('HSET', KEYS[5], id, 'lease expired: the worker died or stalled')
       schedule_at(KEYS[2], KEYS[7], KEYS[6], id, now, priority)
       requeued = requeued + 1
-      back[#back + 1] = id
-      back[#back + 1] = failures + 1
+      append(back, id, failures + 1)
     end
   end
 end

@@ -31,8 +31,7 @@ for _, id in ipairs(ids) do
       redis.call('HSET', KEYS[1], id, make_record(enq, 0, 0, 0, payload, priority))
       schedule_at(KEYS[2], KEYS[6], KEYS[5], id, now, priority)
       count = count + 1
-      redriven[#redriven + 1] = id
-      redriven[#redriven + 1] = 1
+      append(redriven, id, 1)
       if KEYS[8] then
         keys[#keys + 1] = string.match(redis.call('HGET', KEYS[8], id) or '', '^[^%z]*')
       end
