@@ -1576,3 +1576,22 @@ async fn activity_counts_keyed_messages_as_stats_does() {
         "the dashboard's overview reads these"
     );
 }
+
+#[tokio::test]
+async fn stats_age_the_oldest_keyed_message_that_could_run() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    tokio::time::sleep(ms(30)).await;
+    let stats = queue.stats().await.unwrap();
+    let age = stats
+        .oldest_due_age
+        .expect("a1 and b1 are due and unclaimed");
+    assert!(age >= ms(30), "{age:?}");
+    claim_ids(&queue, secs(10)).await;
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        stats.oldest_due_age, None,
+        "the rest wait behind keys at work"
+    );
+}

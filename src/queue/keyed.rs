@@ -914,26 +914,40 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Counts over every partition of the index: [in line, delayed, at
-    /// work, dead]. Each partition is read at its own instant.
-    pub(crate) async fn counts(&self) -> Result<[u64; 4]> {
+    /// work, dead], and since when the longest-ready key's head may be
+    /// claimed (server ms, at `now` or before). Each partition is read at
+    /// its own instant.
+    pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
         let attempted = || format!("reading stats of queue `{}`", self.keys.name);
-        let mut total = [0; 4];
+        let (mut total, mut oldest) = ([0; 4], None::<i64>);
         for slot in self.slots().await? {
             let partition = self.partition(slot);
             let k = &partition.keys;
-            let counts: [u64; 4] = redis::pipe()
+            type Counts = (u64, u64, u64, u64, Vec<(String, i64)>);
+            let (lines, later, held, dead, ready): Counts = redis::pipe()
                 .zcard(&k[LINES])
                 .zcard(&k[SCHEDULE])
                 .zcard(&k[ACTIVE])
                 .zcard(&k[DEAD])
+                .cmd("ZRANGEBYSCORE")
+                .arg(&k[READY])
+                .arg(0)
+                .arg(now)
+                .arg("WITHSCORES")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(1)
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
-            for (total, n) in total.iter_mut().zip(counts) {
+            for (total, n) in total.iter_mut().zip([lines, later, held, dead]) {
                 *total += n;
             }
+            if let Some((_, since)) = ready.first() {
+                oldest = Some(oldest.map_or(*since, |o| o.min(*since)));
+            }
         }
-        Ok(total)
+        Ok((total, oldest))
     }
 
     /// The keys with messages in line or at work, over every partition of

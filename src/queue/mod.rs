@@ -1359,9 +1359,15 @@ where
     /// The queue's `Stats`: its own counts (due, later, active, dead) and
     /// times (oldest due, now, next due; -1 for none) and its keyed ones.
     async fn with_keyed(&self, counts: [u64; 4], times: [i64; 3]) -> Result<Stats> {
-        let keyed = self.keyed().counts().await?;
-        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| counts[i] + keyed[i]);
         let [oldest, now, next_due] = times;
+        // A keyed message is due once its key is ready for it.
+        let (keyed, ready) = self.keyed().counts(now).await?;
+        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| counts[i] + keyed[i]);
+        let oldest = match (oldest, ready) {
+            (-1, Some(ready)) => ready,
+            (oldest, Some(ready)) => oldest.min(ready),
+            (oldest, None) => oldest,
+        };
         Ok(Stats {
             due,
             later,
