@@ -150,6 +150,18 @@ async fn publish(nats: &NatsServer, n: u64, accounts: &[&str]) {
     }
 }
 
+/// Waits until every consumer has started (its first line), then a moment
+/// for it to join the durable consumer: an order published before a
+/// process pulls goes to the other, and both must take part.
+async fn until_started(consumers: &[Consumer]) {
+    let deadline = Instant::now() + secs(30);
+    while consumers.iter().any(|c| c.lines.lock().unwrap().is_empty()) {
+        assert!(Instant::now() < deadline, "a consumer did not start");
+        sleep(ms(10)).await;
+    }
+    sleep(ms(500)).await;
+}
+
 /// Waits until every order `0..n` was handled somewhere.
 async fn until_all_handled(consumers: &[Consumer], n: u64, bound: Duration) {
     let deadline = Instant::now() + bound;
@@ -216,6 +228,7 @@ async fn every_order_is_handled_once_and_one_at_a_time_per_account_across_consum
         Consumer::spawn(&nats, &redis),
         Consumer::spawn(&nats, &redis),
     ];
+    until_started(&consumers).await;
     publish(&nats, total, &ACCOUNTS).await;
     until_all_handled(&consumers, total, secs(60)).await;
     until_queue_empty(&redis).await;
@@ -250,6 +263,7 @@ async fn a_consumer_killed_mid_run_loses_no_order() {
         Consumer::spawn(&nats, &redis),
         Consumer::spawn(&nats, &redis),
     ];
+    until_started(&consumers).await;
     publish(&nats, total, &ACCOUNTS).await;
     // Kill one consumer (SIGKILL: no goodbye) once it is well under way,
     // holding locks, orders waiting in their account's line and unacknowledged messages.
