@@ -1,35 +1,25 @@
 -- Tries once more to take a lock that a plain `SET NX PX` found set (held
--- by another holder, by a first copy of the same request (a resend), or
--- handed to this very waiter by a release: see release.lua), and reports
--- how long its holder still has.
--- KEYS[1]: lock key   <prefix>:lock:{<key>}, value "<token>[:<fence>][!]"
--- KEYS[2]: waiters    <prefix>:lock:{<key>}:waiters, a zset: the tokens of
---                     the waiters that listen for the release, scored by
---                     when they first waited (server µs): a release hands
---                     the lock to the first of them
--- ARGV[1]: holder token (random; identifies this holder)
--- ARGV[2]: lock TTL in milliseconds
--- ARGV[3]: "1" to wait in line for the lock: mark it ("!" at the end of its
---          value), so that its release hands it on (see release.lua), and
---          join the waiters (keeping the place of an earlier try); "2" not to
---          join, but to leave the line when the lock is taken (a waiter that
---          joined before and cannot hear releases now); "0" neither.
--- Returns {1, ttl left in ms} when the lock is (now) ours: it was free, it
--- was handed to us, or it holds our own token (a resent acquire whose first
--- copy ran); {0, pttl of the current holder} when not.
--- Usual cost: SET, then ZREM (taken) or PTTL (busy); when waiting in line,
--- ZADD and PEXPIRE too (and APPEND once per holder).
+-- by another holder, by a first copy of this request, or handed to this
+-- waiter by a release: see release.lua); reports how long its holder has.
+-- KEYS: lock <prefix>:lock:{<key>}, value "<token>[:<fence>][!]"; waiters
+--   <lock>:waiters, a zset of the tokens of waiters that listen for the
+--   release, scored by when they first waited (server µs).
+-- ARGV: holder token (random), lock TTL in ms, line: "1" to wait in line
+--   (mark the lock with a final "!" so that its release hands it on, and
+--   join the waiters, keeping an earlier place), "2" only to leave the line
+--   when the lock is taken (a waiter that cannot hear releases now), "0"
+--   neither.
+-- Returns {1, ttl left in ms} when the lock is (now) ours: it was free,
+-- handed to us, or holds our token (a resend); else {0, holder's pttl}.
+-- Usual cost: SET, then ZREM (taken) or PTTL (busy); in line, ZADD and
+-- PEXPIRE too (and APPEND once per holder).
 local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
-if not held then
-  if ARGV[3] ~= '0' then redis.call('ZREM', KEYS[2], ARGV[1]) end
-  return {1, tonumber(ARGV[2])}
-end
 local n = #ARGV[1]
-local after = string.byte(held, n + 1)
-if string.sub(held, 1, n) == ARGV[1] and (after == nil or after == 58 or after == 33) then
-  -- Ours: handed to us for a moment (see release.lua), or a resend. It
-  -- lives a whole TTL from now.
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local after = held and string.byte(held, n + 1)
+if not held or string.sub(held, 1, n) == ARGV[1] and (after == nil or after == 58 or after == 33) then
+  -- Free, or ours: handed to us for a moment (see release.lua), or a
+  -- resend. It lives a whole TTL from now.
+  if held then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   if ARGV[3] ~= '0' then redis.call('ZREM', KEYS[2], ARGV[1]) end
   return {1, tonumber(ARGV[2])}
 end

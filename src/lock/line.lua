@@ -1,13 +1,11 @@
--- A key's line of waiters (see contend.lua and permits.lua), as functions:
+-- A key's line of waiters (see contend.lua and permits.lua), as functions
 -- prepended to release.lua and permits.lua, whose releases hand the key on
--- to the first waiter in line, but only to a waiter whose process is alive.
---
--- A waiter joins a line only while its process's release listener is
--- subscribed to the key's channel, and that listener subscribes a presence
--- channel beside it: `<channel>#<tag>`, where the tag is the first 8
--- characters of every token the process makes. A process that died (killed,
--- crashed) has its connection closed by its kernel, and Redis drops its
--- subscriptions at once: its waiters are skipped, all together.
+-- to the first waiter in line whose process is alive: a waiter joins only
+-- while its process's release listener is subscribed to the key's channel
+-- and to a presence channel beside it, `<channel>#<tag>` (the tag starts
+-- every token the process makes). A process that died has its connection
+-- closed by its kernel, and Redis drops its subscriptions at once: its
+-- waiters are skipped, all together.
 
 -- Whether the process of the line member `member` (a token, or
 -- "<token>/<limit>") still listens on `channel`. `publish`: "PUBLISH" on a

@@ -12,24 +12,18 @@ use tokio::time::Instant;
 
 use super::ReleaseListener;
 
-/// How long to wait before trying to open the listener again after a
-/// failed attempt (waiters poll meanwhile).
+/// The pause after a failed attempt to open the listener (waiters poll).
 const RETRY: Duration = Duration::from_secs(1);
 
 /// Opens a [`ReleaseListener`] on first need; shared by a locker's clones.
 pub(crate) struct AutoListener {
-    /// How to reach the server.
     open: Open,
-    /// The listener, once open.
     listener: OnceLock<ReleaseListener>,
-    /// When an attempt to open it is under way (`None`: at the moment, no
-    /// attempt), or when the next may start after one failed.
     attempt: Mutex<Attempt>,
 }
 
 /// How an [`AutoListener`] reaches its server.
 pub(crate) enum Open {
-    /// A single server (or a primary behind a proxy).
     Server(Box<redis::Client>),
     /// A Redis Cluster: makes the builder of the subscriber's connection
     /// (see [`ReleaseListener::connect_cluster`]).
@@ -38,12 +32,11 @@ pub(crate) enum Open {
     Given,
 }
 
+/// Whether an attempt to open the listener is under way, or when the next
+/// may start after one failed.
 enum Attempt {
-    /// Nothing under way; the next may start at once.
     Idle,
-    /// An attempt is under way.
     Running,
-    /// The last attempt failed; the next may start then.
     FailedUntil(Instant),
 }
 
@@ -56,7 +49,6 @@ impl std::fmt::Debug for AutoListener {
 }
 
 impl AutoListener {
-    /// One that is open already.
     pub(crate) fn opened(listener: ReleaseListener) -> Self {
         let this = Self::new(Open::Given);
         let _ = this.listener.set(listener);

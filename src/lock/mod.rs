@@ -10,53 +10,34 @@
 //!
 //! # Fencing tokens, and what they guarantee
 //!
-//! A **fencing token** (fence) is a number that increases for the key across
-//! holders, lockers and processes: passing it to the storage you write to,
-//! and having it refuse fences lower than the highest it has seen, stops a
-//! holder that paused past its TTL from writing late. It is issued on first
-//! use ([`Locker::fence`], [`HeldLock::fence`](crate::HeldLock::fence)), only
-//! while the caller's token still holds the lock, so fences increase in
-//! holder order: `max(server clock in µs, last fence on record + 1)`, written
-//! into the lock's value and into a record, `<prefix>:fence:{<key>}`, that
-//! lives as long as the lock plus [`FENCE_GRACE`] (5 s).
+//! A **fencing token** (fence) increases per key across holders, lockers and
+//! processes: storage that refuses fences lower than the highest it has seen
+//! stops a holder that paused past its TTL from writing late. It is issued on
+//! first use ([`Locker::fence`], [`HeldLock::fence`](crate::HeldLock::fence)),
+//! only while the caller's token still holds the lock, as `max(server clock
+//! in µs, last fence on record + 1)`; the record, `<prefix>:fence:{<key>}`,
+//! lives as long as the lock plus [`FENCE_GRACE`].
 //!
 //! **Guarantee.** A new fence is higher than every earlier fence of its key
-//! unless the clock of the server issuing it (after a failover: the new
-//! primary's) reads *earlier* than the clock reading an earlier fence was
-//! made from, that is, unless the clock stepped back by more than the time
-//! since that earlier fence was issued. While the record exists, not even
-//! that can repeat a fence. So a clock step back of δ can only matter when δ
-//! exceeds the time from the earlier fence to the end of its lock plus
-//! [`FENCE_GRACE`], or, when a failover or a restart lost the latest fences,
-//! the failover's duration (from the last fence on the old primary to the
-//! first on the new one). In particular fences do not repeat after a restart
-//! from an older snapshot (RDB, or AOF with `appendfsync everysec`), after
-//! the promotion of a replica that missed the last fences, or after the lock
-//! or its record was deleted or evicted: there is no counter that could be
-//! rolled back. NTP keeps clocks within milliseconds; a failover takes
-//! seconds.
-//!
-//! A failover can still, as for every Redis lock, let a second holder take
-//! the lock on a promoted replica that missed the first acquisition while
-//! the first holder still believes it holds it; its fence is higher, so
-//! fenced storage refuses the first holder's late writes.
-//! [`Locker::require_replicas`] narrows that window.
-//!
-//! # Resends
+//! unless the issuing server's clock (after a failover: the new primary's)
+//! stepped back by more than the time from that earlier fence to the end of
+//! its lock plus [`FENCE_GRACE`], or, when a failover or a restart lost the
+//! latest fences, by more than the failover's duration. No counter is kept
+//! that a restart from an older snapshot, a lagging replica's promotion or a
+//! deleted or evicted key could roll back. A failover can still let a second
+//! holder in while the first believes it holds the lock; the second's fence
+//! is higher ([`Locker::require_replicas`] narrows that window). The README's
+//! "Locks under failover" has the details.
 //!
 //! Every command is safe to run twice (redis-rs' cluster connections resend
-//! a request whose reply was lost): a resent acquire that finds its own
-//! token reports the lock acquired; a resent release finds the lock gone,
-//! which [`Locker::release`] reports as released when it was sent before the
-//! lease's expiry; a resent extend extends again; a resent fence request
-//! returns the fence the first one issued.
+//! a request whose reply was lost): see [`Locker::release`] for a resent
+//! release.
 //!
-//! # Upgrading
-//!
-//! Stop processes of older versions (which kept the fence in a counter key or
-//! a `~...` tombstone) before starting new ones: mutual exclusion holds
-//! across versions, but an old process sees this version's marks and fences
-//! as held, and this version sees an old tombstone as held for its 5 s.
+//! **Upgrading:** stop processes of older versions (which kept the fence in
+//! a counter key or a `~...` tombstone) before starting new ones: mutual
+//! exclusion holds across versions, but an old process sees this version's
+//! marks and fences as held, and this version sees an old tombstone as held
+//! for its 5 s.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -86,14 +67,14 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::keys::{self, KeyName};
+use crate::script;
 
+pub(crate) mod listen;
 pub mod permits;
 pub mod rate;
 pub(crate) mod wake;
-use crate::keys::{self, KeyName};
-use crate::script;
 pub use wake::ReleaseListener;
-pub(crate) mod listen;
 
 /// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
 /// `contend.lua`).
@@ -157,18 +138,14 @@ pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 /// listener).
 #[derive(Clone)]
 pub struct Locker<C> {
-    /// The connection every command goes through (cloned per call, as
-    /// redis-rs' multiplexed connections are meant to be).
+    /// Cloned per call, as redis-rs' multiplexed connections are meant to be.
     conn: C,
-    /// Prefix and TTL, shared by all clones.
     config: Arc<LockerConfig>,
 }
 
 #[derive(Debug)]
 struct LockerConfig {
-    /// First segment of every key this locker touches.
     prefix: String,
-    /// TTL of a freshly acquired lock.
     ttl: Duration,
     /// `WAIT` after every acquire and extend (see `require_replicas`).
     durability: Option<Durability>,
@@ -183,12 +160,11 @@ struct LockerConfig {
     listener: Option<Arc<listen::AutoListener>>,
 }
 
-/// How many replicas must confirm each write, and how long to wait for them.
+/// How many replicas must confirm each write, and how long to wait for them
+/// (`WAIT replicas timeout`).
 #[derive(Debug, Clone, Copy)]
 struct Durability {
-    /// `numreplicas` of `WAIT`.
     replicas: u32,
-    /// `timeout` of `WAIT`.
     timeout: Duration,
 }
 
@@ -225,15 +201,14 @@ impl Holder {
 /// The server's `maxmemory-policy`, as read by [`Locker::check_eviction`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EvictionPolicy {
-    /// The policy's name, for example `noeviction` or `volatile-ttl`.
     name: String,
-    /// Whether `maxmemory` is set: without a limit nothing is evicted.
+    /// Whether `maxmemory` is set: without a limit (`maxmemory 0`, the
+    /// default) nothing is ever evicted, whatever the policy says.
     limited: bool,
 }
 
 impl EvictionPolicy {
-    /// Reads the server's policy and memory limit (`CONFIG GET maxmemory*`).
-    /// Shared by the `Locker` and the `Worker`, which both warn on it.
+    /// `CONFIG GET maxmemory*`; the `Worker` warns on it too.
     pub(crate) async fn read(conn: &mut (impl ConnectionLike + Send)) -> Result<Self> {
         let attempted = "reading the server's maxmemory-policy";
         let reply: Vec<String> = redis::cmd("CONFIG")
@@ -254,8 +229,6 @@ impl EvictionPolicy {
         };
         Ok(EvictionPolicy {
             name: name.clone(),
-            // Without a memory limit (`maxmemory 0`, the default) nothing is
-            // ever evicted, whatever the policy says.
             limited: value("maxmemory").is_some_and(|m| m != "0"),
         })
     }
@@ -314,11 +287,9 @@ impl Acquisition {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("lock `{key}` is held by another holder; retry after {retry_after:?}")]
 pub struct Contended {
-    /// The user's key.
     key: String,
-    /// How long the current holder's lock still lives (zero if unknown).
+    /// Zero if unknown.
     retry_after: Duration,
-    /// How many permits the key has; `None` for a lock.
     permits: Option<u32>,
 }
 
@@ -374,13 +345,11 @@ pub struct Lease {
 /// harmless no-op).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Ticket {
-    /// The user's key.
     key: String,
-    /// The lock's Redis key; for one of n permits, the key's permits set.
+    /// For one of n permits, the key's permits set.
     lock_key: String,
-    /// Random token proving ownership.
     token: Token,
-    /// The fencing token, once issued (see `Locker::fence`).
+    /// Issued on first use (see `Locker::fence`).
     fence: OnceLock<u64>,
     /// How many permits the key admits (see [`permits`]); `None` for a lock.
     permits: Option<u32>,
@@ -442,13 +411,12 @@ impl Lease {
 }
 
 impl Locker<redis::aio::ConnectionManager> {
-    /// Connects to the server `client` points at: a locker over a
-    /// [`ConnectionManager`](redis::aio::ConnectionManager) (which reconnects
-    /// by itself), with the default prefix and TTL, that opens this process's
-    /// [`ReleaseListener`] the first time a waiter needs one, so that a
-    /// waiting [`LockLayer`](crate::LockLayer) is woken by the release
-    /// instead of polling ([`LockLayer::poll_only`](crate::LockLayer::poll_only)
-    /// opts out). Errors when the first connection fails.
+    /// A locker over a [`ConnectionManager`](redis::aio::ConnectionManager)
+    /// to `client`'s server, that opens this process's [`ReleaseListener`]
+    /// when a waiter first needs one, so that a waiting
+    /// [`LockLayer`](crate::LockLayer) is woken by the release instead of
+    /// polling ([`LockLayer::poll_only`](crate::LockLayer::poll_only) opts
+    /// out). Errors when the first connection fails.
     pub async fn connect(client: redis::Client) -> Result<Self> {
         let conn = redis::aio::ConnectionManager::new(client.clone())
             .await
@@ -458,11 +426,9 @@ impl Locker<redis::aio::ConnectionManager> {
 }
 
 impl Locker<redis::cluster_async::ClusterConnection> {
-    /// Connects to a Redis Cluster: a locker over a cluster connection made
-    /// from `builder()`, that opens its [`ReleaseListener`]
-    /// ([`ReleaseListener::connect_cluster`]) from another `builder()`, whose
-    /// connection needs settings of its own. As [`connect`](Locker::connect)
-    /// otherwise.
+    /// As [`connect`](Locker::connect), for a Redis Cluster: `builder()` makes
+    /// the locker's connection, and another for its [`ReleaseListener`]
+    /// ([`ReleaseListener::connect_cluster`]).
     pub async fn connect_cluster(
         builder: impl Fn() -> redis::cluster::ClusterClientBuilder + Send + Sync + 'static,
     ) -> Result<Self> {
@@ -496,10 +462,9 @@ where
     }
 
     /// The release listener of a locker made by [`connect`](Locker::connect)
-    /// or [`connect_cluster`](Locker::connect_cluster), which its
-    /// [`LockLayer`](crate::LockLayer)s use unless told otherwise: opened in
-    /// the background on the first call, `None` until it is up (always, for
-    /// [`new`](Self::new)).
+    /// or [`connect_cluster`](Locker::connect_cluster), which its layers use
+    /// unless told otherwise: opened in the background on the first call,
+    /// `None` until it is up (always, for [`new`](Self::new)).
     pub fn release_listener(&self) -> Option<ReleaseListener> {
         self.config.listener.as_ref()?.get()
     }
@@ -520,7 +485,6 @@ where
         Ok(self.with_config(|c| c.prefix = prefix))
     }
 
-    /// This locker, opening its release listener with `open` on first need.
     fn listening(self, open: listen::Open) -> Self {
         let listener = Arc::new(listen::AutoListener::new(open));
         self.with_config(|c| c.listener = Some(listener))
@@ -543,25 +507,20 @@ where
     }
 
     /// Makes every acquire and extend wait until `replicas` replicas have the
-    /// lock (`WAIT replicas timeout`, sent in one pipeline with the script:
-    /// on a cluster, to the lock's node), and fail closed when fewer confirm
-    /// in time: the lock is then released (token-checked) and the call
-    /// returns [`Error::NotReplicated`], which is retryable. A pipeline that
-    /// fails after the script may have run releases the lock too. A
-    /// contended attempt needs no replica, but its `WAIT` still waits (up to
-    /// `timeout` while a replica lags). `WAIT` narrows, but cannot close, the
-    /// window in which a failover loses a lock (the README's "Locks under
-    /// failover"): fences make a late writer harmless.
+    /// lock (`WAIT`, in one pipeline with the script), and fail closed when
+    /// fewer confirm in time, or the pipeline fails after the script may have
+    /// run: the lock is released (token-checked) and the call returns
+    /// [`Error::NotReplicated`] (retryable). This narrows, but cannot close,
+    /// the window in which a failover loses a lock: see the README's "Locks
+    /// under failover".
     ///
-    /// Checks at once, waiting at most `timeout`, that the server accepts
-    /// `WAIT` and that `replicas` replicas confirm (on a cluster: for every
-    /// primary): a server that rejects `WAIT` (some managed services, a
-    /// replica) gives [`Error::DurabilityUnsupported`]; too few replicas give
-    /// [`Error::NotReplicated`]. `replicas` must be at least 1, and `timeout`
-    /// between 1 ms and one minute and at most a third of the lock TTL (also
-    /// checked by [`ttl`](Self::ttl)). `WAIT` holds its connection's replies
-    /// for up to `timeout`: give a durable `Locker` a connection of its own,
-    /// with a response timeout above `timeout`.
+    /// Checks at once, within `timeout`, that the server accepts `WAIT`
+    /// (else [`Error::DurabilityUnsupported`]) and that `replicas` replicas
+    /// confirm (else [`Error::NotReplicated`]). `replicas` must be at least
+    /// 1, and `timeout` 1 ms to one minute and at most a third of the lock
+    /// TTL. `WAIT` holds its connection's replies for up to `timeout`: give a
+    /// durable `Locker` a connection of its own, with a response timeout
+    /// above `timeout`.
     pub async fn require_replicas(self, replicas: u32, timeout: Duration) -> Result<Self> {
         if replicas == 0 {
             return Err(Error::config("require_replicas needs at least 1 replica"));
@@ -573,12 +532,12 @@ where
         }
         check_wait_fits(self.config.ttl, timeout)?;
         let attempted = "checking for replicas (require_replicas)";
-        let acked: redis::RedisResult<i64> = redis::cmd("WAIT")
+        let acked: i64 = match redis::cmd("WAIT")
             .arg(replicas)
             .arg(millis(timeout))
             .query_async(&mut self.conn.clone())
-            .await;
-        let acked = match acked {
+            .await
+        {
             Ok(acked) => acked,
             Err(e) => {
                 // A server that answered with a lasting error (unknown or
@@ -589,19 +548,15 @@ where
                     e.kind(),
                     redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
                 );
+                let detail = format!(
+                    "the server rejected `WAIT {replicas} {}`: {e}",
+                    millis(timeout)
+                );
                 let error = Error::redis(attempted)(e);
                 if !answered || error.is_retryable() {
                     return Err(error);
                 }
-                return Err(Error::DurabilityUnsupported {
-                    detail: format!(
-                        "the server rejected `WAIT {replicas} {}`: {}",
-                        millis(timeout),
-                        error
-                            .redis_error()
-                            .map_or(String::new(), ToString::to_string)
-                    ),
-                });
+                return Err(Error::DurabilityUnsupported { detail });
             }
         };
         let acked = u32::try_from(acked).unwrap_or(0);
@@ -800,18 +755,13 @@ where
         keys::lock_key(&self.config.prefix, key)
     }
 
-    /// Tries once to take the lock on `key`.
-    ///
-    /// One round trip (`SET key token NX PX ttl`) when the lock is free;
-    /// a second one, to read how long the holder still has, when it is not.
-    /// Errors on an empty key or a Redis failure; a lock held by someone else
-    /// is not an error but [`Acquisition::Contended`]. Under
-    /// [`require_replicas`](Self::require_replicas), a lock too few replicas
-    /// confirmed is released again and reported as [`Error::NotReplicated`].
-    ///
-    /// The first acquire of each `Locker` configuration also starts
-    /// [`check_eviction`](Self::check_eviction) in the background (it warns
-    /// once when the server may evict locks).
+    /// Tries once to take the lock on `key`: one round trip (`SET key token
+    /// NX PX ttl`) when it is free, a second one, to read how long the holder
+    /// still has, when it is not ([`Acquisition::Contended`], not an error).
+    /// Errors on an empty key, a Redis failure, and under
+    /// [`require_replicas`](Self::require_replicas) with
+    /// [`Error::NotReplicated`]. The first acquire of each configuration also
+    /// starts [`check_eviction`](Self::check_eviction) in the background.
     pub async fn acquire(&self, key: &str) -> Result<Acquisition> {
         let ticket = self.ticket(key.to_owned())?;
         match self.try_set(&ticket).await? {
@@ -884,7 +834,7 @@ where
         let set: Option<String> = self
             .send_acquire(None, &cmd, ticket, |set: &Option<String>| set.is_some())
             .await?;
-        Ok(set.map(|_| self.lease(ticket, started, None)))
+        Ok(set.map(|_| self.lease(ticket, started, ttl)))
     }
 
     /// Tries once more with the contend script (the acquire script for a
@@ -921,7 +871,7 @@ where
         // neither tells when to retry, so say "now".
         let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
         if acquired == 1 {
-            Ok(self.lease(ticket, started, Some(left)))
+            Ok(self.lease(ticket, started, left))
         } else {
             Ok(Acquisition::Contended(Contended {
                 key: ticket.key.clone(),
@@ -950,12 +900,10 @@ where
     /// TTL, or only what the server said is `left` (a resent acquire may
     /// find the lock its first copy took a while ago), measured from
     /// `started`, so the deadline stays conservative.
-    fn lease(&self, ticket: &Arc<Ticket>, started: Instant, left: Option<Duration>) -> Acquisition {
-        let ttl = self.config.ttl;
-        let left = left.map_or(ttl, |left| ttl.min(left));
+    fn lease(&self, ticket: &Arc<Ticket>, started: Instant, left: Duration) -> Acquisition {
         Acquisition::Acquired(Lease {
             ticket: ticket.clone(),
-            expires_at: started + left,
+            expires_at: started + self.config.ttl.min(left),
         })
     }
 
@@ -998,12 +946,10 @@ where
         Ok(value.map(|value| Holder::read(&value, pttl)))
     }
 
-    /// The locks held now whose keys match `pattern` (a `SCAN MATCH` glob
-    /// on the user's key: `*` for all, `order:*`), with their holders,
-    /// sorted by key. Found with `SCAN`, so the server is never blocked;
-    /// a lock taken or released meanwhile may or may not be listed. On a
-    /// Redis Cluster, call it with a connection to each master in turn
-    /// (`SCAN` walks one node's keys).
+    /// The locks held now whose user keys match the glob `pattern` (`*` for
+    /// all, `order:*`), with their holders, sorted by key. Found with `SCAN`,
+    /// so a lock taken or released meanwhile may or may not be listed; on a
+    /// Redis Cluster, call it with a connection to each master in turn.
     pub async fn held_locks(&self, pattern: &str) -> Result<Vec<(String, Holder)>> {
         let mut held = Vec::new();
         // One key at a time: on a cluster, a pipeline's keys share a slot.
@@ -1044,16 +990,12 @@ where
         Ok(deleted == 1)
     }
 
-    /// Issues the fencing token of a held lock, on first use (one round
-    /// trip; later calls return it without asking Redis): strictly greater
-    /// than the fence of every earlier holder of this key, across restarts
-    /// and failovers too, within the clock bounds the
+    /// Issues the fencing token of a held lock on first use (one round trip;
+    /// later calls return it without asking Redis): strictly greater than
+    /// the fence of every earlier holder of this key, within the bounds the
     /// [module docs](self#fencing-tokens-and-what-they-guarantee) state.
-    ///
-    /// The first call errors with [`Error::NotHeld`] when the lease no
-    /// longer holds the lock (it expired, or another holder took it). A
-    /// fence once issued stays the lease's, held or not: it is below the
-    /// next holder's.
+    /// The first call errors with [`Error::NotHeld`] when the lease no longer
+    /// holds the lock; a fence once issued stays the lease's.
     pub async fn fence(&self, lease: &Lease) -> Result<u64> {
         self.fence_ticket(&lease.ticket).await
     }
@@ -1062,18 +1004,17 @@ where
         if let Some(fence) = ticket.issued_fence() {
             return Ok(fence);
         }
-        let script = match ticket.permits {
-            Some(_) => &*permits::FENCE,
-            None => &*FENCE,
+        // The record's name is made here, not with the ticket: most holders
+        // never ask for a fence.
+        let (script, record) = match ticket.permits {
+            Some(_) => (&*permits::FENCE, ticket.lock_key.clone() + permits::FENCES),
+            None => (&*FENCE, self.fence_key(&ticket.key)),
         };
         let mut cmd = script::evalsha(script, 2);
-        cmd.arg(ticket.lock_key());
-        match ticket.permits {
-            Some(_) => cmd.arg(KeyName(ticket.lock_key(), permits::FENCES)),
-            // Made here, not with the ticket: most holders never ask for one.
-            None => cmd.arg(self.fence_key(&ticket.key)),
-        };
-        cmd.arg(ticket.token).arg(millis(FENCE_GRACE));
+        cmd.arg(ticket.lock_key())
+            .arg(record)
+            .arg(ticket.token)
+            .arg(millis(FENCE_GRACE));
         let key = &ticket.key;
         let fence: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await
@@ -1094,12 +1035,9 @@ where
 
     /// Releases a lock. Returns `true` if it was held by `lease` and is now
     /// free, and `false` (changing nothing) if it had expired or belongs to
-    /// another holder now.
-    ///
-    /// Releasing twice, or a resent release, is not a lost lock: a lock
-    /// found gone before the lease's expiry counts as released (nothing but
-    /// this lease's own release, or a deletion by hand, removes it before
-    /// its TTL).
+    /// another holder now. A lock found gone before the lease's expiry (a
+    /// second or resent release) counts as released: nothing but its own
+    /// release, or a deletion by hand, removes it before its TTL.
     pub async fn release(&self, lease: &Lease) -> Result<bool> {
         let sent = Instant::now();
         Ok(match self.release_ticket(&lease.ticket).await? {

@@ -1,33 +1,23 @@
 -- Releases a lock, but only for the holder whose token it still stores. If
--- someone waits in line for it (the value ends in "!", see contend.lua), it
--- is handed to the first waiter: set to that waiter's token for a short
--- hand-off time, which the waiter's next try turns into a whole TTL, and the
--- token is published on the lock key's own channel (which has the lock
--- key's hash slot: `SPUBLISH` reaches the waiters of a cluster node,
--- `PUBLISH` those of a single server). So waiters take the lock in the order
--- they came, across processes. Waiters whose process died are skipped
--- (line.lua, prepended); a waiter that dies after the hand-off reached it,
--- or whose process hangs with its connection open, holds the lock up for
--- the hand-off time at most. When the line is empty, the publish is empty:
--- every waiter listening tries again.
--- A token that does not hold the lock leaves the line (a waiter that gave
--- up): if the lock was handed to it meanwhile, it is handed on.
--- KEYS[1]: lock key   value "<token>[:<fence>][!]"
--- KEYS[2]: waiters (see contend.lua)
--- ARGV[1]: holder token
--- ARGV[2]: the publish command: "PUBLISH" or "SPUBLISH"
--- ARGV[3]: the hand-off time in ms (the same for every caller: a waiter
---          counts on it)
--- Returns 1 when released, 0 when the lock was gone (expired, or released
--- already: a resent release whose first copy ran), -1 when another token
--- holds it.
+-- someone waits in line (the value ends in "!", see contend.lua), it is
+-- handed to the first waiter whose process is alive (line.lua, prepended):
+-- set to its token for the hand-off time, which the waiter's next try turns
+-- into a whole TTL, and the token is published on the lock key's channel
+-- (in the key's hash slot: SPUBLISH reaches a cluster node's waiters). So
+-- waiters take the lock in the order they came, across processes; one that
+-- dies after the hand-off reached it, or hangs with its connection open,
+-- holds the lock up for the hand-off time at most. With the line empty, the
+-- publish is empty: every waiter listening tries again. A token that does
+-- not hold the lock leaves the line (a waiter that gave up: if the lock was
+-- handed to it meanwhile, it holds it, and hands it on).
+-- KEYS: lock ("<token>[:<fence>][!]"), waiters (see contend.lua)
+-- ARGV: holder token, "PUBLISH" or "SPUBLISH", hand-off time in ms (the
+--   same for every caller: a waiter counts on it)
+-- Returns 1 when released, 0 when the lock was gone (expired, or a resent
+-- release whose first copy ran), -1 when another token holds it.
 -- Usual cost: GET, DEL (a hand-off: ZPOPMIN, PUBSUB NUMSUB, SET, ZCARD and a
 -- publish).
 local value = redis.call('GET', KEYS[1])
-if value == ARGV[1] then -- the usual case: no fence, nobody waiting
-  redis.call('DEL', KEYS[1])
-  return 1
-end
 local n = #ARGV[1]
 local after = value and string.byte(value, n + 1)
 if not value or string.sub(value, 1, n) ~= ARGV[1]
@@ -36,7 +26,7 @@ if not value or string.sub(value, 1, n) ~= ARGV[1]
   if not value then return 0 end
   return -1
 end
-if string.byte(value, -1) ~= 33 then
+if string.byte(value, -1) ~= 33 then -- nobody waits
   redis.call('DEL', KEYS[1])
   return 1
 end

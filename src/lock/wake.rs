@@ -1,10 +1,8 @@
 //! Waking lock waiters when the lock they wait for is released, in any
-//! process.
-//!
-//! See [`ReleaseListener`].
+//! process: see [`ReleaseListener`].
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -20,47 +18,35 @@ const TICK: Duration = Duration::from_secs(1);
 /// The longest a connection attempt or a check of the connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The channel that tells release scripts this process still listens on
-/// `channel`: `<channel>#<process tag>` (the tag starts every token this
-/// process makes). Subscribed and unsubscribed with `channel`; Redis drops
-/// it by itself when the process's connection closes (it died).
-pub(crate) fn presence(channel: &str) -> String {
-    format!("{channel}#{}", super::process_tag())
-}
-
-/// `names` with their presence channels.
+/// `names` with their presence channels, `<channel>#<process tag>` (the tag
+/// starts every token this process makes), which tell release scripts this
+/// process still listens on `channel`. Subscribed and unsubscribed with it;
+/// Redis drops them by itself when the process's connection closes (it died).
 fn with_presence(names: &[String]) -> Vec<String> {
+    let tag = super::process_tag();
     names
         .iter()
-        .flat_map(|name| [name.clone(), presence(name)])
+        .flat_map(|name| [name.clone(), format!("{name}#{tag}")])
         .collect()
 }
 
 /// Wakes this process's lock waiters when the lock they wait for is
-/// released, by any process: one subscriber connection for all keys.
+/// released, by any process: one subscriber connection for all keys, so one
+/// per process is enough.
 ///
 /// Give it to [`LockLayer::wake_on_release`](crate::LockLayer::wake_on_release);
 /// waiters under `OnConflict::retry` then sleep until the release (or the
 /// holder's TTL) instead of polling with backoff. Cloning is cheap and shares
-/// the connection. The connection is closed when the last clone (and the
-/// last waiter) is dropped.
+/// the connection, which is closed when the last clone (and the last waiter)
+/// is dropped.
 ///
-/// [`connect`](Self::connect) serves a single Redis server,
-/// [`connect_cluster`](Self::connect_cluster) a Redis Cluster (sharded
-/// pub/sub: each key's channel lives on the node that owns the key).
-///
-/// A waiter listens on a channel named like the lock key, marks the lock
-/// and joins the key's line of waiters; a release hands the lock to the
-/// first waiter in line whose process still listens, and publishes its
-/// token (the README's "The LockLayer" describes the hand-off). A lost
-/// message (a dropped connection) only means a waiter wakes on the holder's
-/// TTL, or the hand-off's end, instead.
-///
-/// One [`ReleaseListener`] per process is enough: it holds one subscriber
-/// connection, subscribes to a key's channel (and its presence channel)
-/// while a task of this process waits for the key, and a second longer, and
-/// reconnects with backoff when the connection drops, waking every waiter
-/// so that none sleeps through a release it could not hear.
+/// A waiter listens on a channel named like the lock key (subscribed while a
+/// task of this process waits for the key, and a second longer), marks the
+/// lock and joins the key's line; a release hands the lock to the first
+/// waiter in line whose process still listens, and publishes its token (see
+/// the README's "The LockLayer"). The listener reconnects with backoff when
+/// its connection drops, waking every waiter: a lost message only means a
+/// waiter wakes on the holder's TTL, or the hand-off's end, instead.
 #[derive(Clone)]
 pub struct ReleaseListener {
     shared: Arc<Shared>,
@@ -89,8 +75,7 @@ struct Channel {
     handed: HashMap<String, bool>,
     /// Since when nobody listens (it is unsubscribed after `LINGER`).
     idle_since: Option<Instant>,
-    /// What waiters watch: whether the subscription is confirmed, and how
-    /// many wake-ups there were.
+    /// What waiters watch: each change wakes them.
     state: watch::Sender<State>,
 }
 
@@ -98,8 +83,6 @@ struct Channel {
 struct State {
     /// The server confirmed the subscription, and the connection is up.
     confirmed: bool,
-    /// Counts releases heard and reconnections: each wakes the waiters.
-    wakeups: u64,
     /// Whether the last release handed the lock to a waiter of another
     /// process (false: to nobody, or a reconnection).
     handed_elsewhere: bool,
@@ -123,11 +106,11 @@ impl Shared {
     fn new() -> (Arc<Self>, mpsc::UnboundedReceiver<String>) {
         let (subscribe, requests) = mpsc::unbounded_channel();
         let channels = Mutex::default();
-        let shared = Arc::new(Shared {
+        let shared = Shared {
             channels,
             subscribe,
-        });
-        (shared, requests)
+        };
+        (Arc::new(shared), requests)
     }
 
     fn channels(&self) -> std::sync::MutexGuard<'_, HashMap<String, Channel>> {
@@ -177,30 +160,21 @@ impl ReleaseListener {
     /// there.
     pub(crate) fn watch(&self, channel: &str, token: &str) -> Watch {
         let mut channels = self.shared.channels();
-        let receiver = match channels.get_mut(channel) {
-            Some(entry) => {
-                entry.waiters += 1;
-                entry.idle_since = None;
-                entry.handed.insert(token.to_owned(), false);
-                entry.state.subscribe()
+        let entry = channels.entry(channel.to_owned()).or_insert_with(|| {
+            // Ordered after any unsubscribe of the same channel: the
+            // connection task handles one request at a time.
+            let _ = self.shared.subscribe.send(channel.to_owned());
+            Channel {
+                waiters: 0,
+                handed: HashMap::new(),
+                idle_since: None,
+                state: watch::Sender::new(State::default()),
             }
-            None => {
-                let (state, receiver) = watch::channel(State::default());
-                channels.insert(
-                    channel.to_owned(),
-                    Channel {
-                        waiters: 1,
-                        handed: HashMap::from([(token.to_owned(), false)]),
-                        idle_since: None,
-                        state,
-                    },
-                );
-                // Ordered after any unsubscribe of the same channel: the
-                // connection task handles one request at a time.
-                let _ = self.shared.subscribe.send(channel.to_owned());
-                receiver
-            }
-        };
+        });
+        entry.waiters += 1;
+        entry.idle_since = None;
+        entry.handed.insert(token.to_owned(), false);
+        let receiver = entry.state.subscribe();
         Watch {
             shared: self.shared.clone(),
             channel: channel.to_owned(),
@@ -227,13 +201,12 @@ impl Watch {
         let confirmed = match deadline {
             Some(deadline) => tokio::time::timeout_at(deadline, confirmed)
                 .await
-                .ok()
-                .and_then(|state| state.ok().map(|_| ())),
-            None => confirmed.await.ok().map(|_| ()),
+                .is_ok_and(|state| state.is_ok()),
+            None => confirmed.await.is_ok(),
         };
         // Wake-ups before the confirmation say nothing about this waiter.
         self.receiver.mark_unchanged();
-        confirmed.is_some()
+        confirmed
     }
 
     /// Whether the subscription is confirmed now.
@@ -301,7 +274,7 @@ async fn timely<T>(
 async fn run(
     client: redis::Client,
     pubsub: redis::aio::PubSub,
-    shared: std::sync::Weak<Shared>,
+    shared: Weak<Shared>,
     mut requests: mpsc::UnboundedReceiver<String>,
 ) {
     let mut pubsub = Some(pubsub);
@@ -348,7 +321,7 @@ enum Reopened {
 async fn reopen(
     client: &redis::Client,
     pubsub: Option<redis::aio::PubSub>,
-    shared: &std::sync::Weak<Shared>,
+    shared: &Weak<Shared>,
 ) -> Reopened {
     let pubsub = match pubsub {
         Some(pubsub) => pubsub,
@@ -359,10 +332,7 @@ async fn reopen(
         },
     };
     let (mut sink, stream) = pubsub.split();
-    let Some(names) = shared
-        .upgrade()
-        .map(|shared| shared.channels().keys().cloned().collect::<Vec<_>>())
-    else {
+    let Some(names) = names(shared, |_| true) else {
         return Reopened::Gone;
     };
     if !names.is_empty() {
@@ -382,7 +352,7 @@ async fn reopen(
 async fn listen(
     sink: &mut redis::aio::PubSubSink,
     stream: &mut redis::aio::PubSubStream,
-    shared: &std::sync::Weak<Shared>,
+    shared: &Weak<Shared>,
     requests: &mut mpsc::UnboundedReceiver<String>,
 ) -> Option<redis::RedisError> {
     let mut tick = tokio::time::interval(TICK);
@@ -424,7 +394,7 @@ async fn listen(
 /// listener.
 async fn subscribe_requested(
     sink: &mut redis::aio::PubSubSink,
-    shared: &std::sync::Weak<Shared>,
+    shared: &Weak<Shared>,
     requests: &mut mpsc::UnboundedReceiver<String>,
     first: String,
 ) -> Option<redis::RedisResult<()>> {
@@ -451,7 +421,7 @@ async fn subscribe_requested(
 async fn run_cluster(
     mut conn: redis::cluster_async::ClusterConnection,
     mut pushes: mpsc::UnboundedReceiver<redis::PushInfo>,
-    shared: std::sync::Weak<Shared>,
+    shared: Weak<Shared>,
     mut requests: mpsc::UnboundedReceiver<String>,
 ) {
     let mut tick = tokio::time::interval(TICK);
@@ -460,9 +430,9 @@ async fn run_cluster(
         tokio::select! {
             request = requests.recv() => {
                 let Some(name) = request else { return };
-                let Some(strong) = shared.upgrade() else { return };
-                let wanted = strong.channels().contains_key(&name);
-                drop(strong);
+                let Some(wanted) = shared.upgrade().map(|s| s.channels().contains_key(&name)) else {
+                    return;
+                };
                 if wanted {
                     subscribe_one(&mut conn, &shared, name).await;
                 }
@@ -493,14 +463,9 @@ async fn run_cluster(
                     }
                 }
                 // Channels whose subscription failed are asked again.
-                let Some(strong) = shared.upgrade() else { return };
-                let unconfirmed: Vec<String> = strong
-                    .channels()
-                    .iter()
-                    .filter(|(_, c)| !c.state.borrow().confirmed)
-                    .map(|(name, _)| name.clone())
-                    .collect();
-                drop(strong);
+                let Some(unconfirmed) = names(&shared, |c| !c.state.borrow().confirmed) else {
+                    return;
+                };
                 for name in unconfirmed {
                     subscribe_one(&mut conn, &shared, name).await;
                 }
@@ -513,7 +478,7 @@ async fn run_cluster(
 /// again on the next tick.
 async fn subscribe_one(
     conn: &mut redis::cluster_async::ClusterConnection,
-    shared: &std::sync::Weak<Shared>,
+    shared: &Weak<Shared>,
     name: String,
 ) {
     // The presence channel has the channel's hash tag: the same node.
@@ -539,7 +504,7 @@ fn text(value: Option<&redis::Value>) -> Option<&[u8]> {
 /// Wakes the waiters of `channel` with a release's `payload`: the token of
 /// the waiter it handed the lock to, or nothing. False when the listener is
 /// gone.
-fn wake(shared: &std::sync::Weak<Shared>, channel: &str, payload: &[u8]) -> bool {
+fn wake(shared: &Weak<Shared>, channel: &str, payload: &[u8]) -> bool {
     let Some(shared) = shared.upgrade() else {
         return false;
     };
@@ -549,48 +514,47 @@ fn wake(shared: &std::sync::Weak<Shared>, channel: &str, payload: &[u8]) -> bool
         let handed = std::str::from_utf8(payload)
             .ok()
             .and_then(|token| entry.handed.get_mut(token));
-        let elsewhere = match handed {
-            Some(handed) => {
-                *handed = true;
-                false
-            }
-            None => !payload.is_empty(),
-        };
-        entry.state.send_modify(|state| {
-            state.wakeups += 1;
-            state.handed_elsewhere = elsewhere;
-        });
+        let elsewhere = handed.is_none() && !payload.is_empty();
+        if let Some(handed) = handed {
+            *handed = true;
+        }
+        entry
+            .state
+            .send_modify(|state| state.handed_elsewhere = elsewhere);
     }
     true
 }
 
 /// Wakes every waiter; `confirmed` says whether subscriptions still hold.
-fn wake_all(shared: &std::sync::Weak<Shared>, confirmed: bool) {
+fn wake_all(shared: &Weak<Shared>, confirmed: bool) {
     if let Some(shared) = shared.upgrade() {
         for entry in shared.channels().values() {
             entry.state.send_modify(|state| {
                 state.confirmed &= confirmed;
-                state.wakeups += 1;
                 state.handed_elsewhere = false;
             });
         }
     }
 }
 
+/// The names of the channels `which` picks; `None` when the listener is gone.
+fn names(shared: &Weak<Shared>, which: impl Fn(&Channel) -> bool) -> Option<Vec<String>> {
+    let shared = shared.upgrade()?;
+    let channels = shared.channels();
+    let picked = channels.iter().filter(|(_, channel)| which(channel));
+    Some(picked.map(|(name, _)| name.clone()).collect())
+}
+
 /// Removes the channels nobody has listened on for `LINGER`, and returns
 /// them (to unsubscribe); `None` when the listener is gone.
-fn take_idle(shared: &std::sync::Weak<Shared>) -> Option<Vec<String>> {
+fn take_idle(shared: &Weak<Shared>) -> Option<Vec<String>> {
     let shared = shared.upgrade()?;
-    let mut channels = shared.channels();
     let now = Instant::now();
-    let idle: Vec<String> = channels
-        .iter()
-        .filter(|(_, c)| c.idle_since.is_some_and(|t| now - t >= LINGER))
-        .map(|(name, _)| name.clone())
+    let idle = shared
+        .channels()
+        .extract_if(|_, c| c.idle_since.is_some_and(|t| now - t >= LINGER))
+        .map(|(name, _)| name)
         .collect();
-    for name in &idle {
-        channels.remove(name);
-    }
     Some(idle)
 }
 
@@ -602,13 +566,10 @@ async fn subscribe(sink: &mut redis::aio::PubSubSink, names: &[String]) -> redis
 }
 
 /// Marks `names` as subscribed, which lets their waiters go on.
-fn confirm(shared: &std::sync::Weak<Shared>, names: &[String]) {
-    let Some(shared) = shared.upgrade() else {
-        return;
-    };
-    let channels = shared.channels();
-    for name in names {
-        if let Some(entry) = channels.get(name) {
+fn confirm(shared: &Weak<Shared>, names: &[String]) {
+    if let Some(shared) = shared.upgrade() {
+        let channels = shared.channels();
+        for entry in names.iter().filter_map(|name| channels.get(name)) {
             entry.state.send_modify(|state| state.confirmed = true);
         }
     }

@@ -1,20 +1,15 @@
 -- Issues the fencing token of a held permit, on first use, only while its
 -- lease has not run out (see src/lock/fence.lua for the lock's version and
 -- what the fence guarantees).
--- KEYS[1]: permits
--- KEYS[2]: fences  <prefix>:permits:{<key>}:fences, a hash: holder token ->
---                  its fence, and "last" -> the last fence issued for the
---                  key; kept while the longest lease lives and a grace
---                  period after
--- ARGV[1]: holder token   ARGV[2]: grace period in ms
+-- KEYS: permits, fences <permits>:fences (a hash: holder token -> its
+--   fence, "last" -> the key's last fence; kept while the longest lease
+--   lives and a grace period after)
+-- ARGV: holder token, grace period in ms
 -- Returns the fence, or -1 when the token holds no permit.
 -- fence = max(server clock in µs, last fence + 1): see src/lock/fence.lua.
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not lease then
-  return -1
-end
 local t = redis.call('TIME')
-if tonumber(lease) <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
+if not lease or tonumber(lease) <= tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
   return -1
 end
 local issued = redis.call('HGET', KEYS[2], ARGV[1])

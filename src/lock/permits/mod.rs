@@ -1,18 +1,13 @@
 //! Permits: at most n holders of a key at a time (a lock is the case n = 1).
 //!
 //! A key's permits are one sorted set, `<prefix>:permits:{<key>}`, of holder
-//! tokens scored by the end of their leases (server clock, ms); its line of
-//! waiters is `<set>:waiters` and its fences `<set>:fences`, in the same
-//! hash slot. A holder that died gives its permit back when its lease ends,
-//! and never before. Waiters, hand-offs, fences and resends work as for
-//! locks (see the README's "Permits" section); the functions that take and
-//! give back permits are in `permits.lua`, shared with the keyed queue.
-//!
-//! The limit is the caller's: each acquire says how many holders it admits,
-//! so callers that disagree on n for one key each apply their own (a caller
-//! with n = 5 enters while 4 hold permits, even if others use n = 3).
-//! Permits and locks are separate keys: a permit on `k` does not exclude a
-//! lock on `k`.
+//! tokens scored by the end of their leases (server clock, ms), with its line
+//! of waiters `<set>:waiters` and its fences `<set>:fences`. A holder that
+//! died gives its permit back when its lease ends, and never before.
+//! Waiters, hand-offs, fences and resends work as for locks (see the README's
+//! "Permits"). Each acquire says how many holders it admits, so callers that
+//! disagree on n for one key each apply their own. A permit on `k` does not
+//! exclude a lock on `k`.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -25,8 +20,8 @@ use crate::error::{Error, Result};
 use crate::keys::{self, KeyName};
 use crate::script;
 
-/// The permit functions, prepended to the scripts that take or give back
-/// permits (also the keyed queue's scripts).
+/// The permit functions, prepended to the scripts (also the keyed queue's)
+/// that take or give back permits.
 pub(crate) const PERMITS_LUA: &str = concat!(
     include_str!("../line.lua"),
     "\n",
@@ -79,7 +74,6 @@ pub struct PermitHolder {
     pub remaining: Duration,
 }
 
-/// `<prefix>:permits:{<key>}` (see [`keys::tagged_key`]).
 pub(crate) fn permits_key(prefix: &str, key: &str) -> String {
     keys::tagged_key(prefix, "permits", key)
 }
@@ -88,16 +82,12 @@ impl<C> Locker<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Tries once to take one of `permits` permits on `key`: at most that
-    /// many holders at a time, cluster-wide (see [the module](self)).
-    ///
-    /// One round trip, one script. The lease lasts the locker's TTL, and is
-    /// renewed, fenced and released with the same methods as a lock's
-    /// ([`extend`](Self::extend), [`fence`](Self::fence),
-    /// [`release`](Self::release)); a holder that dies gives its permit back
-    /// when its lease ends. When all are taken, the [`Contended`](super::Contended) says when
-    /// the first holder's lease ends. Errors on an empty key, on `permits`
-    /// of 0 or above [`MAX_PERMITS`], and on a Redis failure.
+    /// Tries once (one script) to take one of `permits` permits on `key`: at
+    /// most that many holders at a time, cluster-wide (see [the module](self)).
+    /// The lease lasts the locker's TTL, and is renewed, fenced and released
+    /// as a lock's. When all are taken, the [`Contended`](super::Contended)
+    /// says when the first holder's lease ends. Errors on an empty key, on
+    /// `permits` of 0 or above [`MAX_PERMITS`], and on a Redis failure.
     pub async fn acquire_permit(&self, key: &str, permits: u32) -> Result<Acquisition> {
         let ticket = self.permit_ticket(key.to_owned(), permits)?;
         self.contend(&ticket, super::Line::Outside).await
@@ -142,10 +132,8 @@ where
             .collect())
     }
 
-    /// The keys with permits held whose key matches the glob `pattern`
-    /// (`*` for all), with their holders, sorted by key. Found with `SCAN`
-    /// (on a Redis Cluster, call it with a connection to each master: `SCAN`
-    /// walks one node's keys). Keys whose leases all ran out are left out.
+    /// The keys with permits held whose key matches the glob `pattern`, with
+    /// their holders, sorted by key; as [`held_locks`](Self::held_locks).
     pub async fn held_permits(&self, pattern: &str) -> Result<Vec<(String, Vec<PermitHolder>)>> {
         let mut held = Vec::new();
         for key in self.scan_keys("permits", "permits", pattern).await? {
@@ -165,7 +153,6 @@ where
         Ok(self.held_ticket(key, super::Token::random(), Some(permits)))
     }
 
-    /// The release script for a permit ticket (see `Locker::release_ticket`).
     pub(crate) async fn release_permit(
         &self,
         ticket: &Ticket,

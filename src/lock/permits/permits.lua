@@ -1,14 +1,10 @@
--- A key's permits (see mod.rs), as functions: prepended to acquire.lua and
--- release.lua, and to the keyed queue's scripts (see src/queue/lua/
--- keyed.lua), so both take and give back permits alike.
---
---   set     zset  holder token -> the end of its lease, in ms by the
---                 server's clock
---   line    zset  the waiters that listen for a release, "<token>/<limit>"
---                 -> when they first waited (server µs): a release hands its
---                 permit to the first of them
---   fences  hash  holder token -> its fence, "last" -> the last fence
---                 issued (see fence.lua)
+-- A key's permits (see mod.rs), as functions prepended to acquire.lua,
+-- release.lua and the keyed queue's scripts, so both take and give back
+-- permits alike. Keys:
+--   set     zset  holder token -> the end of its lease (server ms)
+--   line    zset  waiters that listen for a release, "<token>/<limit>" ->
+--                 when they first waited (server µs)
+--   fences  hash  holder token -> its fence, "last" -> the last fence issued
 
 -- The line member of a waiter: its token and the limit it asks under.
 local function in_line_as(token, limit)
@@ -16,18 +12,15 @@ local function in_line_as(token, limit)
 end
 
 -- Takes one of `limit` permits of `set` for `token`, leased for `ttl` ms
--- from `now`. `line`: "1" to join the key's line of waiters when none is
--- free (keeping the place of an earlier try): a release hands its permit to
--- the first of them (see free_permit); "2" not to join, but to leave the
--- line when a permit is taken (a waiter that joined before and cannot hear
--- releases now); "0" neither.
+-- from `now`. `mode`: "1" to join the key's line when none is free (keeping
+-- an earlier place), "2" only to leave it when a permit is taken (a waiter
+-- that cannot hear releases now), "0" neither.
 -- Returns {1, ms left of the lease} when a permit is (now) the token's: one
 -- was free, it was handed to the token, or the token holds one already (a
--- resent acquire whose first copy ran); {0, ms until the first holder's
--- lease ends} when none is free.
+-- resend); {0, ms until the first holder's lease ends} when none is free.
 -- Usual cost: ZCARD, ZADD, PEXPIRE. A full set first drops the leases that
--- ran out (ZREMRANGEBYSCORE) and counts again: until then they are
--- counted, which admits no one too many.
+-- ran out and counts again: until then they count, which admits no one too
+-- many.
 local function take_permit(set, line, token, ttl, limit, mode, now)
   local held = redis.call('ZCARD', set)
   if held >= limit then
@@ -63,21 +56,19 @@ local function take_permit(set, line, token, ttl, limit, mode, now)
   return {0, math.max(first - now, 0)}
 end
 
--- Gives `token`'s permit back. If waiters stand in the key's line, the
--- permit is handed to the first whose own limit the remaining holders
--- leave room for (of the first 16), skipping the waiters of processes that
--- died (see line.lua, prepended): leased to it for `handoff` ms (its next
--- try, or its watchdog, makes that a whole lease), and its token is
--- published with `publish` ("PUBLISH" or "SPUBLISH") on the set's channel.
--- When none of them can take it, an empty publish wakes every waiter to
--- try again. `fenced`: a fence was issued to the token. A token that holds
--- no permit leaves the line it stood in under `limit` (a waiter that gave
--- up).
--- Returns 1 when released (the permit is free), 2 when released and handed
--- on, 0 when the token held no permit (its lease ran out and an acquire
--- dropped it, or a resent release's first copy ran). A lease that ran out
--- but is still in the set is released as usual: it was counted as held
--- until now, so no one else has held that permit meanwhile.
+-- Gives `token`'s permit back. It is handed to the first of the line's
+-- first 16 waiters whose own limit the remaining holders leave room for,
+-- skipping the waiters of dead processes (see line.lua, prepended): leased
+-- to it for `handoff` ms (its next try, or its watchdog, makes that a whole
+-- lease), its token published with `publish` on the set's channel. When none
+-- can take it, an empty publish wakes every waiter. `fenced`: a fence was
+-- issued to the token. A token that holds no permit leaves the line it
+-- stood in under `limit` (a waiter that gave up).
+-- Returns 1 when released, 2 when released and handed on, 0 when the token
+-- held no permit (an acquire dropped its lease that ran out, or a resent
+-- release's first copy ran). A lease that ran out but is still in the set
+-- is released as usual: it counted as held until now, so no one else has
+-- held that permit meanwhile.
 -- Usual cost: ZREM, ZRANGE (a hand-off: ZREM, ZCARD, PUBSUB NUMSUB per
 -- waiter looked at, ZREM, TIME, ZADD, PTTL and a publish too).
 local function free_permit(set, line, fences, token, limit, publish, fenced, handoff)

@@ -1,11 +1,9 @@
 -- Gives a permit back, handing it to the first waiter in line: see
 -- free_permit in permits.lua, which is prepended. The channel is named after
--- the permits set, which has its hash slot (SPUBLISH on a cluster, PUBLISH
--- on a single server).
--- KEYS[1]: permits   KEYS[2]: line   KEYS[3]: fences (see fence.lua)
--- ARGV[1]: holder token   ARGV[2]: the limit it was taken under
--- ARGV[3]: "PUBLISH" or "SPUBLISH"   ARGV[4]: "1" when a fence was issued to
--- this holder   ARGV[5]: the hand-off time in ms
+-- the permits set, in its hash slot.
+-- KEYS: permits, line, fences (see fence.lua)
+-- ARGV: holder token, the limit it was taken under, "PUBLISH" or "SPUBLISH",
+--   "1" when a fence was issued to this holder, the hand-off time in ms
 -- Returns 1 when released (2: and handed on), 0 when the token held no
 -- permit.
 return free_permit(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1',

@@ -1,11 +1,10 @@
 -- Admits a call under a key's rate limit, or reserves the next free slot
 -- for a message that will come back then (see rate.lua, prepended).
--- KEYS[1]: log  <prefix>:rate:{<key>}, a zset: admission -> its time in µs
---               (reserved slots included, at their future time)
--- ARGV[1]: limit   ARGV[2]: period in µs
--- ARGV[3]: burst   ARGV[4]: burst window in µs
--- ARGV[5]: member: a random token for a call, the message id for a message
--- ARGV[6]: "1" to reserve the next slot when it is not now; "0" not to
+-- KEYS: log <prefix>:rate:{<key>}, a zset: admission -> its time in µs
+--   (reserved slots included, at their future time)
+-- ARGV: limit, period in µs, burst, burst window in µs, member (a random
+--   token for a call, the message id for a message), "1" to reserve the
+--   next slot when it is not now ("0" not to)
 -- Returns what `admit` does.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])

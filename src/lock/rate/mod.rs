@@ -2,13 +2,10 @@
 //! the server's clock (see the README's "Rate limits per key").
 //!
 //! A key's admissions are one sorted set, `<prefix>:rate:{<key>}`, of
-//! admission times in µs (a sliding-window log), kept by one script
-//! (`admit.lua`): no window of the period ever holds more than r, however
-//! many processes ask, and a burst setting b < r allows at most b in any
-//! window of period × b / r. A message that will come back later (a
-//! deferral) can **reserve** its slot: it is then admitted at once, in the
-//! period it was deferred to; calls that come meanwhile queue behind the
-//! reservations. The log expires a period after its last entry.
+//! admission times in µs (a sliding-window log), kept by one script. A
+//! message that will come back later (a deferral) can **reserve** its slot:
+//! it is then admitted at once, in the period it was deferred to; calls that
+//! come meanwhile queue behind the reservations.
 
 use std::sync::LazyLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -24,8 +21,7 @@ use crate::script;
 static ADMIT: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{RATE_LUA}\n{}", include_str!("admit.lua"))));
 
-/// The rate limit as a Lua function (`admit`), for the scripts that admit
-/// under it: `admit.lua`, and the keyed queue's claim and ack.
+/// The rate limit as a Lua function (`admit`), also for the keyed queue.
 pub(crate) const RATE_LUA: &str = include_str!("rate.lua");
 
 /// The most admissions per period a rate limit may allow: its log keeps one
@@ -133,10 +129,9 @@ pub enum Admission {
 
 /// What the admit script said, for the layer.
 pub(crate) enum Decision {
-    /// Admitted at this server time (µs since the epoch).
+    /// At this server time (µs since the epoch).
     Admitted(u64),
-    /// Not now: the next slot is this far ahead (reserved for the member
-    /// when asked to).
+    /// The next slot is this far ahead (reserved for the member when asked).
     Later { wait: Duration },
 }
 

@@ -1,7 +1,6 @@
--- A key's rate limit log (see mod.rs), as a function: the body of
--- admit.lua, and prepended to the keyed queue's claim and ack scripts, so
--- that a keyed message's claim counts in the same log as `Locker::admit`.
---
+-- A key's rate limit log (see mod.rs), as a function prepended to admit.lua
+-- and to the keyed queue's claim and ack scripts, so that a keyed message's
+-- claim counts in the same log as `Locker::admit`.
 -- Admits one under `log`'s limit (`limit` in any window of `period` µs, at
 -- most `burst` in any window of `window` µs) at server time `now` (µs), for
 -- `member`; reserves the next slot for it when `reserve` and it is not now.
