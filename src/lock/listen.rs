@@ -1,9 +1,7 @@
-//! The release listener a [`Locker`](super::Locker) made by
-//! [`Locker::connect`](super::Locker::connect) or
-//! [`Locker::connect_cluster`](super::Locker::connect_cluster) opens for
-//! itself and its clones the first time a waiter needs one (processes that
-//! never wait never open it), in the background: waiters poll with their
-//! backoff until it is up, and whenever it is down.
+//! The release listener a [`Locker`](super::Locker) made by `connect` or
+//! `connect_cluster` opens for itself and its clones, in the background, the
+//! first time a waiter needs one: waiters poll with their backoff until it is
+//! up, and whenever it is down.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -32,8 +30,7 @@ pub(crate) enum Open {
     Given,
 }
 
-/// Whether an attempt to open the listener is under way, or when the next
-/// may start after one failed.
+/// Whether an attempt to open the listener is under way, or when the next may.
 enum Attempt {
     Idle,
     Running,
@@ -64,9 +61,8 @@ impl AutoListener {
     }
 
     /// The listener if it is open; else starts opening it in the background
-    /// (on the current tokio runtime, unless an attempt is under way or one
-    /// failed less than a second ago) and returns `None`: the caller polls
-    /// for now.
+    /// (unless an attempt is under way or one failed less than a second ago)
+    /// and returns `None`: the caller polls for now.
     pub(crate) fn get(self: &std::sync::Arc<Self>) -> Option<ReleaseListener> {
         if let Some(listener) = self.listener.get() {
             return Some(listener.clone());

@@ -1,5 +1,4 @@
-//! Waking lock waiters when the lock they wait for is released, in any
-//! process: see [`ReleaseListener`].
+//! Waking lock waiters on release, in any process: see [`ReleaseListener`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -30,15 +29,13 @@ fn with_presence(names: &[String]) -> Vec<String> {
         .collect()
 }
 
-/// Wakes this process's lock waiters when the lock they wait for is
-/// released, by any process: one subscriber connection for all keys, so one
-/// per process is enough.
+/// Wakes this process's lock waiters when the lock they wait for is released,
+/// by any process: one subscriber connection for all keys (one per process).
 ///
 /// Give it to [`LockLayer::wake_on_release`](crate::LockLayer::wake_on_release);
 /// waiters under `OnConflict::retry` then sleep until the release (or the
-/// holder's TTL) instead of polling with backoff. Cloning is cheap and shares
-/// the connection, which is closed when the last clone (and the last waiter)
-/// is dropped.
+/// holder's TTL) instead of polling with backoff. Clones share the
+/// connection, closed when the last clone (and the last waiter) is dropped.
 ///
 /// A waiter listens on a channel named like the lock key (subscribed while a
 /// task of this process waits for the key, and a second longer), marks the
@@ -70,8 +67,8 @@ struct Shared {
 struct Channel {
     /// Waiters of this process that listen on it now.
     waiters: usize,
-    /// Their tokens, and whether a release handed the lock (or a permit)
-    /// to them (see `src/lock/release.lua`), which they have yet to see.
+    /// Their tokens, and whether a release handed them the lock (or a permit)
+    /// that they have yet to see.
     handed: HashMap<String, bool>,
     /// Since when nobody listens (it is unsubscribed after `LINGER`).
     idle_since: Option<Instant>,
@@ -95,14 +92,12 @@ pub(crate) enum Woken {
     Mine,
     /// A release handed it to a waiter of another process.
     Elsewhere,
-    /// A release that handed it to nobody, or a reconnection: every waiter
-    /// tries again.
+    /// A release to nobody, or a reconnection: every waiter tries again.
     Anyone,
 }
 
 impl Shared {
-    /// A listener's state, and the receiver of its subscribe requests (for
-    /// its connection task).
+    /// The state, and the receiver of subscribe requests (for the task).
     fn new() -> (Arc<Self>, mpsc::UnboundedReceiver<String>) {
         let (subscribe, requests) = mpsc::unbounded_channel();
         let channels = Mutex::default();
@@ -120,10 +115,9 @@ impl Shared {
 }
 
 impl ReleaseListener {
-    /// Connects a subscriber to the server `client` points at, and starts
-    /// the task that dispatches releases to waiters (on the current tokio
-    /// runtime). Errors when the first connection fails; later failures
-    /// are retried in the background.
+    /// Connects a subscriber to `client`'s server, and starts the task that
+    /// dispatches releases to waiters (on the current tokio runtime). Errors
+    /// when the first connection fails; later ones are retried meanwhile.
     pub async fn connect(client: redis::Client) -> Result<Self> {
         let pubsub = connect(&client).await?;
         let (shared, requests) = Shared::new();
@@ -131,13 +125,11 @@ impl ReleaseListener {
         Ok(Self { shared })
     }
 
-    /// Connects a subscriber to a Redis Cluster, with the settings of
-    /// `builder` (nodes, TLS, credentials), switched to RESP3 with a push
-    /// channel of its own: it subscribes with `SSUBSCRIBE`, on the node that
-    /// owns each lock key, where the release script's `SPUBLISH` goes.
-    /// redis-rs resubscribes after reconnections and slot moves; waiters
-    /// are woken at each disconnection, since a release may have been
-    /// missed meanwhile.
+    /// Connects a subscriber to a Redis Cluster with the settings of `builder`
+    /// (nodes, TLS, credentials), switched to RESP3 with a push channel of its
+    /// own: it subscribes with `SSUBSCRIBE` on the node that owns each lock
+    /// key. redis-rs resubscribes after reconnections and slot moves; waiters
+    /// are woken at each disconnection, since a release may have been missed.
     pub async fn connect_cluster(builder: redis::cluster::ClusterClientBuilder) -> Result<Self> {
         let attempted = "connecting the release listener to the cluster";
         let (pushes, received) = mpsc::unbounded_channel();
@@ -155,9 +147,8 @@ impl ReleaseListener {
         Ok(Self { shared })
     }
 
-    /// Starts listening on `channel` (a lock key) for the waiter with
-    /// `token`; the returned [`Watch`] is woken by each release published
-    /// there.
+    /// Starts listening on `channel` (a lock key) for the waiter with `token`:
+    /// the [`Watch`] is woken by each release published there.
     pub(crate) fn watch(&self, channel: &str, token: &str) -> Watch {
         let mut channels = self.shared.channels();
         let entry = channels.entry(channel.to_owned()).or_insert_with(|| {
@@ -194,8 +185,7 @@ pub(crate) struct Watch {
 
 impl Watch {
     /// Waits until the subscription is confirmed, at most until `deadline`.
-    /// False when it is not (the listener's connection is down): the waiter
-    /// must then poll.
+    /// False when not (the connection is down): the waiter must then poll.
     pub(crate) async fn ready(&mut self, deadline: Option<Instant>) -> bool {
         let confirmed = self.receiver.wait_for(|state| state.confirmed);
         let confirmed = match deadline {
@@ -214,11 +204,10 @@ impl Watch {
         self.receiver.borrow().confirmed
     }
 
-    /// Completes at the next wake-up: a release published on the channel,
-    /// or a lost connection (after which nothing can be heard until it is
-    /// back). Says whether a release handed the lock to this waiter since
-    /// the last wake-up it saw (wake-ups in quick succession may be seen as
-    /// one), else whether the last one handed it elsewhere.
+    /// Completes at the next wake-up (a release published on the channel, or a
+    /// lost connection): whether a release handed the lock to this waiter
+    /// since the last wake-up it saw (quick ones may be seen as one), else
+    /// whether the last one handed it elsewhere.
     pub(crate) async fn woken(&mut self) -> Woken {
         if self.receiver.changed().await.is_err() {
             // The listener is gone: nothing will wake us.
@@ -281,9 +270,9 @@ async fn run(
     let mut retry = RETRY_FIRST;
     loop {
         let (mut sink, mut stream) = match reopen(&client, pubsub.take(), &shared).await {
-            Reopened::Listening(sink, stream) => (sink, stream),
-            Reopened::Gone => return,
-            Reopened::Failed(error) => {
+            Ok(Some(listening)) => listening,
+            Ok(None) => return,
+            Err(error) => {
                 // Refused (say, by an ACL) or no answer: try again later, on
                 // a new connection, without spinning.
                 tracing::warn!(%error, ?retry, "release listener: reconnecting");
@@ -307,48 +296,36 @@ async fn run(
 const RETRY_FIRST: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 
-/// What opening the listener's connection came to.
-enum Reopened {
-    /// Connected, and subscribed to everything waiters listen on now.
-    Listening(redis::aio::PubSubSink, redis::aio::PubSubStream),
-    /// Nobody holds the listener any more.
-    Gone,
-    Failed(Error),
-}
-
 /// Takes `pubsub` (the first connection) or opens a new one, and subscribes
-/// again to every channel waiters listen on (after a reconnection).
+/// again to every channel waiters listen on. `None`: the listener is gone.
 async fn reopen(
     client: &redis::Client,
     pubsub: Option<redis::aio::PubSub>,
     shared: &Weak<Shared>,
-) -> Reopened {
+) -> Result<Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)>> {
     let pubsub = match pubsub {
         Some(pubsub) => pubsub,
         None => match connect(client).await {
-            Ok(pubsub) => pubsub,
-            Err(_) if shared.strong_count() == 0 => return Reopened::Gone,
-            Err(error) => return Reopened::Failed(error),
+            Err(_) if shared.strong_count() == 0 => return Ok(None),
+            connected => connected?,
         },
     };
     let (mut sink, stream) = pubsub.split();
     let Some(names) = names(shared, |_| true) else {
-        return Reopened::Gone;
+        return Ok(None);
     };
     if !names.is_empty() {
-        if let Err(error) = subscribe(&mut sink, &names).await {
-            let error = Error::redis("subscribing the release listener again")(error);
-            return Reopened::Failed(error);
-        }
+        subscribe(&mut sink, &names)
+            .await
+            .map_err(Error::redis("subscribing the release listener again"))?;
         confirm(shared, &names);
     }
-    Reopened::Listening(sink, stream)
+    Ok(Some((sink, stream)))
 }
 
 /// Serves the connection: subscribes what waiters ask for, wakes them on
 /// releases, and every tick drops idle channels and checks the connection.
-/// Returns why the connection was lost, or `None` once nobody holds the
-/// listener.
+/// Returns why the connection was lost, or `None` once the listener is gone.
 async fn listen(
     sink: &mut redis::aio::PubSubSink,
     stream: &mut redis::aio::PubSubStream,
@@ -388,10 +365,9 @@ async fn listen(
     }
 }
 
-/// Subscribes `first` and every request queued behind it (a burst of
-/// waiters subscribes at once), but only channels still wanted: one dropped
-/// meanwhile would stay subscribed for good. `None` once nobody holds the
-/// listener.
+/// Subscribes `first` and every request queued behind it (a burst of waiters
+/// subscribes at once), but only channels still wanted: one dropped meanwhile
+/// would stay subscribed for good. `None` once the listener is gone.
 async fn subscribe_requested(
     sink: &mut redis::aio::PubSubSink,
     shared: &Weak<Shared>,
@@ -474,8 +450,7 @@ async fn run_cluster(
     }
 }
 
-/// `SSUBSCRIBE` to one channel on a cluster; a failure is logged and tried
-/// again on the next tick.
+/// `SSUBSCRIBE` to one channel; a failure is logged, and tried next tick.
 async fn subscribe_one(
     conn: &mut redis::cluster_async::ClusterConnection,
     shared: &Weak<Shared>,
@@ -502,14 +477,13 @@ fn text(value: Option<&redis::Value>) -> Option<&[u8]> {
 }
 
 /// Wakes the waiters of `channel` with a release's `payload`: the token of
-/// the waiter it handed the lock to, or nothing. False when the listener is
-/// gone.
+/// the waiter it handed the lock to, or nothing. False: the listener is gone.
 fn wake(shared: &Weak<Shared>, channel: &str, payload: &[u8]) -> bool {
     let Some(shared) = shared.upgrade() else {
         return false;
     };
     if let Some(entry) = shared.channels().get_mut(channel) {
-        // Handed to a waiter of this process: it is told, whatever other
+        // A waiter of this process handed the lock is told, whatever
         // wake-ups come before it looks.
         let handed = std::str::from_utf8(payload)
             .ok()
