@@ -24,12 +24,10 @@ static ADMIT: LazyLock<Script> =
 /// The rate limit as a Lua function (`admit`), also for the keyed queue.
 pub(crate) const RATE_LUA: &str = include_str!("rate.lua");
 
-/// The most admissions per period a rate limit may allow: its log keeps one
-/// entry per admission for a period.
+/// The most admissions per period (the log keeps one entry per admission).
 pub const MAX_RATE: u32 = 1_000_000;
 
-/// The longest period: the log's times are µs in Lua numbers, exact far
-/// beyond this.
+/// The longest period (the log's µs in Lua numbers are exact far beyond).
 pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// A rate limit: at most `limit` admissions in any window of `period`, at
@@ -44,8 +42,7 @@ pub struct Rate {
 impl Rate {
     /// At most `limit` admissions in any window of `period`; all of them may
     /// come at once (see [`burst`](Self::burst)). Errors on a limit of 0 or
-    /// above [`MAX_RATE`], and on a period under 1 ms or above
-    /// [`MAX_PERIOD`].
+    /// above [`MAX_RATE`], or a period under 1 ms or above [`MAX_PERIOD`].
     pub fn new(limit: u32, period: Duration) -> Result<Self> {
         if limit == 0 || limit > MAX_RATE {
             return Err(Error::Config(format!(
@@ -64,11 +61,9 @@ impl Rate {
         })
     }
 
-    /// At most `burst` admissions back to back: at most `burst` in any
-    /// window of `period × burst / limit`, which spreads the limit over the
-    /// period (`burst(1)`: evenly spaced). Errors unless 1 ≤ `burst` ≤
-    /// `limit`, and when that window is under 1 µs (a rate above what the
-    /// log's µs can tell apart).
+    /// At most `burst` admissions back to back: at most `burst` in any window
+    /// of `period × burst / limit` (`burst(1)`: evenly spaced). Errors unless
+    /// 1 ≤ `burst` ≤ `limit`, and when that window is under 1 µs.
     pub fn burst(self, burst: u32) -> Result<Self> {
         if burst == 0 || burst > self.limit {
             return Err(Error::Config(format!(
@@ -101,8 +96,7 @@ impl Rate {
         self.burst
     }
 
-    /// The rate as the keyed scripts take it: `<limit>/<period µs>/<burst>/
-    /// <burst window µs>`.
+    /// As the keyed scripts take it: `<limit>/<period µs>/<burst>/<window µs>`.
     pub(crate) fn spec(&self) -> String {
         let (limit, period, burst) = (self.limit, self.period_us(), self.burst);
         format!("{limit}/{period}/{burst}/{}", self.burst_window_us())
@@ -122,8 +116,7 @@ impl Rate {
 pub enum Admission {
     /// Admitted, at this time by the server's clock.
     Admitted(SystemTime),
-    /// Over the limit: [`Contended::retry_after`] is exactly when the next
-    /// slot opens.
+    /// Over the limit: [`Contended::retry_after`] is when the next slot opens.
     Limited(Contended),
 }
 
@@ -160,9 +153,8 @@ where
         keys::rate_key(&self.config.prefix, key)
     }
 
-    /// Runs the admit script for `member` (a call's token, or a message's
-    /// id, which finds its reservation), reserving the next slot when
-    /// `reserve` is set and it is not now.
+    /// Runs the admit script for `member` (a call's token, or a message's id,
+    /// which finds its reservation), reserving the next slot if `reserve`.
     pub(crate) async fn decide(
         &self,
         key: &str,

@@ -21,29 +21,21 @@ local function admit(log, limit, period, burst, window, member, reserve, now)
   -- Admissions a window ago no longer count.
   redis.call('ZREMRANGEBYSCORE', log, '-inf', now - period)
   local n = redis.call('ZCARD', log)
-  local slot = now
-  if n > 0 then
-    local last = redis.call('ZRANGE', log, -1, -1, 'WITHSCORES')
-    slot = math.max(slot, tonumber(last[2]))
+  -- The time of the admission at rank i (0 is the earliest, -1 the latest).
+  local function at(i)
+    return tonumber(redis.call('ZRANGE', log, i, i, 'WITHSCORES')[2])
   end
-  if n >= limit then
-    local e = redis.call('ZRANGE', log, n - limit, n - limit, 'WITHSCORES')
-    slot = math.max(slot, tonumber(e[2]) + period)
+  local slot = now -- never earlier
+  if n > 0 then slot = math.max(slot, at(-1)) end
+  if n >= limit then slot = math.max(slot, at(n - limit) + period) end
+  if burst < limit and n >= burst then slot = math.max(slot, at(n - burst) + window) end
+  if slot > now and not reserve then
+    return {0, slot - now, 0}
   end
-  if burst < limit and n >= burst then
-    local e = redis.call('ZRANGE', log, n - burst, n - burst, 'WITHSCORES')
-    slot = math.max(slot, tonumber(e[2]) + window)
-  end
-  local keep = math.ceil((slot - now + period) / 1000) + 1
+  redis.call('ZADD', log, slot, member)
+  redis.call('PEXPIRE', log, math.ceil((slot - now + period) / 1000) + 1)
   if slot <= now then
-    redis.call('ZADD', log, now, member)
-    redis.call('PEXPIRE', log, keep)
     return {1, now}
   end
-  if reserve then
-    redis.call('ZADD', log, slot, member)
-    redis.call('PEXPIRE', log, keep)
-    return {0, slot - now, 1}
-  end
-  return {0, slot - now, 0}
+  return {0, slot - now, 1}
 end
