@@ -106,11 +106,7 @@ where
         type Reply = ((u64, u64), Vec<(String, f64)>, Vec<(String, String)>);
         let (time, members, fences): Reply = redis::pipe()
             .cmd("TIME")
-            .cmd("ZRANGE")
-            .arg(&set)
-            .arg(0)
-            .arg(-1)
-            .arg("WITHSCORES")
+            .zrange_withscores(&set, 0, -1)
             .cmd("HGETALL")
             .arg(KeyName(&set, FENCES))
             .query_async(&mut self.conn.clone())
@@ -183,8 +179,7 @@ where
 }
 
 impl Lease {
-    /// The number of permits the lease's key admitted when it was taken
-    /// (`None` for a lock).
+    /// How many permits the lease's key admitted when taken (`None`: a lock).
     pub fn permits(&self) -> Option<u32> {
         self.ticket.permits()
     }

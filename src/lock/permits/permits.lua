@@ -35,12 +35,8 @@ local function take_permit(set, line, token, ttl, limit, mode, now)
   end
   if took then
     -- The set lives as long as its longest lease: a set this acquire made
-    -- has no expiry yet; else only a later end moves it (GT).
-    if held == 0 then
-      redis.call('PEXPIRE', set, ttl)
-    else
-      redis.call('PEXPIRE', set, ttl, 'GT')
-    end
+    -- has no expiry yet (NX); else only a later end moves it (GT).
+    redis.call('PEXPIRE', set, ttl, held == 0 and 'NX' or 'GT')
     if mode ~= '0' then redis.call('ZREM', line, in_line_as(token, limit)) end
     return {1, ttl}
   end
