@@ -1,12 +1,12 @@
 //! Distributed per-key locks with fencing tokens.
 //!
-//! A lock is one Redis string, `<prefix>:lock:{<key>}`, taken with
-//! `SET key token NX PX ttl` (one round trip when free; a second one, the
-//! `contend.lua` script, when held). A random token identifies its holder;
-//! release and renewal compare it inside a script, so a holder whose lock
-//! expired can never delete or extend the next holder's. The README's
-//! "Locks and fencing tokens" and "The LockLayer" describe the cycle, the
-//! line of waiters and the hand-off on release.
+//! A lock is one Redis string, `<prefix>:lock:{<key>}`, taken with `SET key
+//! token NX PX ttl` (one round trip when free; a second, the `contend.lua`
+//! script, when held). A random token identifies its holder; release and
+//! renewal compare it inside a script, so a holder whose lock expired can
+//! never delete or extend the next holder's. The README's "Locks and fencing
+//! tokens" and "The LockLayer" describe the cycle, the line of waiters and
+//! the hand-off on release.
 //!
 //! # Fencing tokens, and what they guarantee
 //!
@@ -29,15 +29,12 @@
 //! is higher ([`Locker::require_replicas`] narrows that window). The README's
 //! "Locks under failover" has the details.
 //!
-//! Every command is safe to run twice (redis-rs' cluster connections resend
-//! a request whose reply was lost): see [`Locker::release`] for a resent
-//! release.
-//!
-//! **Upgrading:** stop processes of older versions (which kept the fence in
-//! a counter key or a `~...` tombstone) before starting new ones: mutual
-//! exclusion holds across versions, but an old process sees this version's
-//! marks and fences as held, and this version sees an old tombstone as held
-//! for its 5 s.
+//! Every command is safe to run twice, as redis-rs' cluster connections do
+//! when a reply was lost. **Upgrading:** stop processes of older versions
+//! (which kept the fence in a counter key or a `~...` tombstone) before
+//! starting new ones: mutual exclusion holds across versions, but an old
+//! process sees this version's marks and fences as held, and this version
+//! sees an old tombstone as held for its 5 s.
 //!
 //! ```no_run
 //! # async fn demo(conn: redis::aio::ConnectionManager) -> lockgate::Result<()> {
@@ -76,37 +73,27 @@ pub mod rate;
 pub(crate) mod wake;
 pub use wake::ReleaseListener;
 
-/// The suffix of a lock's line of waiters, `<lock key>:waiters` (see
-/// `contend.lua`).
+/// The suffix of a lock's line of waiters (see `contend.lua`).
 const WAITERS: &str = ":waiters";
 
-/// How long a released lock (or permit) waits for the waiter it was handed
-/// to (see `release.lua`): that waiter's watchdog makes it a whole TTL; one
-/// that died or gave up holds the lock up this long at most. The same for
-/// every caller, whatever its TTL: a waiter counts on it.
+/// How long a released lock (or permit) waits for the waiter it was handed to
+/// (see `release.lua`): its watchdog makes it a whole TTL; one that died or
+/// gave up holds the lock up this long at most. The same for every caller,
+/// whatever its TTL: a waiter counts on it.
 pub(crate) const HANDOFF: Duration = Duration::from_millis(500);
 
-/// What a contend does with the key's line of waiters (see `contend.lua`).
+/// What a contend does with the key's line of waiters: the number is the
+/// scripts' argument (see `contend.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Line {
     /// Nothing: the caller never joined it.
-    Outside,
+    Outside = 0,
     /// Joins it (or keeps its place) when the key is busy, marking the
     /// lock; leaves it when the lock is taken.
-    Join,
+    Join = 1,
     /// Leaves it when the lock is taken, without joining: a waiter that
     /// joined before and cannot hear releases now.
-    Leave,
-}
-
-impl Line {
-    pub(crate) fn arg(self) -> &'static str {
-        match self {
-            Line::Outside => "0",
-            Line::Join => "1",
-            Line::Leave => "2",
-        }
-    }
+    Leave = 2,
 }
 
 static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
@@ -130,12 +117,10 @@ pub const FENCE_GRACE: Duration = Duration::from_secs(5);
 
 /// Acquires, renews and releases per-key locks on Redis.
 ///
-/// [`Locker::connect`] and [`Locker::connect_cluster`] also open this
-/// process's [`ReleaseListener`] on the first wait, so that a waiting
-/// [`LockLayer`](crate::LockLayer) is woken by the release; [`Locker::new`]
-/// takes any redis-rs async connection and has no listener: its layers poll
-/// unless given one. Cloning is cheap and shares the connection (and the
-/// listener).
+/// [`Locker::connect`] and [`Locker::connect_cluster`] also open a
+/// [`ReleaseListener`] on the first wait; [`Locker::new`] takes any redis-rs
+/// async connection and has none: its layers poll unless given one. Cloning
+/// is cheap and shares the connection (and the listener).
 #[derive(Clone)]
 pub struct Locker<C> {
     /// Cloned per call, as redis-rs' multiplexed connections are meant to be.
@@ -149,19 +134,16 @@ struct LockerConfig {
     ttl: Duration,
     /// `WAIT` after every acquire and extend (see `require_replicas`).
     durability: Option<Durability>,
-    /// Whether the eviction check of this configuration has been started:
-    /// it warns once per configuration, not once per call.
+    /// The eviction check warns once per configuration, not once per call.
     eviction_checked: AtomicBool,
     /// How a release tells waiters (`PUBLISH` on a single server,
     /// `SPUBLISH` on a cluster), found out on the first release.
     publish: tokio::sync::OnceCell<&'static str>,
-    /// The release listener this locker opens on first need (a locker made
-    /// by `connect` or `connect_cluster`), shared by its clones.
+    /// Opened on first need (by a locker made by `connect*`), shared by clones.
     listener: Option<Arc<listen::AutoListener>>,
 }
 
-/// How many replicas must confirm each write, and how long to wait for them
-/// (`WAIT replicas timeout`).
+/// `WAIT replicas timeout` after each write.
 #[derive(Debug, Clone, Copy)]
 struct Durability {
     replicas: u32,
@@ -176,20 +158,17 @@ pub struct Holder {
     pub token: String,
     /// The holder's fencing token (`None` for a value lockgate did not write).
     pub fence: Option<u64>,
-    /// How long the lock still lives (`None` if it has no expiry, which
-    /// lockgate never sets).
+    /// How long the lock still lives (`None` without expiry, never set).
     pub remaining: Option<Duration>,
 }
 
 impl Holder {
-    /// Reads a lock's value `<token>[:<fence>][!]` (the mark says someone
-    /// waits) and its PTTL.
+    /// From a lock's value, `<token>[:<fence>][!]`, and its PTTL.
     fn read(value: &str, pttl: i64) -> Self {
         let value = value.strip_suffix('!').unwrap_or(value);
-        let (token, fence) = match value.split_once(':') {
-            Some((token, fence)) => (token, fence.parse().ok()),
-            None => (value, None),
-        };
+        let (token, fence) = value
+            .split_once(':')
+            .map_or((value, None), |(token, fence)| (token, fence.parse().ok()));
         Holder {
             token: token.to_owned(),
             fence,
@@ -218,12 +197,7 @@ impl EvictionPolicy {
             .await
             .map_err(Error::redis(attempted))?;
         // Pairs of name and value, in no promised order.
-        let value = |name: &str| {
-            reply
-                .chunks(2)
-                .find(|pair| pair[0] == name)
-                .and_then(|pair| pair.get(1))
-        };
+        let value = |name: &str| reply.chunks_exact(2).find(|p| p[0] == name).map(|p| &p[1]);
         let Some(name) = value("maxmemory-policy") else {
             return Err(Error::reply(attempted, format_args!("{reply:?}")));
         };
@@ -239,9 +213,8 @@ impl EvictionPolicy {
     }
 
     /// Whether the server may evict lock keys under memory pressure, which
-    /// breaks mutual exclusion: true when `maxmemory` is set and the policy
-    /// is not `noeviction` (`volatile-ttl` evicts locks first; every other
-    /// `volatile-*` or `allkeys-*` policy may evict them).
+    /// breaks mutual exclusion: when `maxmemory` is set and the policy is not
+    /// `noeviction` (`volatile-ttl` evicts locks first; any other may).
     pub fn may_evict_locks(&self) -> bool {
         self.limited && self.name != "noeviction"
     }
@@ -331,18 +304,14 @@ impl Contended {
 /// [`LockLayer`](crate::LockLayer) releases for you.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
-    /// Key, Redis key, token and fence once issued (shared with the
-    /// layer's release guard and `HeldLock`).
+    /// Shared with the layer's release guard and `HeldLock`.
     ticket: Arc<Ticket>,
-    /// When the lock runs out by the caller's clock (conservative: measured
-    /// from before the acquire command was sent).
     expires_at: Instant,
 }
 
-/// One attempt at a lock: the key, its Redis key and the random token,
-/// made before anything is sent, so that whoever may hold the lock can
-/// always release it (a release with a token that never acquired is a
-/// harmless no-op).
+/// One attempt at a lock, made before anything is sent, so that whoever may
+/// hold the lock can always release it (a release with a token that never
+/// acquired is a harmless no-op).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Ticket {
     key: String,
@@ -519,8 +488,7 @@ where
     /// confirm (else [`Error::NotReplicated`]). `replicas` must be at least
     /// 1, and `timeout` 1 ms to one minute and at most a third of the lock
     /// TTL. `WAIT` holds its connection's replies for up to `timeout`: give a
-    /// durable `Locker` a connection of its own, with a response timeout
-    /// above `timeout`.
+    /// durable `Locker` a connection of its own, whose response timeout is longer.
     pub async fn require_replicas(self, replicas: u32, timeout: Duration) -> Result<Self> {
         if replicas == 0 {
             return Err(Error::config("require_replicas needs at least 1 replica"));
@@ -578,11 +546,9 @@ where
         self.config.durability.map(|d| (d.replicas, d.timeout))
     }
 
-    /// Reads the server's `maxmemory-policy` (`CONFIG GET`): see
-    /// [`EvictionPolicy::may_evict_locks`]. Each `Locker` configuration also
-    /// runs this once, in the background on its first acquire, and logs a
-    /// warning (`tracing`) when the policy may evict locks (at debug level
-    /// when the server refuses `CONFIG`).
+    /// Reads the server's `maxmemory-policy` (see [`EvictionPolicy`]); each
+    /// configuration also checks it in the background on its first acquire,
+    /// and warns (`tracing`) when the policy may evict locks.
     pub async fn check_eviction(&self) -> Result<EvictionPolicy> {
         EvictionPolicy::read(&mut self.conn.clone()).await
     }
@@ -616,9 +582,8 @@ where
         });
     }
 
-    /// Sends a command (a script's `EVALSHA`, or a plain command when
-    /// `script` is `None`) and `WAIT` in one pipeline; returns the command's
-    /// reply and the number of replicas that acknowledged.
+    /// Sends `cmd` (a script's `EVALSHA` when `script` is given) and `WAIT` in
+    /// one pipeline: its reply, and how many replicas acknowledged.
     async fn run_and_wait<T: redis::FromRedisValue>(
         &self,
         script: Option<&Script>,
@@ -650,10 +615,9 @@ where
     }
 
     /// Sends a command that may take the lock: directly, or under
-    /// `require_replicas` with `WAIT`, failing closed when too few replicas
-    /// confirm a reply that `took` says took the lock. If a durable pipeline
-    /// fails after the command may have run, the lock is released
-    /// (token-checked) before the error is returned: only we know the token.
+    /// `require_replicas` with `WAIT`, failing closed (the lock released, as
+    /// only we know the token) when too few replicas confirm a reply that
+    /// `took` says took the lock, or the pipeline fails after it may have run.
     async fn send_acquire<T: redis::FromRedisValue>(
         &self,
         script: Option<&Script>,
@@ -692,9 +656,8 @@ where
         {
             Ok(replied) => replied,
             Err(error) => {
-                // The command may have run although the pipeline
-                // failed (the client gave up during WAIT, WAIT was
-                // refused, the connection dropped).
+                // The command may have run although the pipeline failed
+                // (a timeout during WAIT, WAIT refused, a dropped connection).
                 if let Err(release) = self.release_ticket(ticket).await {
                     tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
                 }
@@ -735,7 +698,6 @@ where
         }
     }
 
-    /// The prefix of the lock keys.
     pub(crate) fn key_prefix(&self) -> &str {
         &self.config.prefix
     }
@@ -776,9 +738,8 @@ where
         Ok(self.held_ticket(key, Token::random(), None))
     }
 
-    /// A ticket for the lock on `key` (one of its `permits`) with `token`:
-    /// an attempt's, or one that holds it already (a keyed message claimed
-    /// with it).
+    /// A ticket for the lock on `key` (one of its `permits`) with `token`: an
+    /// attempt's, or one that holds it already (a keyed message's claim).
     pub(crate) fn held_ticket(
         &self,
         key: String,
@@ -804,10 +765,9 @@ where
         })
     }
 
-    /// The fast path: one `SET NX PX`, the bare recipe. `Some` when this
-    /// `SET` took the lock; `None` when the key was set, by another holder
-    /// or by a first copy of this very request (a resend): the contend
-    /// script tells which.
+    /// The fast path: one `SET NX PX`. `Some` when it took the lock; `None`
+    /// when the key was set, by another holder or by a first copy of this
+    /// request (a resend): the contend script tells which.
     pub(crate) async fn try_set(&self, ticket: &Arc<Ticket>) -> Result<Option<Acquisition>> {
         // Found out before the first lock is taken, so that its release
         // does not depend on one more round trip.
@@ -837,9 +797,8 @@ where
         Ok(set.map(|_| self.lease(ticket, started, ttl)))
     }
 
-    /// Tries once more with the contend script (the acquire script for a
-    /// permit), which also reads how long until the holder's lease ends, and
-    /// joins or leaves the key's line of waiters as `line` says.
+    /// Tries once more with the contend script (a permit's: the acquire one),
+    /// which also reads how long the holder has, and joins or leaves the line.
     pub(crate) async fn contend(&self, ticket: &Arc<Ticket>, line: Line) -> Result<Acquisition> {
         let started = Instant::now();
         let script = match ticket.permits {
@@ -854,7 +813,7 @@ where
         if let Some(permits) = ticket.permits {
             cmd.arg(permits);
         }
-        cmd.arg(line.arg());
+        cmd.arg(line as u32);
         let reply: Vec<i64> = self
             .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
@@ -871,14 +830,10 @@ where
         // neither tells when to retry, so say "now".
         let left = Duration::from_millis(u64::try_from(left).unwrap_or(0));
         if acquired == 1 {
-            Ok(self.lease(ticket, started, left))
-        } else {
-            Ok(Acquisition::Contended(Contended {
-                key: ticket.key.clone(),
-                retry_after: left,
-                permits: ticket.permits,
-            }))
+            return Ok(self.lease(ticket, started, left));
         }
+        let busy = Contended::new(ticket.key.clone(), left).with_permits(ticket.permits);
+        Ok(Acquisition::Contended(busy))
     }
 
     /// The lease a release handed to `ticket` (see `release.lua`), taken
@@ -896,10 +851,9 @@ where
         })
     }
 
-    /// A lease on a lock taken by a command sent at `started`: it lasts the
-    /// TTL, or only what the server said is `left` (a resent acquire may
-    /// find the lock its first copy took a while ago), measured from
-    /// `started`, so the deadline stays conservative.
+    /// A lease on a lock taken by a command sent at `started`, lasting from
+    /// then the TTL, or only what the server said is `left` (a resent acquire
+    /// may find the lock its first copy took a while ago): conservative.
     fn lease(&self, ticket: &Arc<Ticket>, started: Instant, left: Duration) -> Acquisition {
         Acquisition::Acquired(Lease {
             ticket: ticket.clone(),
@@ -932,9 +886,8 @@ where
         Ok(Duration::from_millis(u64::try_from(pttl).unwrap_or(0)))
     }
 
-    /// Who holds the lock on `key`, with what fence (if one was issued),
-    /// for how long: `None` when it is free. One round trip (`GET` and
-    /// `PTTL` in a pipeline).
+    /// Who holds the lock on `key`, with what fence (if one was issued), for
+    /// how long: `None` when it is free. One round trip.
     pub async fn inspect(&self, key: &str) -> Result<Option<Holder>> {
         let lock_key = self.lock_key(key);
         let (value, pttl): (Option<String>, i64) = redis::pipe()
@@ -974,10 +927,9 @@ where
     }
 
     /// Deletes the lock on `key` whoever holds it, and its line of waiters:
-    /// **an operator's emergency tool**. The holder goes on running,
-    /// believing it holds the lock, until its next renewal finds the lock
-    /// gone (it is then lost); meanwhile another caller can take the key, so
-    /// two may run at once. Fences still increase: the next holder's fence
+    /// **an operator's emergency tool**. The holder goes on running until its
+    /// next renewal finds the lock gone; meanwhile another caller can take the
+    /// key, so two may run at once. Fences still increase: the next holder's
     /// is above every earlier one. Returns whether a lock was held.
     pub async fn force_unlock(&self, key: &str) -> Result<bool> {
         let lock_key = self.lock_key(key);
@@ -1072,8 +1024,7 @@ where
         })
     }
 
-    /// How the release script tells waiters (see [`detect_publish`]), asked
-    /// once per configuration.
+    /// How the release script tells waiters (see [`detect_publish`]).
     async fn publish_command(&self) -> redis::RedisResult<&'static str> {
         match self.config.publish.get() {
             Some(command) => Ok(command),
@@ -1087,8 +1038,7 @@ where
     /// expired or belongs to another holder, in which case nothing changes.
     ///
     /// Under [`require_replicas`](Self::require_replicas), a renewal too few
-    /// replicas confirmed releases the lock and returns
-    /// [`Error::NotReplicated`].
+    /// replicas confirmed releases the lock ([`Error::NotReplicated`]).
     pub async fn extend(&self, lease: &mut Lease, ttl: Duration) -> Result<bool> {
         check_ttl(ttl)?;
         let started = Instant::now();
@@ -1165,16 +1115,14 @@ pub(crate) async fn detect_publish(
 }
 
 /// A random token: 32 lowercase hex digits, kept inline and written without
-/// `core::fmt` (one is made for every acquire). The first 8 name this
-/// process ([`process_tag`]), the other 96 bits are random: a release script
-/// can tell from a waiter's token whether its process still listens (see
-/// `release.lua`).
+/// `core::fmt` (one is made for every acquire). The first 8 name this process
+/// ([`process_tag`]), so that a release script can tell from a waiter's token
+/// whether its process still listens; the other 96 bits are random.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Token([u8; 32]);
 
-/// Hex digits that start every token of this process: random, drawn once.
 const TAG_LEN: usize = 8;
-
+/// Hex digits that start every token of this process: random, drawn once.
 static PROCESS_TAG: LazyLock<[u8; TAG_LEN]> = LazyLock::new(|| hex(rand::random::<u128>()));
 
 /// The 8 hex digits that start this process's tokens, and name its
@@ -1235,7 +1183,6 @@ fn check_wait_fits(ttl: Duration, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Checks a user key: not empty.
 fn check_key(key: &str) -> Result<()> {
     if key.is_empty() {
         return Err(Error::InvalidKey("lock key must not be empty".into()));
