@@ -1,16 +1,12 @@
-//! The keyed queue's storage: messages pushed with a key wait in their
-//! key's line and are claimed only together with the key's lock, the lock a
-//! [`Locker`](crate::Locker) takes (`<prefix>:lock:{<key>}`): one lock
-//! identity per key.
-//!
-//! A key's line lives in a partition of the queue in the hash slot of the
-//! key's lock, `<prefix>:{<slot tag>}:<queue>:…`, so one script sees the
-//! lock and the line on a Redis Cluster too (see `lua/keyed.lua` for the
-//! keys). A slot's tag is the first decimal number whose text hashes to the
-//! slot: a producer in another language computes the same table. The
-//! queue's index of partitions, `<prefix>:{<queue>}:partitions` (slot →
-//! 0), is a hint written after a push: a partition missing from it is found
-//! on the next push to it.
+//! The keyed queue's storage (see the README's "Keyed messages"): a message
+//! pushed with a key waits in its key's line, in a partition of the queue
+//! in the hash slot of the key's lock (`<prefix>:{<slot tag>}:<queue>:…`,
+//! keys in `lua/keyed.lua`), so one script sees the lock and the line on a
+//! Redis Cluster too; it is claimed only together with that lock, the one
+//! a [`Locker`](crate::Locker) takes. A slot's tag is the first decimal
+//! number whose text hashes to the slot. The queue's index of partitions,
+//! `<prefix>:{<queue>}:partitions`, is a hint written after a push: a
+//! partition missing from it is found on the next push to it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
@@ -18,9 +14,11 @@ use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, Script, Value};
+use tokio::time::Instant;
 
 use super::scripts::Query;
 use super::{EventKind, QueueKeys};
+use crate::ReleaseListener;
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
@@ -83,8 +81,7 @@ static TAKE_IN: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/key
 static PEEK: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
 static REMOVE: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
 
-/// Where each key of a partition stands in [`Partition`]'s list (the
-/// keyed scripts' `KEYS` order, see `lua/keyed.lua`).
+/// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
 const SCHEDULE: usize = 1;
 const ACTIVE: usize = 2;
@@ -121,11 +118,8 @@ pub(crate) struct DeadSet {
 
 impl Partition {
     fn new(prefix: &str, queue: &str, slot: u16) -> Self {
-        let base = format!(
-            "{prefix}:{{{}}}:{}",
-            SLOT_TAGS[usize::from(slot)],
-            keys::tag(queue)
-        );
+        let (tag, queue) = (&SLOT_TAGS[usize::from(slot)], keys::tag(queue));
+        let base = format!("{prefix}:{{{tag}}}:{queue}");
         let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
             "seq", "limits",
@@ -204,8 +198,7 @@ pub(crate) struct Held {
     pub(crate) token: Token,
     /// The key's permits: 0 for its lock.
     pub(crate) permits: u32,
-    /// Whether the key has a rate limit: the hand-over to its next message
-    /// asks it.
+    /// Whether the key has a rate limit (the hand-over to its next asks it).
     pub(crate) rated: bool,
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
@@ -224,14 +217,16 @@ impl Held {
     }
 }
 
+/// A turn the claim script took: key, id, seq, permits, whether the key has
+/// a rate limit, and the record.
+type Taken = (Vec<u8>, Vec<u8>, Vec<u8>, u32, bool, Vec<u8>);
+
 /// The done script's reply (see `lua/keyed_done.lua`).
 type DoneReply = (u8, Vec<u8>, Option<(String, String, Vec<u8>, u8)>);
 
 /// A key runs at most this many messages back to back under one hold
 /// (each claimed by the previous one's ack) while its worker has no slot
-/// free, before it lets go and queues behind the keys that wait: the bound
-/// on how long a busy key keeps a handler slot from the keys that wait for
-/// one. (A worker with a slot free claims a waiting key itself.)
+/// free; then it lets go and queues behind the keys that wait for a slot.
 pub const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
@@ -252,8 +247,7 @@ pub(crate) struct Claimed {
     pub(crate) next_at: Option<i64>,
 }
 
-/// How many due partitions a claim names (the queue's claim script) and
-/// visits.
+/// How many due partitions a claim names (the queue's claim script) and visits.
 pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 
 /// A partition is looked at again at the latest this long after a claim
@@ -282,9 +276,8 @@ pub(crate) struct Keyed<'a, C> {
     pub(crate) recording: Recording,
 }
 
-/// What a queue's handle keeps of its keyed messages beside them: the
-/// lifecycle events' cap, the completed messages' limits, the dead
-/// letters' retention.
+/// What a queue's handle keeps beside its keyed messages: the events' cap,
+/// the completed messages' limits, the dead letters' retention.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Recording {
     pub(crate) events: Option<usize>,
@@ -385,10 +378,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(pushed)
     }
 
-    /// Takes a message of the queue's own keys (`id`, with its `record`)
-    /// into `key`'s line after `delay_ms`, counting a deferral (see
-    /// `keyed_take_in.lua`); returns whether it was added (not there
-    /// already) and its due time.
+    /// Takes message `id` of the queue's own keys (with its `record`) into
+    /// `key`'s line after `delay_ms`, counting a deferral; returns whether
+    /// it was added (not there already) and its due time.
     pub(crate) async fn take_in(
         &self,
         (key, limits): (&str, &str),
@@ -441,12 +433,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     ) -> Result<()> {
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let partition = self.partition(slot);
-        let mut raise = redis::cmd("ZADD");
-        raise
-            .arg(&self.keys.partitions)
-            .arg("XX")
-            .arg(now + RECHECK_MS)
-            .arg(slot);
+        let raise = self.index(&["XX"], now + RECHECK_MS, slot);
         // The raise must reach the server before the script. On one server
         // a pipeline keeps that order; a cluster's may not (the index and
         // the partition are on different nodes): two round trips there.
@@ -488,14 +475,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Ok(());
         };
         claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
-        redis::cmd("ZADD")
-            .arg(&self.keys.partitions)
-            .arg("XX")
-            .arg("LT")
-            .arg(at.max(0))
-            .arg(slot)
+        self.index(&["XX", "LT"], at.max(0), slot)
             .query_on(self.conn, attempted)
             .await
+    }
+
+    /// A `ZADD` of `slot` at `at` with `flags` to the queue's index of partitions.
+    fn index(&self, flags: &[&str], at: i64, slot: u16) -> Cmd {
+        let mut cmd = redis::cmd("ZADD");
+        cmd.arg(&self.keys.partitions).arg(flags).arg(at).arg(slot);
+        cmd
     }
 
     /// Makes `key` ready when other code lets go of its lock, or of one of
@@ -520,7 +509,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 state: &state,
                 recording,
             };
-            let until = tokio::time::Instant::now() + left;
+            let until = Instant::now() + left;
             if let Some(listener) = opened(&auto, until).await {
                 let mut watch = listener.watch(&lock_key, crate::lock::process_tag());
                 if watch.ready(Some(until)).await {
@@ -536,8 +525,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// One claim script call (after `first`, in the same round trip): the
-    /// turns, the next due time and the ready keys it names for the next
-    /// call.
+    /// turns, the next due time and the ready keys named for the next call.
     async fn claim_keys(
         &self,
         partition: &Arc<Partition>,
@@ -565,7 +553,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             i64,
             i64,
             Vec<String>,
-            Vec<Vec<u8>>,
+            Vec<Taken>,
             Vec<(String, String, u64)>,
         );
         let mut conn = self.conn.clone();
@@ -573,12 +561,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Some(first) => run_after(&CLAIM, first, &cmd, &mut conn).await,
             None => run(&CLAIM, &cmd, &mut conn).await,
         };
-        let (claim, _now, next_at, named, flat, blocked): Reply =
+        let (claim, _now, next_at, named, taken, blocked): Reply =
             reply.map_err(|e| Error::redis(attempted())(e))?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
-        let turns = self.turns(partition, (candidates, &tokens), claim, flat);
+        let turns = self.turns(partition, (candidates, &tokens), claim, taken);
         if self.recording.events.is_some() {
             let mut log = Log::default();
             for turn in &turns {
@@ -590,35 +578,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((turns, (next_at >= 0).then_some(next_at), named))
     }
 
-    /// The turns a claim script returned: `flat` holds key, id, seq,
-    /// permits and record per turn; each key is one of `candidates`, claimed
-    /// with its token in `tokens`.
+    /// The turns a claim script took; each key is one of `candidates`,
+    /// claimed with its token in `tokens`.
     fn turns(
         &self,
         partition: &Arc<Partition>,
         (candidates, tokens): (&[String], &[Token]),
         claim: u64,
-        flat: Vec<Vec<u8>>,
+        taken: Vec<Taken>,
     ) -> Vec<Turn> {
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
-        let mut turns = Vec::with_capacity(flat.len() / 5);
-        let mut flat = flat.into_iter();
-        while let (Some(key), Some(id), Some(seq), Some(permits), Some(record)) = (
-            flat.next(),
-            flat.next(),
-            flat.next(),
-            flat.next(),
-            flat.next(),
-        ) {
+        let mut turns = Vec::with_capacity(taken.len());
+        for (key, id, seq, permits, rated, record) in taken {
             let found = candidates.iter().position(|k| k.as_bytes() == key);
-            // "<permits>", with "r" after for a key with a rate limit.
-            let permits = text(permits).and_then(|n| {
-                let rated = n.ends_with('r');
-                Some((n.trim_end_matches('r').parse().ok()?, rated))
-            });
-            let (Some(i), Some(id), Some(seq), Some((permits, rated))) =
-                (found, text(id), text(seq), permits)
-            else {
+            let (Some(i), Some(id), Some(seq)) = (found, text(id), text(seq)) else {
                 // Cannot happen with lockgate's script; if it does, the
                 // entry comes back after its lease.
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
@@ -704,9 +677,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(settled)
     }
 
-    /// What the done script answered (see `done`): the acknowledged record
-    /// when asked for, and the turn ended, or the key's next message
-    /// claimed under `claim` with `next_token`.
+    /// What the done script answered: the acknowledged record (if asked),
+    /// and how the turn ended, the next one claimed with `next_token`.
     async fn settled(
         &self,
         held: &Arc<Held>,
@@ -778,24 +750,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
     }
 
-    /// Marks a partition as having a ready key, and rings the doorbell;
-    /// `attempted` names the caller's operation in an error.
+    /// Marks a partition as having a ready key, and rings the doorbell.
     async fn mark_ready(&self, slot: u16, attempted: impl FnOnce() -> String) -> Result<()> {
         let mut hint = redis::pipe();
-        hint.cmd("ZADD")
-            .arg(&self.keys.partitions)
-            .arg("LT")
-            .arg(0)
-            .arg(slot)
-            .ignore();
+        hint.add_command(self.index(&["LT"], 0, slot)).ignore();
         hint.lpush(&self.keys.bell, 1).ignore();
         hint.ltrim(&self.keys.bell, 0, 0).ignore();
         let done = hint.query_async(&mut self.conn.clone()).await;
         done.map_err(|e| Error::redis(attempted())(e))
     }
 
-    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`);
-    /// `attempted` names it in an error.
+    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`).
     async fn run<R: FromRedisValue>(
         &self,
         script: &Script,
@@ -823,8 +788,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         self.mark_ready(partition.slot, attempted).await
     }
 
-    /// Extends a turn's lease and its key's lock; `false` when either is
-    /// lost.
+    /// Extends a turn's lease and its key's lock; `false` when either is lost.
     pub(crate) async fn extend(
         &self,
         held: &Held,
@@ -872,10 +836,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((total, oldest))
     }
 
-    /// The keys with messages in line or at work, over every partition of
-    /// the index: each with its messages in line, at work, and how long its
-    /// first in line has waited since it was pushed. Reads at most `most`
-    /// keys of each partition's active and ready sets.
+    /// The keys with messages in line or at work in every partition of the
+    /// index, with how many of each and how long the first in line has
+    /// waited since its push; at most `most` of each active and ready set.
     pub(crate) async fn loads(&self, most: usize) -> Result<Vec<super::KeyLoad>> {
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
         let mut loads = Vec::new();
@@ -957,18 +920,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Ends the turns whose lease ran out in every partition of the index;
-    /// returns how many went back to the head of their line and how many
-    /// were buried.
+    /// returns how many went back to the head of their line, and were buried.
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
         let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
-        let (dead_count, dead_age) = self.recording.dead.args();
+        let (count, age) = self.recording.dead.args();
         let (mut requeued, mut buried) = (0, 0);
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&RECOVER, 0);
-            cmd.arg(max_stalls)
-                .arg(1000)
-                .arg(&dead_count)
-                .arg(&dead_age);
+            cmd.arg(max_stalls).arg(1000).arg(&count).arg(&age);
             let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
                 self.run(&RECOVER, &cmd, attempted).await?;
             if ended.is_empty() {
@@ -1086,10 +1045,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 }
 
-/// The events (and completed entry) of a turn that ended with event
-/// `kind` (and `error`): its own, then the key let go or its next message
-/// claimed. `acked`: the acknowledged record, when the completed stream
-/// keeps it.
+/// The events (and completed entry) of a turn that ended with `kind`: its
+/// own, then the key let go or its next message claimed. `acked`: the
+/// acknowledged record, when the completed stream keeps it.
 fn outcome_log(
     held: &Held,
     (id, failures): (&str, u32),
@@ -1118,15 +1076,12 @@ fn outcome_log(
 
 /// The release listener once it is open (it opens in the background on
 /// first need), or `None` if it is not by `until`.
-async fn opened(
-    auto: &Arc<AutoListener>,
-    until: tokio::time::Instant,
-) -> Option<crate::ReleaseListener> {
+async fn opened(auto: &Arc<AutoListener>, until: Instant) -> Option<ReleaseListener> {
     loop {
         if let Some(listener) = auto.get() {
             return Some(listener);
         }
-        if tokio::time::Instant::now() >= until {
+        if Instant::now() >= until {
             return None;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -1,16 +1,16 @@
 -- The keyed queue's helpers, shared by the keyed scripts after the prelude.
 -- A message pushed with a key waits in its key's line and is claimed only
--- with the key's lock, the very lock a `Locker` takes (`<p>:lock:{<key>}`),
--- or one of its permits. A key's messages live in the partition
--- `<p>:{<t>}:<q>` in the hash slot of the key's lock (<t>: the slot's tag,
--- see src/queue/keyed.rs), so one script sees the lock and the line.
--- Every keyed script takes the partition's keys first, in this order:
+-- with the key's lock (`<p>:lock:{<key>}`, the very lock a `Locker` takes)
+-- or one of its permits; a key's messages live in the partition
+-- `<p>:{<t>}:<q>` in the hash slot of its lock (<t>: the slot's tag, see
+-- src/queue/keyed.rs), so one script sees the lock and the line. Every
+-- keyed script takes the partition's keys first, in this order:
 -- KEYS[1] data: hash id -> record (the queue's record format)
 -- KEYS[2] schedule: zset id -> due ms (delayed messages and re-driven dead
 --   letters, until they are due and join their key's line)
 -- KEYS[3] active: zset "<line member>:<claim>" -> lease deadline
 -- KEYS[4] dead: zset id -> time buried   KEYS[5] errors: hash id -> last error
--- KEYS[6] claims: the last claim number
+-- KEYS[6] claims: the last claim number   KEYS[10] seq: the last seq handed out
 -- KEYS[7] lines: zset of every message in line, score 0, "<key>\0<seq>\0<id>"
 --   (seq: 16 digits, see next_seq): a key's line is a lex range, its head
 --   the range's first
@@ -20,14 +20,13 @@
 --   of a key with limits "<key>\0<seq>\0<permits>\0<rate>": the place in
 --   line it takes back when due (a retry's delay; "" for none) and the
 --   key's limits, which it brings back (permits 0: the key's lock)
--- KEYS[10] seq: the last seq handed out (see next_seq)
 -- KEYS[11] limits: hash key -> its permits, for a key pushed with permits
 --   (`Locker::acquire_permit`'s set, not its lock); "<key>\0rate" -> its
 --   rate "<limit>/<period µs>/<burst>/<window µs>" (`Locker::admit`'s log)
 -- The queue's own keys (its doorbell, its index of partitions) live in the
--- queue's slot: the caller rings and indexes after a script.
--- A claimed message leaves its line for the active set; a retry, a release
--- or an expired lease put it back at its place, first in line.
+-- queue's slot: the caller rings and indexes after a script. A claimed
+-- message leaves its line for the active set; a retry, a release or an
+-- expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local AT_WORK = -1

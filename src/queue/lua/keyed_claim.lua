@@ -14,9 +14,9 @@
 -- rate waits for its next slot. A key with permits gives one message per
 -- call: one with room left is named again for the next.
 -- Returns {claim, now, when a key or a delayed message is due next (ms, -1
--- for none), {candidate keys}, {key, id, seq, permits (0: the lock; then
--- "r" for a key with a rate limit), record, ...}, {key that other code
--- keeps full, the lock or set to watch, ms until its first lease ends, ...}}.
+-- for none), {candidate keys}, {key, id, seq, permits (0: the lock), 1 if
+-- the key has a rate limit else 0, record, ...}, {key that other code keeps
+-- full, the lock or set to watch, ms until its first lease ends, ...}}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
 promote(now, 1000)
@@ -31,7 +31,8 @@ local function take(key, id, seq, permits, rate)
   claimed[#claimed + 1] = key
   claimed[#claimed + 1] = id
   claimed[#claimed + 1] = seq
-  claimed[#claimed + 1] = permits .. (rate and 'r' or '')
+  claimed[#claimed + 1] = permits
+  claimed[#claimed + 1] = rate and 1 or 0
   claimed[#claimed + 1] = redis.call('HGET', KEYS[DATA], id) or ''
 end
 
@@ -88,7 +89,7 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
 end
 
 for i = 1, (#KEYS - 11) / 4 do
-  if #claimed >= 5 * max then break end
+  if #claimed >= 6 * max then break end
   local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 8 + 4 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then

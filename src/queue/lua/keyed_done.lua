@@ -1,22 +1,20 @@
--- Ends a keyed message's turn at work (see keyed.lua), if the caller still
--- holds its claim, and lets go of its key's lock or permit; or, for an
--- acknowledged message whose key has more (the caller asked with a lease),
--- keeps it and claims the key's next message at once, unless other code
--- waits for the lock or a permit: then it lets go, and the lock goes to the
--- first waiter in its line as a `Locker`'s release hands it (release.lua),
--- so that a key's messages and other code take turns. The caller bounds such
--- runs (a key lets go after MAX_RUN messages back to back: see keyed.rs).
+-- Ends a keyed message's turn at work (see keyed.lua) if the caller still
+-- holds its claim, and lets go of its key's lock or permit; or, for an ack
+-- whose caller asked for the next message (ARGV[10]), keeps it and claims
+-- the key's next message at once, if the key's rate limit admits it now
+-- and unless other code waits for the lock or a permit: then it lets go,
+-- the lock going to the first waiter in its line as a `Locker`'s release
+-- hands it (release.lua), so that a key's messages and other code take
+-- turns. The caller bounds such runs (MAX_RUN, see keyed.rs).
 -- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
 -- KEYS[13]: the lock's or the set's line of waiters   KEYS[14]: the set's
 -- fences (for a lock: the lock)   KEYS[15]: the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
 --   "release" (back as it was) or "bury"
--- ARGV[2]: the key   ARGV[3]: the id   ARGV[4]: its seq   ARGV[5]: its claim
--- ARGV[6]: the lock's (permit's) token   ARGV[7]: the delay in ms before it
---   may be claimed again (retry, defer)   ARGV[8]: the error (retry, bury)
--- ARGV[9]: "PUBLISH" or "SPUBLISH"
--- ARGV[10]: for an ack, the next message's lease in ms ("" to let go)
--- ARGV[11]: the token for the next message, if it needs a new one
+-- ARGV[2..6]: the key, the id, its seq, its claim, the lock's (permit's) token
+-- ARGV[7]: the delay in ms (retry, defer)   ARGV[8]: the error (retry, bury)
+-- ARGV[9]: "PUBLISH" or "SPUBLISH"   ARGV[10]: for an ack, the next
+--   message's lease in ms ("" to let go)   ARGV[11]: a token for the next
 -- ARGV[12]: "1" when the message may have an error on record (an ack deletes it)
 -- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: the hand-off ms of
 --   a lock or permit to a waiter (release.lua's)
@@ -24,16 +22,15 @@
 -- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
--- The next message is claimed only if the key's rate limit admits it now.
--- A retried or deferred message goes back first in line. A key with a lock
+-- A retried or deferred message goes back first in line: a key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
 -- Returns {status, the acknowledged record or "", for status 3 {the next
--- message's id, seq and record, 1 when it holds the key under the new token
--- ARGV[11], 0 under ARGV[6]}, else false}. Status 0: the claim is no longer
--- held (nothing changed); 1: done, the key let go; 2: done, the key let go
--- and ready for a claim; 3: the key's next message claimed under the same
--- lock and claim number.
+-- message's id, seq and record, 1 when held under the new token ARGV[11] or
+-- 0 under ARGV[6]}, else false}. Status 0: the claim is no longer held
+-- (nothing changed); 1: done, the key let go; 2: the same, and the key
+-- ready for a claim; 3: the key's next message claimed under the same lock
+-- and claim number.
 --
 -- The usual hand-over (a lock, no rate limit, no fence issued, nobody
 -- waiting) passes the lock on as it is, token and expiry, and the next
