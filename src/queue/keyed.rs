@@ -803,8 +803,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(millis(lease))
             .arg(held.permits);
         let attempted = || format!("extending keyed message `{member}`");
-        let extended: i64 = self.run(&EXTEND, &cmd, attempted).await?;
-        Ok(extended == 1)
+        self.run(&EXTEND, &cmd, attempted).await
     }
 
     /// Counts over every partition of the index: [in line, delayed, at
