@@ -289,50 +289,39 @@ local function keep_completed(stream, max_count, max_age, now, id, record)
   end
 end
 
--- The keyed queue: a message pushed with a key waits in its key's line and
--- is claimed only together with the key's lock, the very lock a `Locker`
--- takes (`<p>:lock:{<key>}`). Shared by the keyed scripts, after the prelude.
---
--- A key's messages live in a partition of the queue in the hash slot of the
--- key's lock, `<p>:{<t>}:<q>`, where <t> is the slot's tag (see
--- src/queue/keyed.rs): one script sees the lock and the line.
---
--- Every keyed script takes a partition's keys first, in this order:
---   KEYS[1]  data      hash  id -> record (the queue's record format)
---   KEYS[2]  schedule  zset  id -> due ms: delayed messages, and re-driven
---                            dead letters, until they are due and join
---                            their key's line
---   KEYS[3]  active    zset  "<line member>:<claim>" -> lease deadline
---   KEYS[4]  dead      zset  id -> time buried
---   KEYS[5]  errors    hash  id -> last error
---   KEYS[6]  claims    string the last claim number
---   KEYS[7]  lines     zset  every message in line, score 0, member
---                            "<key>\0<seq>\0<id>" (seq: 16 digits, from
---                            the server's time, see next_seq): a key's line
---                            is a lex range, its head the range's first
---   KEYS[8]  ready     zset  key -> from when its head may be claimed (ms),
---                            or AT_WORK while a key with a lock is at work
---   KEYS[9]  keyof     hash  id -> key, for a message not in line (delayed,
---                            dead); of a key with limits, "<key>\0<seq>\0
---                            <permits>\0<rate>": the place in line it takes
---                            back when due (a retry's delay; "" for none)
---                            and the key's limits, which it brings back
---                            (permits 0: the key's lock)
---   KEYS[10] seq       string the last seq handed out (see next_seq)
---   KEYS[11] limits    hash  key -> its permits, for a key pushed with
---                            permits (`Locker::acquire_permit`'s set, not its
---                            lock); "<key>\0rate" -> its rate limit,
---                            "<limit>/<period µs>/<burst>/<window µs>" (the
---                            log `Locker::admit` counts in)
--- (The queue's own keys, its doorbell and its index of partitions, live in
--- the queue's slot: the caller rings and indexes after a script.)
--- A claimed message leaves its line for the active set; a retry, a release
--- or an expired lease put it back at its place, first in line.
+-- The keyed queue's helpers, shared by the keyed scripts after the prelude.
+-- A message pushed with a key waits in its key's line and is claimed only
+-- with the key's lock (`<p>:lock:{<key>}`, the very lock a `Locker` takes)
+-- or one of its permits; a key's messages live in the partition
+-- `<p>:{<t>}:<q>` in the hash slot of its lock (<t>: the slot's tag, see
+-- src/queue/keyed.rs), so one script sees the lock and the line. Every
+-- keyed script takes the partition's keys first, in this order:
+-- KEYS[1] data: hash id -> record (the queue's record format)
+-- KEYS[2] schedule: zset id -> due ms (delayed messages and re-driven dead
+--   letters, until they are due and join their key's line)
+-- KEYS[3] active: zset "<line member>:<claim>" -> lease deadline
+-- KEYS[4] dead: zset id -> time buried   KEYS[5] errors: hash id -> last error
+-- KEYS[6] claims: the last claim number   KEYS[10] seq: the last seq handed out
+-- KEYS[7] lines: zset of every message in line, score 0, "<key>\0<seq>\0<id>"
+--   (seq: 16 digits, see next_seq): a key's line is a lex range, its head
+--   the range's first
+-- KEYS[8] ready: zset key -> from when its head may be claimed (ms), or
+--   AT_WORK while a key with a lock is at work
+-- KEYS[9] keyof: hash id -> key, for a message out of line (delayed, dead);
+--   of a key with limits "<key>\0<seq>\0<permits>\0<rate>": the place in
+--   line it takes back when due (a retry's delay; "" for none) and the
+--   key's limits, which it brings back (permits 0: the key's lock)
+-- KEYS[11] limits: hash key -> its permits, for a key pushed with permits
+--   (`Locker::acquire_permit`'s set, not its lock); "<key>\0rate" -> its
+--   rate "<limit>/<period µs>/<burst>/<window µs>" (`Locker::admit`'s log)
+-- The queue's own keys (its doorbell, its index of partitions) live in the
+-- queue's slot: the caller rings and indexes after a script. A claimed
+-- message leaves its line for the active set; a retry, a release or an
+-- expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local AT_WORK = -1
 
--- A message's place in line.
 local function line_member(key, seq, id)
   return key .. '\0' .. seq .. '\0' .. id
 end
@@ -351,13 +340,18 @@ local function next_seq(now, since)
   return seq
 end
 
--- Puts a due message in its key's line, last (or at the place `since`
--- gives it, see next_seq); the key becomes ready at `now` unless its head
--- is at work or it waits already.
-local function enter_line(key, id, now, since)
-  local seq = next_seq(now, since)
+-- Puts a message in its key's line at `seq` (before the messages pushed
+-- after it); the key becomes ready at `now` unless its head is at work or
+-- it waits already.
+local function rejoin(key, seq, id, now)
   redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
   redis.call('ZADD', KEYS[READY], 'NX', now, key)
+end
+
+-- Puts a due message in its key's line, last (or at the place `since`
+-- gives it, see next_seq).
+local function enter_line(key, id, now, since)
+  rejoin(key, next_seq(now, since), id, now)
 end
 
 -- The id first in a key's line and its seq, or nil.
@@ -379,14 +373,6 @@ local function after_turn(key, from)
   return false
 end
 
--- Puts a message back at its place in its key's line (a retry, a release,
--- an expired lease): its seq puts it before the messages pushed after it.
-local function rejoin(key, seq, id, now)
-  redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
-  redis.call('ZADD', KEYS[READY], 'NX', now, key)
-end
-
--- A key's rate limit (see KEYS[11]), or nil.
 local function rate_of(key)
   return redis.call('HGET', KEYS[LIMITS], key .. '\0rate') or nil
 end
@@ -397,7 +383,7 @@ local function limits_of(key)
   return tonumber(limits[1]) or 0, limits[2] or nil
 end
 
--- Forgets a key's limits: nothing of it is left in line or at work (a
+-- Forgets a key's limits once nothing of it is left in line or at work (a
 -- message of it out of line brings them back: see aside).
 local function forget_limits(key)
   redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate')
@@ -413,8 +399,8 @@ local function aside(key, seq, limit)
   return key
 end
 
--- Sets what a push says of `key`'s limits: `permits` ("" leaves them, n:
--- the key's permits, so many at once) and `rate` ("" leaves it).
+-- Sets what a push says of `key`'s limits: `permits` and `rate` ("" leaves
+-- each as it is).
 local function set_limits(key, permits, rate)
   if permits ~= '' then redis.call('HSET', KEYS[LIMITS], key, permits) end
   if rate ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rate) end

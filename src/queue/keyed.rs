@@ -1,27 +1,24 @@
-//! The keyed queue's storage (issue 23, first part): messages pushed with a
-//! key wait in their key's line and are claimed only together with the
-//! key's lock, the lock a [`Locker`](crate::Locker) takes
-//! (`<prefix>:lock:{<key>}`): one lock identity per key.
-//!
-//! A key's line lives in a partition of the queue in the hash slot of the
-//! key's lock, `<prefix>:{<slot tag>}:<queue>:…`, so one script sees the
-//! lock and the line on a Redis Cluster too (see `lua/keyed.lua` for the
-//! keys). A slot's tag is the first decimal number whose text hashes to the
-//! slot: a producer in another language computes the same table. The
-//! queue's index of partitions, `<prefix>:{<queue>}:partitions` (slot →
-//! 0), is a hint written after a push: a partition missing from it is found
-//! on the next push to it.
-//!
+//! The keyed queue's storage (see the README's "Keyed messages"): a message
+//! pushed with a key waits in its key's line, in a partition of the queue
+//! in the hash slot of the key's lock (`<prefix>:{<slot tag>}:<queue>:…`,
+//! keys in `lua/keyed.lua`), so one script sees the lock and the line on a
+//! Redis Cluster too; it is claimed only together with that lock, the one
+//! a [`Locker`](crate::Locker) takes. A slot's tag is the first decimal
+//! number whose text hashes to the slot. The queue's index of partitions,
+//! `<prefix>:{<queue>}:partitions`, is a hint written after a push: a
+//! partition missing from it is found on the next push to it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::{FromRedisValue, Script};
+use redis::{Cmd, FromRedisValue, Script, Value};
+use tokio::time::Instant;
 
 use super::scripts::Query;
 use super::{EventKind, QueueKeys};
+use crate::ReleaseListener;
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
@@ -46,39 +43,23 @@ static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
     tags
 });
 
-/// The keyed scripts: the queue's prelude, the keyed helpers, the script.
-struct KeyedScripts {
-    push: Script,
-    events: Script,
-    claim: Script,
-    done: Script,
-    extend: Script,
-    recover: Script,
-    keys: Script,
-    take_in: Script,
-    peek: Script,
-    remove: Script,
-}
-
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
 fn source(body: &str) -> String {
-    format!(
-        "{}\n{}\n{body}",
-        include_str!("lua/prelude.lua"),
-        include_str!("lua/keyed.lua")
-    )
+    let prelude = include_str!("lua/prelude.lua");
+    format!("{prelude}\n{}\n{body}", include_str!("lua/keyed.lua"))
+}
+
+fn script(body: &str) -> Script {
+    Script::new(&source(body))
 }
 
 /// A keyed script that takes or gives back permits and admits under rate
 /// limits: the permit and rate functions first (see
 /// `lock/permits/permits.lua`, `lock/rate/rate.lua`).
 fn with_limits(body: &str) -> Script {
-    let (permits, rate) = (
-        crate::lock::permits::PERMITS_LUA,
-        crate::lock::rate::RATE_LUA,
-    );
-    Script::new(&format!("{permits}\n{rate}\n{}", source(body)))
+    use crate::lock::{permits::PERMITS_LUA, rate::RATE_LUA};
+    Script::new(&format!("{PERMITS_LUA}\n{RATE_LUA}\n{}", source(body)))
 }
 
 /// The keyed push script as the library loads it; `scripts/push_keyed.lua`
@@ -87,26 +68,20 @@ pub(crate) fn push_source() -> String {
     source(include_str!("lua/keyed_push.lua"))
 }
 
-impl KeyedScripts {
-    fn get() -> &'static Self {
-        static SCRIPTS: LazyLock<KeyedScripts> = LazyLock::new(|| KeyedScripts {
-            push: Script::new(&push_source()),
-            events: Script::new(&source(include_str!("lua/keyed_events.lua"))),
-            claim: with_limits(include_str!("lua/keyed_claim.lua")),
-            done: with_limits(include_str!("lua/keyed_done.lua")),
-            extend: with_limits(include_str!("lua/keyed_extend.lua")),
-            recover: Script::new(&source(include_str!("lua/keyed_recover.lua"))),
-            keys: Script::new(&source(include_str!("lua/keyed_keys.lua"))),
-            take_in: Script::new(&source(include_str!("lua/keyed_take_in.lua"))),
-            peek: Script::new(&source(include_str!("lua/keyed_peek.lua"))),
-            remove: Script::new(&source(include_str!("lua/keyed_remove.lua"))),
-        });
-        &SCRIPTS
-    }
-}
+// The keyed scripts, each hashed once per process.
+static PUSH: LazyLock<Script> = LazyLock::new(|| Script::new(&push_source()));
+static EVENTS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
+static CLAIM: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
+static DONE: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
+static EXTEND: LazyLock<Script> =
+    LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
+static RECOVER: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
+static KEY_LOADS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
+static TAKE_IN: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
+static PEEK: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
+static REMOVE: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
 
-/// Where each key of a partition stands in [`Partition`]'s list (the
-/// keyed scripts' `KEYS` order, see `lua/keyed.lua`).
+/// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
 const SCHEDULE: usize = 1;
 const ACTIVE: usize = 2;
@@ -143,11 +118,8 @@ pub(crate) struct DeadSet {
 
 impl Partition {
     fn new(prefix: &str, queue: &str, slot: u16) -> Self {
-        let base = format!(
-            "{prefix}:{{{}}}:{}",
-            SLOT_TAGS[usize::from(slot)],
-            keys::tag(queue)
-        );
+        let (tag, queue) = (&SLOT_TAGS[usize::from(slot)], keys::tag(queue));
+        let base = format!("{prefix}:{{{tag}}}:{queue}");
         let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
             "seq", "limits",
@@ -175,23 +147,20 @@ impl Partition {
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
-    fn call(&self, script: &Script, more: usize) -> redis::Cmd {
+    fn call(&self, script: &Script, more: usize) -> Cmd {
         let mut cmd = evalsha(script, self.keys.len() + more);
-        for key in &self.keys {
-            cmd.arg(key);
-        }
+        cmd.arg(&self.keys[..]);
         cmd
     }
 }
 
-/// A keyed message being pushed ([`Keyed::push`]).
+/// A keyed message being pushed ([`Keyed::push`]); `limits` and `when` as
+/// the push script takes them (see `lua/keyed_push.lua`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Pushing<'a> {
     pub(crate) key: &'a str,
-    /// The push script's limits (see `lua/keyed_push.lua`).
     pub(crate) limits: &'a str,
     pub(crate) id: &'a str,
-    /// The push script's `when`.
     pub(crate) when: &'a str,
     pub(crate) payload: &'a [u8],
 }
@@ -226,12 +195,10 @@ pub(crate) enum Settled {
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Held {
     pub(crate) key: String,
-    /// The token the lock (permit) holds.
     pub(crate) token: Token,
     /// The key's permits: 0 for its lock.
     pub(crate) permits: u32,
-    /// Whether the key has a rate limit: the hand-over to its next message
-    /// asks it.
+    /// Whether the key has a rate limit (the hand-over to its next asks it).
     pub(crate) rated: bool,
     pub(crate) partition: Arc<Partition>,
     /// How many messages of the key ran under this hold before this one.
@@ -242,37 +209,24 @@ pub(crate) struct Held {
 
 impl Held {
     /// The Redis key it holds: the key's lock, or its permits' set.
-    pub(crate) fn lock_key(&self, prefix: &str) -> String {
+    fn lock_key(&self, prefix: &str) -> String {
         match self.permits {
             0 => keys::lock_key(prefix, &self.key),
             _ => crate::lock::permits::permits_key(prefix, &self.key),
         }
     }
-
-    /// Appends the Redis keys of the key's limits the done script takes:
-    /// its lock, the lock's line of waiters and the lock again, or its
-    /// permits' set, line and fences; then its rate limit log.
-    fn limit_keys(&self, prefix: &str, cmd: &mut redis::Cmd) {
-        let lock = self.lock_key(prefix);
-        cmd.arg(&lock).arg(format!("{lock}:waiters"));
-        match self.permits {
-            0 => cmd.arg(&lock),
-            _ => cmd.arg(format!("{lock}:fences")),
-        };
-        cmd.arg(keys::rate_key(prefix, &self.key));
-    }
-
-    /// The message's entry in its partition's active set.
-    pub(crate) fn member(&self, id: &str, claim: u64) -> String {
-        format!("{}\0{}\0{id}:{claim}", self.key, self.seq)
-    }
 }
+
+/// A turn the claim script took: key, id, seq, permits, whether the key has
+/// a rate limit, and the record.
+type Taken = (Vec<u8>, Vec<u8>, Vec<u8>, u32, bool, Vec<u8>);
+
+/// The done script's reply (see `lua/keyed_done.lua`).
+type DoneReply = (u8, Vec<u8>, Option<(String, String, Vec<u8>, u8)>);
 
 /// A key runs at most this many messages back to back under one hold
 /// (each claimed by the previous one's ack) while its worker has no slot
-/// free, before it lets go and queues behind the keys that wait: the bound
-/// on how long a busy key keeps a handler slot from the keys that wait for
-/// one. (A worker with a slot free claims a waiting key itself.)
+/// free; then it lets go and queues behind the keys that wait for a slot.
 pub const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
@@ -293,8 +247,7 @@ pub(crate) struct Claimed {
     pub(crate) next_at: Option<i64>,
 }
 
-/// How many due partitions a claim names (the queue's claim script) and
-/// visits.
+/// How many due partitions a claim names (the queue's claim script) and visits.
 pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 
 /// A partition is looked at again at the latest this long after a claim
@@ -315,7 +268,7 @@ pub(crate) struct KeyedState {
     watched: Mutex<HashSet<String>>,
 }
 
-/// A queue's keyed messages: its connection, keys and shared state.
+/// A queue's keyed messages.
 pub(crate) struct Keyed<'a, C> {
     pub(crate) conn: &'a C,
     pub(crate) keys: &'a Arc<QueueKeys>,
@@ -323,9 +276,8 @@ pub(crate) struct Keyed<'a, C> {
     pub(crate) recording: Recording,
 }
 
-/// What a queue's handle keeps of its keyed messages beside them: the
-/// lifecycle events' cap, the completed messages' limits, the dead
-/// letters' retention.
+/// What a queue's handle keeps beside its keyed messages: the events' cap,
+/// the completed messages' limits, the dead letters' retention.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Recording {
     pub(crate) events: Option<usize>,
@@ -382,28 +334,26 @@ fn attempt_of(record: &[u8]) -> u32 {
     super::job::split_record(record).map_or(1, |r| r.failures.saturating_add(1))
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
-    /// The partition holding `key`'s line.
-    pub(crate) fn partition_of(&self, key: &str) -> Partition {
-        Partition::new(&self.keys.prefix, &self.keys.name, keys::lock_slot(key))
-    }
+/// Locks `mutex`, held for a map or set operation: nothing can poison it.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
 
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
+    /// The partition of `slot`; `key`'s line is in `keys::lock_slot(key)`'s.
     fn partition(&self, slot: u16) -> Arc<Partition> {
         Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
     }
 
     /// Pushes keyed messages of one partition in one script call (see
-    /// `lua/keyed_push.lua`): each a key with the push script's limits, an
-    /// id, the push script's `when` and a payload. Returns per message
-    /// whether it was added and its due time (-1 when it is not waiting for
-    /// one).
+    /// `lua/keyed_push.lua`). Returns per message whether it was added and
+    /// its due time (-1 when it is not waiting for one).
     pub(crate) async fn push(&self, batch: &[Pushing<'_>]) -> Result<Vec<(bool, i64)>> {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
         };
-        let partition = self.partition_of(first.key);
-        let script = &KeyedScripts::get().push;
-        let mut cmd = partition.call(script, 0);
+        let partition = self.partition(keys::lock_slot(first.key));
+        let mut cmd = partition.call(&PUSH, 0);
         for m in batch {
             cmd.arg(m.key)
                 .arg(m.limits)
@@ -412,7 +362,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(m.payload);
         }
         let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
-        let reply: Vec<i64> = self.run(script, &cmd, attempted).await?;
+        let reply: Vec<i64> = self.run(&PUSH, &cmd, attempted).await?;
         self.mark_ready(partition.slot, attempted).await?;
         if reply.len() != 2 * batch.len() {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
@@ -428,10 +378,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(pushed)
     }
 
-    /// Takes a message of the queue's own keys (`id`, with its `record`)
-    /// into `key`'s line after `delay_ms`, counting a deferral (see
-    /// `keyed_take_in.lua`); returns whether it was added (not there
-    /// already) and its due time.
+    /// Takes message `id` of the queue's own keys (with its `record`) into
+    /// `key`'s line after `delay_ms`, counting a deferral; returns whether
+    /// it was added (not there already) and its due time.
     pub(crate) async fn take_in(
         &self,
         (key, limits): (&str, &str),
@@ -439,12 +388,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         delay_ms: u64,
         record: &[u8],
     ) -> Result<(bool, i64)> {
-        let partition = self.partition_of(key);
-        let script = &KeyedScripts::get().take_in;
-        let mut cmd = partition.call(script, 0);
+        let partition = self.partition(keys::lock_slot(key));
+        let mut cmd = partition.call(&TAKE_IN, 0);
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
-        let (added, due): (i64, i64) = self.run(script, &cmd, attempted).await?;
+        let (added, due): (i64, i64) = self.run(&TAKE_IN, &cmd, attempted).await?;
         self.mark_ready(partition.slot, attempted).await?;
         Ok((added == 1, due))
     }
@@ -465,86 +413,78 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             if left == 0 {
                 break;
             }
-            let partition = self.partition(*slot);
-            let next_at = self
-                .claim_in(partition, now, left, lease, &mut claimed)
+            self.claim_in(*slot, now, (left, lease), &mut claimed)
                 .await?;
-            if let Some(at) = next_at {
-                claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
-            }
         }
         Ok(claimed)
     }
 
-    /// Claims in one partition; returns when it has a key or a delayed
-    /// message due next (server ms). Its index entry is raised before the
-    /// claim and lowered after it only to what the claim saw: a push that
-    /// came in between lowers it itself, after its own script.
+    /// Claims in one partition, and brings `claimed.next_at` forward to
+    /// when it has a key or a delayed message due next (server ms). Its
+    /// index entry is raised before the claim and lowered after it only to
+    /// what the claim saw: a push that came in between lowers it itself,
+    /// after its own script.
     async fn claim_in(
         &self,
-        partition: Arc<Partition>,
+        slot: u16,
         now: i64,
-        max: usize,
-        lease: Duration,
+        limits: (usize, Duration),
         claimed: &mut Claimed,
-    ) -> Result<Option<i64>> {
+    ) -> Result<()> {
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let slot = partition.slot;
-        let mut conn = self.conn.clone();
-        let mut raise = redis::cmd("ZADD");
-        raise
-            .arg(&self.keys.partitions)
-            .arg("XX")
-            .arg(now + RECHECK_MS)
-            .arg(slot);
+        let partition = self.partition(slot);
+        let raise = self.index(&["XX"], now + RECHECK_MS, slot);
         // The raise must reach the server before the script. On one server
         // a pipeline keeps that order; a cluster's may not (the index and
         // the partition are on different nodes): two round trips there.
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        let mut first = match publish {
+        let first = match publish {
             "PUBLISH" => Some(&raise),
             _ => {
-                raise
-                    .query_async::<()>(&mut conn)
-                    .await
-                    .map_err(Error::redis(attempted()))?;
+                raise.query_on::<(), _>(self.conn, attempted).await?;
                 None
             }
         };
-        let mut candidates = self.candidates().remove(&slot).unwrap_or_default();
+        let mut candidates = lock(&self.state.candidates)
+            .remove(&slot)
+            .unwrap_or_default();
         let mut reply = self
-            .claim_keys(&partition, &candidates, (max, lease), first.take())
+            .claim_keys(&partition, &candidates, limits, first)
             .await?;
         if candidates.is_empty() && !reply.2.is_empty() {
             // The first claim here: it named the ready keys, claim them.
             candidates = std::mem::take(&mut reply.2);
             reply = self
-                .claim_keys(&partition, &candidates, (max, lease), None)
+                .claim_keys(&partition, &candidates, limits, None)
                 .await?;
         }
         let (turns, next_at, named) = reply;
         claimed.turns.extend(turns);
-        let lower_to = if named.is_empty() { next_at } else { Some(0) };
-        match named.is_empty() {
-            true => self.candidates().remove(&slot),
-            false => self.candidates().insert(slot, named),
-        };
-        if let Some(at) = lower_to {
-            redis::cmd("ZADD")
-                .arg(&self.keys.partitions)
-                .arg("XX")
-                .arg("LT")
-                .arg(at.max(0))
-                .arg(slot)
-                .query_async::<()>(&mut conn)
-                .await
-                .map_err(Error::redis(attempted()))?;
-        }
         // Keys named for the next call are due now: the worker claims
         // again at once rather than sleeping.
-        Ok(lower_to)
+        let lower_to = if named.is_empty() {
+            lock(&self.state.candidates).remove(&slot);
+            next_at
+        } else {
+            lock(&self.state.candidates).insert(slot, named);
+            Some(0)
+        };
+        let Some(at) = lower_to else {
+            return Ok(());
+        };
+        claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
+        self.index(&["XX", "LT"], at.max(0), slot)
+            .query_on(self.conn, attempted)
+            .await
+    }
+
+    /// A `ZADD` of `slot` at `at` with `flags` to the queue's index of partitions.
+    fn index(&self, flags: &[&str], at: i64, slot: u16) -> Cmd {
+        let mut cmd = redis::cmd("ZADD");
+        cmd.arg(&self.keys.partitions).arg(flags).arg(at).arg(slot);
+        cmd
     }
 
     /// Makes `key` ready when other code lets go of its lock, or of one of
@@ -557,11 +497,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let Some(auto) = self.state.listener.get().cloned() else {
             return;
         };
-        {
-            let mut watched = self.state.watched.lock().unwrap_or_else(|e| e.into_inner());
-            if !watched.insert(key.clone()) {
-                return;
-            }
+        if !lock(&self.state.watched).insert(key.clone()) {
+            return;
         }
         let (conn, keys, state) = (self.conn.clone(), self.keys.clone(), self.state.clone());
         let recording = self.recording;
@@ -572,7 +509,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 state: &state,
                 recording,
             };
-            let until = tokio::time::Instant::now() + left;
+            let until = Instant::now() + left;
             if let Some(listener) = opened(&auto, until).await {
                 let mut watch = listener.watch(&lock_key, crate::lock::process_tag());
                 if watch.ready(Some(until)).await {
@@ -583,35 +520,27 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 }
             }
             let _ = keyed.unblock(&key).await;
-            let mut watched = state.watched.lock().unwrap_or_else(|e| e.into_inner());
-            watched.remove(&key);
+            lock(&state.watched).remove(&key);
         });
     }
 
-    /// The ready keys each partition's last claim named (held for one
-    /// map operation: nothing can poison it).
-    fn candidates(&self) -> MutexGuard<'_, HashMap<u16, Vec<String>>> {
-        (self.state.candidates.lock()).unwrap_or_else(|e| e.into_inner())
-    }
-
     /// One claim script call (after `first`, in the same round trip): the
-    /// turns, the next due time and the ready keys it names for the next
-    /// call.
+    /// turns, the next due time and the ready keys named for the next call.
     async fn claim_keys(
         &self,
         partition: &Arc<Partition>,
         candidates: &[String],
         (max, lease): (usize, Duration),
-        first: Option<&redis::Cmd>,
+        first: Option<&Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
-        let script = &KeyedScripts::get().claim;
-        let mut cmd = partition.call(script, 4 * candidates.len());
+        let prefix = &self.keys.prefix;
+        let mut cmd = partition.call(&CLAIM, 4 * candidates.len());
         for key in candidates {
-            let set = crate::lock::permits::permits_key(&self.keys.prefix, key);
-            cmd.arg(keys::lock_key(&self.keys.prefix, key))
+            let set = crate::lock::permits::permits_key(prefix, key);
+            cmd.arg(keys::lock_key(prefix, key))
                 .arg(&set)
                 .arg(format!("{set}:waiters"))
-                .arg(keys::rate_key(&self.keys.prefix, key));
+                .arg(keys::rate_key(prefix, key));
         }
         cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
         let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
@@ -624,20 +553,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             i64,
             i64,
             Vec<String>,
-            Vec<Vec<u8>>,
+            Vec<Taken>,
             Vec<(String, String, u64)>,
         );
         let mut conn = self.conn.clone();
         let reply = match first {
-            Some(first) => run_after(script, first, &cmd, &mut conn).await,
-            None => run(script, &cmd, &mut conn).await,
+            Some(first) => run_after(&CLAIM, first, &cmd, &mut conn).await,
+            None => run(&CLAIM, &cmd, &mut conn).await,
         };
-        let (claim, _now, next_at, named, flat, blocked): Reply =
+        let (claim, _now, next_at, named, taken, blocked): Reply =
             reply.map_err(|e| Error::redis(attempted())(e))?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
-        let turns = self.turns(partition, (candidates, &tokens), claim, flat);
+        let turns = self.turns(partition, (candidates, &tokens), claim, taken);
         if self.recording.events.is_some() {
             let mut log = Log::default();
             for turn in &turns {
@@ -649,37 +578,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((turns, (next_at >= 0).then_some(next_at), named))
     }
 
-    /// The turns a claim script returned: `flat` holds key, id, seq,
-    /// permits and record per turn; each key is one of `candidates`, claimed
-    /// with its token in `tokens`.
+    /// The turns a claim script took; each key is one of `candidates`,
+    /// claimed with its token in `tokens`.
     fn turns(
         &self,
         partition: &Arc<Partition>,
         (candidates, tokens): (&[String], &[Token]),
         claim: u64,
-        flat: Vec<Vec<u8>>,
+        taken: Vec<Taken>,
     ) -> Vec<Turn> {
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
-        let mut turns = Vec::with_capacity(flat.len() / 5);
-        let mut flat = flat.into_iter();
-        while let (Some(key), Some(id), Some(seq), Some(permits), Some(record)) = (
-            flat.next(),
-            flat.next(),
-            flat.next(),
-            flat.next(),
-            flat.next(),
-        ) {
-            let found = candidates
-                .iter()
-                .position(|k| k.as_bytes() == key.as_slice());
-            // "<permits>", with "r" after for a key with a rate limit.
-            let permits = text(permits).and_then(|n| {
-                let rated = n.ends_with('r');
-                Some((n.trim_end_matches('r').parse().ok()?, rated))
-            });
-            let (Some(i), Some(id), Some(seq), Some((permits, rated))) =
-                (found, text(id), text(seq), permits)
-            else {
+        let mut turns = Vec::with_capacity(taken.len());
+        for (key, id, seq, permits, rated, record) in taken {
+            let found = candidates.iter().position(|k| k.as_bytes() == key);
+            let (Some(i), Some(id), Some(seq)) = (found, text(id), text(seq)) else {
                 // Cannot happen with lockgate's script; if it does, the
                 // entry comes back after its lease.
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
@@ -718,29 +630,35 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        let script = &KeyedScripts::get().done;
-        let mut cmd = held.partition.call(script, 4);
-        held.limit_keys(&self.keys.prefix, &mut cmd);
-        let (op, wait, error) = match outcome {
-            Outcome::Ack => ("ack", String::new(), ""),
-            Outcome::Retry { delay, error } => ("retry", millis(delay).to_string(), error),
-            Outcome::Defer { delay } => ("defer", millis(delay).to_string(), ""),
-            Outcome::Release => ("release", String::new(), ""),
-            Outcome::Bury { error } => ("bury", error.to_owned(), ""),
+        let mut cmd = held.partition.call(&DONE, 4);
+        let lock = held.lock_key(&self.keys.prefix);
+        cmd.arg(&lock).arg(format!("{lock}:waiters"));
+        match held.permits {
+            0 => cmd.arg(&lock),
+            _ => cmd.arg(format!("{lock}:fences")),
+        };
+        cmd.arg(keys::rate_key(&self.keys.prefix, &held.key));
+        let (op, kind, delay, error) = match outcome {
+            Outcome::Ack => ("ack", EventKind::Done, None, ""),
+            Outcome::Retry { delay, error } => ("retry", EventKind::Retried, Some(delay), error),
+            Outcome::Defer { delay } => ("defer", EventKind::Deferred, Some(delay), ""),
+            Outcome::Release => ("release", EventKind::Released, None, ""),
+            Outcome::Bury { error } => ("bury", EventKind::Dead, None, error),
         };
         let next_token = Token::random();
         let (dead_count, dead_age) = self.recording.dead.args();
         let flag = |on: bool| if on { "1" } else { "" };
+        let ms = |d: Option<Duration>| d.map_or(String::new(), |d| millis(d).to_string());
         cmd.arg(op)
             .arg(&held.key)
             .arg(id)
             .arg(&held.seq)
             .arg(claim)
             .arg(held.token.as_str())
-            .arg(wait)
+            .arg(ms(delay))
             .arg(error)
             .arg(publish)
-            .arg(next.map_or(String::new(), |lease| millis(lease).to_string()))
+            .arg(ms(next))
             .arg(next_token.as_str())
             .arg(flag(failures > 0))
             .arg(held.permits)
@@ -749,63 +667,53 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(flag(self.recording.completed.is_some()))
             .arg(dead_count)
             .arg(dead_age);
-        let reply: Vec<redis::Value> = self.run(script, &cmd, attempted).await?;
+        let reply: DoneReply = self.run(&DONE, &cmd, attempted).await?;
         let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
         // Nothing to build on the hot path unless something is recorded.
         if self.recording.events.is_some() || !acked.is_empty() {
-            let log = outcome_log(held, (id, failures), outcome, (acked, &settled));
+            let log = outcome_log(held, (id, failures), (kind, error), (acked, &settled));
             self.record(log).await;
         }
         Ok(settled)
     }
 
-    /// What the done script answered (see `done`): the acknowledged record
-    /// when asked for, and the turn ended, or the key's next message
-    /// claimed under `claim` with `next_token`.
+    /// What the done script answered: the acknowledged record (if asked),
+    /// and how the turn ended, the next one claimed with `next_token`.
     async fn settled(
         &self,
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
-        reply: Vec<redis::Value>,
+        (status, acked, next): DoneReply,
         attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled)> {
-        let bad = |e: redis::ParsingError| Error::reply(attempted(), e);
-        let (status, acked) = match reply.as_slice() {
-            [status, acked, ..] => (
-                redis::from_redis_value_ref::<u8>(status).map_err(bad)?,
-                redis::from_redis_value_ref::<Vec<u8>>(acked).map_err(bad)?,
-            ),
-            _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
-        };
-        let (id, seq, record, renewed) = match (status, &reply[2..]) {
-            (0, []) => return Ok((acked, Settled::Lost)),
-            (1, []) => return Ok((acked, Settled::Done)),
-            (2, []) => {
+        let settled = match (status, next) {
+            (0, None) => Settled::Lost,
+            (1, None) => Settled::Done,
+            (2, None) => {
                 // The key is ready for the next claim, whoever makes it.
                 self.mark_ready(held.partition.slot, attempted).await?;
-                return Ok((acked, Settled::Done));
+                Settled::Done
             }
-            (3, [id, seq, record, renewed]) => (id, seq, record, renewed),
-            _ => return Err(Error::reply(attempted(), format_args!("{reply:?}"))),
+            (3, Some((id, seq, record, renewed))) => {
+                let held = Held {
+                    key: held.key.clone(),
+                    // The lock passed on as it was, or under the new token.
+                    token: if renewed == 1 { next_token } else { held.token },
+                    partition: held.partition.clone(),
+                    run: held.run.saturating_add(1),
+                    seq,
+                    ..**held
+                };
+                Settled::Next(Turn {
+                    held: Arc::new(held),
+                    id,
+                    claim,
+                    record,
+                })
+            }
+            other => return Err(Error::reply(attempted(), format_args!("{other:?}"))),
         };
-        // The lock passed on as it was, or under the new token.
-        let renewed: u8 = redis::from_redis_value_ref(renewed).map_err(bad)?;
-        let held = Held {
-            key: held.key.clone(),
-            token: if renewed == 1 { next_token } else { held.token },
-            permits: held.permits,
-            rated: held.rated,
-            partition: held.partition.clone(),
-            run: held.run.saturating_add(1),
-            seq: redis::from_redis_value_ref(seq).map_err(bad)?,
-        };
-        let turn = Turn {
-            held: Arc::new(held),
-            id: redis::from_redis_value_ref(id).map_err(bad)?,
-            claim,
-            record: redis::from_redis_value_ref(record).map_err(bad)?,
-        };
-        Ok((acked, Settled::Next(turn)))
+        Ok((acked, settled))
     }
 
     /// Appends what `log` holds to the queue's events stream (when the
@@ -817,8 +725,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         if events.is_none() && log.completed.is_empty() {
             return;
         }
-        let script = &KeyedScripts::get().events;
-        let mut cmd = evalsha(script, 2);
+        let mut cmd = evalsha(&EVENTS, 2);
         let (count, age) = self.recording.completed.unwrap_or_default().args();
         cmd.arg(&self.keys.events)
             .arg(&self.keys.completed)
@@ -838,37 +745,26 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for (id, record) in &log.completed {
             cmd.arg(id).arg(record);
         }
-        if let Err(error) = run::<()>(script, &cmd, &mut self.conn.clone()).await {
+        if let Err(error) = run::<()>(&EVENTS, &cmd, &mut self.conn.clone()).await {
             tracing::warn!(queue = %self.keys.name, %error, "could not record the events or completed messages of keyed messages; the messages are unaffected");
         }
     }
 
-    /// Marks a partition as having a ready key, and rings the doorbell;
-    /// `attempted` names the caller's operation in an error.
+    /// Marks a partition as having a ready key, and rings the doorbell.
     async fn mark_ready(&self, slot: u16, attempted: impl FnOnce() -> String) -> Result<()> {
         let mut hint = redis::pipe();
-        hint.cmd("ZADD")
-            .arg(&self.keys.partitions)
-            .arg("LT")
-            .arg(0)
-            .arg(slot)
-            .ignore();
-        hint.cmd("LPUSH").arg(&self.keys.bell).arg(1).ignore();
-        hint.cmd("LTRIM")
-            .arg(&self.keys.bell)
-            .arg(0)
-            .arg(0)
-            .ignore();
+        hint.add_command(self.index(&["LT"], 0, slot)).ignore();
+        hint.lpush(&self.keys.bell, 1).ignore();
+        hint.ltrim(&self.keys.bell, 0, 0).ignore();
         let done = hint.query_async(&mut self.conn.clone()).await;
         done.map_err(|e| Error::redis(attempted())(e))
     }
 
-    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`);
-    /// `attempted` names it in an error.
+    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`).
     async fn run<R: FromRedisValue>(
         &self,
         script: &Script,
-        cmd: &redis::Cmd,
+        cmd: &Cmd,
         attempted: impl FnOnce() -> String,
     ) -> Result<R> {
         let reply = run(script, cmd, &mut self.conn.clone()).await;
@@ -878,7 +774,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Makes `key` ready at once if it waits (for a lock other code held,
     /// whose release was published).
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
-        let partition = self.partition_of(key);
+        let partition = self.partition(keys::lock_slot(key));
         // LT: a key at work (its score below 0) stays so.
         let attempted = || format!("waking key `{key}`");
         redis::cmd("ZADD")
@@ -892,25 +788,22 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         self.mark_ready(partition.slot, attempted).await
     }
 
-    /// Extends a turn's lease and its key's lock; `false` when either is
-    /// lost.
+    /// Extends a turn's lease and its key's lock; `false` when either is lost.
     pub(crate) async fn extend(
         &self,
         held: &Held,
         (id, claim): (&str, u64),
         lease: Duration,
     ) -> Result<bool> {
-        let script = &KeyedScripts::get().extend;
-        let mut cmd = held.partition.call(script, 1);
-        let member = held.member(id, claim);
+        let mut cmd = held.partition.call(&EXTEND, 1);
+        let member = format!("{}\0{}\0{id}:{claim}", held.key, held.seq);
         cmd.arg(held.lock_key(&self.keys.prefix))
             .arg(&member)
             .arg(held.token.as_str())
             .arg(millis(lease))
             .arg(held.permits);
         let attempted = || format!("extending keyed message `{member}`");
-        let extended: i64 = self.run(script, &cmd, attempted).await?;
-        Ok(extended == 1)
+        self.run(&EXTEND, &cmd, attempted).await
     }
 
     /// Counts over every partition of the index: [in line, delayed, at
@@ -921,22 +814,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("reading stats of queue `{}`", self.keys.name);
         let (mut total, mut oldest) = ([0; 4], None::<i64>);
         for slot in self.slots().await? {
-            let partition = self.partition(slot);
-            let k = &partition.keys;
+            let k = &self.partition(slot).keys;
             type Counts = (u64, u64, u64, u64, Vec<(String, i64)>);
             let (lines, later, held, dead, ready): Counts = redis::pipe()
                 .zcard(&k[LINES])
                 .zcard(&k[SCHEDULE])
                 .zcard(&k[ACTIVE])
                 .zcard(&k[DEAD])
-                .cmd("ZRANGEBYSCORE")
-                .arg(&k[READY])
-                .arg(0)
-                .arg(now)
-                .arg("WITHSCORES")
-                .arg("LIMIT")
-                .arg(0)
-                .arg(1)
+                .zrangebyscore_limit_withscores(&k[READY], 0, now, 0, 1)
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
@@ -950,18 +835,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((total, oldest))
     }
 
-    /// The keys with messages in line or at work, over every partition of
-    /// the index: each with its messages in line, at work, and how long its
-    /// first in line has waited since it was pushed. Reads at most `most`
-    /// keys of each partition's active and ready sets.
+    /// The keys with messages in line or at work in every partition of the
+    /// index, with how many of each and how long the first in line has
+    /// waited since its push; at most `most` of each active and ready set.
     pub(crate) async fn loads(&self, most: usize) -> Result<Vec<super::KeyLoad>> {
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
-        let script = &KeyedScripts::get().keys;
         let mut loads = Vec::new();
         for slot in self.slots().await? {
-            let mut cmd = self.partition(slot).call(script, 0);
+            let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            let (now, flat): (i64, Vec<redis::Value>) = self.run(script, &cmd, attempted).await?;
+            let (now, flat): (i64, Vec<Value>) = self.run(&KEY_LOADS, &cmd, attempted).await?;
             for entry in flat.chunks_exact(4) {
                 let (Ok(key), Ok(waiting), Ok(at_work), Ok(pushed)) = (
                     String::from_redis_value_ref(&entry[0]),
@@ -990,25 +873,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// after it.
     pub(crate) async fn purge(&self) -> Result<()> {
         for slot in self.slots().await? {
-            let partition = self.partition(slot);
-            let k = &partition.keys;
+            let k = &self.partition(slot).keys;
             redis::cmd("UNLINK")
                 .arg(&k[..CLAIMS])
                 .arg(&k[CLAIMS + 1..SEQ])
                 .query_on::<(), _>(self.conn, || format!("purging queue `{}`", self.keys.name))
                 .await?;
         }
-        self.candidates().clear();
+        lock(&self.state.candidates).clear();
         Ok(())
     }
 
     /// The dead-letter keys of every partition in the index.
     pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let slots = self.slots().await?;
-        Ok(slots
-            .into_iter()
-            .map(|slot| self.partition(slot).dead_set())
-            .collect())
+        let slots = self.slots().await?.into_iter();
+        Ok(slots.map(|slot| self.partition(slot).dead_set()).collect())
     }
 
     /// Makes a partition whose dead letters were re-driven look for them,
@@ -1033,31 +912,23 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Every partition in the index.
     async fn slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
-        let slots: Vec<u16> = redis::cmd("ZRANGE")
-            .arg(&self.keys.partitions)
-            .arg(0)
-            .arg(-1)
+        let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, -1)
             .query_on(self.conn, attempted)
             .await?;
         Ok(slots.into_iter().filter(|slot| *slot < SLOTS).collect())
     }
 
     /// Ends the turns whose lease ran out in every partition of the index;
-    /// returns how many went back to the head of their line and how many
-    /// were buried.
+    /// returns how many went back to the head of their line, and were buried.
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
         let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
-        let script = &KeyedScripts::get().recover;
-        let (dead_count, dead_age) = self.recording.dead.args();
+        let (count, age) = self.recording.dead.args();
         let (mut requeued, mut buried) = (0, 0);
         for slot in self.slots().await? {
-            let mut cmd = self.partition(slot).call(script, 0);
-            cmd.arg(max_stalls)
-                .arg(1000)
-                .arg(&dead_count)
-                .arg(&dead_age);
+            let mut cmd = self.partition(slot).call(&RECOVER, 0);
+            cmd.arg(max_stalls).arg(1000).arg(&count).arg(&age);
             let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
-                self.run(script, &cmd, attempted).await?;
+                self.run(&RECOVER, &cmd, attempted).await?;
             if ended.is_empty() {
                 continue;
             }
@@ -1086,12 +957,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         active: &mut Vec<super::Peeked>,
     ) -> Result<()> {
         let attempted = || format!("looking into queue `{}`", self.keys.name);
-        let script = &KeyedScripts::get().peek;
         for slot in self.slots().await? {
-            let mut cmd = self.partition(slot).call(script, 0);
+            let mut cmd = self.partition(slot).call(&PEEK, 0);
             cmd.arg(limit);
-            let (count, flat): (usize, Vec<redis::Value>) =
-                self.run(script, &cmd, attempted).await?;
+            let (count, flat): (usize, Vec<Value>) = self.run(&PEEK, &cmd, attempted).await?;
             for (n, entry) in flat.chunks_exact(4).enumerate() {
                 let (Ok(id), Ok(at), Ok(key), Ok(record)) = (
                     String::from_redis_value_ref(&entry[0]),
@@ -1117,21 +986,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn remove(&self, id: &str) -> Result<bool> {
         let attempted = || format!("removing message `{id}`");
         let slots = self.slots().await?;
-        if slots.is_empty() {
-            return Ok(false);
-        }
         // One command per partition, all sent at once (a cluster's pipeline
         // takes one slot only; a multiplexed connection pipelines these).
         let found = futures_util::future::try_join_all(slots.iter().map(|slot| {
             let data = self.partition(*slot).keys[DATA].clone();
             let mut conn = self.conn.clone();
-            async move {
-                redis::cmd("HEXISTS")
-                    .arg(data)
-                    .arg(id)
-                    .query_async::<bool>(&mut conn)
-                    .await
-            }
+            async move { Cmd::hexists(data, id).query_async::<bool>(&mut conn).await }
         }))
         .await
         .map_err(Error::redis(attempted()))?;
@@ -1139,10 +999,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for (slot, _) in slots.iter().zip(found).filter(|(_, found)| *found) {
             let partition = self.partition(*slot);
             let member = self.place_in_line(&partition, id).await?;
-            let script = &KeyedScripts::get().remove;
-            let mut cmd = partition.call(script, 0);
+            let mut cmd = partition.call(&REMOVE, 0);
             cmd.arg(id).arg(member.unwrap_or_default());
-            let key: Option<String> = self.run(script, &cmd, attempted).await?;
+            let key: Option<String> = self.run(&REMOVE, &cmd, attempted).await?;
             if let Some(key) = key {
                 let mut log = Log::default();
                 log.event(EventKind::Removed, &key, (id, 1));
@@ -1185,28 +1044,22 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 }
 
-/// The events (and completed entry) of a turn that ended with `outcome`:
-/// its own, then the key let go or its next message claimed. `acked`: the
+/// The events (and completed entry) of a turn that ended with `kind`: its
+/// own, then the key let go or its next message claimed. `acked`: the
 /// acknowledged record, when the completed stream keeps it.
 fn outcome_log(
     held: &Held,
     (id, failures): (&str, u32),
-    outcome: Outcome<'_>,
+    (kind, error): (EventKind, &str),
     (acked, settled): (Vec<u8>, &Settled),
 ) -> Log {
     let mut log = Log::default();
+    if *settled == Settled::Lost {
+        return log;
+    }
     let attempt = failures.saturating_add(1);
     let key = held.key.as_str();
-    match (settled, outcome) {
-        (Settled::Lost, _) => return log,
-        (_, Outcome::Ack) => log.event(EventKind::Done, key, (id, attempt)),
-        (_, Outcome::Retry { error, .. }) => {
-            log.with_error(EventKind::Retried, key, error, (id, attempt))
-        }
-        (_, Outcome::Defer { .. }) => log.event(EventKind::Deferred, key, (id, attempt)),
-        (_, Outcome::Release) => log.event(EventKind::Released, key, (id, attempt)),
-        (_, Outcome::Bury { error }) => log.with_error(EventKind::Dead, key, error, (id, attempt)),
-    }
+    log.with_error(kind, key, error, (id, attempt));
     if !acked.is_empty() {
         log.completed.push((id.to_owned(), acked));
     }
@@ -1222,15 +1075,12 @@ fn outcome_log(
 
 /// The release listener once it is open (it opens in the background on
 /// first need), or `None` if it is not by `until`.
-async fn opened(
-    auto: &Arc<AutoListener>,
-    until: tokio::time::Instant,
-) -> Option<crate::ReleaseListener> {
+async fn opened(auto: &Arc<AutoListener>, until: Instant) -> Option<ReleaseListener> {
     loop {
         if let Some(listener) = auto.get() {
             return Some(listener);
         }
-        if tokio::time::Instant::now() >= until {
+        if Instant::now() >= until {
             return None;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -1,30 +1,22 @@
--- Claims the heads of ready keys' lines together with the keys' locks, or
--- one of their permits (see keyed.lua), after moving the messages that
--- became due into their lines.
--- KEYS[1..11]: the partition
--- KEYS[12..]: per candidate key, its lock, its permits' set, the set's
--- line of waiters and its rate limit log
+-- Claims the heads of ready keys' lines with the keys' locks or permits
+-- (see keyed.lua), after moving the messages that became due into their lines.
+-- KEYS[1..11]: the partition   KEYS[12..]: per candidate key, its lock, its
+-- permits' set, the set's line of waiters and its rate limit log
 -- ARGV[1]: lease in ms (the lock's or permit's too)   ARGV[2]: how many at most
 -- ARGV[3]: how many candidates to name for the next call
 -- ARGV[4..]: per candidate, its key and a fresh token, in KEYS' order
--- A candidate is claimed when it is ready (its line has a head, not waiting
--- out a retry's delay, no message of a key with a lock at work) and the
--- key has room: its lock is free, or fewer than its limit of permits are
--- held (by the queue or by other code alike). A lock held by other code is
--- marked waited for, so that its release publishes; the key waits until
--- the lock's expiry at the latest. A key whose permits are all held waits
--- until one of the queue's own turns on it ends, or until other code gives
--- a permit back (the queue's mark in the set's line makes that release
--- publish) or the first of their leases ends. A key with a rate limit is
--- claimed only when the limit admits it (the claim counts in the log
--- `Locker::admit` counts in), else it waits for its next slot. A key with
--- permits gives one message per call: one with room left is named again
--- for the next.
--- Returns {claim, now, the next time a key or a delayed message is due (ms,
--- -1 for none), {candidate keys}, {key, id, seq, permits (0: the lock;
--- followed by "r" when the key has a rate limit), record, ...},
--- {key that other code keeps full, the lock or set to watch, ms until its
--- first lease ends, ...}}.
+-- A candidate is claimed when it is ready (a head in line, no delay to wait
+-- out, no message of a key with a lock at work), its key has room (its lock
+-- free, or fewer than its permits held, by the queue or other code alike)
+-- and its rate limit admits it (counted in `Locker::admit`'s log). A key
+-- that other code keeps full is marked waited for, so that a release
+-- publishes, and waits for that or the first lease's end; a key over its
+-- rate waits for its next slot. A key with permits gives one message per
+-- call: one with room left is named again for the next.
+-- Returns {claim, now, when a key or a delayed message is due next (ms, -1
+-- for none), {candidate keys}, {key, id, seq, permits (0: the lock), 1 if
+-- the key has a rate limit else 0, record, ...}, {key that other code keeps
+-- full, the lock or set to watch, ms until its first lease ends, ...}}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
 promote(now, 1000)
@@ -39,7 +31,8 @@ local function take(key, id, seq, permits, rate)
   claimed[#claimed + 1] = key
   claimed[#claimed + 1] = id
   claimed[#claimed + 1] = seq
-  claimed[#claimed + 1] = permits .. (rate and 'r' or '')
+  claimed[#claimed + 1] = permits
+  claimed[#claimed + 1] = rate and 1 or 0
   claimed[#claimed + 1] = redis.call('HGET', KEYS[DATA], id) or ''
 end
 
@@ -96,7 +89,7 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
 end
 
 for i = 1, (#KEYS - 11) / 4 do
-  if #claimed >= 5 * max then break end
+  if #claimed >= 6 * max then break end
   local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 8 + 4 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
@@ -113,9 +106,8 @@ for i = 1, (#KEYS - 11) / 4 do
   end
 end
 local candidates = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, tonumber(ARGV[3]))
-local next_at = -1
-local first = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]
-if first then next_at = tonumber(first) end
+local next_at = tonumber(
+  redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
 local due = head_due(KEYS[SCHEDULE])
 if due and (next_at < 0 or due < next_at) then next_at = due end
 return {tag and tonumber(tag) or 0, now, next_at, candidates, claimed, blocked}

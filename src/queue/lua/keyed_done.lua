@@ -1,57 +1,48 @@
--- Ends a keyed message's turn at work (see keyed.lua), if the caller still
--- holds its claim, and lets go of its key's lock or permit, or, for an
--- acknowledged message whose key has more, keeps it and claims the key's
--- next message at once (the caller asked for it with a lease), unless
--- other code waits for the lock or a permit: then it lets go, and the lock
--- goes to the first waiter in its line as a `Locker`'s release hands it
--- (release.lua), so a key's messages and other code take turns. The caller bounds such runs (a key
--- lets go after MAX_RUN messages back to back: see keyed.rs).
--- KEYS[1..11]: the partition
--- KEYS[12]: the key's lock, or its permits' set   KEYS[13]: the lock's or
--- the set's line of waiters   KEYS[14]: the set's fences (for a lock: the
--- lock)
--- KEYS[15]: the key's rate limit log
+-- Ends a keyed message's turn at work (see keyed.lua) if the caller still
+-- holds its claim, and lets go of its key's lock or permit; or, for an ack
+-- whose caller asked for the next message (ARGV[10]), keeps it and claims
+-- the key's next message at once, if the key's rate limit admits it now
+-- and unless other code waits for the lock or a permit: then it lets go,
+-- the lock going to the first waiter in its line as a `Locker`'s release
+-- hands it (release.lua), so that a key's messages and other code take
+-- turns. The caller bounds such runs (MAX_RUN, see keyed.rs).
+-- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
+-- KEYS[13]: the lock's or the set's line of waiters   KEYS[14]: the set's
+-- fences (for a lock: the lock)   KEYS[15]: the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
---          "release" (back as it was) or "bury"
--- ARGV[2]: the key   ARGV[3]: the id   ARGV[4]: its seq   ARGV[5]: its claim
--- ARGV[6]: the lock's (permit's) token
--- ARGV[7]: the delay in ms before the message may be claimed again
---          (retry, defer), or the error (bury)
--- ARGV[8]: the error of a retry
--- ARGV[9]: "PUBLISH" or "SPUBLISH"
--- ARGV[10]: for an ack, the next message's lease in ms ("" to let go)
--- ARGV[11]: the token for the next message, if it needs a new one
--- ARGV[12]: "1" when the message may have an error on record (an ack
---           deletes it)
--- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: the hand-off ms
---           of a lock or permit to a waiter (release.lua's)
+--   "release" (back as it was) or "bury"
+-- ARGV[2..6]: the key, the id, its seq, its claim, the lock's (permit's) token
+-- ARGV[7]: the delay in ms (retry, defer)   ARGV[8]: the error (retry, bury)
+-- ARGV[9]: "PUBLISH" or "SPUBLISH"   ARGV[10]: for an ack, the next
+--   message's lease in ms ("" to let go)   ARGV[11]: a token for the next
+-- ARGV[12]: "1" when the message may have an error on record (an ack deletes it)
+-- ARGV[13]: the key's permits ("0": its lock)   ARGV[14]: the hand-off ms of
+--   a lock or permit to a waiter (release.lua's)
 -- ARGV[15]: "1" when the key has a rate limit (its claim said so)
--- ARGV[16]: "1" to answer an acknowledged message's record (for the
---           completed stream)
+-- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
---           no limit), which a burial applies to the partition
--- The next message is claimed only if the key's rate limit admits it now.
--- A retried or deferred message goes back first in line. A key with a lock
+--   no limit), which a burial applies to the partition
+-- A retried or deferred message goes back first in line: a key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
--- Returns {status, the acknowledged record (or ""), then, for status 3,
--- the next message's id, seq and record, and 1 when it holds the key under
--- the new token ARGV[11], 0 under ARGV[6]}: status 0 when the claim is no
--- longer held (nothing changed), 1 when done and the key let go, 2 when
--- done, the key let go and ready for a claim, 3 when the key's next message
--- was claimed under the same lock and claim number.
+-- Returns {status, the acknowledged record or "", for status 3 {the next
+-- message's id, seq and record, 1 when held under the new token ARGV[11] or
+-- 0 under ARGV[6]}, else false}. Status 0: the claim is no longer held
+-- (nothing changed); 1: done, the key let go; 2: the same, and the key
+-- ready for a claim; 3: the key's next message claimed under the same lock
+-- and claim number.
 --
 -- The usual hand-over (a lock, no rate limit, no fence issued, nobody
--- waiting) passes the lock on as it is, token and expiry, and the next message's lease ends
--- when this one's would have: the lock and the lease keep ending together
--- (the claim and every renewal set both), with no clock read and no write
--- of the lock. A fenced lock gets a new token, so that the next message's
--- fence is its own.
+-- waiting) passes the lock on as it is, token and expiry, and the next
+-- message's lease ends when this one's would have: the lock and the lease
+-- keep ending together (the claim and every renewal set both), with no
+-- clock read and no write of the lock. A fenced lock gets a new token, so
+-- that the next message's fence is its own.
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
 local deadline = redis.call('ZSCORE', KEYS[ACTIVE], at_work)
-if not deadline then return {0, ''} end
+if not deadline then return {0, '', false} end
 redis.call('ZREM', KEYS[ACTIVE], at_work)
 local acked = ''
 if op == 'ack' then
@@ -67,7 +58,7 @@ local function continue(next, next_seq, until_ms, renewed)
   redis.call('ZREM', KEYS[LINES], next_member)
   redis.call('ZADD', KEYS[ACTIVE], until_ms, next_member .. ':' .. ARGV[5])
   if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
-  return {3, acked, next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed and 1 or 0}
+  return {3, acked, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed and 1 or 0}}
 end
 
 -- Lets go of the key's lock, held by `token`: to the first live waiter in
@@ -76,18 +67,14 @@ end
 local function unlock(lock, line)
   local value = redis.call('GET', lock)
   if not value or not owns(value, token) then return end
-  if string.byte(value, -1) ~= 33 then
-    redis.call('DEL', lock)
-    return
-  end
-  local next = pop_live(line, lock, ARGV[9]) -- see line.lua
+  local waited = string.byte(value, -1) == 33
+  local next = waited and pop_live(line, lock, ARGV[9]) -- see line.lua
   if not next then
     redis.call('DEL', lock)
-    redis.call(ARGV[9], lock, '')
+    if waited then redis.call(ARGV[9], lock, '') end
     return
   end
-  local handed = next
-  if redis.call('ZCARD', line) > 0 then handed = next .. '!' end
+  local handed = redis.call('ZCARD', line) > 0 and next .. '!' or next
   redis.call('SET', lock, handed, 'PX', ARGV[14])
   redis.call(ARGV[9], lock, next)
 end
@@ -105,7 +92,7 @@ local from = now
 if op == 'bury' then
   redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
   redis.call('ZADD', KEYS[DEAD], now, id)
-  redis.call('HSET', KEYS[ERRORS], id, ARGV[7])
+  redis.call('HSET', KEYS[ERRORS], id, ARGV[8])
   trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[17], ARGV[18], 100, KEYS[KEYOF])
 elseif op == 'release' then
   rejoin(key, seq, id, now)
@@ -157,6 +144,6 @@ else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
   if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
 end
-if after_turn(key, from) then return {2, acked} end
+if after_turn(key, from) then return {2, acked, false} end
 if limit == 0 then forget_limits(key) end
-return {1, acked}
+return {1, acked, false}

@@ -1,17 +1,15 @@
--- Records what keyed scripts changed on the queue's own streams (the
--- lifecycle events, the completed messages). A keyed message's line lives
--- in its key's hash slot and these streams in the queue's, so no one
--- script reaches both on a Redis Cluster: the caller runs this one right
--- after the keyed script, with what that script returned.
--- KEYS[1]: events   KEYS[2]: completed
--- ARGV[1]: the events' cap ("" for no events)
+-- Records what keyed scripts changed on the queue's own streams (events,
+-- completed messages): a keyed message's line lives in its key's hash slot
+-- and these streams in the queue's, so no one script reaches both on a
+-- Redis Cluster; the caller runs this one right after the keyed script.
+-- KEYS[1]: events   KEYS[2]: completed   ARGV[1]: the events' cap ("": none)
 -- ARGV[2], ARGV[3]: the completed stream's max count and max age in ms
--- ARGV[4]: how many event entries follow; each is: kind, key ("" for
---          none), error ("" for none), n, then n pairs of id and attempt
--- then per completed message: its id and its record (the queue's format)
--- An event entry is `e <kind> [k <key>] t <server ms> [x <error>]` then the
--- pairs (see emit in the prelude); the key right after the kind keeps the
--- entry readable by position.
+-- ARGV[4]: how many event entries follow, each: kind, key ("" for none),
+--   error ("" for none), n, then n pairs of id and attempt; then per
+--   completed message its id and its record (the queue's format)
+-- An entry is `e <kind> [k <key>] t <server ms> [x <error>]` then the pairs
+-- (see emit in the prelude): the key right after the kind keeps the entry
+-- readable by position.
 local now = now_ms()
 local cap, at = ARGV[1], 5
 for _ = 1, tonumber(ARGV[4]) do

@@ -1,8 +1,7 @@
 -- Extends the lease of a keyed message at work and its key's lock or permit
 -- together (see keyed.lua), if the caller still holds the claim. A renewal
--- that comes after the lease ran out (and before recovery ended the turn)
--- takes the key's lock (a permit) again if it is free, as any message's
--- late renewal keeps its claim; if it is not, the claim is lost.
+-- after the lease ran out (before recovery ended the turn) takes the lock
+-- (a permit) again if it is free, as any late renewal keeps its claim.
 -- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
 -- ARGV[1]: the active member "<line member>:<claim>"   ARGV[2]: the token
 -- ARGV[3]: lease in ms   ARGV[4]: the key's permits ("0": its lock)

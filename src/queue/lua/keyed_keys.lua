@@ -1,10 +1,8 @@
 -- Reads a partition's keys for a view (see keyed.lua), changing nothing:
--- each key with messages in line or at work, how many of each, and when
--- the first in its line was pushed.
--- KEYS[1..11]: the partition   ARGV[1]: the most keys to read from each of
--- the active set (members) and the ready set
--- Returns {now ms, {key, in line, at work, its head's push time in ms (-1
--- for none), ...}}.
+-- each key with messages in line or at work, how many of each, and when the
+-- first in its line was pushed. KEYS[1..11]: the partition
+-- ARGV[1]: the most keys to read from each of the active and ready sets
+-- Returns {now ms, {key, in line, at work, its head's push ms (-1: none), ...}}.
 local now = now_ms()
 local most = tonumber(ARGV[1])
 local seen, flat = {}, {}

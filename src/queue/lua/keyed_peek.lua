@@ -1,12 +1,11 @@
 -- Looks at a partition's next messages (see keyed.lua), changing nothing:
 -- the heads of its keys' lines (the next claim's candidates first: ready
--- soonest, then keys at work), its delayed messages, soonest due first,
--- and its messages at work, soonest lease end first.
+-- soonest, then keys at work), its delayed messages, soonest due first, and
+-- its messages at work, soonest lease end first.
 -- KEYS[1..11]: the partition   ARGV[1]: how many of each at most
--- Returns {n waiting, {n times id, ms, key, record or false, then per
--- message at work id, lease end ms, key, record or false}}: a head's ms is
--- when its key may be claimed from (now for a key at work), a delayed
--- message's its due time.
+-- Returns {n waiting, {(id, ms, key, record or false) per message}}, the n
+-- waiting first: a head's ms is when its key may be claimed from (now for
+-- a key at work), a delayed message's its due time, one at work's its lease end.
 local limit = tonumber(ARGV[1])
 local now = now_ms()
 local out, waiting = {}, 0

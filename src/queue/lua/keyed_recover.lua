@@ -3,10 +3,10 @@
 -- and its key is ready at once (the key's lock or permit ran out with the
 -- lease), counting a stall; one that stalled ARGV[1] times is buried.
 -- KEYS[1..11]: the partition   ARGV[1]: max stalls   ARGV[2]: how many at most
--- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for
--- no limit), applied after a burial
--- Returns {examined, {{key, id, attempt, error}, ...}} per message ended:
--- the error "" when it went back in line, else the one it was buried with.
+-- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for no
+-- limit), applied after a burial
+-- Returns {examined, {{key, id, attempt, error}, ...}}: the error "" when
+-- it went back in line, else the one it was buried with.
 local now = now_ms()
 local expired = redis.call('ZRANGEBYSCORE', KEYS[ACTIVE], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local max_stalls = tonumber(ARGV[1])

@@ -1,11 +1,9 @@
 -- Deletes a keyed message that waits (in its key's line, or delayed) or is
--- dead, in a partition (see keyed.lua). One at work is left to its worker,
--- as remove.lua leaves an active message.
--- KEYS[1..11]: the partition
+-- dead, in a partition (see keyed.lua); one at work is left to its worker,
+-- as remove.lua leaves an active message. KEYS[1..11]: the partition
 -- ARGV[1]: the id   ARGV[2]: its place in line, "<key>\0<seq>\0<id>", as the
---          caller found it ("" for none)
--- Returns the message's key when it was removed, false when it is not here
--- (or at work).
+-- caller found it ("" for none)
+-- Returns the message's key when it was removed, else false.
 local id, member = ARGV[1], ARGV[2]
 local key
 if member ~= '' and redis.call('ZREM', KEYS[LINES], member) == 1 then

@@ -1,12 +1,10 @@
 -- Takes a message of the queue's own keys into its key's line in this
 -- partition (see keyed.lua): an unkeyed message whose key a `LockLayer`
--- found busy, deferred into that line, where it is claimed with the key's
--- lock. It takes the place its push time gives it, before the messages
--- pushed after it (see next_seq in keyed.lua). Its record keeps its counts
--- and counts the deferral (it loses a priority: a key's messages start in
--- push order). An id that exists here
--- already (a resend) is left as it is. The caller then removes the message
--- from the queue.
+-- found busy, deferred into that line to be claimed with the key's lock. It
+-- takes the place its push time gives it (see next_seq); its record keeps
+-- its counts, counts the deferral and loses a priority (a key's messages
+-- start in push order). An id here already (a resend) is left as it is. The
+-- caller then removes the message from the queue.
 -- KEYS[1..11]: the partition   ARGV[1]: the key   ARGV[2]: its limits (as
 -- keyed_push.lua's)   ARGV[3]: the id   ARGV[4]: the delay in ms before it
 -- joins the line   ARGV[5]: its record in the queue
