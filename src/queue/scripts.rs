@@ -24,24 +24,18 @@ pub(crate) struct Scripts {
 }
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
-fn load(body: &str) -> Script {
-    Script::new(&with_prelude(body))
-}
-
 fn with_prelude(body: &str) -> String {
     format!("{}\n{body}", include_str!("lua/prelude.lua"))
 }
 
-/// The push script as the library loads it; `scripts/push.lua` (for
-/// producers in other languages) must be exactly this.
-fn push_source() -> String {
-    with_prelude(include_str!("lua/push.lua"))
+fn load(body: &str) -> Script {
+    Script::new(&with_prelude(body))
 }
 
 impl Scripts {
     pub(crate) fn get() -> &'static Scripts {
         static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-            push: Script::new(&push_source()),
+            push: load(include_str!("lua/push.lua")),
             claim: load(include_str!("lua/claim.lua")),
             ack_many: load(include_str!("lua/ack_many.lua")),
             reschedule: load(include_str!("lua/reschedule.lua")),
@@ -117,7 +111,7 @@ mod tests {
 
     #[test]
     fn the_shipped_push_script_is_the_one_the_library_loads() {
-        let sources = "prelude.lua + push.lua";
-        check_shipped("push.lua", &super::push_source(), sources);
+        let expected = super::with_prelude(include_str!("lua/push.lua"));
+        check_shipped("push.lua", &expected, "prelude.lua + push.lua");
     }
 }
