@@ -46,6 +46,7 @@ pub(crate) mod scripts;
 mod wait;
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -76,15 +77,13 @@ pub const MAX_BATCH: usize = 1000;
 /// connection; a Redis Cluster works because every key of one queue shares
 /// the hash tag `{<name>}`.
 pub struct Queue<T, C = redis::aio::ConnectionManager> {
-    /// The connection every command goes through.
     conn: C,
-    /// Names of the queue's Redis keys.
     keys: Arc<QueueKeys>,
-    /// How many dead letters, and for how long, burials keep.
+    /// Dead-letter retention, applied by burials.
     retention: Retention,
     /// The lifecycle events' cap, when they are recorded.
     events: Option<usize>,
-    /// How many completed messages, and for how long, are kept.
+    /// Completed-message retention, when they are kept.
     completed: Option<Retention>,
     /// The keyed side's state, shared by clones.
     keyed: Arc<KeyedState>,
@@ -289,59 +288,46 @@ impl PushOptions {
     }
 
     /// Claimed before due messages of lower priorities: 1 to
-    /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is no priority,
-    /// claimed after every priority. Among due messages of one priority,
-    /// the earliest due goes first (for messages due at once: push order).
-    /// The message keeps its priority when it is retried, deferred,
-    /// recovered or re-driven from the dead letters. Pushing fails with
-    /// [`Error::Config`] above 9.
+    /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is none (claimed
+    /// last). Kept on retries, deferrals, recovery and re-drives. Pushing
+    /// fails with [`Error::Config`] above 9. See the README's "The queue".
     pub fn priority(mut self, priority: u8) -> Self {
         self.priority = priority;
         self
     }
 
-    /// Gives the message a key. A keyed message is claimed only together
-    /// with its key's lock, the lock [`Locker::lock_key`](crate::Locker::lock_key)
-    /// names, which the handler then holds
-    /// ([`HeldLock::current`](crate::HeldLock::current) tells it): no two
-    /// messages of one key run at once, whoever else takes the key's lock
-    /// (a [`Locker`](crate::Locker) in an HTTP handler) is excluded too, and
-    /// a key's messages start in push order (a delayed one in due order).
-    /// A message waiting for a busy key is not claimed, so it costs nothing.
-    /// Keys must be non-empty and free of NUL; a keyed message has no
-    /// priority (pushing both fails with [`Error::Config`]).
+    /// Gives the message a key: it is claimed only together with the lock
+    /// [`Locker::lock_key`](crate::Locker::lock_key) names, which its
+    /// handler then holds ([`HeldLock::current`](crate::HeldLock::current)),
+    /// so no two messages of a key run at once and they start in push
+    /// order. Keys must be non-empty and free of NUL; a keyed message has
+    /// no priority (else [`Error::Config`]). See the README's "Keyed
+    /// messages".
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
         self
     }
 
-    /// Lets `n` messages of the message's key run at once: each is claimed
-    /// with one of the key's `n` permits, the permits
-    /// [`Locker::acquire_permit`](crate::Locker::acquire_permit) takes (and counts: a
-    /// permit held by other code leaves one less for the queue). The key's
-    /// messages still start in push order. Give every message of a key the
-    /// same `n` (the last push that says it sets it; a key forgets it when
-    /// nothing of it is left). A retried message of such a key waits out
-    /// its delay aside, then takes its place back first in line; meanwhile
-    /// the key's next messages use its free permits. Needs
+    /// Lets `n` messages of the key run at once, each claimed with one of
+    /// the key's permits, those
+    /// [`Locker::acquire_permit`](crate::Locker::acquire_permit) takes. Give
+    /// every message of a key the same `n` (the last push sets it). Needs
     /// [`key`](Self::key); `n` from 1 to
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS), else pushing fails
     /// with [`Error::Config`]. `permits(1)` is one permit, not the key's
     /// lock (as with [`LockLayer::permits`](crate::LockLayer::permits)).
+    /// See the README's "Keyed messages" (n at a time per key).
     pub fn permits(mut self, n: u32) -> Self {
         self.permits = Some(n);
         self
     }
 
-    /// Claims the message's key at most as often as `rate` allows: its
-    /// messages are claimed only when the key's rate limit admits them, in
-    /// the log [`Locker::admit`](crate::Locker::admit) counts in (so
-    /// admissions elsewhere count too); a key over its limit waits,
-    /// unclaimed, for its next slot. The claim that starts a message is
-    /// what counts: a retried message counts again. Give every message of a
-    /// key the same rate (the last push that says it sets it; a key forgets
-    /// it when nothing of it is left). Needs [`key`](Self::key), else
-    /// pushing fails with [`Error::Config`].
+    /// Claims the key's messages only when its rate limit admits them, in
+    /// the log [`Locker::admit`](crate::Locker::admit) counts in; every
+    /// claim that starts a message counts (a retry too). Give every message
+    /// of a key the same rate (the last push sets it). Needs
+    /// [`key`](Self::key), else pushing fails with [`Error::Config`]. See
+    /// the README's "Keyed messages" (at most r per period per key).
     pub fn rate(mut self, rate: crate::lock::rate::Rate) -> Self {
         self.rate = Some(rate);
         self
@@ -400,13 +386,9 @@ fn check_push(options: &PushOptions) -> Result<()> {
     }
 }
 
-/// A message's key and what its push says of the key's limits (the keyed
-/// push script's `limits`).
-type KeyOf = Option<(String, String)>;
-
-/// A message ready to push: its id, the push script's `when`, its payload
-/// and its key.
-type Encoded = (String, String, Vec<u8>, KeyOf);
+/// A message ready to push: its id, the push script's `when`, its payload,
+/// and its key with the keyed push script's `limits`.
+type Encoded = (String, String, Vec<u8>, Option<(String, String)>);
 
 /// The receipt of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -718,14 +700,9 @@ where
         for (msg, options) in msgs {
             let payload = serde_json::to_vec(msg.borrow()).map_err(Error::Encode)?;
             check_push(&options)?;
-            let id = match &options.id {
-                Some(id) => id.clone(),
-                None => job::new_id(),
-            };
-            let when = options.when_arg();
-            let limits = options.limits_arg();
-            let key = options.key.map(|key| (key, limits));
-            encoded.push((id, when, payload, key));
+            let (id, when) = (options.id.clone(), options.when_arg());
+            let key = options.key.clone().map(|key| (key, options.limits_arg()));
+            encoded.push((id.unwrap_or_else(job::new_id), when, payload, key));
         }
         let mut receipts = Vec::with_capacity(encoded.len());
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
@@ -945,8 +922,8 @@ where
     /// message went back to the schedule or to another worker), or when the
     /// message is gone already (completed or removed).
     pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
-        let job = job.claim_ref();
-        if let Some(held) = job.held {
+        let job = token(job);
+        if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Ack).await;
         }
         let acked = self.ack_batch(&[job], "done").await?;
@@ -973,17 +950,35 @@ where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
     {
-        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
-        if jobs.iter().any(|j| j.held.is_some()) {
-            return self.ack_mixed(&jobs).await;
+        // The unkeyed ones in one script call, each keyed one in its key's
+        // partition; the answers in the batch's order.
+        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
+        let plain: Vec<&ClaimToken> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
+        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
+        let mut out = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            out.push(match job.held {
+                None => plain.next().unwrap_or(Acked::NotHeld),
+                Some(_) if self.ack(job).await? => Acked::Done,
+                Some(_) => Acked::NotHeld,
+            });
         }
-        self.ack_batch(&jobs, "done").await
+        Ok(out)
     }
 
     /// Acknowledges unkeyed messages in one script call; `kind` names their
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
-    async fn ack_batch(&self, jobs: &[ClaimRef<'_>], kind: &str) -> Result<Vec<Acked>> {
+    async fn ack_batch(&self, jobs: &[&ClaimToken], kind: &str) -> Result<Vec<Acked>> {
+        if jobs.len() > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "ack_many takes at most {MAX_BATCH} messages, got {}",
+                jobs.len()
+            )));
+        }
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut call = Scripts::get().ack_many.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.completed.is_some();
@@ -994,21 +989,11 @@ where
             .arg(completed.0)
             .arg(completed.1)
             .arg(kind);
-        let mut count = 0;
         for job in jobs {
             call.arg(job.member())
-                .arg(job.id())
+                .arg(&job.id)
                 .arg(if job.failures() > 0 { "1" } else { "0" })
                 .arg(job.failures);
-            count += 1;
-        }
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        if count > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "ack_many takes at most {MAX_BATCH} messages, got {count}"
-            )));
         }
         let attempted = || format!("acknowledging messages in queue `{}`", self.name());
         let acked: Vec<i64> = call.query_on(&self.conn, attempted).await?;
@@ -1022,22 +1007,6 @@ where
             .collect())
     }
 
-    /// A batch with keyed messages: the others in one script call, each
-    /// keyed one in its key's partition; the answers in the batch's order.
-    async fn ack_mixed(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
-        let plain: Vec<ClaimRef<'_>> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
-        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
-        let mut out = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            out.push(match job.held {
-                None => plain.next().unwrap_or(Acked::NotHeld),
-                Some(_) if self.ack(job).await? => Acked::Done,
-                Some(_) => Acked::NotHeld,
-            });
-        }
-        Ok(out)
-    }
-
     /// Puts a claimed message back on the schedule after a failure, due
     /// `delay` from now, counting a failed attempt and recording `error`.
     /// Returns the new due time, or `None` when the claim is no longer held.
@@ -1047,16 +1016,15 @@ where
         delay: Duration,
         error: &str,
     ) -> Result<Option<SystemTime>> {
-        self.reschedule(job.claim_ref(), delay, "failure", error)
-            .await
+        let outcome = Outcome::Retry { delay, error };
+        self.reschedule(token(job), outcome).await
     }
 
     /// Puts a claimed message back on the schedule because its lock was
     /// busy: counts a deferral, not a failed attempt. Returns the new due
     /// time, or `None` when the claim is no longer held.
     pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
-        self.reschedule(job.claim_ref(), delay, "deferral", "")
-            .await
+        self.reschedule(token(job), Outcome::Defer { delay }).await
     }
 
     /// Moves a claimed, unkeyed message into the line of `key` (see
@@ -1073,16 +1041,15 @@ where
         (key, limits): (&str, &str),
         delay: Duration,
     ) -> Result<Option<SystemTime>> {
-        let job = job.claim_ref();
-        let attempted = || format!("deferring message `{}` into its key's line", job.id());
+        let attempted = || format!("deferring message `{}` into its key's line", job.id);
         if key.is_empty() || key.contains('\0') {
             return Err(Error::InvalidKey(format!(
                 "message `{}` cannot join the line of a key that is empty or holds NUL",
-                job.id()
+                job.id
             )));
         }
         let (record, held): (Option<Vec<u8>>, Option<f64>) = redis::pipe()
-            .hget(&self.keys.data, job.id())
+            .hget(&self.keys.data, &job.id)
             .zscore(&self.keys.active, job.member())
             .query_async(&mut self.conn.clone())
             .await
@@ -1092,13 +1059,13 @@ where
         };
         let keyed = self.keyed();
         let (_, due) = keyed
-            .take_in((key, limits), job.id(), millis(delay), &record)
+            .take_in((key, limits), &job.id, millis(delay), &record)
             .await?;
         // Out of this queue, with a `deferred` event (the message goes on,
         // in its key's line).
         let removed = self.ack_batch(&[job], "deferred").await?;
         if removed.first() != Some(&Acked::Done) {
-            tracing::warn!(id = %job.id(), %key, "claim lost while the message moved into its key's line: it may run twice");
+            tracing::warn!(id = %job.id, %key, "claim lost while the message moved into its key's line: it may run twice");
         }
         Ok(Some(from_unix_ms(due)))
     }
@@ -1107,37 +1074,34 @@ where
     /// a deferral (a worker shutting down before it could handle it).
     /// Returns `false` when the claim is no longer held.
     pub async fn release<J: Claim>(&self, job: &J) -> Result<bool> {
-        let due = self
-            .reschedule(job.claim_ref(), Duration::ZERO, "release", "")
-            .await?;
+        let due = self.reschedule(token(job), Outcome::Release).await?;
         Ok(due.is_some())
     }
 
+    /// Retries, defers or releases a claimed message.
     async fn reschedule(
         &self,
-        job: ClaimRef<'_>,
-        delay: Duration,
-        counter: &str,
-        error: &str,
+        job: &ClaimToken,
+        outcome: Outcome<'_>,
     ) -> Result<Option<SystemTime>> {
-        if let Some(held) = job.held {
-            let outcome = match counter {
-                "failure" => Outcome::Retry { delay, error },
-                "deferral" => Outcome::Defer { delay },
-                _ => Outcome::Release,
-            };
+        let (delay, counter, error) = match outcome {
+            Outcome::Retry { delay, error } => (delay, "failure", error),
+            Outcome::Defer { delay } => (delay, "deferral", ""),
+            _ => (Duration::ZERO, "release", ""),
+        };
+        if let Some(held) = &job.held {
             let settled = self.settle_keyed(job, held, outcome).await?;
             let due = SystemTime::now() + delay;
             return Ok(settled.then_some(due));
         }
         let k = &self.keys;
-        let attempted = || format!("rescheduling message `{}` ({counter})", job.id());
+        let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
         let due: i64 = Scripts::get()
             .reschedule
             .key(&[&k.data, &k.schedule, &k.active, &k.errors])
             .key(&[&k.bell, &k.prioritized, &k.events])
             .arg(job.member())
-            .arg(job.id())
+            .arg(&job.id)
             .arg(millis(delay))
             .arg(counter)
             .arg(error)
@@ -1162,8 +1126,8 @@ where
         error: &str,
         failed: bool,
     ) -> Result<bool> {
-        let job = job.claim_ref();
-        if let Some(held) = job.held {
+        let job = token(job);
+        if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
         let (max_count, max_age) = self.retention.args();
@@ -1172,13 +1136,13 @@ where
             .bury
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
             .arg(job.member())
-            .arg(job.id())
+            .arg(&job.id)
             .arg(error)
             .arg(if failed { "1" } else { "0" })
             .arg(max_count)
             .arg(max_age)
             .arg(self.events_arg())
-            .query_on(&self.conn, || format!("burying message `{}`", job.id()))
+            .query_on(&self.conn, || format!("burying message `{}`", job.id))
             .await?;
         Ok(buried == 1)
     }
@@ -1192,12 +1156,9 @@ where
         I: IntoIterator<Item = &'a J>,
     {
         check_lease(lease)?;
-        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
-        let members: Vec<String> = jobs
-            .iter()
-            .filter(|j| j.held.is_none())
-            .map(ClaimRef::member)
-            .collect();
+        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
+        let plain = jobs.iter().filter(|j| j.held.is_none());
+        let members: Vec<String> = plain.map(|j| j.member()).collect();
         let mut plain = Vec::with_capacity(members.len());
         // Bounded script calls: one call never keeps the server busy for long.
         let attempted = || format!("extending leases in queue `{}`", self.name());
@@ -1219,11 +1180,11 @@ where
         }
         let mut plain = plain.into_iter();
         let mut out = Vec::with_capacity(jobs.len());
-        for job in &jobs {
-            out.push(match job.held {
+        for job in jobs {
+            out.push(match &job.held {
                 Some(held) => {
                     (self.keyed())
-                        .extend(held, (job.id(), job.claim), lease)
+                        .extend(held, (&job.id, job.claim), lease)
                         .await?
                 }
                 None => plain.next().unwrap_or(false),
@@ -1261,31 +1222,34 @@ where
         lease: Duration,
         run_on: bool,
     ) -> Result<(bool, Option<Job<T>>)> {
-        let claim = job.claim_ref();
-        let Some(held) = claim.held.filter(|held| run_on || held.run < MAX_RUN) else {
+        let claim = token(job);
+        let Some(held) = claim
+            .held
+            .as_ref()
+            .filter(|held| run_on || held.run < MAX_RUN)
+        else {
             return Ok((self.ack(job).await?, None));
         };
-        let job = claim;
-        let member = (job.id(), job.claim, job.failures());
-        let settled = (self.keyed())
+        let member = (claim.id.as_str(), claim.claim, claim.failures());
+        match self
+            .keyed()
             .done(held, member, Outcome::Ack, Some(lease))
-            .await?;
-        let turn = match settled {
-            Settled::Lost => return Ok((false, None)),
-            Settled::Done => return Ok((true, None)),
-            Settled::Next(turn) => turn,
-        };
-        Ok((true, self.decode_turn(turn).await.ok()))
+            .await?
+        {
+            Settled::Lost => Ok((false, None)),
+            Settled::Done => Ok((true, None)),
+            Settled::Next(turn) => Ok((true, self.decode_turn(turn).await.ok())),
+        }
     }
 
     /// Ends a keyed message's turn; `false` when its claim was lost.
     async fn settle_keyed(
         &self,
-        job: ClaimRef<'_>,
+        job: &ClaimToken,
         held: &Arc<Held>,
         outcome: Outcome<'_>,
     ) -> Result<bool> {
-        let member = (job.id(), job.claim, job.failures());
+        let member = (job.id.as_str(), job.claim, job.failures());
         let settled = (self.keyed()).done(held, member, outcome, None).await?;
         Ok(settled != Settled::Lost)
     }
@@ -1491,25 +1455,20 @@ where
     /// The first `stop + 1` dead letters of one set, oldest first.
     async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
-        let reply: Vec<Value> = Scripts::get()
+        type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
+        let reply: Letters = Scripts::get()
             .dead
             .key(&[&set.data, &set.dead, &set.errors])
             .arg(0)
             .arg(stop)
             .query_on(&self.conn, attempted)
             .await?;
-        let mut out = Vec::with_capacity(reply.len() / 4);
-        let mut values = reply.into_iter();
-        while let (Some(id), Some(at), Some(record), Some(error)) =
-            (values.next(), values.next(), values.next(), values.next())
-        {
-            let (Some(id), Some(at)) = (as_string(id), as_ms(at)) else {
-                return Err(Error::reply("listing dead letters", "bad entry"));
-            };
-            let (at, record) = (from_unix_ms(at), as_bytes(record));
-            out.push(DeadLetter::new(id, at, record, as_string(error)));
-        }
-        Ok(out)
+        Ok(reply
+            .into_iter()
+            .map(|(id, at, record, error)| {
+                DeadLetter::new(id, from_unix_ms(at as i64), record, error)
+            })
+            .collect())
     }
 
     /// Re-drives one dead letter: due now, attempts, deferrals and stalls
@@ -1711,42 +1670,27 @@ where
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<Value> = Scripts::get()
+        type Waiting = Vec<(String, f64, u8, Option<Vec<u8>>)>;
+        type Active = Vec<(String, f64, Option<Vec<u8>>)>;
+        let (waiting, active): (Waiting, Active) = Scripts::get()
             .peek
             .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
             .arg(limit)
             .query_on(&self.conn, attempted)
             .await?;
-        let bad = || Error::reply(attempted(), "bad entry");
-        let mut values = reply.into_iter();
-        let waiting_count = values.next().as_ref().and_then(as_int).ok_or_else(bad)?;
-        let mut waiting = Vec::new();
-        for _ in 0..waiting_count {
-            let (Some(id), Some(due), Some(priority), Some(record)) =
-                (values.next(), values.next(), values.next(), values.next())
-            else {
-                return Err(bad());
-            };
-            let due = from_unix_ms(as_ms(due).ok_or_else(bad)?);
-            let priority = as_int(&priority)
-                .and_then(|p| u8::try_from(p).ok())
-                .ok_or_else(bad)?;
-            let id = as_string(id).ok_or_else(bad)?;
-            waiting.push(Peeked::new(id, due, priority, as_bytes(record)));
-        }
-        let mut active = Vec::new();
+        let at = |ms: f64| from_unix_ms(ms as i64);
+        let mut waiting: Vec<Peeked> = (waiting.into_iter())
+            .map(|(id, due, priority, record)| Peeked::new(id, at(due), priority, record))
+            .collect();
+        let mut active: Vec<Peeked> = (active.into_iter())
+            .map(|(id, deadline, record)| {
+                let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
+                Peeked::new(id, at(deadline), priority, record)
+            })
+            .collect();
         self.keyed().peek(limit, &mut waiting, &mut active).await?;
         waiting.sort_by_key(|w| w.at);
         waiting.truncate(limit);
-        while let (Some(id), Some(deadline), Some(record)) =
-            (values.next(), values.next(), values.next())
-        {
-            let deadline = from_unix_ms(as_ms(deadline).ok_or_else(bad)?);
-            let record = as_bytes(record);
-            let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
-            let id = as_string(id).ok_or_else(bad)?;
-            active.push(Peeked::new(id, deadline, priority, record));
-        }
         active.sort_by_key(|a| a.at);
         active.truncate(limit);
         Ok(Peek { waiting, active })
@@ -1760,14 +1704,16 @@ where
     /// [`events`](Self::events) would hold a connection.
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(&self.keys.events)
-            .arg(format!("({after}"))
-            .arg("+")
-            .arg("COUNT")
-            .arg(limit.clamp(1, MAX_BATCH))
-            .query_on(&self.conn, attempted)
-            .await?;
+        let after = format!("({after}");
+        let reply: Value = stream_range(
+            "XRANGE",
+            &self.keys.events,
+            &after,
+            "+",
+            limit.clamp(1, MAX_BATCH),
+        )
+        .query_on(&self.conn, attempted)
+        .await?;
         Ok(events::entries(reply)
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
@@ -1777,12 +1723,7 @@ where
     /// The newest entry of the events stream, if any: where
     /// [`events_after`](Self::events_after) starts to see only what comes.
     pub async fn last_event_entry(&self) -> Result<Option<String>> {
-        let reply: Value = redis::cmd("XREVRANGE")
-            .arg(&self.keys.events)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(1)
+        let reply: Value = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1)
             .query_on(&self.conn, || {
                 format!("reading the events of queue `{}`", self.name())
             })
@@ -1800,30 +1741,17 @@ where
             )));
         }
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
-        /// An entry: its id and its fields.
-        type Entry = (String, Vec<(String, Vec<u8>)>);
-        let reply: Vec<Entry> = redis::cmd("XREVRANGE")
-            .arg(&self.keys.completed)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(limit)
-            .query_on(&self.conn, attempted)
-            .await?;
+        let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
+            stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit)
+                .query_on(&self.conn, attempted)
+                .await?;
         reply
             .into_iter()
-            .map(|(entry, fields)| {
-                let field = |name: &str| {
-                    fields
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .map(|(_, v)| v.clone())
-                };
+            .map(|(entry, mut fields)| {
                 let ms: Option<u64> = entry.split('-').next().and_then(|ms| ms.parse().ok());
-                let attempt: Option<u32> = field("attempt")
-                    .and_then(|a| String::from_utf8(a).ok())
-                    .and_then(|a| a.parse().ok());
-                match (field("id"), attempt, ms, field("payload")) {
+                let attempt: Option<u32> =
+                    (fields.get("attempt")).and_then(|a| std::str::from_utf8(a).ok()?.parse().ok());
+                match (fields.remove("id"), attempt, ms, fields.remove("payload")) {
                     (Some(id), Some(attempt), Some(ms), Some(payload)) => Ok(Completed {
                         id: String::from_utf8_lossy(&id).into_owned(),
                         attempt,
@@ -1915,29 +1843,27 @@ impl ClaimToken {
             .as_ref()
             .map(|held| (held.key.as_str(), held.token, held.permits))
     }
+
+    /// Non-zero when the message may have an error entry (`ack` then
+    /// deletes it): after a failed attempt, and after a lease expiry, which
+    /// `recover` records as an error too.
+    fn failures(&self) -> u32 {
+        self.failures.saturating_add(self.stalls)
+    }
+    fn member(&self) -> String {
+        format!("{}:{}", self.id, self.claim)
+    }
 }
 
 impl Claim for ClaimToken {
     fn claim_ref(&self) -> ClaimRef<'_> {
-        ClaimRef {
-            id: &self.id,
-            claim: self.claim,
-            failures: self.failures,
-            stalls: self.stalls,
-            held: self.held.as_ref(),
-        }
+        ClaimRef(self)
     }
 }
 
 /// The parts of a claimed message that prove its claim.
 #[derive(Debug, Clone, Copy)]
-pub struct ClaimRef<'a> {
-    id: &'a str,
-    claim: u64,
-    failures: u32,
-    stalls: u32,
-    held: Option<&'a Arc<Held>>,
-}
+pub struct ClaimRef<'a>(&'a ClaimToken);
 
 impl Claim for ClaimRef<'_> {
     fn claim_ref(&self) -> ClaimRef<'_> {
@@ -1948,27 +1874,20 @@ impl Claim for ClaimRef<'_> {
 impl ClaimRef<'_> {
     /// An owned copy.
     pub fn to_token(&self) -> ClaimToken {
-        ClaimToken {
-            id: self.id.to_owned(),
-            claim: self.claim,
-            failures: self.failures,
-            stalls: self.stalls,
-            held: self.held.cloned(),
-        }
+        self.0.clone()
     }
+}
 
-    fn id(&self) -> &str {
-        self.id
-    }
-    /// Non-zero when the message may have an error entry (`ack` then
-    /// deletes it): after a failed attempt, and after a lease expiry, which
-    /// `recover` records as an error too.
-    fn failures(&self) -> u32 {
-        self.failures.saturating_add(self.stalls)
-    }
-    fn member(&self) -> String {
-        format!("{}:{}", self.id, self.claim)
-    }
+/// The claim `job` proves.
+fn token<J: Claim>(job: &J) -> &ClaimToken {
+    job.claim_ref().0
+}
+
+/// `XRANGE` (or `XREVRANGE`) of `key` from `start` to `end`, at most `count`.
+fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> redis::Cmd {
+    let mut cmd = redis::cmd(cmd);
+    cmd.arg(key).arg(start).arg(end).arg("COUNT").arg(count);
+    cmd
 }
 
 fn check_lease(lease: Duration) -> Result<()> {
