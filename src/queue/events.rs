@@ -13,7 +13,6 @@ use std::time::{Duration, SystemTime};
 use futures_util::Stream;
 use redis::Value;
 
-use super::as_bytes;
 use super::wait::{BLOCK, Connector, MARGIN};
 use crate::error::{Error, Result};
 
@@ -227,6 +226,14 @@ impl<K: Connector> Reader<K> {
             }
         }
         Ok(())
+    }
+}
+
+fn as_bytes(v: Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        _ => None,
     }
 }
 

@@ -710,8 +710,7 @@ where
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
         for batch in plain.chunks(MAX_BATCH) {
-            let pushed = self.push_batch(batch.iter().map(|(_, m)| m)).await?;
-            receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
+            receipts.extend(self.push_batch(batch).await?);
         }
         receipts.extend(self.push_keyed(keyed).await?);
         receipts.sort_unstable_by_key(|(n, _)| *n);
@@ -740,47 +739,33 @@ where
             let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
             let pushed = self.keyed().push(&pushing).await?;
             for ((n, m), (created, due)) in batch.iter().zip(pushed) {
-                let due = (due >= 0).then(|| from_unix_ms(due));
-                let id = m.id.to_owned();
-                receipts.push((*n, Pushed { id, due, created }));
+                receipts.push((*n, receipt(m.id, created, due)));
             }
         }
         Ok(receipts)
     }
 
-    /// Pushes unkeyed messages (at most [`MAX_BATCH`]) in one script call.
-    async fn push_batch<'a>(
-        &self,
-        batch: impl ExactSizeIterator<Item = &'a Encoded>,
-    ) -> Result<Vec<Pushed>> {
-        let count = batch.len();
+    /// Pushes unkeyed messages (at most [`MAX_BATCH`], with their place in
+    /// the caller's list) in one script call.
+    async fn push_batch(&self, batch: &[(usize, Encoded)]) -> Result<Vec<(usize, Pushed)>> {
         let k = &self.keys;
         let mut call = Scripts::get().push.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
         if let Some(cap) = self.events {
             call.key(&k.events).arg(cap);
         }
-        let mut ids = Vec::with_capacity(count);
-        for (id, when, payload, _) in batch {
+        for (_, (id, when, payload, _)) in batch {
             call.arg(id).arg(when).arg(payload);
-            ids.push(id);
         }
         let attempted = || format!("pushing to queue `{}`", self.name());
-        let reply: Vec<i64> = call.query_on(&self.conn, attempted).await?;
-        if reply.len() != count * 2 {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values for {count} messages", reply.len()),
-            ));
+        let reply: Vec<(i64, i64)> = call.query_on(&self.conn, attempted).await?;
+        if reply.len() != batch.len() {
+            let detail = format_args!("{} receipts for {} messages", reply.len(), batch.len());
+            return Err(Error::reply(attempted(), detail));
         }
-        Ok(ids
-            .into_iter()
-            .zip(reply.chunks(2))
-            .map(|(id, pair)| Pushed {
-                id: id.clone(),
-                due: (pair[1] >= 0).then(|| from_unix_ms(pair[1])),
-                created: pair[0] == 1,
-            })
+        let receipts = batch.iter().zip(reply);
+        Ok(receipts
+            .map(|((n, (id, ..)), (created, due))| (*n, receipt(id, created == 1, due)))
             .collect())
     }
 
@@ -840,7 +825,7 @@ where
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<Value> = Scripts::get()
+        let mut header: Vec<Value> = Scripts::get()
             .claim
             .key(&[&k.data, &k.schedule, &k.active, &k.claims])
             .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
@@ -850,17 +835,11 @@ where
             .arg(keyed::PARTITIONS_PER_CLAIM)
             .query_on(&self.conn, attempted)
             .await?;
-        let bad = |detail: &str| Error::reply(attempted(), detail);
-        let mut values = reply.into_iter();
-        let int = |v: Option<Value>| v.as_ref().and_then(as_int).ok_or_else(|| bad("bad header"));
-        let claim = int(values.next())?;
-        let next_due = int(values.next())?;
-        let now = int(values.next())?;
-        let slots: Vec<u16> = match values.next() {
-            Some(slots) => redis::from_redis_value(slots).map_err(|_| bad("bad partitions"))?,
-            None => return Err(bad("no partitions")),
-        };
-        let claim = u64::try_from(claim).map_err(|_| bad("negative claim"))?;
+        // {claim, next due, now, partitions}, then the claimed messages.
+        let mut values = header.split_off(header.len().min(4)).into_iter();
+        let (claim, next_due, now, slots): (u64, i64, i64, Vec<u16>) =
+            redis::from_redis_value(Value::Array(header))
+                .map_err(|e| Error::reply(attempted(), format_args!("bad header: {e}")))?;
         let mut claimed = Claimed {
             jobs: Vec::new(),
             next_due: (next_due >= 0).then(|| span(next_due - now)),
@@ -869,8 +848,9 @@ where
         while let (Some(id), Some(due), Some(record)) =
             (values.next(), values.next(), values.next())
         {
-            let (Some(id), Some(due), Value::BulkString(record)) =
-                (as_string(id), as_ms(due), record)
+            // The due time is a score: text, maybe with a fraction.
+            let entry = Value::Array(vec![id, due, record]);
+            let Ok((id, due, record)) = redis::from_redis_value::<(String, f64, Vec<u8>)>(entry)
             else {
                 // Cannot happen with lockgate's script; if it does, the jobs
                 // decoded so far must still reach the caller (they are
@@ -878,7 +858,10 @@ where
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            match self.decode_or_bury((id, claim, due, &record), None).await {
+            match self
+                .decode_or_bury((id, claim, due as i64, &record), None)
+                .await
+            {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
@@ -1194,17 +1177,13 @@ where
     }
 
     /// Acknowledges a claimed message and, for a keyed one
-    /// ([`PushOptions::key`]) whose key has a next message in line, claims
-    /// that one at once, under the same lock and claim number, in the same
-    /// script (see the README's "Keyed messages"). The next job's lease ends when `job`'s would have (the lock's
-    /// expiry: renew it as any claim), or `lease` from now when the lock
-    /// passes on under a new token (a fence was issued) or the key has
-    /// permits. No next job (`None`) when the key has no next message in
-    /// line, when other code waits for its lock (it gets it now), when its
-    /// rate limit or permits leave no room, and after [`MAX_RUN`] messages
-    /// back to back (the key then queues behind the keys that wait).
-    /// Returns whether `job`'s claim was held, and the next job; an
-    /// unkeyed message is just acknowledged.
+    /// ([`PushOptions::key`]), claims its key's next message in line in the
+    /// same script, under the same lock; its lease ends with the lock, or
+    /// `lease` from now when the lock passes on under a new token or the
+    /// key has permits. No next job when there is none, when other code
+    /// waits for the lock, when the key's limits leave no room, or after
+    /// [`MAX_RUN`] in a row. Returns whether `job`'s claim was held, and
+    /// the next job. See the README's "Keyed messages".
     pub async fn ack_and_next<J: Claim>(
         &self,
         job: &J,
@@ -1255,14 +1234,10 @@ where
     }
 
     /// Hands messages whose lease ran out back to the schedule, due now,
-    /// counting a *stall*, not a failed attempt: the handler may never have
-    /// started (a dead worker's prefetched messages, a claim whose reply was
-    /// lost), so [`Job::attempt`] does not move. A message whose lease has
-    /// run out `max_stalls` times (at least 1) is buried instead, with the
-    /// error `lease expired N times (limit N): …`: a message that kills its
-    /// worker every time still ends as a dead letter. Handles up to
-    /// [`MAX_BATCH`] messages per script call and loops until none is left.
-    /// Safe to run from many processes at once.
+    /// counting a *stall*, not a failed attempt (the handler may never have
+    /// started). A message whose lease ran out `max_stalls` times (at
+    /// least once) is buried instead. Loops over script calls of
+    /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
         let (max_count, max_age) = self.retention.args();
@@ -1342,12 +1317,10 @@ where
         })
     }
 
-    /// Its keyed messages' keys (see [`PushOptions::key`]): the `top` keys
-    /// with the most messages at work, and the `top` with the longest
-    /// lines, each with how long the first in its line has waited. One
-    /// read-only script per partition, each reading at most
-    /// [`MAX_KEYS_READ`] keys at work and as many in line (the oldest
-    /// ready first): for dashboards, not for a hot path.
+    /// The `top` keyed messages' keys with the most messages at work, and
+    /// the `top` with the longest lines. One script per partition, each
+    /// reading at most [`MAX_KEYS_READ`] keys of each kind: for dashboards,
+    /// not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let loads = self.keyed().loads(MAX_KEYS_READ).await?;
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
@@ -1369,12 +1342,9 @@ where
         })
     }
 
-    /// The queue's stats and what it did over the last `window`, in one
-    /// round trip (one script): per bucket of `window / buckets` (oldest
-    /// first), the messages done and those that failed (retried or dead),
-    /// counted from its lifecycle events (the last 1000 stream entries at
-    /// most; none when the queue's handles do not
-    /// [`record_events`](Self::record_events)). For dashboards.
+    /// The queue's stats and, per bucket of `window / buckets` (oldest
+    /// first), the messages done and failed, counted from the last 1000
+    /// entries of its [lifecycle events](Self::record_events). For dashboards.
     pub async fn activity(&self, window: Duration, buckets: u32) -> Result<Activity> {
         let buckets = buckets.clamp(1, 1000);
         let width = (millis(window) / u64::from(buckets)).max(1);
@@ -1408,12 +1378,10 @@ where
         })
     }
 
-    /// Lists a page of dead letters, oldest first: up to `limit` (at most
-    /// [`MAX_BATCH`]) from position `offset`. The next page starts at
-    /// `offset + limit`; a page shorter than `limit` is the last. (Positions
-    /// shift when letters are re-driven, removed or trimmed meanwhile: a
-    /// listing taken while the dead set changes may skip or repeat letters.)
-    /// Errors when `limit` exceeds [`MAX_BATCH`].
+    /// Lists a page of dead letters, oldest first: up to `limit` from
+    /// position `offset`; a page shorter than `limit` is the last. Letters
+    /// re-driven or trimmed meanwhile shift positions. Errors when `limit`
+    /// exceeds [`MAX_BATCH`].
     pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
         if limit > MAX_BATCH {
             return Err(Error::config(format_args!(
@@ -1539,16 +1507,10 @@ where
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the
-    /// newest) and none buried more than `max_age` ago (`None`: no limit;
-    /// the default is no limit on either). Applied by the scripts that bury
-    /// ([`bury`](Self::bury), [`recover`](Self::recover), the worker's
-    /// burials) to the queue's whole dead set, deleting trimmed letters'
-    /// records and errors with them; each burial removes at most about a
-    /// hundred letters, so a large backlog (or a limit lowered later) is
-    /// trimmed over the next burials, never in one long call. Nothing is
-    /// trimmed while nothing is buried. `Some(0)` as the count keeps no dead
-    /// letters at all (a burial deletes the message). Every process that
-    /// buries (workers, and `bury` callers) should use the same setting.
+    /// newest) and none buried more than `max_age` ago (`None`, the
+    /// default: no limit). Applied by the scripts that bury, about a
+    /// hundred letters per burial at most. Every process that buries should
+    /// use the same setting. See the README's "The queue".
     pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
         Self {
             retention: Retention { max_count, max_age },
@@ -1557,14 +1519,10 @@ where
     }
 
     /// Records lifecycle events: every change of a message this handle
-    /// makes (pushed, claimed, done, retried, deferred, released,
-    /// dead, recovered, re-driven, removed) is appended, with the message
-    /// id, the attempt and the server's time, to the queue's events stream
-    /// (`<prefix>:{<name>}:events`), capped near `max_len` entries. Follow
-    /// them with [`events`](Self::events). Off by default, and then a
-    /// message costs exactly what it costs without events. Turn it on for
-    /// every handle that changes the queue (producers, workers, the layer's
-    /// deferrals): a handle without it leaves gaps. Errors on 0.
+    /// makes is appended to the queue's events stream, capped near
+    /// `max_len` entries; follow them with [`events`](Self::events). Turn it
+    /// on for every handle that changes the queue: one without it leaves
+    /// gaps. Errors on 0. See the README's "Lifecycle events".
     pub fn record_events(self, max_len: usize) -> Result<Self> {
         if max_len == 0 || max_len > MAX_KEPT {
             return Err(Error::config(format_args!(
@@ -1577,15 +1535,11 @@ where
         })
     }
 
-    /// Keeps completed messages (BullMQ's `removeOnComplete` with a count
-    /// or an age): each acknowledgement appends the message's id, attempt
-    /// and payload to the queue's completed stream
-    /// (`<prefix>:{<name>}:completed`, its entry id the completion time),
-    /// trimmed in the same script to the last `max_count` and to those of
-    /// the last `max_age` (`None`: no limit on that side). Read them with
-    /// [`completed`](Self::completed). By default acknowledged messages are
-    /// deleted. Errors when both are `None` (nothing would ever be
-    /// trimmed) or on a count of 0.
+    /// Keeps the last `max_count` completed messages, and those of the last
+    /// `max_age`, on the queue's completed stream, trimmed by the
+    /// acknowledgement; read them with [`completed`](Self::completed).
+    /// Errors when both are `None` or on a count of 0. See the README's
+    /// "Keeping completed messages".
     pub fn keep_completed(
         self,
         max_count: Option<usize>,
@@ -1622,22 +1576,14 @@ where
         self.events.map(|cap| cap.to_string()).unwrap_or_default()
     }
 
-    /// Follows the queue's lifecycle events (recorded by the handles with
-    /// [`record_events`](Self::record_events)), from `from`, on a
-    /// connection of its own opened through `connector` (`XREAD BLOCK`
-    /// blocks it). The stream survives connection losses: it reconnects
-    /// with backoff and resumes after the last entry it delivered, missing
-    /// nothing the events stream still holds; it ends, with the error, only
-    /// when the server refuses the connection's user ([`Error::is_denied`]).
-    /// A follower that falls further behind than the stream's cap misses
-    /// what was trimmed.
-    ///
-    /// `EventsFrom::Now` is resolved before this returns (the stream's
-    /// newest entry, read on the queue's connection), so nothing that
-    /// happens after the call is missed. One stream entry holds the events
-    /// of one script call; [`Event::entry`] names it, and
-    /// [`EventsFrom::After`] resumes after the whole entry: a follower that
-    /// stores it should store it once it handled every event of the entry.
+    /// Follows the queue's [lifecycle events](Self::record_events) from
+    /// `from`, on a connection of its own opened through `connector`. It
+    /// reconnects after connection losses and resumes after the last entry
+    /// it delivered; it ends, with the error, on one that waiting does not
+    /// cure ([`Error::is_denied`]). `EventsFrom::Now` is resolved before
+    /// this returns. One stream entry ([`Event::entry`]) holds the events of
+    /// one script call: store it for [`EventsFrom::After`] once every event
+    /// of it is handled. See the README's "Lifecycle events".
     pub async fn events<K: Connector>(
         &self,
         connector: K,
@@ -1658,14 +1604,10 @@ where
     }
 
     /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
-    /// soonest due first (a message with a priority is listed with it; the
-    /// claim order among due messages puts priorities first), and the
-    /// first `limit` active ones, soonest lease end first. Changes nothing.
-    ///
-    /// Keyed messages ([`PushOptions::key`]) are listed with their key: of
-    /// each key's line its first message, at the time its key may be
-    /// claimed from (now for a key at work), and delayed ones at their due
-    /// time. Every partition of keyed messages is read (one script each).
+    /// soonest due first, and the first `limit` active ones, soonest lease
+    /// end first. Changes nothing. Keyed messages are listed with their
+    /// key: each key's first in line, at the time its key may be claimed
+    /// from, and delayed ones at their due time (one script per partition).
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
@@ -1696,12 +1638,9 @@ where
         Ok(Peek { waiting, active })
     }
 
-    /// Reads, without blocking, up to `limit` events (at most
-    /// [`MAX_BATCH`] stream entries' worth) recorded after the stream entry
-    /// `after` (`"0-0"`: from the beginning; see [`Event::entry`] and
-    /// [`last_event_entry`](Self::last_event_entry)): for a periodic
-    /// look, such as rates over the last seconds, where
-    /// [`events`](Self::events) would hold a connection.
+    /// Reads, without blocking, the events of up to `limit` (at most
+    /// [`MAX_BATCH`]) stream entries after the entry `after` (`"0-0"`: from
+    /// the beginning; see [`last_event_entry`](Self::last_event_entry)).
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
         let after = format!("({after}");
@@ -1767,11 +1706,8 @@ where
     /// Deletes a scheduled or dead message; returns whether it did. A message
     /// being processed is left to its worker (`false`): deleting it then
     /// would let that worker's claim act on a later message with the same id.
-    ///
-    /// A keyed message ([`PushOptions::key`]) is found in the partitions of
-    /// keyed messages (one round trip over all of them, then a scan of the
-    /// partition's lines for its place: O(messages in line) there), and
-    /// removed from its key's line, the delayed ones or the dead letters.
+    /// A keyed message is looked for in every partition, then in its
+    /// partition's lines: O(messages in line) there.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let k = &self.keys;
         let removed: i64 = Scripts::get()
@@ -1883,6 +1819,13 @@ fn token<J: Claim>(job: &J) -> &ClaimToken {
     job.claim_ref().0
 }
 
+/// A push's receipt from the script's answer (`due` -1: not scheduled).
+fn receipt(id: &str, created: bool, due: i64) -> Pushed {
+    let due = (due >= 0).then(|| from_unix_ms(due));
+    let id = id.to_owned();
+    Pushed { id, due, created }
+}
+
 /// `XRANGE` (or `XREVRANGE`) of `key` from `start` to `end`, at most `count`.
 fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> redis::Cmd {
     let mut cmd = redis::cmd(cmd);
@@ -1914,29 +1857,4 @@ pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
 /// `ms` milliseconds (none when negative).
 fn span(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-/// A time in ms as the scripts give scores: a number, maybe with a fraction.
-fn as_ms(v: Value) -> Option<i64> {
-    Some(as_string(v)?.parse::<f64>().ok()? as i64)
-}
-
-fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        _ => None,
-    }
-}
-
-fn as_bytes(v: Value) -> Option<Vec<u8>> {
-    match v {
-        Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.into_bytes()),
-        _ => None,
-    }
-}
-
-fn as_string(v: Value) -> Option<String> {
-    as_bytes(v).and_then(|b| String::from_utf8(b).ok())
 }
