@@ -41,11 +41,8 @@ pub enum EventKind {
     /// Removed by hand.
     Removed,
     /// A keyed message's turn ended and its key's lock (or permit) was let
-    /// go: the key is free for other code, or for its next message's
-    /// claim. [`Event::id`] is the message whose turn ended, [`Event::key`]
-    /// the key. (A key whose next message is claimed under the same lock at
-    /// once, by the acknowledgement, is not let go; a holder that died lets
-    /// go when its lease runs out, with no event.)
+    /// go ([`Event::id`] is the message, [`Event::key`] the key). A key
+    /// handed to its next message at once, or whose holder died, has none.
     KeyReleased,
 }
 

@@ -1285,23 +1285,27 @@ where
     pub async fn stats(&self) -> Result<Stats> {
         let k = &self.keys;
         let attempted = || format!("reading stats of queue `{}`", self.name());
-        let v: (u64, u64, u64, u64, i64, i64, i64) = Scripts::get()
+        let reply: Vec<i64> = Scripts::get()
             .stats
             .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized])
             .query_on(&self.conn, attempted)
             .await?;
-        let (due, later, active, dead, oldest, now, next_due) = v;
-        self.with_keyed([due, later, active, dead], [oldest, now, next_due])
-            .await
+        self.with_keyed(&reply, attempted).await
     }
 
-    /// The queue's `Stats`: its own counts (due, later, active, dead) and
-    /// times (oldest due, now, next due; -1 for none) and its keyed ones.
-    async fn with_keyed(&self, counts: [u64; 4], times: [i64; 3]) -> Result<Stats> {
-        let [oldest, now, next_due] = times;
+    /// The queue's `Stats`: the stats script's counts (due, later, active,
+    /// dead) and times (oldest due, now, next due; -1 for none), and its
+    /// keyed ones.
+    async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
+        let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
+            return Err(Error::reply(
+                attempted(),
+                format_args!("{} values", reply.len()),
+            ));
+        };
         // A keyed message is due once its key is ready for it.
         let (keyed, ready) = self.keyed().counts(now).await?;
-        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| counts[i] + keyed[i]);
+        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| count(reply[i]) + keyed[i]);
         let oldest = match (oldest, ready) {
             (-1, Some(ready)) => ready,
             (oldest, Some(ready)) => oldest.min(ready),
@@ -1365,12 +1369,8 @@ where
                 format_args!("{} values", reply.len()),
             ));
         }
-        let count = |v: i64| u64::try_from(v).unwrap_or(0);
-        let counts = [reply[0], reply[1], reply[2], reply[3]].map(count);
         Ok(Activity {
-            stats: self
-                .with_keyed(counts, [reply[4], reply[5], reply[6]])
-                .await?,
+            stats: self.with_keyed(&reply, attempted).await?,
             recorded: reply[7] == 1,
             bucket: Duration::from_millis(width),
             done: reply[8..8 + n].iter().copied().map(count).collect(),
@@ -1545,30 +1545,24 @@ where
         max_count: Option<usize>,
         max_age: Option<Duration>,
     ) -> Result<Self> {
-        if max_count.is_none() && max_age.is_none() {
-            return Err(Error::config(
-                "keeping completed messages needs a limit: a count, an age, or both",
-            ));
-        }
-        if max_count == Some(0) {
-            return Err(Error::config(
-                "keeping 0 completed messages keeps none: leave it off",
-            ));
-        }
-        if max_count.is_some_and(|n| n > MAX_KEPT) {
-            return Err(Error::config(format_args!(
-                "keeping more than {MAX_KEPT} completed messages is not bounded memory"
-            )));
-        }
-        if max_age.is_some_and(|age| age > Duration::from_secs(366 * 86_400)) {
-            return Err(Error::config(
-                "keeping completed messages for more than a year is not bounded memory",
-            ));
-        }
-        Ok(Self {
-            completed: Some(Retention { max_count, max_age }),
-            ..self
-        })
+        let over_a_year = max_age.is_some_and(|age| age > Duration::from_secs(366 * 86_400));
+        let refusal = match max_count {
+            None if max_age.is_none() => {
+                "keeping completed messages needs a limit: a count, an age, or both".to_owned()
+            }
+            Some(0) => "keeping 0 completed messages keeps none: leave it off".to_owned(),
+            Some(n) if n > MAX_KEPT => {
+                format!("keeping more than {MAX_KEPT} completed messages is not bounded memory")
+            }
+            _ if over_a_year => {
+                "keeping completed messages for more than a year is not bounded memory".to_owned()
+            }
+            _ => {
+                let completed = Some(Retention { max_count, max_age });
+                return Ok(Self { completed, ..self });
+            }
+        };
+        Err(Error::config(refusal))
     }
 
     /// The events' cap as the scripts take it ("" when events are off).
@@ -1817,6 +1811,11 @@ impl ClaimRef<'_> {
 /// The claim `job` proves.
 fn token<J: Claim>(job: &J) -> &ClaimToken {
     job.claim_ref().0
+}
+
+/// A count from a script (none when negative).
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
 }
 
 /// A push's receipt from the script's answer (`due` -1: not scheduled).
