@@ -29,12 +29,9 @@
 //! ```
 //!
 //! Messages are claimed in (due ms, id byte-wise) order: one process's
-//! generated ids (UUIDv7) in its push order. Failed attempts
-//! ([`Job::attempt`]), deferrals ([`Job::deferrals`]) and stalls, leases run
-//! out ([`Job::stalls`], counted by [`recover`](Queue::recover)), are counted
-//! apart. [`Waiter`] waits for work without polling; the
-//! [`Worker`](crate::Worker) drives a tower service from a queue. More: the
-//! README's "The queue".
+//! generated ids in its push order. [`Waiter`] waits for work without
+//! polling; the [`Worker`](crate::Worker) drives a tower service from a
+//! queue. More: the README's "The queue".
 
 mod events;
 mod job;
@@ -64,7 +61,7 @@ pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::millis;
-use scripts::{Query, Scripts};
+use scripts::Query;
 
 /// The most messages one script call handles (claim, push batch, recover).
 /// Lua's `unpack` fails somewhere past 8,000 values; staying far below keeps
@@ -749,7 +746,7 @@ where
     /// the caller's list) in one script call.
     async fn push_batch(&self, batch: &[(usize, Encoded)]) -> Result<Vec<(usize, Pushed)>> {
         let k = &self.keys;
-        let mut call = Scripts::get().push.prepare_invoke();
+        let mut call = scripts::PUSH.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
         if let Some(cap) = self.events {
             call.key(&k.events).arg(cap);
@@ -825,8 +822,7 @@ where
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
         let k = &self.keys;
-        let mut header: Vec<Value> = Scripts::get()
-            .claim
+        let mut header: Vec<Value> = scripts::CLAIM
             .key(&[&k.data, &k.schedule, &k.active, &k.claims])
             .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(max)
@@ -962,7 +958,7 @@ where
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut call = Scripts::get().ack_many.prepare_invoke();
+        let mut call = scripts::ACK_MANY.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.completed.is_some();
         let k = &self.keys;
@@ -1079,8 +1075,7 @@ where
         }
         let k = &self.keys;
         let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
-        let due: i64 = Scripts::get()
-            .reschedule
+        let due: i64 = scripts::RESCHEDULE
             .key(&[&k.data, &k.schedule, &k.active, &k.errors])
             .key(&[&k.bell, &k.prioritized, &k.events])
             .arg(job.member())
@@ -1115,8 +1110,7 @@ where
         }
         let (max_count, max_age) = self.retention.args();
         let k = &self.keys;
-        let buried: i64 = Scripts::get()
-            .bury
+        let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
             .arg(job.member())
             .arg(&job.id)
@@ -1146,8 +1140,7 @@ where
         // Bounded script calls: one call never keeps the server busy for long.
         let attempted = || format!("extending leases in queue `{}`", self.name());
         for batch in members.chunks(MAX_BATCH) {
-            let held: Vec<i64> = Scripts::get()
-                .extend
+            let held: Vec<i64> = scripts::EXTEND
                 .key(&self.keys.active)
                 .arg(millis(lease))
                 .arg(batch)
@@ -1244,8 +1237,7 @@ where
         let k = &self.keys;
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
-            let (requeued, buried, examined): (usize, usize, usize) = Scripts::get()
-                .recover
+            let (requeued, buried, examined): (usize, usize, usize) = scripts::RECOVER
                 .key(&[&k.data, &k.schedule, &k.active, &k.dead])
                 .key(&[&k.errors, &k.bell, &k.prioritized, &k.events])
                 .arg(max_stalls.max(1))
@@ -1285,8 +1277,7 @@ where
     pub async fn stats(&self) -> Result<Stats> {
         let k = &self.keys;
         let attempted = || format!("reading stats of queue `{}`", self.name());
-        let reply: Vec<i64> = Scripts::get()
-            .stats
+        let reply: Vec<i64> = scripts::STATS
             .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized])
             .query_on(&self.conn, attempted)
             .await?;
@@ -1354,8 +1345,7 @@ where
         let width = (millis(window) / u64::from(buckets)).max(1);
         let attempted = || format!("reading the activity of queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<i64> = Scripts::get()
-            .stats
+        let reply: Vec<i64> = scripts::STATS
             .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized, &k.events])
             .arg(width * u64::from(buckets))
             .arg(width)
@@ -1424,8 +1414,7 @@ where
     async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
         type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
-        let reply: Letters = Scripts::get()
-            .dead
+        let reply: Letters = scripts::DEAD
             .key(&[&set.data, &set.dead, &set.errors])
             .arg(0)
             .arg(stop)
@@ -1485,7 +1474,7 @@ where
             Some(_) => String::new(),
         };
         let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
-        let mut script = Scripts::get().requeue_dead.prepare_invoke();
+        let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
         script
             .key(&[&set.data, &set.schedule, &set.dead, &set.errors])
             .key(&[&set.bell, &set.prioritized, &set.events]);
@@ -1608,8 +1597,7 @@ where
         let k = &self.keys;
         type Waiting = Vec<(String, f64, u8, Option<Vec<u8>>)>;
         type Active = Vec<(String, f64, Option<Vec<u8>>)>;
-        let (waiting, active): (Waiting, Active) = Scripts::get()
-            .peek
+        let (waiting, active): (Waiting, Active) = scripts::PEEK
             .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
             .arg(limit)
             .query_on(&self.conn, attempted)
@@ -1704,8 +1692,7 @@ where
     /// partition's lines: O(messages in line) there.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let k = &self.keys;
-        let removed: i64 = Scripts::get()
-            .remove
+        let removed: i64 = scripts::REMOVE
             .key(&[&k.data, &k.schedule, &k.dead])
             .key(&[&k.errors, &k.prioritized, &k.events])
             .arg(id)
