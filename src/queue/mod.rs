@@ -136,24 +136,21 @@ impl<T, C: Clone> Clone for Queue<T, C> {
     }
 }
 
-/// Dead-letter retention, applied by the scripts that bury.
+/// How many dead letters (or completed messages) are kept, and how long.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Retention {
-    /// Keep at most this many dead letters (the newest).
+    /// Keep at most this many (the newest).
     max_count: Option<usize>,
-    /// Keep dead letters at most this long after they were buried.
+    /// Keep none older than this.
     max_age: Option<Duration>,
 }
 
 impl Retention {
     /// The two script arguments ("" for no limit).
     fn args(&self) -> (String, String) {
-        (
-            self.max_count.map(|n| n.to_string()).unwrap_or_default(),
-            self.max_age
-                .map(|d| millis(d).to_string())
-                .unwrap_or_default(),
-        )
+        let count = self.max_count.map(|n| n.to_string());
+        let age = self.max_age.map(|d| millis(d).to_string());
+        (count.unwrap_or_default(), age.unwrap_or_default())
     }
 }
 
@@ -782,24 +779,11 @@ where
         check_lease(lease)?;
         let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
         let room = max - claimed.jobs.len();
-        if room > 0 && !slots.is_empty() {
-            self.claim_keyed(&slots, now, room, lease, &mut claimed)
-                .await?;
+        if room == 0 || slots.is_empty() {
+            return Ok(claimed);
         }
-        Ok(claimed)
-    }
-
-    /// Claims keyed messages from the partitions `slots` into `claimed`,
-    /// with their keys' locks; `now` is the server's time.
-    async fn claim_keyed(
-        &self,
-        slots: &[u16],
-        now: i64,
-        max: usize,
-        lease: Duration,
-        claimed: &mut Claimed<T>,
-    ) -> Result<()> {
-        let keyed = self.keyed().claim(slots, now, max, lease).await?;
+        // Then keyed messages, with their keys' locks.
+        let keyed = self.keyed().claim(&slots, now, room, lease).await?;
         for turn in keyed.turns {
             match self.decode_turn(turn).await {
                 Ok(job) => claimed.jobs.push(job),
@@ -810,7 +794,7 @@ where
             let wait = span(at - now);
             claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
         }
-        Ok(())
+        Ok(claimed)
     }
 
     /// Claims unkeyed messages; also returns the keyed partitions that may
@@ -854,10 +838,8 @@ where
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            match self
-                .decode_or_bury((id, claim, due as i64, &record), None)
-                .await
-            {
+            let decoded = self.decode_or_bury((id, claim, due as i64, &record), None);
+            match decoded.await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
@@ -1155,14 +1137,11 @@ where
             plain.extend(held.into_iter().map(|h| h == 1));
         }
         let mut plain = plain.into_iter();
+        let keyed = self.keyed();
         let mut out = Vec::with_capacity(jobs.len());
         for job in jobs {
             out.push(match &job.held {
-                Some(held) => {
-                    (self.keyed())
-                        .extend(held, (&job.id, job.claim), lease)
-                        .await?
-                }
+                Some(held) => keyed.extend(held, (&job.id, job.claim), lease).await?,
                 None => plain.next().unwrap_or(false),
             });
         }
@@ -1195,19 +1174,13 @@ where
         run_on: bool,
     ) -> Result<(bool, Option<Job<T>>)> {
         let claim = token(job);
-        let Some(held) = claim
-            .held
-            .as_ref()
-            .filter(|held| run_on || held.run < MAX_RUN)
-        else {
+        let held = claim.held.as_ref();
+        let Some(held) = held.filter(|held| run_on || held.run < MAX_RUN) else {
             return Ok((self.ack(job).await?, None));
         };
         let member = (claim.id.as_str(), claim.claim, claim.failures());
-        match self
-            .keyed()
-            .done(held, member, Outcome::Ack, Some(lease))
-            .await?
-        {
+        let keyed = self.keyed();
+        match keyed.done(held, member, Outcome::Ack, Some(lease)).await? {
             Settled::Lost => Ok((false, None)),
             Settled::Done => Ok((true, None)),
             Settled::Next(turn) => Ok((true, self.decode_turn(turn).await.ok())),

@@ -77,9 +77,7 @@ end
 
 -- Due time of the schedule's head, or nil when the schedule is empty.
 local function head_due(schedule)
-  local head = redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')
-  if head[2] then return tonumber(head[2]) end
-  return nil
+  return tonumber(redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')[2])
 end
 
 -- Due time of the head of a priority's band of the prioritized set, or nil.
