@@ -8,9 +8,7 @@
 --                            prefixed "p<priority>:" for a message with one
 --   <p>:{q}:schedule  zset   id -> due time (ms); due-now messages are simply due
 --   <p>:{q}:prioritized zset id -> (10 - priority) * 1e13 + due time (ms), for
---                            messages with a priority (1 to 9): one band of
---                            scores per priority, higher priorities lower
---                            (see PRIORITY_BAND)
+--                            messages with a priority 1 to 9 (see PRIORITY_BAND)
 --   <p>:{q}:active    zset   "<id>:<claim>" -> lease deadline (ms)
 --   <p>:{q}:dead      zset   id -> time it was buried (ms)
 --   <p>:{q}:errors    hash   id -> last error text
@@ -27,7 +25,6 @@ local function server_time()
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
 end
 
--- Server time in milliseconds.
 local function now_ms()
   return (server_time())
 end
@@ -52,14 +49,11 @@ local function parse_when(now, when)
   return n
 end
 
--- Priorities. A message pushed with priority 1 to 9 waits on the prioritized
--- set, scored (10 - priority) * PRIORITY_BAND + due time: each priority has
--- its band of scores, the highest the lowest, and within a band messages
--- order by due time (then id), as on the schedule. A claim looks into the
--- bands from priority 9 down to 1 for due messages before the schedule; a
--- queue whose prioritized set is empty pays one lookup of an empty key. Due
--- times stay below the band (1e13 ms is the year 2286), and every score is
--- exact in a double.
+-- Priorities: each has its band of scores on the prioritized set, the
+-- highest priority the lowest band, ordered by due time (then id) within it.
+-- A claim looks into the bands from 9 down to 1 before the schedule (a queue
+-- without priorities pays one lookup of an empty key). Due times stay below
+-- the band (1e13 ms is the year 2286), and every score is exact in a double.
 local PRIORITY_BAND = 1e13
 local MAX_PRIORITY = 9
 
@@ -83,9 +77,7 @@ end
 
 -- Due time of the schedule's head, or nil when the schedule is empty.
 local function head_due(schedule)
-  local head = redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')
-  if head[2] then return tonumber(head[2]) end
-  return nil
+  return tonumber(redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')[2])
 end
 
 -- Due time of the head of a priority's band of the prioritized set, or nil.
@@ -122,12 +114,7 @@ end
 -- "p<digit>:" has one (a record otherwise starts with a digit).
 local function parse(record)
   local priority, rest = string.match(record, '^p(%d):(.*)$')
-  if priority then
-    record = rest
-    priority = tonumber(priority)
-  else
-    priority = 0
-  end
+  priority, record = tonumber(priority) or 0, rest or record
   local enq, failures, deferrals, stalls, payload =
     string.match(record, '^(%d+):(%d+):(%d+):(%d+):(.*)$')
   if enq then
@@ -293,19 +280,16 @@ end
 -- its record, its place (scheduled, being processed, dead) and its due time
 -- do not change, so pushing again, retrying a push whose reply was lost, or
 -- pushing an id a worker holds never makes a message claimable twice.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: bell   KEYS[4]: prioritized
---          (queue <q> under prefix <p>: "<p>:{<q>}:data", "<p>:{<q>}:schedule",
---          "<p>:{<q>}:bell", "<p>:{<q>}:prioritized"; lockgate's default
---          prefix is "lockgate"; KEYS[4] may be left out by a producer that
---          pushes no priorities)   KEYS[5]: events (optional: Queue::record_events;
---          then ARGV[1] is the stream's cap and the triplets follow)
--- ARGV: triplets of (id, when, payload): id non-empty UTF-8; `when` a delay
---       in ms relative to the server's clock ("0" for now), or "@<unix ms>"
---       for an absolute time (a past time is due now; before 1970 is 0; the
---       year 2286 and later are refused), optionally followed by
---       "/<priority>" (1 to 9, higher first; "0" or none: no priority);
---       payload the message as JSON (one that starts with digits and a
---       colon, never JSON, is refused: it would be misread).
+-- KEYS: data, schedule, bell, prioritized, events: "<p>:{<q>}:data" and so on
+--   for queue <q> under prefix <p> (lockgate's default: "lockgate");
+--   prioritized may be left out by a producer that pushes no priorities;
+--   events is optional (Queue::record_events): then ARGV[1] is its cap
+-- ARGV: triplets (id, when, payload): id non-empty UTF-8; `when` a delay in ms
+--   from the server's clock ("0": now) or "@<unix ms>" (a past time is due
+--   now, before 1970 is 0, 2286 and later are refused), optionally followed
+--   by "/<priority>" (1 to 9, higher first; "0" or none: no priority);
+--   payload the message as JSON (one starting with digits and a colon is
+--   refused: it would be misread).
 -- Returns per message {added (1|0), due ms (-1 if it exists but is not
 -- scheduled, or, when KEYS[4] was left out, waits with a priority)}.
 -- Bad arguments are refused before anything is written, with an error reply
@@ -340,33 +324,31 @@ if (#ARGV - first + 1) % 3 ~= 0 then
   return redis.error_reply('ERR lockgate push: arguments must be triplets (id, when, payload), got '
     .. (#ARGV - first + 1) .. ' arguments')
 end
+-- Refuses message `n`'s arguments (naming its id when given).
+local function refuse(n, id, why)
+  local named = id and (' (id "' .. id .. '")') or ''
+  return redis.error_reply('ERR lockgate push: message ' .. n .. named .. ' has ' .. why)
+end
 local now = now_ms()
 local dues, priorities = {}, {}
 for i = first, #ARGV, 3 do
   local n = (i - first) / 3 + 1
-  if ARGV[i] == '' then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an empty id')
-  end
-  if not is_utf8(ARGV[i]) then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an id that is not UTF-8')
-  end
+  if ARGV[i] == '' then return refuse(n, nil, 'an empty id') end
+  if not is_utf8(ARGV[i]) then return refuse(n, nil, 'an id that is not UTF-8') end
   -- JSON never starts so; a record's reader would take the digits for a
   -- stall count.
   if string.find(ARGV[i + 2], '^%d+:') then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a payload starting with digits and a colon: not JSON')
+    return refuse(n, ARGV[i], 'a payload starting with digits and a colon: not JSON')
   end
   local when, priority = string.match(ARGV[i + 1], '^(.-)/(%d)$')
   if not when then when, priority = ARGV[i + 1], '0' end
   priority = tonumber(priority)
   if priority > 0 and not KEYS[4] then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a priority, but the prioritized key (KEYS[4]) was not passed')
+    return refuse(n, ARGV[i], 'a priority, but the prioritized key (KEYS[4]) was not passed')
   end
   local due = parse_when(now, when)
   if not due then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a bad `when` "' .. ARGV[i + 1]
+    return refuse(n, ARGV[i], 'a bad `when` "' .. ARGV[i + 1]
       .. '": expected a delay in ms or "@<unix ms>", optionally followed by "/<priority 0-9>"')
   end
   dues[n] = due

@@ -8,9 +8,7 @@
 --                            prefixed "p<priority>:" for a message with one
 --   <p>:{q}:schedule  zset   id -> due time (ms); due-now messages are simply due
 --   <p>:{q}:prioritized zset id -> (10 - priority) * 1e13 + due time (ms), for
---                            messages with a priority (1 to 9): one band of
---                            scores per priority, higher priorities lower
---                            (see PRIORITY_BAND)
+--                            messages with a priority 1 to 9 (see PRIORITY_BAND)
 --   <p>:{q}:active    zset   "<id>:<claim>" -> lease deadline (ms)
 --   <p>:{q}:dead      zset   id -> time it was buried (ms)
 --   <p>:{q}:errors    hash   id -> last error text
@@ -27,7 +25,6 @@ local function server_time()
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
 end
 
--- Server time in milliseconds.
 local function now_ms()
   return (server_time())
 end
@@ -52,14 +49,11 @@ local function parse_when(now, when)
   return n
 end
 
--- Priorities. A message pushed with priority 1 to 9 waits on the prioritized
--- set, scored (10 - priority) * PRIORITY_BAND + due time: each priority has
--- its band of scores, the highest the lowest, and within a band messages
--- order by due time (then id), as on the schedule. A claim looks into the
--- bands from priority 9 down to 1 for due messages before the schedule; a
--- queue whose prioritized set is empty pays one lookup of an empty key. Due
--- times stay below the band (1e13 ms is the year 2286), and every score is
--- exact in a double.
+-- Priorities: each has its band of scores on the prioritized set, the
+-- highest priority the lowest band, ordered by due time (then id) within it.
+-- A claim looks into the bands from 9 down to 1 before the schedule (a queue
+-- without priorities pays one lookup of an empty key). Due times stay below
+-- the band (1e13 ms is the year 2286), and every score is exact in a double.
 local PRIORITY_BAND = 1e13
 local MAX_PRIORITY = 9
 
@@ -83,9 +77,7 @@ end
 
 -- Due time of the schedule's head, or nil when the schedule is empty.
 local function head_due(schedule)
-  local head = redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')
-  if head[2] then return tonumber(head[2]) end
-  return nil
+  return tonumber(redis.call('ZRANGE', schedule, 0, 0, 'WITHSCORES')[2])
 end
 
 -- Due time of the head of a priority's band of the prioritized set, or nil.
@@ -122,12 +114,7 @@ end
 -- "p<digit>:" has one (a record otherwise starts with a digit).
 local function parse(record)
   local priority, rest = string.match(record, '^p(%d):(.*)$')
-  if priority then
-    record = rest
-    priority = tonumber(priority)
-  else
-    priority = 0
-  end
+  priority, record = tonumber(priority) or 0, rest or record
   local enq, failures, deferrals, stalls, payload =
     string.match(record, '^(%d+):(%d+):(%d+):(%d+):(.*)$')
   if enq then

@@ -13,7 +13,6 @@ use std::time::{Duration, SystemTime};
 use futures_util::Stream;
 use redis::Value;
 
-use super::as_bytes;
 use super::wait::{BLOCK, Connector, MARGIN};
 use crate::error::{Error, Result};
 
@@ -42,11 +41,8 @@ pub enum EventKind {
     /// Removed by hand.
     Removed,
     /// A keyed message's turn ended and its key's lock (or permit) was let
-    /// go: the key is free for other code, or for its next message's
-    /// claim. [`Event::id`] is the message whose turn ended, [`Event::key`]
-    /// the key. (A key whose next message is claimed under the same lock at
-    /// once, by the acknowledgement, is not let go; a holder that died lets
-    /// go when its lease runs out, with no event.)
+    /// go ([`Event::id`] is the message, [`Event::key`] the key). A key
+    /// handed to its next message at once, or whose holder died, has none.
     KeyReleased,
 }
 
@@ -227,6 +223,14 @@ impl<K: Connector> Reader<K> {
             }
         }
         Ok(())
+    }
+}
+
+fn as_bytes(v: Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.into_bytes()),
+        _ => None,
     }
 }
 

@@ -13,19 +13,13 @@ use super::{Claim, ClaimRef, ClaimToken, QueueKeys, Slot, from_unix_ms};
 /// its delivery. Dereferences to the payload.
 #[derive(Clone)]
 pub struct Job<T> {
-    /// Its claim: the id, the claim number that proves ownership to ack,
-    /// retry, defer and bury, the failed attempts before this one, the
-    /// stalls (leases that ran out), and for a keyed message its key's lock.
+    /// Its claim: id, claim number, failed attempts and stalls before this
+    /// one, and for a keyed message its key's lock.
     token: ClaimToken,
-    /// The decoded payload.
     payload: T,
-    /// Times it was deferred because its lock was busy.
     deferrals: u32,
-    /// Its priority (0: none).
     priority: u8,
-    /// When it was first pushed (server clock).
     enqueued_at: SystemTime,
-    /// When it was due (server clock).
     due_at: SystemTime,
     /// The queue it was claimed from.
     queue: Arc<QueueKeys>,
@@ -37,13 +31,9 @@ pub struct Job<T> {
 
 /// A record's header fields and payload:
 /// `<enqueued_ms>:<failures>:<deferrals>:<stalls>:<payload>`, prefixed
-/// `p<priority>:` for a message with a priority.
-///
-/// Records written before the stall counter existed have three counters
-/// (`<enqueued_ms>:<failures>:<deferrals>:<payload>`) and read as 0 stalls.
-/// The four-counter form is tried first; it matches an old record only if
-/// that record's payload starts with `<digits>:`, which no JSON text does (a
-/// JSON number is never followed by `:`), so the forms cannot be confused.
+/// `p<priority>:` for a message with a priority; records without the stall
+/// counter read as 0 stalls (as `parse` in `lua/prelude.lua`, which says
+/// why the two forms cannot be confused).
 pub(crate) fn split_record(record: &[u8]) -> Option<Record<'_>> {
     fn num(part: &[u8]) -> Option<u64> {
         // Digits only, as the scripts' `%d+` patterns: no sign, no spaces.

@@ -29,12 +29,9 @@
 //! ```
 //!
 //! Messages are claimed in (due ms, id byte-wise) order: one process's
-//! generated ids (UUIDv7) in its push order. Failed attempts
-//! ([`Job::attempt`]), deferrals ([`Job::deferrals`]) and stalls, leases run
-//! out ([`Job::stalls`], counted by [`recover`](Queue::recover)), are counted
-//! apart. [`Waiter`] waits for work without polling; the
-//! [`Worker`](crate::Worker) drives a tower service from a queue. More: the
-//! README's "The queue".
+//! generated ids in its push order. [`Waiter`] waits for work without
+//! polling; the [`Worker`](crate::Worker) drives a tower service from a
+//! queue. More: the README's "The queue".
 
 mod events;
 mod job;
@@ -46,6 +43,7 @@ pub(crate) mod scripts;
 mod wait;
 
 use std::borrow::Borrow;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -63,7 +61,7 @@ pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::millis;
-use scripts::{Query, Scripts};
+use scripts::Query;
 
 /// The most messages one script call handles (claim, push batch, recover).
 /// Lua's `unpack` fails somewhere past 8,000 values; staying far below keeps
@@ -76,15 +74,13 @@ pub const MAX_BATCH: usize = 1000;
 /// connection; a Redis Cluster works because every key of one queue shares
 /// the hash tag `{<name>}`.
 pub struct Queue<T, C = redis::aio::ConnectionManager> {
-    /// The connection every command goes through.
     conn: C,
-    /// Names of the queue's Redis keys.
     keys: Arc<QueueKeys>,
-    /// How many dead letters, and for how long, burials keep.
+    /// Dead-letter retention, applied by burials.
     retention: Retention,
     /// The lifecycle events' cap, when they are recorded.
     events: Option<usize>,
-    /// How many completed messages, and for how long, are kept.
+    /// Completed-message retention, when they are kept.
     completed: Option<Retention>,
     /// The keyed side's state, shared by clones.
     keyed: Arc<KeyedState>,
@@ -140,24 +136,21 @@ impl<T, C: Clone> Clone for Queue<T, C> {
     }
 }
 
-/// Dead-letter retention, applied by the scripts that bury.
+/// How many dead letters (or completed messages) are kept, and how long.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Retention {
-    /// Keep at most this many dead letters (the newest).
+    /// Keep at most this many (the newest).
     max_count: Option<usize>,
-    /// Keep dead letters at most this long after they were buried.
+    /// Keep none older than this.
     max_age: Option<Duration>,
 }
 
 impl Retention {
     /// The two script arguments ("" for no limit).
     fn args(&self) -> (String, String) {
-        (
-            self.max_count.map(|n| n.to_string()).unwrap_or_default(),
-            self.max_age
-                .map(|d| millis(d).to_string())
-                .unwrap_or_default(),
-        )
+        let count = self.max_count.map(|n| n.to_string());
+        let age = self.max_age.map(|d| millis(d).to_string());
+        (count.unwrap_or_default(), age.unwrap_or_default())
     }
 }
 
@@ -289,59 +282,46 @@ impl PushOptions {
     }
 
     /// Claimed before due messages of lower priorities: 1 to
-    /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is no priority,
-    /// claimed after every priority. Among due messages of one priority,
-    /// the earliest due goes first (for messages due at once: push order).
-    /// The message keeps its priority when it is retried, deferred,
-    /// recovered or re-driven from the dead letters. Pushing fails with
-    /// [`Error::Config`] above 9.
+    /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is none (claimed
+    /// last). Kept on retries, deferrals, recovery and re-drives. Pushing
+    /// fails with [`Error::Config`] above 9. See the README's "The queue".
     pub fn priority(mut self, priority: u8) -> Self {
         self.priority = priority;
         self
     }
 
-    /// Gives the message a key. A keyed message is claimed only together
-    /// with its key's lock, the lock [`Locker::lock_key`](crate::Locker::lock_key)
-    /// names, which the handler then holds
-    /// ([`HeldLock::current`](crate::HeldLock::current) tells it): no two
-    /// messages of one key run at once, whoever else takes the key's lock
-    /// (a [`Locker`](crate::Locker) in an HTTP handler) is excluded too, and
-    /// a key's messages start in push order (a delayed one in due order).
-    /// A message waiting for a busy key is not claimed, so it costs nothing.
-    /// Keys must be non-empty and free of NUL; a keyed message has no
-    /// priority (pushing both fails with [`Error::Config`]).
+    /// Gives the message a key: it is claimed only together with the lock
+    /// [`Locker::lock_key`](crate::Locker::lock_key) names, which its
+    /// handler then holds ([`HeldLock::current`](crate::HeldLock::current)),
+    /// so no two messages of a key run at once and they start in push
+    /// order. Keys must be non-empty and free of NUL; a keyed message has
+    /// no priority (else [`Error::Config`]). See the README's "Keyed
+    /// messages".
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
         self
     }
 
-    /// Lets `n` messages of the message's key run at once: each is claimed
-    /// with one of the key's `n` permits, the permits
-    /// [`Locker::acquire_permit`](crate::Locker::acquire_permit) takes (and counts: a
-    /// permit held by other code leaves one less for the queue). The key's
-    /// messages still start in push order. Give every message of a key the
-    /// same `n` (the last push that says it sets it; a key forgets it when
-    /// nothing of it is left). A retried message of such a key waits out
-    /// its delay aside, then takes its place back first in line; meanwhile
-    /// the key's next messages use its free permits. Needs
+    /// Lets `n` messages of the key run at once, each claimed with one of
+    /// the key's permits, those
+    /// [`Locker::acquire_permit`](crate::Locker::acquire_permit) takes. Give
+    /// every message of a key the same `n` (the last push sets it). Needs
     /// [`key`](Self::key); `n` from 1 to
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS), else pushing fails
     /// with [`Error::Config`]. `permits(1)` is one permit, not the key's
     /// lock (as with [`LockLayer::permits`](crate::LockLayer::permits)).
+    /// See the README's "Keyed messages" (n at a time per key).
     pub fn permits(mut self, n: u32) -> Self {
         self.permits = Some(n);
         self
     }
 
-    /// Claims the message's key at most as often as `rate` allows: its
-    /// messages are claimed only when the key's rate limit admits them, in
-    /// the log [`Locker::admit`](crate::Locker::admit) counts in (so
-    /// admissions elsewhere count too); a key over its limit waits,
-    /// unclaimed, for its next slot. The claim that starts a message is
-    /// what counts: a retried message counts again. Give every message of a
-    /// key the same rate (the last push that says it sets it; a key forgets
-    /// it when nothing of it is left). Needs [`key`](Self::key), else
-    /// pushing fails with [`Error::Config`].
+    /// Claims the key's messages only when its rate limit admits them, in
+    /// the log [`Locker::admit`](crate::Locker::admit) counts in; every
+    /// claim that starts a message counts (a retry too). Give every message
+    /// of a key the same rate (the last push sets it). Needs
+    /// [`key`](Self::key), else pushing fails with [`Error::Config`]. See
+    /// the README's "Keyed messages" (at most r per period per key).
     pub fn rate(mut self, rate: crate::lock::rate::Rate) -> Self {
         self.rate = Some(rate);
         self
@@ -400,13 +380,9 @@ fn check_push(options: &PushOptions) -> Result<()> {
     }
 }
 
-/// A message's key and what its push says of the key's limits (the keyed
-/// push script's `limits`).
-type KeyOf = Option<(String, String)>;
-
-/// A message ready to push: its id, the push script's `when`, its payload
-/// and its key.
-type Encoded = (String, String, Vec<u8>, KeyOf);
+/// A message ready to push: its id, the push script's `when`, its payload,
+/// and its key with the keyed push script's `limits`.
+type Encoded = (String, String, Vec<u8>, Option<(String, String)>);
 
 /// The receipt of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -718,14 +694,9 @@ where
         for (msg, options) in msgs {
             let payload = serde_json::to_vec(msg.borrow()).map_err(Error::Encode)?;
             check_push(&options)?;
-            let id = match &options.id {
-                Some(id) => id.clone(),
-                None => job::new_id(),
-            };
-            let when = options.when_arg();
-            let limits = options.limits_arg();
-            let key = options.key.map(|key| (key, limits));
-            encoded.push((id, when, payload, key));
+            let (id, when) = (options.id.clone(), options.when_arg());
+            let key = options.key.clone().map(|key| (key, options.limits_arg()));
+            encoded.push((id.unwrap_or_else(job::new_id), when, payload, key));
         }
         let mut receipts = Vec::with_capacity(encoded.len());
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
@@ -733,8 +704,7 @@ where
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
         for batch in plain.chunks(MAX_BATCH) {
-            let pushed = self.push_batch(batch.iter().map(|(_, m)| m)).await?;
-            receipts.extend(batch.iter().map(|(n, _)| *n).zip(pushed));
+            receipts.extend(self.push_batch(batch).await?);
         }
         receipts.extend(self.push_keyed(keyed).await?);
         receipts.sort_unstable_by_key(|(n, _)| *n);
@@ -763,47 +733,33 @@ where
             let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
             let pushed = self.keyed().push(&pushing).await?;
             for ((n, m), (created, due)) in batch.iter().zip(pushed) {
-                let due = (due >= 0).then(|| from_unix_ms(due));
-                let id = m.id.to_owned();
-                receipts.push((*n, Pushed { id, due, created }));
+                receipts.push((*n, receipt(m.id, created, due)));
             }
         }
         Ok(receipts)
     }
 
-    /// Pushes unkeyed messages (at most [`MAX_BATCH`]) in one script call.
-    async fn push_batch<'a>(
-        &self,
-        batch: impl ExactSizeIterator<Item = &'a Encoded>,
-    ) -> Result<Vec<Pushed>> {
-        let count = batch.len();
+    /// Pushes unkeyed messages (at most [`MAX_BATCH`], with their place in
+    /// the caller's list) in one script call.
+    async fn push_batch(&self, batch: &[(usize, Encoded)]) -> Result<Vec<(usize, Pushed)>> {
         let k = &self.keys;
-        let mut call = Scripts::get().push.prepare_invoke();
+        let mut call = scripts::PUSH.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
         if let Some(cap) = self.events {
             call.key(&k.events).arg(cap);
         }
-        let mut ids = Vec::with_capacity(count);
-        for (id, when, payload, _) in batch {
+        for (_, (id, when, payload, _)) in batch {
             call.arg(id).arg(when).arg(payload);
-            ids.push(id);
         }
         let attempted = || format!("pushing to queue `{}`", self.name());
-        let reply: Vec<i64> = call.query_on(&self.conn, attempted).await?;
-        if reply.len() != count * 2 {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values for {count} messages", reply.len()),
-            ));
+        let reply: Vec<(i64, i64)> = call.query_on(&self.conn, attempted).await?;
+        if reply.len() != batch.len() {
+            let detail = format_args!("{} receipts for {} messages", reply.len(), batch.len());
+            return Err(Error::reply(attempted(), detail));
         }
-        Ok(ids
-            .into_iter()
-            .zip(reply.chunks(2))
-            .map(|(id, pair)| Pushed {
-                id: id.clone(),
-                due: (pair[1] >= 0).then(|| from_unix_ms(pair[1])),
-                created: pair[0] == 1,
-            })
+        let receipts = batch.iter().zip(reply);
+        Ok(receipts
+            .map(|((n, (id, ..)), (created, due))| (*n, receipt(id, created == 1, due)))
             .collect())
     }
 
@@ -823,24 +779,11 @@ where
         check_lease(lease)?;
         let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
         let room = max - claimed.jobs.len();
-        if room > 0 && !slots.is_empty() {
-            self.claim_keyed(&slots, now, room, lease, &mut claimed)
-                .await?;
+        if room == 0 || slots.is_empty() {
+            return Ok(claimed);
         }
-        Ok(claimed)
-    }
-
-    /// Claims keyed messages from the partitions `slots` into `claimed`,
-    /// with their keys' locks; `now` is the server's time.
-    async fn claim_keyed(
-        &self,
-        slots: &[u16],
-        now: i64,
-        max: usize,
-        lease: Duration,
-        claimed: &mut Claimed<T>,
-    ) -> Result<()> {
-        let keyed = self.keyed().claim(slots, now, max, lease).await?;
+        // Then keyed messages, with their keys' locks.
+        let keyed = self.keyed().claim(&slots, now, room, lease).await?;
         for turn in keyed.turns {
             match self.decode_turn(turn).await {
                 Ok(job) => claimed.jobs.push(job),
@@ -851,7 +794,7 @@ where
             let wait = span(at - now);
             claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
         }
-        Ok(())
+        Ok(claimed)
     }
 
     /// Claims unkeyed messages; also returns the keyed partitions that may
@@ -863,8 +806,7 @@ where
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<Value> = Scripts::get()
-            .claim
+        let mut header: Vec<Value> = scripts::CLAIM
             .key(&[&k.data, &k.schedule, &k.active, &k.claims])
             .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(max)
@@ -873,17 +815,11 @@ where
             .arg(keyed::PARTITIONS_PER_CLAIM)
             .query_on(&self.conn, attempted)
             .await?;
-        let bad = |detail: &str| Error::reply(attempted(), detail);
-        let mut values = reply.into_iter();
-        let int = |v: Option<Value>| v.as_ref().and_then(as_int).ok_or_else(|| bad("bad header"));
-        let claim = int(values.next())?;
-        let next_due = int(values.next())?;
-        let now = int(values.next())?;
-        let slots: Vec<u16> = match values.next() {
-            Some(slots) => redis::from_redis_value(slots).map_err(|_| bad("bad partitions"))?,
-            None => return Err(bad("no partitions")),
-        };
-        let claim = u64::try_from(claim).map_err(|_| bad("negative claim"))?;
+        // {claim, next due, now, partitions}, then the claimed messages.
+        let mut values = header.split_off(header.len().min(4)).into_iter();
+        let (claim, next_due, now, slots): (u64, i64, i64, Vec<u16>) =
+            redis::from_redis_value(Value::Array(header))
+                .map_err(|e| Error::reply(attempted(), format_args!("bad header: {e}")))?;
         let mut claimed = Claimed {
             jobs: Vec::new(),
             next_due: (next_due >= 0).then(|| span(next_due - now)),
@@ -892,8 +828,9 @@ where
         while let (Some(id), Some(due), Some(record)) =
             (values.next(), values.next(), values.next())
         {
-            let (Some(id), Some(due), Value::BulkString(record)) =
-                (as_string(id), as_ms(due), record)
+            // The due time is a score: text, maybe with a fraction.
+            let entry = Value::Array(vec![id, due, record]);
+            let Ok((id, due, record)) = redis::from_redis_value::<(String, f64, Vec<u8>)>(entry)
             else {
                 // Cannot happen with lockgate's script; if it does, the jobs
                 // decoded so far must still reach the caller (they are
@@ -901,7 +838,8 @@ where
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            match self.decode_or_bury((id, claim, due, &record), None).await {
+            let decoded = self.decode_or_bury((id, claim, due as i64, &record), None);
+            match decoded.await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
@@ -945,8 +883,8 @@ where
     /// message went back to the schedule or to another worker), or when the
     /// message is gone already (completed or removed).
     pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
-        let job = job.claim_ref();
-        if let Some(held) = job.held {
+        let job = token(job);
+        if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Ack).await;
         }
         let acked = self.ack_batch(&[job], "done").await?;
@@ -973,18 +911,36 @@ where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
     {
-        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
-        if jobs.iter().any(|j| j.held.is_some()) {
-            return self.ack_mixed(&jobs).await;
+        // The unkeyed ones in one script call, each keyed one in its key's
+        // partition; the answers in the batch's order.
+        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
+        let plain: Vec<&ClaimToken> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
+        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
+        let mut out = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            out.push(match job.held {
+                None => plain.next().unwrap_or(Acked::NotHeld),
+                Some(_) if self.ack(job).await? => Acked::Done,
+                Some(_) => Acked::NotHeld,
+            });
         }
-        self.ack_batch(&jobs, "done").await
+        Ok(out)
     }
 
     /// Acknowledges unkeyed messages in one script call; `kind` names their
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
-    async fn ack_batch(&self, jobs: &[ClaimRef<'_>], kind: &str) -> Result<Vec<Acked>> {
-        let mut call = Scripts::get().ack_many.prepare_invoke();
+    async fn ack_batch(&self, jobs: &[&ClaimToken], kind: &str) -> Result<Vec<Acked>> {
+        if jobs.len() > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "ack_many takes at most {MAX_BATCH} messages, got {}",
+                jobs.len()
+            )));
+        }
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut call = scripts::ACK_MANY.prepare_invoke();
         let completed = self.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.completed.is_some();
         let k = &self.keys;
@@ -994,21 +950,11 @@ where
             .arg(completed.0)
             .arg(completed.1)
             .arg(kind);
-        let mut count = 0;
         for job in jobs {
             call.arg(job.member())
-                .arg(job.id())
+                .arg(&job.id)
                 .arg(if job.failures() > 0 { "1" } else { "0" })
                 .arg(job.failures);
-            count += 1;
-        }
-        if count == 0 {
-            return Ok(Vec::new());
-        }
-        if count > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "ack_many takes at most {MAX_BATCH} messages, got {count}"
-            )));
         }
         let attempted = || format!("acknowledging messages in queue `{}`", self.name());
         let acked: Vec<i64> = call.query_on(&self.conn, attempted).await?;
@@ -1022,22 +968,6 @@ where
             .collect())
     }
 
-    /// A batch with keyed messages: the others in one script call, each
-    /// keyed one in its key's partition; the answers in the batch's order.
-    async fn ack_mixed(&self, jobs: &[ClaimRef<'_>]) -> Result<Vec<Acked>> {
-        let plain: Vec<ClaimRef<'_>> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
-        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
-        let mut out = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            out.push(match job.held {
-                None => plain.next().unwrap_or(Acked::NotHeld),
-                Some(_) if self.ack(job).await? => Acked::Done,
-                Some(_) => Acked::NotHeld,
-            });
-        }
-        Ok(out)
-    }
-
     /// Puts a claimed message back on the schedule after a failure, due
     /// `delay` from now, counting a failed attempt and recording `error`.
     /// Returns the new due time, or `None` when the claim is no longer held.
@@ -1047,16 +977,15 @@ where
         delay: Duration,
         error: &str,
     ) -> Result<Option<SystemTime>> {
-        self.reschedule(job.claim_ref(), delay, "failure", error)
-            .await
+        let outcome = Outcome::Retry { delay, error };
+        self.reschedule(token(job), outcome).await
     }
 
     /// Puts a claimed message back on the schedule because its lock was
     /// busy: counts a deferral, not a failed attempt. Returns the new due
     /// time, or `None` when the claim is no longer held.
     pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
-        self.reschedule(job.claim_ref(), delay, "deferral", "")
-            .await
+        self.reschedule(token(job), Outcome::Defer { delay }).await
     }
 
     /// Moves a claimed, unkeyed message into the line of `key` (see
@@ -1073,16 +1002,15 @@ where
         (key, limits): (&str, &str),
         delay: Duration,
     ) -> Result<Option<SystemTime>> {
-        let job = job.claim_ref();
-        let attempted = || format!("deferring message `{}` into its key's line", job.id());
+        let attempted = || format!("deferring message `{}` into its key's line", job.id);
         if key.is_empty() || key.contains('\0') {
             return Err(Error::InvalidKey(format!(
                 "message `{}` cannot join the line of a key that is empty or holds NUL",
-                job.id()
+                job.id
             )));
         }
         let (record, held): (Option<Vec<u8>>, Option<f64>) = redis::pipe()
-            .hget(&self.keys.data, job.id())
+            .hget(&self.keys.data, &job.id)
             .zscore(&self.keys.active, job.member())
             .query_async(&mut self.conn.clone())
             .await
@@ -1092,13 +1020,13 @@ where
         };
         let keyed = self.keyed();
         let (_, due) = keyed
-            .take_in((key, limits), job.id(), millis(delay), &record)
+            .take_in((key, limits), &job.id, millis(delay), &record)
             .await?;
         // Out of this queue, with a `deferred` event (the message goes on,
         // in its key's line).
         let removed = self.ack_batch(&[job], "deferred").await?;
         if removed.first() != Some(&Acked::Done) {
-            tracing::warn!(id = %job.id(), %key, "claim lost while the message moved into its key's line: it may run twice");
+            tracing::warn!(id = %job.id, %key, "claim lost while the message moved into its key's line: it may run twice");
         }
         Ok(Some(from_unix_ms(due)))
     }
@@ -1107,37 +1035,33 @@ where
     /// a deferral (a worker shutting down before it could handle it).
     /// Returns `false` when the claim is no longer held.
     pub async fn release<J: Claim>(&self, job: &J) -> Result<bool> {
-        let due = self
-            .reschedule(job.claim_ref(), Duration::ZERO, "release", "")
-            .await?;
+        let due = self.reschedule(token(job), Outcome::Release).await?;
         Ok(due.is_some())
     }
 
+    /// Retries, defers or releases a claimed message.
     async fn reschedule(
         &self,
-        job: ClaimRef<'_>,
-        delay: Duration,
-        counter: &str,
-        error: &str,
+        job: &ClaimToken,
+        outcome: Outcome<'_>,
     ) -> Result<Option<SystemTime>> {
-        if let Some(held) = job.held {
-            let outcome = match counter {
-                "failure" => Outcome::Retry { delay, error },
-                "deferral" => Outcome::Defer { delay },
-                _ => Outcome::Release,
-            };
+        let (delay, counter, error) = match outcome {
+            Outcome::Retry { delay, error } => (delay, "failure", error),
+            Outcome::Defer { delay } => (delay, "deferral", ""),
+            _ => (Duration::ZERO, "release", ""),
+        };
+        if let Some(held) = &job.held {
             let settled = self.settle_keyed(job, held, outcome).await?;
             let due = SystemTime::now() + delay;
             return Ok(settled.then_some(due));
         }
         let k = &self.keys;
-        let attempted = || format!("rescheduling message `{}` ({counter})", job.id());
-        let due: i64 = Scripts::get()
-            .reschedule
+        let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
+        let due: i64 = scripts::RESCHEDULE
             .key(&[&k.data, &k.schedule, &k.active, &k.errors])
             .key(&[&k.bell, &k.prioritized, &k.events])
             .arg(job.member())
-            .arg(job.id())
+            .arg(&job.id)
             .arg(millis(delay))
             .arg(counter)
             .arg(error)
@@ -1162,23 +1086,22 @@ where
         error: &str,
         failed: bool,
     ) -> Result<bool> {
-        let job = job.claim_ref();
-        if let Some(held) = job.held {
+        let job = token(job);
+        if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
         let (max_count, max_age) = self.retention.args();
         let k = &self.keys;
-        let buried: i64 = Scripts::get()
-            .bury
+        let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
             .arg(job.member())
-            .arg(job.id())
+            .arg(&job.id)
             .arg(error)
             .arg(if failed { "1" } else { "0" })
             .arg(max_count)
             .arg(max_age)
             .arg(self.events_arg())
-            .query_on(&self.conn, || format!("burying message `{}`", job.id()))
+            .query_on(&self.conn, || format!("burying message `{}`", job.id))
             .await?;
         Ok(buried == 1)
     }
@@ -1192,18 +1115,14 @@ where
         I: IntoIterator<Item = &'a J>,
     {
         check_lease(lease)?;
-        let jobs: Vec<ClaimRef<'_>> = jobs.into_iter().map(|j| j.claim_ref()).collect();
-        let members: Vec<String> = jobs
-            .iter()
-            .filter(|j| j.held.is_none())
-            .map(ClaimRef::member)
-            .collect();
+        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
+        let plain = jobs.iter().filter(|j| j.held.is_none());
+        let members: Vec<String> = plain.map(|j| j.member()).collect();
         let mut plain = Vec::with_capacity(members.len());
         // Bounded script calls: one call never keeps the server busy for long.
         let attempted = || format!("extending leases in queue `{}`", self.name());
         for batch in members.chunks(MAX_BATCH) {
-            let held: Vec<i64> = Scripts::get()
-                .extend
+            let held: Vec<i64> = scripts::EXTEND
                 .key(&self.keys.active)
                 .arg(millis(lease))
                 .arg(batch)
@@ -1218,14 +1137,11 @@ where
             plain.extend(held.into_iter().map(|h| h == 1));
         }
         let mut plain = plain.into_iter();
+        let keyed = self.keyed();
         let mut out = Vec::with_capacity(jobs.len());
-        for job in &jobs {
-            out.push(match job.held {
-                Some(held) => {
-                    (self.keyed())
-                        .extend(held, (job.id(), job.claim), lease)
-                        .await?
-                }
+        for job in jobs {
+            out.push(match &job.held {
+                Some(held) => keyed.extend(held, (&job.id, job.claim), lease).await?,
                 None => plain.next().unwrap_or(false),
             });
         }
@@ -1233,17 +1149,13 @@ where
     }
 
     /// Acknowledges a claimed message and, for a keyed one
-    /// ([`PushOptions::key`]) whose key has a next message in line, claims
-    /// that one at once, under the same lock and claim number, in the same
-    /// script (see the README's "Keyed messages"). The next job's lease ends when `job`'s would have (the lock's
-    /// expiry: renew it as any claim), or `lease` from now when the lock
-    /// passes on under a new token (a fence was issued) or the key has
-    /// permits. No next job (`None`) when the key has no next message in
-    /// line, when other code waits for its lock (it gets it now), when its
-    /// rate limit or permits leave no room, and after [`MAX_RUN`] messages
-    /// back to back (the key then queues behind the keys that wait).
-    /// Returns whether `job`'s claim was held, and the next job; an
-    /// unkeyed message is just acknowledged.
+    /// ([`PushOptions::key`]), claims its key's next message in line in the
+    /// same script, under the same lock; its lease ends with the lock, or
+    /// `lease` from now when the lock passes on under a new token or the
+    /// key has permits. No next job when there is none, when other code
+    /// waits for the lock, when the key's limits leave no room, or after
+    /// [`MAX_RUN`] in a row. Returns whether `job`'s claim was held, and
+    /// the next job. See the README's "Keyed messages".
     pub async fn ack_and_next<J: Claim>(
         &self,
         job: &J,
@@ -1261,52 +1173,44 @@ where
         lease: Duration,
         run_on: bool,
     ) -> Result<(bool, Option<Job<T>>)> {
-        let claim = job.claim_ref();
-        let Some(held) = claim.held.filter(|held| run_on || held.run < MAX_RUN) else {
+        let claim = token(job);
+        let held = claim.held.as_ref();
+        let Some(held) = held.filter(|held| run_on || held.run < MAX_RUN) else {
             return Ok((self.ack(job).await?, None));
         };
-        let job = claim;
-        let member = (job.id(), job.claim, job.failures());
-        let settled = (self.keyed())
-            .done(held, member, Outcome::Ack, Some(lease))
-            .await?;
-        let turn = match settled {
-            Settled::Lost => return Ok((false, None)),
-            Settled::Done => return Ok((true, None)),
-            Settled::Next(turn) => turn,
-        };
-        Ok((true, self.decode_turn(turn).await.ok()))
+        let member = (claim.id.as_str(), claim.claim, claim.failures());
+        let keyed = self.keyed();
+        match keyed.done(held, member, Outcome::Ack, Some(lease)).await? {
+            Settled::Lost => Ok((false, None)),
+            Settled::Done => Ok((true, None)),
+            Settled::Next(turn) => Ok((true, self.decode_turn(turn).await.ok())),
+        }
     }
 
     /// Ends a keyed message's turn; `false` when its claim was lost.
     async fn settle_keyed(
         &self,
-        job: ClaimRef<'_>,
+        job: &ClaimToken,
         held: &Arc<Held>,
         outcome: Outcome<'_>,
     ) -> Result<bool> {
-        let member = (job.id(), job.claim, job.failures());
+        let member = (job.id.as_str(), job.claim, job.failures());
         let settled = (self.keyed()).done(held, member, outcome, None).await?;
         Ok(settled != Settled::Lost)
     }
 
     /// Hands messages whose lease ran out back to the schedule, due now,
-    /// counting a *stall*, not a failed attempt: the handler may never have
-    /// started (a dead worker's prefetched messages, a claim whose reply was
-    /// lost), so [`Job::attempt`] does not move. A message whose lease has
-    /// run out `max_stalls` times (at least 1) is buried instead, with the
-    /// error `lease expired N times (limit N): …`: a message that kills its
-    /// worker every time still ends as a dead letter. Handles up to
-    /// [`MAX_BATCH`] messages per script call and loops until none is left.
-    /// Safe to run from many processes at once.
+    /// counting a *stall*, not a failed attempt (the handler may never have
+    /// started). A message whose lease ran out `max_stalls` times (at
+    /// least once) is buried instead. Loops over script calls of
+    /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
         let (max_count, max_age) = self.retention.args();
         let k = &self.keys;
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
-            let (requeued, buried, examined): (usize, usize, usize) = Scripts::get()
-                .recover
+            let (requeued, buried, examined): (usize, usize, usize) = scripts::RECOVER
                 .key(&[&k.data, &k.schedule, &k.active, &k.dead])
                 .key(&[&k.errors, &k.bell, &k.prioritized, &k.events])
                 .arg(max_stalls.max(1))
@@ -1346,23 +1250,26 @@ where
     pub async fn stats(&self) -> Result<Stats> {
         let k = &self.keys;
         let attempted = || format!("reading stats of queue `{}`", self.name());
-        let v: (u64, u64, u64, u64, i64, i64, i64) = Scripts::get()
-            .stats
+        let reply: Vec<i64> = scripts::STATS
             .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized])
             .query_on(&self.conn, attempted)
             .await?;
-        let (due, later, active, dead, oldest, now, next_due) = v;
-        self.with_keyed([due, later, active, dead], [oldest, now, next_due])
-            .await
+        self.with_keyed(&reply, attempted).await
     }
 
-    /// The queue's `Stats`: its own counts (due, later, active, dead) and
-    /// times (oldest due, now, next due; -1 for none) and its keyed ones.
-    async fn with_keyed(&self, counts: [u64; 4], times: [i64; 3]) -> Result<Stats> {
-        let [oldest, now, next_due] = times;
+    /// The queue's `Stats`: the stats script's counts (due, later, active,
+    /// dead) and times (oldest due, now, next due; -1 for none), and its
+    /// keyed ones.
+    async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
+        let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
+            return Err(Error::reply(
+                attempted(),
+                format_args!("{} values", reply.len()),
+            ));
+        };
         // A keyed message is due once its key is ready for it.
         let (keyed, ready) = self.keyed().counts(now).await?;
-        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| counts[i] + keyed[i]);
+        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| count(reply[i]) + keyed[i]);
         let oldest = match (oldest, ready) {
             (-1, Some(ready)) => ready,
             (oldest, Some(ready)) => oldest.min(ready),
@@ -1378,12 +1285,10 @@ where
         })
     }
 
-    /// Its keyed messages' keys (see [`PushOptions::key`]): the `top` keys
-    /// with the most messages at work, and the `top` with the longest
-    /// lines, each with how long the first in its line has waited. One
-    /// read-only script per partition, each reading at most
-    /// [`MAX_KEYS_READ`] keys at work and as many in line (the oldest
-    /// ready first): for dashboards, not for a hot path.
+    /// The `top` keyed messages' keys with the most messages at work, and
+    /// the `top` with the longest lines. One script per partition, each
+    /// reading at most [`MAX_KEYS_READ`] keys of each kind: for dashboards,
+    /// not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let loads = self.keyed().loads(MAX_KEYS_READ).await?;
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
@@ -1405,19 +1310,15 @@ where
         })
     }
 
-    /// The queue's stats and what it did over the last `window`, in one
-    /// round trip (one script): per bucket of `window / buckets` (oldest
-    /// first), the messages done and those that failed (retried or dead),
-    /// counted from its lifecycle events (the last 1000 stream entries at
-    /// most; none when the queue's handles do not
-    /// [`record_events`](Self::record_events)). For dashboards.
+    /// The queue's stats and, per bucket of `window / buckets` (oldest
+    /// first), the messages done and failed, counted from the last 1000
+    /// entries of its [lifecycle events](Self::record_events). For dashboards.
     pub async fn activity(&self, window: Duration, buckets: u32) -> Result<Activity> {
         let buckets = buckets.clamp(1, 1000);
         let width = (millis(window) / u64::from(buckets)).max(1);
         let attempted = || format!("reading the activity of queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<i64> = Scripts::get()
-            .stats
+        let reply: Vec<i64> = scripts::STATS
             .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized, &k.events])
             .arg(width * u64::from(buckets))
             .arg(width)
@@ -1431,12 +1332,8 @@ where
                 format_args!("{} values", reply.len()),
             ));
         }
-        let count = |v: i64| u64::try_from(v).unwrap_or(0);
-        let counts = [reply[0], reply[1], reply[2], reply[3]].map(count);
         Ok(Activity {
-            stats: self
-                .with_keyed(counts, [reply[4], reply[5], reply[6]])
-                .await?,
+            stats: self.with_keyed(&reply, attempted).await?,
             recorded: reply[7] == 1,
             bucket: Duration::from_millis(width),
             done: reply[8..8 + n].iter().copied().map(count).collect(),
@@ -1444,12 +1341,10 @@ where
         })
     }
 
-    /// Lists a page of dead letters, oldest first: up to `limit` (at most
-    /// [`MAX_BATCH`]) from position `offset`. The next page starts at
-    /// `offset + limit`; a page shorter than `limit` is the last. (Positions
-    /// shift when letters are re-driven, removed or trimmed meanwhile: a
-    /// listing taken while the dead set changes may skip or repeat letters.)
-    /// Errors when `limit` exceeds [`MAX_BATCH`].
+    /// Lists a page of dead letters, oldest first: up to `limit` from
+    /// position `offset`; a page shorter than `limit` is the last. Letters
+    /// re-driven or trimmed meanwhile shift positions. Errors when `limit`
+    /// exceeds [`MAX_BATCH`].
     pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
         if limit > MAX_BATCH {
             return Err(Error::config(format_args!(
@@ -1491,25 +1386,19 @@ where
     /// The first `stop + 1` dead letters of one set, oldest first.
     async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
-        let reply: Vec<Value> = Scripts::get()
-            .dead
+        type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
+        let reply: Letters = scripts::DEAD
             .key(&[&set.data, &set.dead, &set.errors])
             .arg(0)
             .arg(stop)
             .query_on(&self.conn, attempted)
             .await?;
-        let mut out = Vec::with_capacity(reply.len() / 4);
-        let mut values = reply.into_iter();
-        while let (Some(id), Some(at), Some(record), Some(error)) =
-            (values.next(), values.next(), values.next(), values.next())
-        {
-            let (Some(id), Some(at)) = (as_string(id), as_ms(at)) else {
-                return Err(Error::reply("listing dead letters", "bad entry"));
-            };
-            let (at, record) = (from_unix_ms(at), as_bytes(record));
-            out.push(DeadLetter::new(id, at, record, as_string(error)));
-        }
-        Ok(out)
+        Ok(reply
+            .into_iter()
+            .map(|(id, at, record, error)| {
+                DeadLetter::new(id, from_unix_ms(at as i64), record, error)
+            })
+            .collect())
     }
 
     /// Re-drives one dead letter: due now, attempts, deferrals and stalls
@@ -1558,7 +1447,7 @@ where
             Some(_) => String::new(),
         };
         let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
-        let mut script = Scripts::get().requeue_dead.prepare_invoke();
+        let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
         script
             .key(&[&set.data, &set.schedule, &set.dead, &set.errors])
             .key(&[&set.bell, &set.prioritized, &set.events]);
@@ -1580,16 +1469,10 @@ where
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the
-    /// newest) and none buried more than `max_age` ago (`None`: no limit;
-    /// the default is no limit on either). Applied by the scripts that bury
-    /// ([`bury`](Self::bury), [`recover`](Self::recover), the worker's
-    /// burials) to the queue's whole dead set, deleting trimmed letters'
-    /// records and errors with them; each burial removes at most about a
-    /// hundred letters, so a large backlog (or a limit lowered later) is
-    /// trimmed over the next burials, never in one long call. Nothing is
-    /// trimmed while nothing is buried. `Some(0)` as the count keeps no dead
-    /// letters at all (a burial deletes the message). Every process that
-    /// buries (workers, and `bury` callers) should use the same setting.
+    /// newest) and none buried more than `max_age` ago (`None`, the
+    /// default: no limit). Applied by the scripts that bury, about a
+    /// hundred letters per burial at most. Every process that buries should
+    /// use the same setting. See the README's "The queue".
     pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
         Self {
             retention: Retention { max_count, max_age },
@@ -1598,14 +1481,10 @@ where
     }
 
     /// Records lifecycle events: every change of a message this handle
-    /// makes (pushed, claimed, done, retried, deferred, released,
-    /// dead, recovered, re-driven, removed) is appended, with the message
-    /// id, the attempt and the server's time, to the queue's events stream
-    /// (`<prefix>:{<name>}:events`), capped near `max_len` entries. Follow
-    /// them with [`events`](Self::events). Off by default, and then a
-    /// message costs exactly what it costs without events. Turn it on for
-    /// every handle that changes the queue (producers, workers, the layer's
-    /// deferrals): a handle without it leaves gaps. Errors on 0.
+    /// makes is appended to the queue's events stream, capped near
+    /// `max_len` entries; follow them with [`events`](Self::events). Turn it
+    /// on for every handle that changes the queue: one without it leaves
+    /// gaps. Errors on 0. See the README's "Lifecycle events".
     pub fn record_events(self, max_len: usize) -> Result<Self> {
         if max_len == 0 || max_len > MAX_KEPT {
             return Err(Error::config(format_args!(
@@ -1618,44 +1497,34 @@ where
         })
     }
 
-    /// Keeps completed messages (BullMQ's `removeOnComplete` with a count
-    /// or an age): each acknowledgement appends the message's id, attempt
-    /// and payload to the queue's completed stream
-    /// (`<prefix>:{<name>}:completed`, its entry id the completion time),
-    /// trimmed in the same script to the last `max_count` and to those of
-    /// the last `max_age` (`None`: no limit on that side). Read them with
-    /// [`completed`](Self::completed). By default acknowledged messages are
-    /// deleted. Errors when both are `None` (nothing would ever be
-    /// trimmed) or on a count of 0.
+    /// Keeps the last `max_count` completed messages, and those of the last
+    /// `max_age`, on the queue's completed stream, trimmed by the
+    /// acknowledgement; read them with [`completed`](Self::completed).
+    /// Errors when both are `None` or on a count of 0. See the README's
+    /// "Keeping completed messages".
     pub fn keep_completed(
         self,
         max_count: Option<usize>,
         max_age: Option<Duration>,
     ) -> Result<Self> {
-        if max_count.is_none() && max_age.is_none() {
-            return Err(Error::config(
-                "keeping completed messages needs a limit: a count, an age, or both",
-            ));
-        }
-        if max_count == Some(0) {
-            return Err(Error::config(
-                "keeping 0 completed messages keeps none: leave it off",
-            ));
-        }
-        if max_count.is_some_and(|n| n > MAX_KEPT) {
-            return Err(Error::config(format_args!(
-                "keeping more than {MAX_KEPT} completed messages is not bounded memory"
-            )));
-        }
-        if max_age.is_some_and(|age| age > Duration::from_secs(366 * 86_400)) {
-            return Err(Error::config(
-                "keeping completed messages for more than a year is not bounded memory",
-            ));
-        }
-        Ok(Self {
-            completed: Some(Retention { max_count, max_age }),
-            ..self
-        })
+        let over_a_year = max_age.is_some_and(|age| age > Duration::from_secs(366 * 86_400));
+        let refusal = match max_count {
+            None if max_age.is_none() => {
+                "keeping completed messages needs a limit: a count, an age, or both".to_owned()
+            }
+            Some(0) => "keeping 0 completed messages keeps none: leave it off".to_owned(),
+            Some(n) if n > MAX_KEPT => {
+                format!("keeping more than {MAX_KEPT} completed messages is not bounded memory")
+            }
+            _ if over_a_year => {
+                "keeping completed messages for more than a year is not bounded memory".to_owned()
+            }
+            _ => {
+                let completed = Some(Retention { max_count, max_age });
+                return Ok(Self { completed, ..self });
+            }
+        };
+        Err(Error::config(refusal))
     }
 
     /// The events' cap as the scripts take it ("" when events are off).
@@ -1663,22 +1532,14 @@ where
         self.events.map(|cap| cap.to_string()).unwrap_or_default()
     }
 
-    /// Follows the queue's lifecycle events (recorded by the handles with
-    /// [`record_events`](Self::record_events)), from `from`, on a
-    /// connection of its own opened through `connector` (`XREAD BLOCK`
-    /// blocks it). The stream survives connection losses: it reconnects
-    /// with backoff and resumes after the last entry it delivered, missing
-    /// nothing the events stream still holds; it ends, with the error, only
-    /// when the server refuses the connection's user ([`Error::is_denied`]).
-    /// A follower that falls further behind than the stream's cap misses
-    /// what was trimmed.
-    ///
-    /// `EventsFrom::Now` is resolved before this returns (the stream's
-    /// newest entry, read on the queue's connection), so nothing that
-    /// happens after the call is missed. One stream entry holds the events
-    /// of one script call; [`Event::entry`] names it, and
-    /// [`EventsFrom::After`] resumes after the whole entry: a follower that
-    /// stores it should store it once it handled every event of the entry.
+    /// Follows the queue's [lifecycle events](Self::record_events) from
+    /// `from`, on a connection of its own opened through `connector`. It
+    /// reconnects after connection losses and resumes after the last entry
+    /// it delivered; it ends, with the error, on one that waiting does not
+    /// cure ([`Error::is_denied`]). `EventsFrom::Now` is resolved before
+    /// this returns. One stream entry ([`Event::entry`]) holds the events of
+    /// one script call: store it for [`EventsFrom::After`] once every event
+    /// of it is handled. See the README's "Lifecycle events".
     pub async fn events<K: Connector>(
         &self,
         connector: K,
@@ -1699,75 +1560,54 @@ where
     }
 
     /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
-    /// soonest due first (a message with a priority is listed with it; the
-    /// claim order among due messages puts priorities first), and the
-    /// first `limit` active ones, soonest lease end first. Changes nothing.
-    ///
-    /// Keyed messages ([`PushOptions::key`]) are listed with their key: of
-    /// each key's line its first message, at the time its key may be
-    /// claimed from (now for a key at work), and delayed ones at their due
-    /// time. Every partition of keyed messages is read (one script each).
+    /// soonest due first, and the first `limit` active ones, soonest lease
+    /// end first. Changes nothing. Keyed messages are listed with their
+    /// key: each key's first in line, at the time its key may be claimed
+    /// from, and delayed ones at their due time (one script per partition).
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
         let k = &self.keys;
-        let reply: Vec<Value> = Scripts::get()
-            .peek
+        type Waiting = Vec<(String, f64, u8, Option<Vec<u8>>)>;
+        type Active = Vec<(String, f64, Option<Vec<u8>>)>;
+        let (waiting, active): (Waiting, Active) = scripts::PEEK
             .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
             .arg(limit)
             .query_on(&self.conn, attempted)
             .await?;
-        let bad = || Error::reply(attempted(), "bad entry");
-        let mut values = reply.into_iter();
-        let waiting_count = values.next().as_ref().and_then(as_int).ok_or_else(bad)?;
-        let mut waiting = Vec::new();
-        for _ in 0..waiting_count {
-            let (Some(id), Some(due), Some(priority), Some(record)) =
-                (values.next(), values.next(), values.next(), values.next())
-            else {
-                return Err(bad());
-            };
-            let due = from_unix_ms(as_ms(due).ok_or_else(bad)?);
-            let priority = as_int(&priority)
-                .and_then(|p| u8::try_from(p).ok())
-                .ok_or_else(bad)?;
-            let id = as_string(id).ok_or_else(bad)?;
-            waiting.push(Peeked::new(id, due, priority, as_bytes(record)));
-        }
-        let mut active = Vec::new();
+        let at = |ms: f64| from_unix_ms(ms as i64);
+        let mut waiting: Vec<Peeked> = (waiting.into_iter())
+            .map(|(id, due, priority, record)| Peeked::new(id, at(due), priority, record))
+            .collect();
+        let mut active: Vec<Peeked> = (active.into_iter())
+            .map(|(id, deadline, record)| {
+                let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
+                Peeked::new(id, at(deadline), priority, record)
+            })
+            .collect();
         self.keyed().peek(limit, &mut waiting, &mut active).await?;
         waiting.sort_by_key(|w| w.at);
         waiting.truncate(limit);
-        while let (Some(id), Some(deadline), Some(record)) =
-            (values.next(), values.next(), values.next())
-        {
-            let deadline = from_unix_ms(as_ms(deadline).ok_or_else(bad)?);
-            let record = as_bytes(record);
-            let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
-            let id = as_string(id).ok_or_else(bad)?;
-            active.push(Peeked::new(id, deadline, priority, record));
-        }
         active.sort_by_key(|a| a.at);
         active.truncate(limit);
         Ok(Peek { waiting, active })
     }
 
-    /// Reads, without blocking, up to `limit` events (at most
-    /// [`MAX_BATCH`] stream entries' worth) recorded after the stream entry
-    /// `after` (`"0-0"`: from the beginning; see [`Event::entry`] and
-    /// [`last_event_entry`](Self::last_event_entry)): for a periodic
-    /// look, such as rates over the last seconds, where
-    /// [`events`](Self::events) would hold a connection.
+    /// Reads, without blocking, the events of up to `limit` (at most
+    /// [`MAX_BATCH`]) stream entries after the entry `after` (`"0-0"`: from
+    /// the beginning; see [`last_event_entry`](Self::last_event_entry)).
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(&self.keys.events)
-            .arg(format!("({after}"))
-            .arg("+")
-            .arg("COUNT")
-            .arg(limit.clamp(1, MAX_BATCH))
-            .query_on(&self.conn, attempted)
-            .await?;
+        let after = format!("({after}");
+        let reply: Value = stream_range(
+            "XRANGE",
+            &self.keys.events,
+            &after,
+            "+",
+            limit.clamp(1, MAX_BATCH),
+        )
+        .query_on(&self.conn, attempted)
+        .await?;
         Ok(events::entries(reply)
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
@@ -1777,12 +1617,7 @@ where
     /// The newest entry of the events stream, if any: where
     /// [`events_after`](Self::events_after) starts to see only what comes.
     pub async fn last_event_entry(&self) -> Result<Option<String>> {
-        let reply: Value = redis::cmd("XREVRANGE")
-            .arg(&self.keys.events)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(1)
+        let reply: Value = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1)
             .query_on(&self.conn, || {
                 format!("reading the events of queue `{}`", self.name())
             })
@@ -1800,30 +1635,17 @@ where
             )));
         }
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
-        /// An entry: its id and its fields.
-        type Entry = (String, Vec<(String, Vec<u8>)>);
-        let reply: Vec<Entry> = redis::cmd("XREVRANGE")
-            .arg(&self.keys.completed)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(limit)
-            .query_on(&self.conn, attempted)
-            .await?;
+        let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
+            stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit)
+                .query_on(&self.conn, attempted)
+                .await?;
         reply
             .into_iter()
-            .map(|(entry, fields)| {
-                let field = |name: &str| {
-                    fields
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .map(|(_, v)| v.clone())
-                };
+            .map(|(entry, mut fields)| {
                 let ms: Option<u64> = entry.split('-').next().and_then(|ms| ms.parse().ok());
-                let attempt: Option<u32> = field("attempt")
-                    .and_then(|a| String::from_utf8(a).ok())
-                    .and_then(|a| a.parse().ok());
-                match (field("id"), attempt, ms, field("payload")) {
+                let attempt: Option<u32> =
+                    (fields.get("attempt")).and_then(|a| std::str::from_utf8(a).ok()?.parse().ok());
+                match (fields.remove("id"), attempt, ms, fields.remove("payload")) {
                     (Some(id), Some(attempt), Some(ms), Some(payload)) => Ok(Completed {
                         id: String::from_utf8_lossy(&id).into_owned(),
                         attempt,
@@ -1839,15 +1661,11 @@ where
     /// Deletes a scheduled or dead message; returns whether it did. A message
     /// being processed is left to its worker (`false`): deleting it then
     /// would let that worker's claim act on a later message with the same id.
-    ///
-    /// A keyed message ([`PushOptions::key`]) is found in the partitions of
-    /// keyed messages (one round trip over all of them, then a scan of the
-    /// partition's lines for its place: O(messages in line) there), and
-    /// removed from its key's line, the delayed ones or the dead letters.
+    /// A keyed message is looked for in every partition, then in its
+    /// partition's lines: O(messages in line) there.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let k = &self.keys;
-        let removed: i64 = Scripts::get()
-            .remove
+        let removed: i64 = scripts::REMOVE
             .key(&[&k.data, &k.schedule, &k.dead])
             .key(&[&k.errors, &k.prioritized, &k.events])
             .arg(id)
@@ -1915,29 +1733,27 @@ impl ClaimToken {
             .as_ref()
             .map(|held| (held.key.as_str(), held.token, held.permits))
     }
+
+    /// Non-zero when the message may have an error entry (`ack` then
+    /// deletes it): after a failed attempt, and after a lease expiry, which
+    /// `recover` records as an error too.
+    fn failures(&self) -> u32 {
+        self.failures.saturating_add(self.stalls)
+    }
+    fn member(&self) -> String {
+        format!("{}:{}", self.id, self.claim)
+    }
 }
 
 impl Claim for ClaimToken {
     fn claim_ref(&self) -> ClaimRef<'_> {
-        ClaimRef {
-            id: &self.id,
-            claim: self.claim,
-            failures: self.failures,
-            stalls: self.stalls,
-            held: self.held.as_ref(),
-        }
+        ClaimRef(self)
     }
 }
 
 /// The parts of a claimed message that prove its claim.
 #[derive(Debug, Clone, Copy)]
-pub struct ClaimRef<'a> {
-    id: &'a str,
-    claim: u64,
-    failures: u32,
-    stalls: u32,
-    held: Option<&'a Arc<Held>>,
-}
+pub struct ClaimRef<'a>(&'a ClaimToken);
 
 impl Claim for ClaimRef<'_> {
     fn claim_ref(&self) -> ClaimRef<'_> {
@@ -1948,27 +1764,32 @@ impl Claim for ClaimRef<'_> {
 impl ClaimRef<'_> {
     /// An owned copy.
     pub fn to_token(&self) -> ClaimToken {
-        ClaimToken {
-            id: self.id.to_owned(),
-            claim: self.claim,
-            failures: self.failures,
-            stalls: self.stalls,
-            held: self.held.cloned(),
-        }
+        self.0.clone()
     }
+}
 
-    fn id(&self) -> &str {
-        self.id
-    }
-    /// Non-zero when the message may have an error entry (`ack` then
-    /// deletes it): after a failed attempt, and after a lease expiry, which
-    /// `recover` records as an error too.
-    fn failures(&self) -> u32 {
-        self.failures.saturating_add(self.stalls)
-    }
-    fn member(&self) -> String {
-        format!("{}:{}", self.id, self.claim)
-    }
+/// The claim `job` proves.
+fn token<J: Claim>(job: &J) -> &ClaimToken {
+    job.claim_ref().0
+}
+
+/// A count from a script (none when negative).
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+/// A push's receipt from the script's answer (`due` -1: not scheduled).
+fn receipt(id: &str, created: bool, due: i64) -> Pushed {
+    let due = (due >= 0).then(|| from_unix_ms(due));
+    let id = id.to_owned();
+    Pushed { id, due, created }
+}
+
+/// `XRANGE` (or `XREVRANGE`) of `key` from `start` to `end`, at most `count`.
+fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> redis::Cmd {
+    let mut cmd = redis::cmd(cmd);
+    cmd.arg(key).arg(start).arg(end).arg("COUNT").arg(count);
+    cmd
 }
 
 fn check_lease(lease: Duration) -> Result<()> {
@@ -1995,29 +1816,4 @@ pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
 /// `ms` milliseconds (none when negative).
 fn span(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-/// A time in ms as the scripts give scores: a number, maybe with a fraction.
-fn as_ms(v: Value) -> Option<i64> {
-    Some(as_string(v)?.parse::<f64>().ok()? as i64)
-}
-
-fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(i) => Some(*i),
-        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
-        _ => None,
-    }
-}
-
-fn as_bytes(v: Value) -> Option<Vec<u8>> {
-    match v {
-        Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.into_bytes()),
-        _ => None,
-    }
-}
-
-fn as_string(v: Value) -> Option<String> {
-    as_bytes(v).and_then(|b| String::from_utf8(b).ok())
 }

@@ -2,18 +2,10 @@
 //! the first [`LockLayer`](crate::LockLayer) its request passes, so that a
 //! layer over the payload alone (`map_request(|job: Job<T>|
 //! job.into_payload())`) can defer the job in place: same id, counts and
-//! stored bytes, identified by the claim, never by comparing payloads.
-//!
-//! A [`RunningJob`] is made only by the worker, is not `Clone`, and
-//! [`RunningJob::take`] hands it out once per call. The worker offers it
-//! while it calls the service and while it polls the call's future; from
-//! the future a layer takes it only once the payload was taken out of the
-//! job ([`Job::into_payload`](crate::Job::into_payload)). A layer that took
-//! it and does not need it hands it on to the layers it wraps while it
-//! calls them, never to the handler's own calls. Where it cannot reach (a
-//! `Buffer` in front of the layer), a deferral pushes a copy and the worker
-//! counts it as [`copied`](crate::worker::MetricsSnapshot::copied). The
-//! README's "How in-place deferral finds the job" has the whole of it.
+//! stored bytes, identified by the claim, never by comparing payloads. From
+//! the call's future a layer takes it only once the payload was taken out
+//! of the job, so a handler's own calls never take it. The README's "How
+//! in-place deferral finds the job" has the whole of it.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,12 +15,9 @@ use super::job::Job;
 use super::{Claim, ClaimToken, QueueKeys};
 
 tokio::task_local! {
-    /// The claim of the job a [`Worker`](crate::Worker) is running, until
-    /// the first `LockLayer` on the way takes it: that layer reschedules the
-    /// job in place when it defers into the job's own queue, instead of
-    /// pushing a copy. Layers further down (a handler's own calls through
-    /// another `LockLayer`) find the slot empty and treat their requests as
-    /// the new messages they are.
+    /// The claim of the job a worker is running, until the first
+    /// `LockLayer` on the way takes it; layers further down (a handler's
+    /// own calls) find it empty and push their requests as new messages.
     static RUNNING: Slot;
 
     /// The id a consumer gave the message it is calling the service for

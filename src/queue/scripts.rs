@@ -7,55 +7,29 @@ use redis::{Cmd, FromRedisValue, RedisResult, Script, ScriptInvocation};
 
 use crate::error::{Error, Result};
 
-/// Every queue script, hashed once per process.
-pub(crate) struct Scripts {
-    pub(crate) push: Script,
-    pub(crate) claim: Script,
-    pub(crate) ack_many: Script,
-    pub(crate) reschedule: Script,
-    pub(crate) bury: Script,
-    pub(crate) extend: Script,
-    pub(crate) recover: Script,
-    pub(crate) requeue_dead: Script,
-    pub(crate) remove: Script,
-    pub(crate) stats: Script,
-    pub(crate) dead: Script,
-    pub(crate) peek: Script,
-}
+/// A script, hashed on first use.
+type Lazy = LazyLock<Script>;
+
+pub(crate) static PUSH: Lazy = LazyLock::new(|| load(include_str!("lua/push.lua")));
+pub(crate) static CLAIM: Lazy = LazyLock::new(|| load(include_str!("lua/claim.lua")));
+pub(crate) static ACK_MANY: Lazy = LazyLock::new(|| load(include_str!("lua/ack_many.lua")));
+pub(crate) static RESCHEDULE: Lazy = LazyLock::new(|| load(include_str!("lua/reschedule.lua")));
+pub(crate) static BURY: Lazy = LazyLock::new(|| load(include_str!("lua/bury.lua")));
+pub(crate) static EXTEND: Lazy = LazyLock::new(|| load(include_str!("lua/extend.lua")));
+pub(crate) static RECOVER: Lazy = LazyLock::new(|| load(include_str!("lua/recover.lua")));
+pub(crate) static REQUEUE_DEAD: Lazy = LazyLock::new(|| load(include_str!("lua/requeue_dead.lua")));
+pub(crate) static REMOVE: Lazy = LazyLock::new(|| load(include_str!("lua/remove.lua")));
+pub(crate) static STATS: Lazy = LazyLock::new(|| load(include_str!("lua/stats.lua")));
+pub(crate) static DEAD: Lazy = LazyLock::new(|| load(include_str!("lua/dead.lua")));
+pub(crate) static PEEK: Lazy = LazyLock::new(|| load(include_str!("lua/peek.lua")));
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
-fn load(body: &str) -> Script {
-    Script::new(&with_prelude(body))
-}
-
 fn with_prelude(body: &str) -> String {
     format!("{}\n{body}", include_str!("lua/prelude.lua"))
 }
 
-/// The push script as the library loads it; `scripts/push.lua` (for
-/// producers in other languages) must be exactly this.
-fn push_source() -> String {
-    with_prelude(include_str!("lua/push.lua"))
-}
-
-impl Scripts {
-    pub(crate) fn get() -> &'static Scripts {
-        static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-            push: Script::new(&push_source()),
-            claim: load(include_str!("lua/claim.lua")),
-            ack_many: load(include_str!("lua/ack_many.lua")),
-            reschedule: load(include_str!("lua/reschedule.lua")),
-            bury: load(include_str!("lua/bury.lua")),
-            extend: load(include_str!("lua/extend.lua")),
-            recover: load(include_str!("lua/recover.lua")),
-            requeue_dead: load(include_str!("lua/requeue_dead.lua")),
-            remove: load(include_str!("lua/remove.lua")),
-            stats: load(include_str!("lua/stats.lua")),
-            dead: load(include_str!("lua/dead.lua")),
-            peek: load(include_str!("lua/peek.lua")),
-        });
-        &SCRIPTS
-    }
+fn load(body: &str) -> Script {
+    Script::new(&with_prelude(body))
 }
 
 /// A script call or a command, sent on a clone of a queue's connection.
@@ -117,7 +91,7 @@ mod tests {
 
     #[test]
     fn the_shipped_push_script_is_the_one_the_library_loads() {
-        let sources = "prelude.lua + push.lua";
-        check_shipped("push.lua", &super::push_source(), sources);
+        let expected = super::with_prelude(include_str!("lua/push.lua"));
+        check_shipped("push.lua", &expected, "prelude.lua + push.lua");
     }
 }

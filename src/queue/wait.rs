@@ -121,16 +121,11 @@ where
     }
 
     /// Waits until the doorbell rings or `deadline` passes (forever, for a
-    /// ring, when `None`).
-    ///
-    /// Returning on the deadline first ends this waiter's own `BLPOP` (the
-    /// poke) and waits for that to reach the server, so that a claim sent
-    /// next cannot have its passed-on ring taken by our own blocked
-    /// connection: on a hung server that adds at most 1.5 s to the deadline.
-    ///
-    /// A Redis failure (connection lost, server gone, no answer in time)
-    /// returns an error after dropping the connection; the next call opens a
-    /// new one. Backing off between failures is the caller's choice.
+    /// ring, when `None`). Returning on the deadline first pokes this
+    /// waiter's own `BLPOP` (see the module's documentation): on a hung
+    /// server that adds at most 1.5 s. A Redis failure returns an error
+    /// after dropping the connection; the next call opens a new one, and
+    /// backing off between failures is the caller's choice.
     pub async fn wait(&mut self, deadline: Option<Instant>) -> Result<Wake> {
         let mut retried = false;
         loop {

@@ -1,16 +1,12 @@
 -- Completes claimed messages: deletes each whose claim the caller still
 -- holds.
--- KEYS[1]: data   KEYS[2]: active   KEYS[3]: errors   KEYS[4]: completed
--- KEYS[5]: events
--- ARGV[1]: the events' cap ("" for no events)
--- ARGV[2]: "1" to keep them on the completed stream (Queue::keep_completed),
---          ARGV[3] and ARGV[4] its limits: the most entries, and the most
---          ms to keep one ("" for no limit)
--- ARGV[5]: the events' kind: "done", or "deferred" for messages that moved
---          into their key's line (see keyed_take_in.lua)
--- ARGV[6..]: quadruplets of (active member "<id>:<claim>", id, "1" when the
---          message may have an error entry to delete, its failed attempts
---          before this one)
+-- KEYS: data, active, errors, completed, events
+-- ARGV: the events' cap ("" for none); "1" to keep them on the completed
+--   stream (Queue::keep_completed), then its most entries and most age in ms
+--   ("" for no limit); the events' kind ("done", or "deferred" for messages
+--   that moved into their key's line, see keyed_take_in.lua); then per
+--   message its active member "<id>:<claim>", id, "1" when it may have an
+--   error entry to delete, and its failed attempts before this one
 -- Returns per message 1; 0 when its claim is no longer held but the message
 -- still exists (its lease ran out: scheduled again, claimed by another
 -- worker, or dead); -1 when the message is gone (already completed, say by

@@ -1,11 +1,9 @@
 -- Moves a claimed message to the dead letters with its error, then applies
 -- the dead-letter retention (bounded work, see trim_dead).
--- KEYS[1]: active   KEYS[2]: dead   KEYS[3]: errors   KEYS[4]: data   KEYS[5]: events
--- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id   ARGV[3]: error text
--- ARGV[4]: "1" to count this delivery as a failed attempt
--- ARGV[5]: keep at most this many dead letters ("" for no limit)
--- ARGV[6]: keep dead letters at most this many ms ("" for no limit)
--- ARGV[7]: the events' cap ("" for no events)
+-- KEYS: active, dead, errors, data, events
+-- ARGV: active member "<id>:<claim>", id, error text, "1" to count this
+--   delivery as a failed attempt, then the dead letters' most count and most
+--   age in ms, and the events' cap (each "" for none)
 -- Returns 1, or 0 when the claim is no longer held, or when its record is
 -- gone (the queue was purged); then only the stale lease entry is dropped.
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end

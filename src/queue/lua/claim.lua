@@ -1,16 +1,14 @@
 -- Claims up to ARGV[1] due messages under a lease: those with a priority
 -- first, highest first, then the schedule's; in due order within each.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: claims   KEYS[5]: bell
--- KEYS[6]: prioritized   KEYS[7]: events   ARGV[3]: the events' cap ("" for none)
--- KEYS[8]: the index of keyed partitions (see keyed.lua), ARGV[4]: how many
---          of those due to name
--- ARGV[1]: how many at most (bounded by the caller)   ARGV[2]: lease in ms
--- Returns {claim, next due ms or -1, now, {due keyed partitions}, then per
--- message id, due ms, record}. The next due time covers the partitions.
--- A scheduled id whose record is missing (removed by hand) is dropped.
--- When due messages remain after the claim, the bell rings again: a ring
--- wakes one idle worker, and this passes the wake-up on to the next, so a
--- backlog reaches every idle worker, not just the first.
+-- KEYS: data, schedule, active, claims, bell, prioritized, events, the index
+--   of keyed partitions (see keyed.lua)
+-- ARGV: how many at most (bounded by the caller), lease ms, the events' cap
+--   ("" for none), how many due keyed partitions to name
+-- Returns {claim, next due ms or -1 (partitions included), now, {due keyed
+-- partitions}, then per message id, due ms, record}. A scheduled id whose
+-- record is missing (removed by hand) is dropped. When due messages remain,
+-- the bell rings again: a ring wakes one idle worker and this passes it on,
+-- so a backlog reaches every idle worker, not just the first.
 local now, now_us = server_time()
 local max = tonumber(ARGV[1])
 -- ids[i] was due at dues[i]. Reads first, writes last: the events' entry

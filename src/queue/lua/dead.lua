@@ -1,6 +1,5 @@
 -- Lists dead letters, oldest first.
--- KEYS[1]: data   KEYS[2]: dead   KEYS[3]: errors
--- ARGV[1]: start index   ARGV[2]: stop index (inclusive; -1 for the end)
+-- KEYS: data, dead, errors; ARGV: start, stop index (inclusive; -1: the end)
 -- Returns per dead letter {id, buried ms, record or false, error or false}.
 local dead = redis.call('ZRANGE', KEYS[2], ARGV[1], ARGV[2], 'WITHSCORES')
 local out = {}

@@ -1,6 +1,5 @@
 -- Renews the leases of claimed messages still held by the caller.
--- KEYS[1]: active
--- ARGV[1]: lease in ms   ARGV[2..]: active members "<id>:<claim>"
+-- KEYS: active; ARGV: lease ms, then active members "<id>:<claim>"
 -- Returns per member 1 (renewed) or 0 (no longer held: lease expired and recovered).
 local deadline = now_ms() + tonumber(ARGV[1])
 local out = {}

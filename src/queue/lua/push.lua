@@ -2,19 +2,16 @@
 -- its record, its place (scheduled, being processed, dead) and its due time
 -- do not change, so pushing again, retrying a push whose reply was lost, or
 -- pushing an id a worker holds never makes a message claimable twice.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: bell   KEYS[4]: prioritized
---          (queue <q> under prefix <p>: "<p>:{<q>}:data", "<p>:{<q>}:schedule",
---          "<p>:{<q>}:bell", "<p>:{<q>}:prioritized"; lockgate's default
---          prefix is "lockgate"; KEYS[4] may be left out by a producer that
---          pushes no priorities)   KEYS[5]: events (optional: Queue::record_events;
---          then ARGV[1] is the stream's cap and the triplets follow)
--- ARGV: triplets of (id, when, payload): id non-empty UTF-8; `when` a delay
---       in ms relative to the server's clock ("0" for now), or "@<unix ms>"
---       for an absolute time (a past time is due now; before 1970 is 0; the
---       year 2286 and later are refused), optionally followed by
---       "/<priority>" (1 to 9, higher first; "0" or none: no priority);
---       payload the message as JSON (one that starts with digits and a
---       colon, never JSON, is refused: it would be misread).
+-- KEYS: data, schedule, bell, prioritized, events: "<p>:{<q>}:data" and so on
+--   for queue <q> under prefix <p> (lockgate's default: "lockgate");
+--   prioritized may be left out by a producer that pushes no priorities;
+--   events is optional (Queue::record_events): then ARGV[1] is its cap
+-- ARGV: triplets (id, when, payload): id non-empty UTF-8; `when` a delay in ms
+--   from the server's clock ("0": now) or "@<unix ms>" (a past time is due
+--   now, before 1970 is 0, 2286 and later are refused), optionally followed
+--   by "/<priority>" (1 to 9, higher first; "0" or none: no priority);
+--   payload the message as JSON (one starting with digits and a colon is
+--   refused: it would be misread).
 -- Returns per message {added (1|0), due ms (-1 if it exists but is not
 -- scheduled, or, when KEYS[4] was left out, waits with a priority)}.
 -- Bad arguments are refused before anything is written, with an error reply
@@ -49,33 +46,31 @@ if (#ARGV - first + 1) % 3 ~= 0 then
   return redis.error_reply('ERR lockgate push: arguments must be triplets (id, when, payload), got '
     .. (#ARGV - first + 1) .. ' arguments')
 end
+-- Refuses message `n`'s arguments (naming its id when given).
+local function refuse(n, id, why)
+  local named = id and (' (id "' .. id .. '")') or ''
+  return redis.error_reply('ERR lockgate push: message ' .. n .. named .. ' has ' .. why)
+end
 local now = now_ms()
 local dues, priorities = {}, {}
 for i = first, #ARGV, 3 do
   local n = (i - first) / 3 + 1
-  if ARGV[i] == '' then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an empty id')
-  end
-  if not is_utf8(ARGV[i]) then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' has an id that is not UTF-8')
-  end
+  if ARGV[i] == '' then return refuse(n, nil, 'an empty id') end
+  if not is_utf8(ARGV[i]) then return refuse(n, nil, 'an id that is not UTF-8') end
   -- JSON never starts so; a record's reader would take the digits for a
   -- stall count.
   if string.find(ARGV[i + 2], '^%d+:') then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a payload starting with digits and a colon: not JSON')
+    return refuse(n, ARGV[i], 'a payload starting with digits and a colon: not JSON')
   end
   local when, priority = string.match(ARGV[i + 1], '^(.-)/(%d)$')
   if not when then when, priority = ARGV[i + 1], '0' end
   priority = tonumber(priority)
   if priority > 0 and not KEYS[4] then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a priority, but the prioritized key (KEYS[4]) was not passed')
+    return refuse(n, ARGV[i], 'a priority, but the prioritized key (KEYS[4]) was not passed')
   end
   local due = parse_when(now, when)
   if not due then
-    return redis.error_reply('ERR lockgate push: message ' .. n .. ' (id "' .. ARGV[i]
-      .. '") has a bad `when` "' .. ARGV[i + 1]
+    return refuse(n, ARGV[i], 'a bad `when` "' .. ARGV[i + 1]
       .. '": expected a delay in ms or "@<unix ms>", optionally followed by "/<priority 0-9>"')
   end
   dues[n] = due

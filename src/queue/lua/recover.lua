@@ -4,12 +4,9 @@
 -- those whose lease ran out ARGV[1] times (a message that kills its worker
 -- every time), then applies the dead-letter retention. Safe to run from any
 -- number of processes at once.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: dead
--- KEYS[5]: errors   KEYS[6]: bell   KEYS[7]: prioritized   KEYS[8]: events
--- ARGV[1]: max stalls   ARGV[2]: how many at most in this call
--- ARGV[3]: keep at most this many dead letters ("" for no limit)
--- ARGV[4]: keep dead letters at most this many ms ("" for no limit)
--- ARGV[5]: the events' cap ("" for no events)
+-- KEYS: data, schedule, active, dead, errors, bell, prioritized, events
+-- ARGV: max stalls, how many at most in this call, the dead letters' most
+--   count and most age in ms, the events' cap (each "" for none)
 -- Returns {requeued, buried, examined}: a caller loops while examined is the
 -- batch size (entries without a record are dropped and not counted otherwise).
 local now = now_ms()

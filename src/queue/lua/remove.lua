@@ -1,9 +1,8 @@
 -- Deletes a message that is scheduled or dead. A message being processed is
 -- left alone (its worker settles it): deleting it under the worker would let
 -- that worker's claim act on a new message pushed later with the same id.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors
--- KEYS[5]: prioritized   KEYS[6]: events
--- ARGV[1]: id   ARGV[2]: the events' cap ("" for no events)
+-- KEYS: data, schedule, dead, errors, prioritized, events
+-- ARGV: id, the events' cap ("" for no events)
 -- Returns 1 when removed, 0 when absent or being processed.
 if redis.call('ZREM', KEYS[2], ARGV[1]) + redis.call('ZREM', KEYS[3], ARGV[1])
     + redis.call('ZREM', KEYS[5], ARGV[1]) == 0 then

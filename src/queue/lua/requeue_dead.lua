@@ -1,16 +1,13 @@
 -- Re-drives dead letters: due now, attempt, deferral and stall counts reset.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: dead   KEYS[4]: errors   KEYS[5]: bell
--- KEYS[6]: prioritized (a message keeps its priority)   KEYS[7]: events
--- KEYS[8]: a keyed partition's keyof hash (id -> key), or none
--- ARGV[1]: an id, or "" for the oldest ARGV[2] dead letters buried at or
---          before ARGV[3]
--- ARGV[2]: how many at most when ARGV[1] is ""
--- ARGV[3]: a time in ms (when the caller's re-drive started), or "" for now
--- ARGV[4]: the events' cap ("" for no events)
+-- KEYS: data, schedule, dead, errors, bell, prioritized (a message keeps its
+--   priority), events, and a keyed partition's keyof hash (id -> key) or none
+-- ARGV: an id, or "" for the oldest ARGV[2] letters buried at or before
+--   ARGV[3]; how many at most; a time in ms (when the caller's re-drive
+--   started) or "" for now; the events' cap ("" for no events)
 -- Returns {re-driven, examined, the cutoff time used, {id, 1, ...} of the
--- letters re-driven, their keys (with KEYS[8])}; a dead entry without a record is dropped. A caller
--- that re-drives everything passes the cutoff of its first call to the next
--- ones: letters buried again meanwhile (a poison
+-- letters re-driven, their keys (with KEYS[8])}; a dead entry without a
+-- record is dropped. A caller that re-drives everything passes the cutoff of
+-- its first call to the next ones: letters buried again meanwhile (a poison
 -- message fails at once) score later and are left, so the loop ends.
 local now = now_ms()
 local cutoff = tonumber(ARGV[3]) or now

@@ -1,13 +1,10 @@
 -- Retries (a failure), defers (lock contention) or releases (hands back at
 -- shutdown, counting nothing) a claimed message.
--- KEYS[1]: data   KEYS[2]: schedule   KEYS[3]: active   KEYS[4]: errors   KEYS[5]: bell
--- KEYS[6]: prioritized (a message keeps its priority)   KEYS[7]: events
--- ARGV[1]: active member "<id>:<claim>"   ARGV[2]: id
--- ARGV[3]: delay in ms from the server's now, or "@<unix ms>"
--- ARGV[4]: "failure", "deferral" or "release": which counter to bump
--- ARGV[5]: error text to record ("" for none)
--- ARGV[6]: the events' cap ("" for no events): retried (with the error),
---          deferred or released
+-- KEYS: data, schedule, active, errors, bell, prioritized (a message keeps
+--   its priority), events
+-- ARGV: active member "<id>:<claim>", id, delay ms from the server's now or
+--   "@<unix ms>", the counter to bump ("failure", "deferral" or "release"),
+--   error text ("" for none), the events' cap ("" for no events)
 -- Returns the new due time in ms, or -1 when the claim is no longer held.
 -- Validated before any write (the caller is lockgate, but a bad argument must
 -- never leave a message off every structure).

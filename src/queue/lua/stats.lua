@@ -1,7 +1,6 @@
 -- Counts, read at one instant of the server's clock.
--- KEYS[1]: schedule   KEYS[2]: active   KEYS[3]: dead   KEYS[4]: prioritized
--- KEYS[5]: events (optional: Queue::activity), with ARGV[1] the window in
---          ms, ARGV[2] the bucket width in ms, ARGV[3] the number of buckets
+-- KEYS: schedule, active, dead, prioritized, and for Queue::activity events
+--   with ARGV: the window in ms, the bucket width in ms, the number of buckets
 -- Returns {due, later, active, dead, due time of the oldest due message or -1,
 -- now, due time of the next message not due yet or -1}, over the schedule and
 -- every priority.
