@@ -116,9 +116,7 @@ where
         }
         let mut in_flight = self.shared.in_flight();
         while let Some(job) = continued.pop_back() {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            in_flight.insert(seq, super::InFlight::new(job.claim_ref().to_token()));
+            let seq = super::track(&mut in_flight, &mut self.next_seq, &job);
             self.buffer.push_front((seq, job));
         }
         true
@@ -188,12 +186,10 @@ where
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
             }
-            let max_deferrals = self.shared.config.max_deferrals;
-            if let Some(max) = max_deferrals.filter(|max| job.deferrals() > *max) {
-                let error = format!(
-                    "deferred {} times (limit {max}): its lock stayed busy",
-                    job.deferrals()
-                );
+            let (deferrals, max) = (job.deferrals(), self.shared.config.max_deferrals);
+            if let Some(max) = max.filter(|max| deferrals > *max) {
+                let error =
+                    format!("deferred {deferrals} times (limit {max}): its lock stayed busy");
                 let settlement = Settlement::Bury {
                     error,
                     failed: false,
