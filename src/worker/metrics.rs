@@ -53,10 +53,9 @@ pub struct MetricsSnapshot {
     /// Messages moved to the dead letters (failed for the last time, too
     /// many deferrals, or undecodable).
     pub dead: u64,
-    /// Messages whose lease ran out while this worker held them: the
-    /// server confirmed that the claim was no longer this worker's (the
-    /// message went back to the schedule, or to another worker), so the
-    /// message is (or was) handled again.
+    /// Messages whose lease ran out while this worker held them (the server
+    /// confirmed the claim was no longer this worker's): they are, or were,
+    /// handled again.
     pub lost_leases: u64,
     /// Settlements (retry, dead letter) whose first attempt failed in
     /// transport and whose resend the server refused: the earlier attempt
@@ -96,7 +95,6 @@ impl Metrics {
             .get_or_init(|| QueueInstruments::register(queue));
     }
 
-    /// The facade's instruments, once registered.
     pub(crate) fn instruments(&self) -> Option<&QueueInstruments> {
         self.0.instruments.get()
     }

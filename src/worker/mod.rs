@@ -413,7 +413,6 @@ const HAND_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A claim being handled, as housekeeping sees it.
 struct InFlight {
-    /// The claim.
     token: ClaimToken,
     /// A renewal found the claim gone. Housekeeping only marks it: the
     /// handler's task decides, once the call returns, whether anything was
@@ -603,27 +602,6 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
-    /// Claims up to `max` due messages into `buffer`, leased and tracked
-    /// under sequence numbers from `next_seq`; returns whether the batch
-    /// came back full (more may be due) and when the next message is due.
-    async fn claim(
-        &self,
-        max: usize,
-        buffer: &mut VecDeque<(u64, Job<T>)>,
-        next_seq: &mut u64,
-    ) -> Result<(bool, Option<Instant>)> {
-        let claimed = self.queue.claim(max, self.config.lease).await?;
-        let claimed_at = Instant::now();
-        self.metrics.add(Count::Claimed, claimed.jobs.len() as u64);
-        self.metrics.add(Count::Dead, claimed.buried as u64);
-        let full = claimed.jobs.len() == max;
-        let mut in_flight = self.in_flight();
-        for job in claimed.jobs {
-            buffer.push_back((track(&mut in_flight, next_seq, &job), job));
-        }
-        Ok((full, claimed.next_due.map(|d| claimed_at + d)))
-    }
-
     /// Settles a message that is not passed to the handler, in a task of
     /// its own that holds the handler slot until it is done.
     fn spawn_settle(
@@ -682,11 +660,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     /// a settlement retries for).
     async fn drain(&self, mut tasks: JoinSet<()>) {
         let join = async |tasks: &mut JoinSet<()>| while tasks.join_next().await.is_some() {};
-        let timeout = self.config.shutdown_timeout;
-        if tokio::time::timeout(timeout, join(&mut tasks))
-            .await
-            .is_ok()
-        {
+        let joined = tokio::time::timeout(self.config.shutdown_timeout, join(&mut tasks)).await;
+        if joined.is_ok() {
             return;
         }
         // Each task drops its handler call and hands its message back.
@@ -755,10 +730,7 @@ async fn handle<T: Payload, C: Conn, R, E>(
     // Settling starts: stop renewing the lease. A renewal that found the
     // claim gone while the handler ran left a mark; what it means depends
     // on the outcome.
-    let refused = shared
-        .in_flight()
-        .remove(&seq)
-        .is_some_and(|flight| flight.refused);
+    let refused = shared.in_flight().remove(&seq).is_some_and(|f| f.refused);
     let settlement = settlement_of(&shared, &token, &running, outcome);
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any
@@ -863,10 +835,8 @@ fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
 /// An error and its sources, joined with ": ".
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let chain = std::iter::successors(Some(error), |error| error.source());
-    chain
-        .map(|error| error.to_string())
-        .collect::<Vec<_>>()
-        .join(": ")
+    let texts: Vec<String> = chain.map(|error| error.to_string()).collect();
+    texts.join(": ")
 }
 
 /// Sets the queue's depth gauges every `every` (see `Worker::sample_every`).
@@ -878,11 +848,10 @@ async fn sample_depth<T: Payload, C: Conn>(queue: Queue<T, C>, metrics: Metrics,
         match queue.stats().await {
             Ok(stats) => {
                 if let Some(instruments) = metrics.instruments() {
-                    let [due, later, active, dead] = &instruments.depth;
-                    due.set(stats.due as f64);
-                    later.set(stats.later as f64);
-                    active.set(stats.active as f64);
-                    dead.set(stats.dead as f64);
+                    let counts = [stats.due, stats.later, stats.active, stats.dead];
+                    for (gauge, n) in instruments.depth.iter().zip(counts) {
+                        gauge.set(n as f64);
+                    }
                 }
             }
             Err(error) => {
@@ -908,11 +877,8 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
             .map(|(seq, f)| (*seq, f.token.clone()))
             .collect();
         for batch in in_flight.chunks(MAX_BATCH) {
-            match shared
-                .queue
-                .extend(batch.iter().map(|(_, token)| token), lease)
-                .await
-            {
+            let tokens = batch.iter().map(|(_, token)| token);
+            match shared.queue.extend(tokens, lease).await {
                 Ok(held) => {
                     for ((seq, _), held) in batch.iter().zip(held) {
                         // Only marked: settled since the snapshot is not
@@ -931,10 +897,8 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
         }
         match shared.queue.recover(shared.config.max_stalls).await {
             Ok(recovered) => {
-                shared.metrics.add(
-                    Count::Recovered,
-                    (recovered.requeued + recovered.buried) as u64,
-                );
+                let n = recovered.requeued + recovered.buried;
+                shared.metrics.add(Count::Recovered, n as u64);
                 shared.metrics.add(Count::Dead, recovered.buried as u64);
             }
             Err(error) => {
