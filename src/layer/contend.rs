@@ -209,22 +209,17 @@ impl<'a, C: ConnectionLike + Clone + Send + Sync + 'static> Contention<'a, C> {
         let Some(backoff) = self.retry else {
             return Next::GiveUp;
         };
-        match self.wake.listener(self.locker) {
-            Some(listener) => self.wait_woken(backoff, &listener, busy).await,
-            None => match self
-                .started
-                .and_then(|s| backoff.next(self.tries, s.elapsed()))
-            {
-                // Everything since the call started counts against
-                // `max_elapsed`.
-                Some(delay) => {
-                    tracing::trace!(key = %busy.key(), tries = self.tries, ?delay, "lock busy; retrying");
-                    tokio::time::sleep(delay).await;
-                    Next::Try
-                }
-                None => Next::GiveUp,
-            },
+        if let Some(listener) = self.wake.listener(self.locker) {
+            return self.wait_woken(backoff, &listener, busy).await;
         }
+        // Everything since the call started counts against `max_elapsed`.
+        let waited = self.started.map(|s| s.elapsed());
+        let Some(delay) = waited.and_then(|waited| backoff.next(self.tries, waited)) else {
+            return Next::GiveUp;
+        };
+        tracing::trace!(key = %busy.key(), tries = self.tries, ?delay, "lock busy; retrying");
+        tokio::time::sleep(delay).await;
+        Next::Try
     }
 
     /// Waits for the release, or the holder's lease to run out (it died),

@@ -232,7 +232,6 @@ pub(crate) enum Wake {
     /// The locker's own listener, if it has one (see `Locker::connect`);
     /// else nothing: waiters poll.
     Locker,
-    /// This listener.
     Listener(crate::ReleaseListener),
     /// Nothing: waiters poll (`LockLayer::poll_only`).
     Poll,

@@ -290,9 +290,6 @@ where
         at: server_time(at),
     };
     let call = running.provide(|| inner.call(req));
-    CURRENT
-        .scope(slot, call)
-        .await
-        .map(Outcome::Done)
-        .map_err(Into::into)
+    let done = CURRENT.scope(slot, call).await;
+    done.map(Outcome::Done).map_err(Into::into)
 }

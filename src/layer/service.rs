@@ -19,6 +19,7 @@ use crate::BoxError;
 use crate::lock::{Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::Handoff;
+use crate::telemetry::LockInstruments;
 use futures_util::future::BoxFuture;
 
 /// Runs the inner service while holding a per-key lock. Made by
@@ -148,9 +149,7 @@ where
     if let Some(token) = claimed_with_lock(&running, locker, &key, permits) {
         return call_holding(config, inner, (key, permits), token, req, running).await;
     }
-    let instruments = config
-        .instruments
-        .get_or_init(crate::telemetry::LockInstruments::register);
+    let instruments = config.instruments.get_or_init(LockInstruments::register);
     let ticket = match permits {
         Some(permits) => locker.permit_ticket(key, permits)?,
         None => locker.ticket(key)?,
@@ -194,7 +193,7 @@ where
 /// defer (answered `Outcome::Deferred`).
 async fn give_up<C, F, D, Req, R>(
     config: &LockLayer<C, F, D>,
-    instruments: &crate::telemetry::LockInstruments,
+    instruments: &LockInstruments,
     req: Req,
     running: Handoff,
     busy: crate::Contended,

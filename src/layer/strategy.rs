@@ -294,9 +294,8 @@ where
         Box::pin(async move {
             let delay = defer.delay.resolve(&busy);
             if let Some(job) = running {
-                return defer
-                    .in_place(&job.token, job.deferrals, &busy, delay)
-                    .await;
+                let deferred = defer.in_place(&job.token, job.deferrals, &busy, delay);
+                return deferred.await;
             }
             let mut options = defer.push_options(&busy, delay);
             if let Some(id) = id {
