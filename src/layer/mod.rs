@@ -170,12 +170,6 @@ impl LockKey for String {
     }
 }
 
-impl LockKey for &'static str {
-    fn into_lock_key(self) -> Option<String> {
-        Some(self.to_owned())
-    }
-}
-
 impl<K: LockKey> LockKey for Option<K> {
     fn into_lock_key(self) -> Option<String> {
         self.and_then(LockKey::into_lock_key)
@@ -186,7 +180,8 @@ impl<K: LockKey> LockKey for Option<K> {
     }
 }
 
-macro_rules! int_keys {
+/// Keys that are their `Display` text.
+macro_rules! display_keys {
     ($($t:ty),*) => {$(
         impl LockKey for $t {
             fn into_lock_key(self) -> Option<String> {
@@ -195,7 +190,8 @@ macro_rules! int_keys {
         }
     )*};
 }
-int_keys!(
+display_keys!(&'static str);
+display_keys!(
     u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize
 );
 

@@ -133,7 +133,7 @@ where
 /// Acquire (waiting as configured), call while holding, release.
 async fn locked_call<S, C, F, D, Req>(
     config: Arc<LockLayer<C, F, D>>,
-    mut inner: S,
+    inner: S,
     key: String,
     permits: Option<u32>,
     req: Req,
@@ -182,10 +182,7 @@ where
     let held = HeldLock::new(lease.ticket().clone(), fence_issuer(&config));
     // The running job, if this layer took it and did not need it, goes on to
     // the layers inside: one of them may defer the job in place.
-    let call = held.clone().scope(async move {
-        let call = running.provide(|| inner.call(req));
-        call.await.map_err(Into::<BoxError>::into)
-    });
+    let call = held.clone().scope(call_ready(inner, req, running));
     hold(&config, call, lease, held, guard, &instruments.lost).await
 }
 
@@ -243,7 +240,7 @@ where
 /// and let go by its settlement.
 async fn call_holding<S, C, F, D, Req>(
     config: Arc<LockLayer<C, F, D>>,
-    mut inner: S,
+    inner: S,
     (key, permits): (String, Option<u32>),
     token: crate::lock::Token,
     req: Req,
@@ -256,8 +253,7 @@ where
 {
     let ticket = config.locker.held_ticket(key, token, permits);
     let held = HeldLock::new(ticket, fence_issuer(&config));
-    let call = held.scope(async move { running.provide(|| inner.call(req)).await });
-    call.await.map(Outcome::Done).map_err(Into::into)
+    held.scope(call_ready(inner, req, running)).await
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or
@@ -272,7 +268,7 @@ where
 /// own branch: a slow renewal never holds back a handler that has finished.
 async fn hold<C, F, D, R>(
     config: &LockLayer<C, F, D>,
-    call: impl Future<Output = Result<R, BoxError>>,
+    call: impl Future<Output = Result<Outcome<R>, BoxError>>,
     lease: Lease,
     held: HeldLock,
     mut guard: ReleaseGuard<'_, C>,
@@ -318,7 +314,7 @@ where
                 lost.increment(1);
                 return Err(lock_lost(&held, true));
             }
-            result.map(Outcome::Done)
+            result
         }
         completed => {
             lost.increment(1);

@@ -66,14 +66,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Conn for C {}
 pub const MAX_CONCURRENCY: usize = 100_000;
 
 /// How a worker reads a service's response: whether the message was
-/// deferred (and is rescheduled already) or done.
-///
-/// Implemented for [`Outcome`] (what a [`LockLayer`](crate::LockLayer)
-/// returns) and for common plain responses (`()`, `bool`, `String`,
-/// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done.
-/// For a response type of your own, `impl WorkerResponse for MyType {}` says
-/// "done" (also inside an `Outcome`); for a foreign type, map it away with
-/// `ServiceBuilder::map_response(|_| ())`.
+/// deferred (and is rescheduled already) or done. Implemented for
+/// [`Outcome`] and for common plain responses (`()`, `bool`, `String`,
+/// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done;
+/// `impl WorkerResponse for MyType {}` says "done" for a type of your own,
+/// and `ServiceBuilder::map_response(|_| ())` maps a foreign type away.
 pub trait WorkerResponse {
     /// The id under which the message was deferred, if it was.
     fn deferred_as(&self) -> Option<&str> {
@@ -784,10 +781,7 @@ where
             }
             None => Some(Settlement::Ack(true)),
         },
-        Ok(Err(error)) => {
-            let error = error_chain(&*error.into());
-            Some(failure(&shared.config, token, error))
-        }
+        Ok(Err(error)) => Some(failure(&shared.config, token, error_chain(&*error.into()))),
         Err(panic) => {
             let error = format!("handler panicked: {}", panic_message(&*panic));
             Some(failure(&shared.config, token, error))
