@@ -28,9 +28,9 @@ pub struct Backoff {
     /// The cap of any wait.
     max: Duration,
     /// Tries in all, including the first; `None` for no limit.
-    max_attempts: Option<u32>,
+    pub(crate) max_attempts: Option<u32>,
     /// Total waiting allowed; `None` for no limit.
-    max_elapsed: Option<Duration>,
+    pub(crate) max_elapsed: Option<Duration>,
 }
 
 impl Backoff {
@@ -84,8 +84,7 @@ impl Backoff {
 
     /// A jittered wait for the `n`-th retry (from 0).
     pub fn delay(&self, n: u32) -> Duration {
-        let cap = self.cap(n);
-        cap.mul_f64(rand::random::<f64>())
+        self.cap(n).mul_f64(rand::random::<f64>())
     }
 
     /// The longest all waits together may take: the smaller of
@@ -135,15 +134,6 @@ impl Backoff {
             }
         }
         lo
-    }
-
-    /// The most tries allowed, when limited.
-    pub(crate) fn attempts_limit(&self) -> Option<u32> {
-        self.max_attempts
-    }
-
-    pub(crate) fn elapsed_limit(&self) -> Option<Duration> {
-        self.max_elapsed
     }
 
     /// The wait before try `tried + 1`, having tried `tried` times and waited

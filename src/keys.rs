@@ -18,15 +18,7 @@ pub(crate) fn tag(key: &str) -> Cow<'_, str> {
     if !key.contains(['}', '\\']) {
         return Cow::Borrowed(key);
     }
-    let mut out = String::with_capacity(key.len() + 4);
-    for c in key.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '}' => out.push_str("\\)"),
-            c => out.push(c),
-        }
-    }
-    Cow::Owned(out)
+    Cow::Owned(key.replace('\\', "\\\\").replace('}', "\\)"))
 }
 
 /// `<prefix>:<kind>:{<key>}`, the key's hash tag in braces, built by hand

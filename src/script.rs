@@ -38,19 +38,14 @@ pub(crate) async fn run<T: FromRedisValue>(
     match cmd.query_async(conn).await {
         // Boxed: the rare path keeps every caller's future small.
         Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            Box::pin(load_and_run(script, cmd, conn)).await
+            Box::pin(async {
+                script.prepare_invoke().load_async(conn).await?;
+                cmd.query_async(conn).await
+            })
+            .await
         }
         result => result,
     }
-}
-
-async fn load_and_run<T: FromRedisValue>(
-    script: &Script,
-    cmd: &Cmd,
-    conn: &mut (impl ConnectionLike + Send),
-) -> RedisResult<T> {
-    script.prepare_invoke().load_async(conn).await?;
-    cmd.query_async(conn).await
 }
 
 /// Sends `first`, then the `EVALSHA` `cmd` of `script`, in one round trip

@@ -9,14 +9,8 @@
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | `lockgate_messages_claimed_total` | counter | `queue` | messages a worker claimed |
-//! | `lockgate_messages_done_total` | counter | `queue` | handled and acknowledged |
-//! | `lockgate_messages_retried_total` | counter | `queue` | failed, scheduled for another attempt |
-//! | `lockgate_messages_deferred_total` | counter | `queue` | deferred because their key was busy (into the key's line included) |
-//! | `lockgate_messages_dead_total` | counter | `queue` | moved to the dead letters (stalled too often included) |
-//! | `lockgate_leases_lost_total` | counter | `queue` | claims that ran out while their handler ran |
-//! | `lockgate_messages_recovered_total` | counter | `queue` | messages of dead workers requeued or buried |
-//! | `lockgate_redis_errors_total` | counter | `queue` | Redis errors a worker met |
+//! | `lockgate_messages_claimed_total`, `_done_total`, `_retried_total`, `_deferred_total`, `_dead_total`, `_recovered_total` | counters | `queue` | what workers did with messages (a move into a key's line counts in `deferred`, stalled too often in `dead`) |
+//! | `lockgate_leases_lost_total`, `lockgate_redis_errors_total` | counters | `queue` | claims that ran out while their handler ran; Redis errors a worker met |
 //! | `lockgate_handler_duration_seconds` | histogram | `queue` | the service call, claim to outcome |
 //! | `lockgate_due_lag_seconds` | histogram | `queue` | from a message's due time (server clock) to its handler's start (this host's clock) |
 //! | `lockgate_queue_messages` | gauge | `queue`, `state` (`due`, `later`, `active`, `dead`) | sampled by each worker (`Worker::sample_every`) |

@@ -104,22 +104,10 @@ impl<'a, C: ConnectionLike + Clone + Send + Sync + 'static> Contention<'a, C> {
         &mut self,
         local: &Arc<LocalQueues>,
     ) -> crate::Result<Result<Option<Turn>, Contended>> {
-        let turn = match self.retry {
-            None => None,
-            Some(backoff) => match self.wait_locally(local, backoff).await? {
-                Ok(turn) => Some(turn),
-                Err(busy) => return Ok(Err(busy)),
-            },
+        let Some(backoff) = self.retry else {
+            self.guard.ticket = Some(self.ticket.clone());
+            return Ok(Ok(None));
         };
-        self.guard.ticket = Some(self.ticket.clone());
-        Ok(Ok(turn))
-    }
-
-    async fn wait_locally(
-        &mut self,
-        local: &Arc<LocalQueues>,
-        backoff: Backoff,
-    ) -> crate::Result<Result<Turn, Contended>> {
         let ticket = &self.ticket;
         // Keyed by the Redis key: a key's lock and its permits are
         // separate, and a key with n permits lets n callers through.
@@ -147,10 +135,11 @@ impl<'a, C: ConnectionLike + Clone + Send + Sync + 'static> Contention<'a, C> {
         if turn.waited() {
             self.contended = true;
             let waited = self.started.map_or(Duration::ZERO, |s| s.elapsed());
-            let left_one = backoff.attempts_limit().map_or(u32::MAX, |n| n - 1);
+            let left_one = backoff.max_attempts.map_or(u32::MAX, |n| n - 1);
             self.tries = backoff.tries_covered(waited).min(left_one);
         }
-        Ok(Ok(turn))
+        self.guard.ticket = Some(self.ticket.clone());
+        Ok(Ok(Some(turn)))
     }
 
     /// One try on Redis: the plain `SET NX PX` first, the contend script
@@ -220,22 +209,17 @@ impl<'a, C: ConnectionLike + Clone + Send + Sync + 'static> Contention<'a, C> {
         let Some(backoff) = self.retry else {
             return Next::GiveUp;
         };
-        match self.wake.listener(self.locker) {
-            Some(listener) => self.wait_woken(backoff, &listener, busy).await,
-            None => match self
-                .started
-                .and_then(|s| backoff.next(self.tries, s.elapsed()))
-            {
-                // Everything since the call started counts against
-                // `max_elapsed`.
-                Some(delay) => {
-                    tracing::trace!(key = %busy.key(), tries = self.tries, ?delay, "lock busy; retrying");
-                    tokio::time::sleep(delay).await;
-                    Next::Try
-                }
-                None => Next::GiveUp,
-            },
+        if let Some(listener) = self.wake.listener(self.locker) {
+            return self.wait_woken(backoff, &listener, busy).await;
         }
+        // Everything since the call started counts against `max_elapsed`.
+        let waited = self.started.map(|s| s.elapsed());
+        let Some(delay) = waited.and_then(|waited| backoff.next(self.tries, waited)) else {
+            return Next::GiveUp;
+        };
+        tracing::trace!(key = %busy.key(), tries = self.tries, ?delay, "lock busy; retrying");
+        tokio::time::sleep(delay).await;
+        Next::Try
     }
 
     /// Waits for the release, or the holder's lease to run out (it died),

@@ -49,9 +49,7 @@ impl std::fmt::Debug for HeldLock {
 struct State {
     /// The user's key, with the lock's Redis key, token and fence.
     ticket: Arc<Ticket>,
-    /// Issues the fence on first use.
     issue_fence: IssueFence,
-    /// Set once the lock counts as lost (see [`HeldLock::lost`]).
     lost: AtomicBool,
     /// Wakes [`HeldLock::lost`] waiters.
     notify: Notify,
@@ -113,11 +111,9 @@ impl HeldLock {
     /// that must not continue without the lock.
     ///
     /// The lock is lost when Redis answers a renewal that it is not this
-    /// call's any more (it expired, or another holder has it), or when the
-    /// lease's conservative expiry (the time the last confirmed acquire or
-    /// renewal was sent, plus the TTL) passes without a confirmed renewal,
-    /// also while a renewal is still waiting for its reply. From that moment
-    /// another process may hold the key. Lost is final.
+    /// call's any more, or when the lease's conservative expiry passes
+    /// without a confirmed renewal (the README's "The LockLayer", renewal):
+    /// from that moment another process may hold the key. Lost is final.
     pub async fn lost(&self) {
         loop {
             let notified = self.0.notify.notified();

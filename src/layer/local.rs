@@ -84,10 +84,10 @@ impl Drop for Turn {
         self.queue = None;
         let mut map = self.queues.map();
         // Only the map's own reference left: nobody waits on this key.
-        if map
+        let unused = map
             .get(&self.key)
-            .is_some_and(|q| Arc::strong_count(q) == 1)
-        {
+            .is_some_and(|q| Arc::strong_count(q) == 1);
+        if unused {
             map.remove(&self.key);
         }
     }

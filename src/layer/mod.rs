@@ -73,14 +73,11 @@ pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
 /// fresh one.
 ///
 /// For consumers of a broker that redelivers what was not acknowledged
-/// (NATS JetStream, SQS, Kafka after a rebalance): give each message its
-/// broker identity (stream and sequence, say), and a copy redelivered after
-/// a crash between the deferral and the acknowledgement finds the deferred
-/// message still waiting and is not pushed twice ([`Queue::push_with`]
-/// adds nothing for an id that exists; a message that already ran and was
-/// acknowledged has no id left, so a redelivery then is pushed and handled
-/// again: at least once). The layer answers [`Outcome::Deferred`] either
-/// way, so the consumer acknowledges the copy.
+/// (NATS JetStream, SQS, Kafka): give each message its broker identity, and
+/// a copy redelivered after a crash between the deferral and the
+/// acknowledgement is not pushed twice ([`Queue::push_with`] adds nothing
+/// for an id that exists); the layer answers [`Outcome::Deferred`] either
+/// way. See the README's "The worker" (a broker in front).
 ///
 /// ```no_run
 /// # async fn demo<S: tower::Service<String>>(mut service: S) -> Result<(), S::Error> {
@@ -173,12 +170,6 @@ impl LockKey for String {
     }
 }
 
-impl LockKey for &'static str {
-    fn into_lock_key(self) -> Option<String> {
-        Some(self.to_owned())
-    }
-}
-
 impl<K: LockKey> LockKey for Option<K> {
     fn into_lock_key(self) -> Option<String> {
         self.and_then(LockKey::into_lock_key)
@@ -189,7 +180,8 @@ impl<K: LockKey> LockKey for Option<K> {
     }
 }
 
-macro_rules! int_keys {
+/// Keys that are their `Display` text.
+macro_rules! display_keys {
     ($($t:ty),*) => {$(
         impl LockKey for $t {
             fn into_lock_key(self) -> Option<String> {
@@ -198,7 +190,8 @@ macro_rules! int_keys {
         }
     )*};
 }
-int_keys!(
+display_keys!(&'static str);
+display_keys!(
     u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize
 );
 
@@ -211,7 +204,22 @@ int_keys!(
 /// two layers on two connections, in two processes, exclude each other as
 /// long as they use the same Redis and key prefix.
 pub struct LockLayer<C, F, D = Fail> {
-    config: Config<C, F, D>,
+    locker: Locker<C>,
+    key_fn: Arc<F>,
+    on_conflict: OnConflict<D>,
+    on_lost: OnLost,
+    /// This process's waiters per key (used under `retry`).
+    local: Arc<local::LocalQueues>,
+    /// What wakes waiters under `retry` when the key is released.
+    wake: Wake,
+    /// Issues fences for `HeldLock::fence` (made on first use: it needs
+    /// the connection bounds the constructors do not ask for).
+    issue_fence: std::sync::OnceLock<context::IssueFence>,
+    /// Permits per key (`None`: a lock), unless the key says otherwise.
+    permits: Option<u32>,
+    /// The layer's instruments in the `metrics` facade, registered at the
+    /// first call (shared by the layer's clones).
+    instruments: Arc<std::sync::OnceLock<crate::telemetry::LockInstruments>>,
 }
 
 /// What wakes a layer's waiters under `retry`.
@@ -220,7 +228,6 @@ pub(crate) enum Wake {
     /// The locker's own listener, if it has one (see `Locker::connect`);
     /// else nothing: waiters poll.
     Locker,
-    /// This listener.
     Listener(crate::ReleaseListener),
     /// Nothing: waiters poll (`LockLayer::poll_only`).
     Poll,
@@ -240,31 +247,7 @@ impl Wake {
     }
 }
 
-/// Everything a [`Lock`] service needs, shared by its clones.
-pub(crate) struct Config<C, F, D> {
-    /// Takes and releases the locks.
-    pub(crate) locker: Locker<C>,
-    /// Maps a request to its key.
-    pub(crate) key_fn: Arc<F>,
-    /// What to do when the key is busy.
-    pub(crate) on_conflict: OnConflict<D>,
-    /// What to do when the lock is lost mid-call.
-    pub(crate) on_lost: OnLost,
-    /// This process's waiters per key (used under `retry`).
-    pub(crate) local: Arc<local::LocalQueues>,
-    /// What wakes waiters under `retry` when the key is released.
-    pub(crate) wake: Wake,
-    /// Issues fences for `HeldLock::fence` (made on first use: it needs
-    /// the connection bounds the constructors do not ask for).
-    pub(crate) issue_fence: std::sync::OnceLock<context::IssueFence>,
-    /// Permits per key (`None`: a lock), unless the key says otherwise.
-    pub(crate) permits: Option<u32>,
-    /// The layer's instruments in the `metrics` facade, registered at the
-    /// first call (shared by the layer's clones).
-    pub(crate) instruments: Arc<std::sync::OnceLock<crate::telemetry::LockInstruments>>,
-}
-
-impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
+impl<C: Clone, F, D: Clone> Clone for LockLayer<C, F, D> {
     fn clone(&self) -> Self {
         Self {
             locker: self.locker.clone(),
@@ -280,9 +263,9 @@ impl<C: Clone, F, D: Clone> Clone for Config<C, F, D> {
     }
 }
 
-impl<C, F, D: std::fmt::Debug> std::fmt::Debug for Config<C, F, D> {
+impl<C, F, D: std::fmt::Debug> std::fmt::Debug for LockLayer<C, F, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Config")
+        f.debug_struct("LockLayer")
             .field("locker", &self.locker)
             .field("on_conflict", &self.on_conflict)
             .field("on_lost", &self.on_lost)
@@ -291,98 +274,58 @@ impl<C, F, D: std::fmt::Debug> std::fmt::Debug for Config<C, F, D> {
     }
 }
 
-impl<C: Clone, F, D: Clone> Clone for LockLayer<C, F, D> {
-    fn clone(&self) -> Self {
-        Self {
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<C, F, D: std::fmt::Debug> std::fmt::Debug for LockLayer<C, F, D> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LockLayer")
-            .field("config", &self.config)
-            .finish()
-    }
-}
-
 impl<C, F> LockLayer<C, F, Fail> {
     /// Locks each request on the key `key_fn` returns for it. Fails at once
     /// on a busy key until [`on_conflict`](Self::on_conflict) says otherwise.
     pub fn new(locker: Locker<C>, key_fn: F) -> Self {
         Self {
-            config: Config {
-                locker,
-                key_fn: Arc::new(key_fn),
-                on_conflict: OnConflict::fail(),
-                on_lost: OnLost::default(),
-                local: Default::default(),
-                wake: Wake::Locker,
-                issue_fence: Default::default(),
-                permits: None,
-                instruments: Default::default(),
-            },
+            locker,
+            key_fn: Arc::new(key_fn),
+            on_conflict: OnConflict::fail(),
+            on_lost: OnLost::default(),
+            local: Default::default(),
+            wake: Wake::Locker,
+            issue_fence: Default::default(),
+            permits: None,
+            instruments: Default::default(),
         }
     }
 }
 
 impl<C, F, D> LockLayer<C, F, D> {
     /// Sets what happens when a request's key is busy.
-    pub fn on_conflict<D2>(self, strategy: OnConflict<D2>) -> LockLayer<C, F, D2> {
-        let Config {
-            locker,
-            key_fn,
-            on_lost,
-            local,
-            wake,
-            issue_fence,
-            permits,
-            instruments,
-            ..
-        } = self.config;
+    pub fn on_conflict<D2>(self, on_conflict: OnConflict<D2>) -> LockLayer<C, F, D2> {
         LockLayer {
-            config: Config {
-                locker,
-                key_fn,
-                on_conflict: strategy,
-                on_lost,
-                local,
-                wake,
-                issue_fence,
-                permits,
-                instruments,
-            },
+            locker: self.locker,
+            key_fn: self.key_fn,
+            on_conflict,
+            on_lost: self.on_lost,
+            local: self.local,
+            wake: self.wake,
+            issue_fence: self.issue_fence,
+            permits: self.permits,
+            instruments: self.instruments,
         }
     }
 
     /// Sets what happens to a handler whose lock is lost while it runs.
     pub fn on_lost(mut self, on_lost: OnLost) -> Self {
-        self.config.on_lost = on_lost;
+        self.on_lost = on_lost;
         self
     }
 
     /// Wakes waiters under [`OnConflict::retry`] when the lock they wait
     /// for is released, by any process, instead of polling with backoff.
     ///
-    /// A waiter then sends nothing to Redis while the holder is alive: it
-    /// marks the lock, and sleeps until the release publishes (about one
-    /// round trip after it) or the holder's TTL ends (a holder that died).
-    /// The backoff still bounds the wait, by time: `max_elapsed`, or the
-    /// time the waits of `max_attempts` would take (see
-    /// [`Backoff::budget`](crate::Backoff::budget)); wake-ups that lose the
-    /// race to another waiter are not counted as attempts. While the
-    /// listener's connection is down, waiters poll with the backoff.
-    ///
-    /// Processes that release a lock need no listener: the release script
-    /// publishes by itself. See [`ReleaseListener`](crate::ReleaseListener).
-    ///
-    /// A locker made by [`Locker::connect`] or [`Locker::connect_cluster`]
-    /// brings its own listener, which the layer uses by default: call this
-    /// only to share one listener between lockers made by
-    /// [`Locker::new`], or to use another connection.
+    /// The backoff still bounds the wait, by time (see
+    /// [`Backoff::budget`](crate::Backoff::budget)); while the listener's
+    /// connection is down, waiters poll with it. A locker made by
+    /// [`Locker::connect`] or [`Locker::connect_cluster`] brings its own
+    /// listener, used by default: call this only to share one listener
+    /// between lockers made by [`Locker::new`], or to use another
+    /// connection. See the README's "The LockLayer" (wake on release).
     pub fn wake_on_release(mut self, listener: crate::ReleaseListener) -> Self {
-        self.config.wake = Wake::Listener(listener);
+        self.wake = Wake::Listener(listener);
         self
     }
 
@@ -391,7 +334,7 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// [`wake_on_release`](Self::wake_on_release)). For tests and
     /// comparisons; waking is cheaper and faster.
     pub fn poll_only(mut self) -> Self {
-        self.config.wake = Wake::Poll;
+        self.wake = Wake::Poll;
         self
     }
 
@@ -400,26 +343,14 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// [`lock::permits`](crate::lock::permits)). A key function that
     /// returns [`Permits`] sets the count per request instead.
     ///
-    /// Everything else is as for a lock: each permit is leased for the
-    /// locker's TTL and renewed by the watchdog while its call runs,
-    /// released when the call ends, and comes back when its lease ends if
-    /// its holder died; [`HeldLock`] gives the handler its key, fence and
-    /// [`lost`](HeldLock::lost). When all are taken, the strategy applies:
-    /// `fail` with [`Contended::retry_after`](crate::Contended::retry_after)
-    /// the time until the first holder's lease ends, `retry` (woken by a
-    /// release under [`wake_on_release`](Self::wake_on_release): a
-    /// release hands its permit to the first waiter in line), a timed
-    /// `defer`, or a place in the key's line until a permit frees
-    /// ([`DeferDelay::until_released`](crate::layer::DeferDelay::until_released)).
-    ///
-    /// One key shared by every call makes a global limit: "at most 20
-    /// handlers of this queue across the fleet" is
-    /// `LockLayer::new(locker, |_: &Job| "emails").permits(20)`.
-    ///
-    /// Errors on 0, or more than
+    /// Everything else is as for a lock (lease, watchdog, release,
+    /// [`HeldLock`], the strategy when all are taken). One key shared by
+    /// every call makes a global limit:
+    /// `LockLayer::new(locker, |_: &Job| "emails").permits(20)`. See the
+    /// README's "Permits". Errors on 0, or more than
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS).
     pub fn permits(mut self, permits: u32) -> crate::Result<Self> {
-        self.config.permits = Some(crate::lock::permits::check_permits(permits)?);
+        self.permits = Some(crate::lock::permits::check_permits(permits)?);
         Ok(self)
     }
 }
@@ -428,6 +359,6 @@ impl<S, C: Clone, F, D: Clone> tower::Layer<S> for LockLayer<C, F, D> {
     type Service = Lock<S, C, F, D>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Lock::new(inner, Arc::new(self.config.clone()))
+        Lock::new(inner, Arc::new(self.clone()))
     }
 }

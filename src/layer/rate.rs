@@ -53,25 +53,15 @@ impl RateSlot {
 
 /// Admits at most r calls per period per key, cluster-wide (see
 /// [`lock::rate`](crate::lock::rate) for how), and applies an
-/// [`OnConflict`] strategy to the calls over the limit:
-///
-/// * `fail()`: [`Contended`](crate::Contended), whose `retry_after` is
-///   exactly when the next slot opens;
-/// * `retry(backoff)`: waits exactly until then and asks again (calls that
-///   come meanwhile may take the slot), within the backoff's budget
-///   (`max_attempts` counts the asks, `max_elapsed` the time); the backoff's
-///   own delays are not used;
-/// * `then_defer(queue, DeferDelay::until_allowed())`: the message goes back
-///   to the queue until its slot, and the slot is **reserved** for it: it
-///   runs in the period it was deferred to. (Other delays defer without a
-///   reservation.) `DeferDelay::until_released()` is for locks: it fails
-///   the call with [`Error::Config`](crate::Error::Config).
-///
-/// It only admits: nothing is held while the handler runs. Stack it with a
-/// [`LockLayer`](crate::LockLayer) (outside it, so that a call over the rate
-/// waits or is deferred before it takes a lock or a permit) for "at most n
-/// at a time and at most r per second" per key. A key function returning
-/// `None` calls through without a limit.
+/// [`OnConflict`] strategy to the calls over the limit: `fail()` answers
+/// [`Contended`](crate::Contended) whose `retry_after` is exactly when the
+/// next slot opens; `retry` waits until then, within the backoff's budget;
+/// `then_defer(queue, DeferDelay::until_allowed())` reserves the slot for
+/// the message. `DeferDelay::until_released()` fails the call with
+/// [`Error::Config`](crate::Error::Config). Nothing is held while the
+/// handler runs: stack it outside a [`LockLayer`](crate::LockLayer) for "at
+/// most n at a time and at most r per second" per key. A key function
+/// returning `None` calls through. See the README's "Rate limits per key".
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -270,9 +260,9 @@ where
         if let Some(backoff) = retry {
             // Again exactly when the slot opens, if the budget allows a try
             // then.
-            let within_attempts = backoff.attempts_limit().is_none_or(|n| tries < n);
+            let within_attempts = backoff.max_attempts.is_none_or(|n| tries < n);
             let within_time = backoff
-                .elapsed_limit()
+                .max_elapsed
                 .is_none_or(|limit| started.elapsed() + wait <= limit);
             if within_attempts && within_time {
                 tracing::trace!(%key, tries, ?wait, "over the rate; waiting for the next slot");
@@ -300,9 +290,6 @@ where
         at: server_time(at),
     };
     let call = running.provide(|| inner.call(req));
-    CURRENT
-        .scope(slot, call)
-        .await
-        .map(Outcome::Done)
-        .map_err(Into::into)
+    let done = CURRENT.scope(slot, call).await;
+    done.map(Outcome::Done).map_err(Into::into)
 }

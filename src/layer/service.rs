@@ -14,20 +14,21 @@ use super::context::HeldLock;
 use super::error::LockLost;
 use super::future::ResponseFuture;
 use super::strategy::GiveUp;
-use super::{Config, LockKey, OnLost};
+use super::{LockKey, LockLayer, OnLost};
 use crate::BoxError;
 use crate::lock::{Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
 use crate::queue::Handoff;
+use crate::telemetry::LockInstruments;
 use futures_util::future::BoxFuture;
 
 /// Runs the inner service while holding a per-key lock. Made by
 /// [`LockLayer`](super::LockLayer).
 pub struct Lock<S, C, F, D> {
-    /// The wrapped service.
     inner: S,
-    /// Locker, key function and strategy, shared by all clones.
-    config: Arc<Config<C, F, D>>,
+    /// The layer that made it (locker, key function, strategy), shared by
+    /// all clones.
+    config: Arc<LockLayer<C, F, D>>,
 }
 
 impl<S: Clone, C, F, D> Clone for Lock<S, C, F, D> {
@@ -49,7 +50,7 @@ impl<S: std::fmt::Debug, C, F, D: std::fmt::Debug> std::fmt::Debug for Lock<S, C
 }
 
 impl<S, C, F, D> Lock<S, C, F, D> {
-    pub(crate) fn new(inner: S, config: Arc<Config<C, F, D>>) -> Self {
+    pub(crate) fn new(inner: S, config: Arc<LockLayer<C, F, D>>) -> Self {
         Self { inner, config }
     }
 
@@ -131,7 +132,7 @@ where
 
 /// Acquire (waiting as configured), call while holding, release.
 async fn locked_call<S, C, F, D, Req>(
-    config: Arc<Config<C, F, D>>,
+    config: Arc<LockLayer<C, F, D>>,
     inner: S,
     key: String,
     permits: Option<u32>,
@@ -148,9 +149,7 @@ where
     if let Some(token) = claimed_with_lock(&running, locker, &key, permits) {
         return call_holding(config, inner, (key, permits), token, req, running).await;
     }
-    let instruments = config
-        .instruments
-        .get_or_init(crate::telemetry::LockInstruments::register);
+    let instruments = config.instruments.get_or_init(LockInstruments::register);
     let ticket = match permits {
         Some(permits) => locker.permit_ticket(key, permits)?,
         None => locker.ticket(key)?,
@@ -183,28 +182,15 @@ where
     let held = HeldLock::new(lease.ticket().clone(), fence_issuer(&config));
     // The running job, if this layer took it and did not need it, goes on to
     // the layers inside: one of them may defer the job in place.
-    let mut inner = inner;
-    let call = held.clone().scope(async move {
-        let call = running.provide(|| inner.call(req));
-        call.await.map_err(Into::<BoxError>::into)
-    });
-    hold(
-        locker,
-        config.on_lost,
-        call,
-        lease,
-        held,
-        guard,
-        &instruments.lost,
-    )
-    .await
+    let call = held.clone().scope(call_ready(inner, req, running));
+    hold(&config, call, lease, held, guard, &instruments.lost).await
 }
 
 /// The strategy's last step for a call whose key stayed busy: fail, or
 /// defer (answered `Outcome::Deferred`).
 async fn give_up<C, F, D, Req, R>(
-    config: &Config<C, F, D>,
-    instruments: &crate::telemetry::LockInstruments,
+    config: &LockLayer<C, F, D>,
+    instruments: &LockInstruments,
     req: Req,
     running: Handoff,
     busy: crate::Contended,
@@ -218,21 +204,18 @@ where
 }
 
 /// Issues the fences of [`HeldLock::fence`].
-fn fence_issuer<C, F, D>(config: &Config<C, F, D>) -> super::context::IssueFence
+fn fence_issuer<C, F, D>(config: &LockLayer<C, F, D>) -> super::context::IssueFence
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let locker = &config.locker;
-    config
-        .issue_fence
-        .get_or_init(|| {
+    let issue = config.issue_fence.get_or_init(|| {
+        let locker = config.locker.clone();
+        Arc::new(move |ticket| {
             let locker = locker.clone();
-            Arc::new(move |ticket| {
-                let locker = locker.clone();
-                Box::pin(async move { locker.fence_ticket(&ticket).await })
-            })
+            Box::pin(async move { locker.fence_ticket(&ticket).await })
         })
-        .clone()
+    });
+    issue.clone()
 }
 
 /// The token of the lock on `key` (one of its `permits`), when the
@@ -256,8 +239,8 @@ where
 /// key's lock: the lock is held already, renewed with the message's lease
 /// and let go by its settlement.
 async fn call_holding<S, C, F, D, Req>(
-    config: Arc<Config<C, F, D>>,
-    mut inner: S,
+    config: Arc<LockLayer<C, F, D>>,
+    inner: S,
     (key, permits): (String, Option<u32>),
     token: crate::lock::Token,
     req: Req,
@@ -270,8 +253,7 @@ where
 {
     let ticket = config.locker.held_ticket(key, token, permits);
     let held = HeldLock::new(ticket, fence_issuer(&config));
-    let call = held.scope(async move { running.provide(|| inner.call(req)).await });
-    call.await.map(Outcome::Done).map_err(Into::into)
+    held.scope(call_ready(inner, req, running)).await
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or
@@ -284,10 +266,9 @@ where
 /// renewal is still in flight (a hung connection, a partition): another
 /// process may hold the key by then. Renewal runs beside the call, as its
 /// own branch: a slow renewal never holds back a handler that has finished.
-async fn hold<C, R>(
-    locker: &Locker<C>,
-    on_lost: OnLost,
-    call: impl Future<Output = Result<R, BoxError>>,
+async fn hold<C, F, D, R>(
+    config: &LockLayer<C, F, D>,
+    call: impl Future<Output = Result<Outcome<R>, BoxError>>,
     lease: Lease,
     held: HeldLock,
     mut guard: ReleaseGuard<'_, C>,
@@ -296,6 +277,7 @@ async fn hold<C, R>(
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    let (locker, on_lost) = (&config.locker, config.on_lost);
     tokio::pin!(call);
     // A lease whose renewal is due already (one handed over by a release,
     // which lasts the hand-off time: see `Locker::handed`) is renewed to a
@@ -303,12 +285,7 @@ where
     // even while the handler holds this thread.
     let ttl = locker.lease_ttl();
     let early = (lease.expires_at() <= Instant::now() + (ttl - ttl / 3)).then(|| {
-        let (locker, ticket) = (locker.clone(), lease.ticket().clone());
-        let renewal = tokio::spawn(async move {
-            // Taken before the request leaves: conservative.
-            let sent = Instant::now();
-            (locker.extend_ticket(&ticket, ttl).await, sent)
-        });
+        let renewal = tokio::spawn(renew(locker, lease.ticket(), ttl));
         Box::pin(async move {
             renewal.await.unwrap_or_else(|_| {
                 let failed = redis::RedisError::from((redis::ErrorKind::Io, "renewal task failed"));
@@ -335,14 +312,9 @@ where
             if guard.release(Some(expires_at)).await == Some(false) {
                 held.mark_lost();
                 lost.increment(1);
-                return Err(LockLost {
-                    key: held.key().to_owned(),
-                    fence: held.issued_fence(),
-                    completed: true,
-                }
-                .into());
+                return Err(lock_lost(&held, true));
             }
-            result.map(Outcome::Done)
+            result
         }
         completed => {
             lost.increment(1);
@@ -355,14 +327,19 @@ where
             // releases it in the background (token-checked, a no-op if it
             // is gone), so that a hung connection does not delay the report.
             drop(guard);
-            Err(LockLost {
-                key: held.key().to_owned(),
-                fence: held.issued_fence(),
-                completed: completed.is_some(),
-            }
-            .into())
+            Err(lock_lost(&held, completed.is_some()))
         }
     }
+}
+
+fn lock_lost(held: &HeldLock, completed: bool) -> BoxError {
+    let (key, fence) = (held.key().to_owned(), held.issued_fence());
+    LockLost {
+        key,
+        fence,
+        completed,
+    }
+    .into()
 }
 
 /// Renews the lease while the handler's `call` runs (see [`hold`]); returns
@@ -413,16 +390,28 @@ where
                 }
             }
             () = tokio::time::sleep_until(lease_clock.renew_at), if renewal.is_none() && !held.is_lost() => {
-                let (locker, ticket) = (locker.clone(), lease.ticket().clone());
-                renewal = Some(Box::pin(async move {
-                    // Taken before the request leaves: conservative.
-                    let sent = Instant::now();
-                    (locker.extend_ticket(&ticket, ttl).await, sent)
-                }));
+                renewal = Some(Box::pin(renew(locker, lease.ticket(), ttl)));
             }
         }
     };
     (result, lease_clock.expires_at, confirmed_lost)
+}
+
+/// Renews `ticket`'s lock to `ttl`; answers with the time the request was
+/// sent, taken before it leaves: the lease's conservative start.
+fn renew<C>(
+    locker: &Locker<C>,
+    ticket: &Arc<Ticket>,
+    ttl: Duration,
+) -> impl Future<Output = (crate::Result<bool>, Instant)> + Send + 'static
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let (locker, ticket) = (locker.clone(), ticket.clone());
+    async move {
+        let sent = Instant::now();
+        (locker.extend_ticket(&ticket, ttl).await, sent)
+    }
 }
 
 /// When a held lock's lease runs out by this process's clock, and when to
@@ -440,15 +429,14 @@ impl LeaseClock {
             expires_at,
             renew_at: expires_at,
         };
-        clock.renew_at = clock.renew_time();
+        clock.expire_at(expires_at);
         clock
     }
 
-    fn renew_time(&self) -> Instant {
+    fn expire_at(&mut self, expires_at: Instant) {
+        self.expires_at = expires_at;
         let ahead = self.ttl - self.ttl / 3;
-        self.expires_at
-            .checked_sub(ahead)
-            .unwrap_or(self.expires_at)
+        self.renew_at = expires_at.checked_sub(ahead).unwrap_or(expires_at);
     }
 
     /// Takes in a renewal's answer (sent at `sent`); returns whether Redis
@@ -459,8 +447,7 @@ impl LeaseClock {
                 // The server ran it at `sent` or later: its TTL runs out no
                 // earlier than this. (If that is past already, the deadline
                 // branch fires next.)
-                self.expires_at = sent + self.ttl;
-                self.renew_at = self.renew_time();
+                self.expire_at(sent + self.ttl);
                 false
             }
             Ok(false) => {

@@ -7,6 +7,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use self::sealed::Sealed as _;
 use super::error::{ClaimLost, TooManyDeferrals};
 use crate::BoxError;
 use crate::backoff::Backoff;
@@ -84,15 +85,12 @@ impl OnConflict<Fail> {
     /// [`Outcome::Deferred`](crate::Outcome::Deferred). A [`Worker`](crate::Worker)
     /// on that queue, running the same service, brings it back.
     ///
-    /// When the request is a [`Job`] claimed from `queue` itself, or the
-    /// request of a job that a `Worker` on `queue` is running (its jobs
-    /// mapped, say with `Job::into_payload`, before this layer), that job is
-    /// rescheduled in place: one script, same id, same stored bytes, and it
-    /// counts a deferral, not a failed attempt. The running job is known by
-    /// its claim, which the worker hands to the first `LockLayer` its request
-    /// passes, not by the request's bytes. Any other request (a handler's own
-    /// calls through another `LockLayer`, a `Defer` into another queue) is
-    /// pushed as a new message, which needs `Req: Serialize`.
+    /// A [`Job`] claimed from `queue`, or the request of a job a `Worker` on
+    /// `queue` is running, is rescheduled in place: one script, same id,
+    /// same stored bytes, counting a deferral, not a failed attempt. Any
+    /// other request is pushed as a new message, which needs
+    /// `Req: Serialize`. See the README's "The worker" (how in-place
+    /// deferral finds the job).
     pub fn defer<T, C>(
         queue: Queue<T, C>,
         delay: impl Into<DeferDelay>,
@@ -117,9 +115,7 @@ pub struct Fail;
 
 /// Give up by scheduling the message into a delay queue.
 pub struct Defer<T, C> {
-    /// Where deferred messages go.
     queue: Queue<T, C>,
-    /// How long they wait.
     delay: DeferDelay,
     /// Deferrals allowed per claimed job.
     max_deferrals: Option<u32>,
@@ -168,11 +164,10 @@ pub enum DeferDelay {
 impl DeferDelay {
     /// Until the key allows the call, exactly: for a
     /// [`RateLimitLayer`](crate::layer::RateLimitLayer), when the next slot
-    /// opens, and the slot is reserved for the message (it comes back and
-    /// runs in it, however many calls come meanwhile; this needs a
-    /// [`Worker`](crate::Worker) on the queue the message is deferred
-    /// into, else the message is pushed anew and takes its chances); for a
-    /// lock or permits, when the holder's lease ends (at least 1 ms).
+    /// opens, and the slot is reserved for the message (if a
+    /// [`Worker`](crate::Worker) on the queue runs it, else it is pushed
+    /// anew); for a lock or permits, when the holder's lease ends (at least
+    /// 1 ms).
     pub fn until_allowed() -> Self {
         DeferDelay::UntilAllowed
     }
@@ -183,20 +178,12 @@ impl DeferDelay {
     }
 
     /// Into the key's line in the queue (see
-    /// [`PushOptions::key`](crate::queue::PushOptions::key)), where it is
-    /// claimed when the key is free: the key's messages deferred this way
-    /// are claimed one at a time, in the order they joined, each with the
-    /// key's lock, the one every `Locker` and `LockLayer` takes (or one of
-    /// its permits, with [`LockLayer::permits`](crate::LockLayer::permits)),
-    /// and the layer over it uses that lock instead of contending again.
-    /// Nothing is claimed while the key is busy: no deferral counts after
-    /// the first, and the release (heard by the worker's listener) makes
-    /// the next one claimable at once. A message a worker of the queue is
-    /// running moves into the line under its id, its counts kept (it loses
-    /// a priority: a key's messages start in line order); any other request
-    /// is pushed into the line. Needs a [`Worker`](crate::Worker) on the
-    /// queue. For locks only: a [`RateLimitLayer`](crate::layer::RateLimitLayer)
-    /// refuses it (use [`until_allowed`](Self::until_allowed)).
+    /// [`PushOptions::key`](crate::queue::PushOptions::key)): claimed when
+    /// the key is free, one at a time, in line order, each with the key's
+    /// lock (or one of its permits), which the layer over it uses instead
+    /// of contending again. Needs a [`Worker`](crate::Worker) on the queue.
+    /// For locks only: a [`RateLimitLayer`](crate::layer::RateLimitLayer)
+    /// refuses it. See the README's "The LockLayer" (into the key's line).
     pub fn until_released() -> Self {
         DeferDelay::UntilReleased
     }
@@ -293,97 +280,32 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     fn give_up(&self, req: T, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
-        let queue = self.queue.clone();
-        let delay = self.delay.resolve(&busy);
-        let max_deferrals = self.max_deferrals;
-        let into_line = self.delay == DeferDelay::UntilReleased;
+        let defer = self.clone();
         // The job a Worker is running, handed to this layer by its claim
         // (see `RunningJob`): when it was claimed from this very queue, this
         // request is its payload (mapped before this layer), and the job is
         // deferred in place: same id, counts and stored bytes. Identity is
         // the claim, never the payload's bytes, which another producer may
         // have written differently. Anything else is pushed as a new message.
-        let running = RunningJob::take().filter(|job| &job.queue == queue.keys());
+        let running = RunningJob::take().filter(|job| &job.queue == self.queue.keys());
         // The id a consumer gave the message (`with_message_id`), for a new
         // message: a redelivered copy finds it and is not pushed twice.
         let id = crate::queue::take_message_id();
         Box::pin(async move {
+            let delay = defer.delay.resolve(&busy);
             if let Some(job) = running {
-                let to = (delay, into_line);
-                return defer_in_place(&queue, &job.token, job.deferrals, max_deferrals, &busy, to)
-                    .await;
+                let deferred = defer.in_place(&job.token, job.deferrals, &busy, delay);
+                return deferred.await;
             }
-            let mut options = line_options(&busy, delay, into_line);
+            let mut options = defer.push_options(&busy, delay);
             if let Some(id) = id {
                 options = options.id(id);
             }
-            let pushed = queue.push_with(req, options).await?;
+            let pushed = defer.queue.push_with(req, options).await?;
             let due = pushed.due.unwrap_or_else(SystemTime::now);
             tracing::debug!(key = %busy.key(), id = %pushed.id, ?delay, "deferred");
             Ok((pushed.id, due))
         })
-    }
-}
-
-/// How a new message deferred on `busy` is pushed: due after `delay`, or
-/// into its key's line (`into_line`: `DeferDelay::until_released`).
-fn line_options(busy: &Contended, delay: Duration, into_line: bool) -> PushOptions {
-    let options = PushOptions::new().after(delay);
-    match (into_line, busy.permits()) {
-        (false, _) => options,
-        (true, None) => options.key(busy.key()),
-        (true, Some(n)) => options.key(busy.key()).permits(n),
-    }
-}
-
-/// Defers a claimed job in place, within its deferral cap: rescheduled
-/// after `delay` (one script), or moved into its key's line (`into_line`).
-async fn defer_in_place<T, C>(
-    queue: &Queue<T, C>,
-    token: &ClaimToken,
-    deferrals: u32,
-    max_deferrals: Option<u32>,
-    busy: &Contended,
-    (delay, into_line): (Duration, bool),
-) -> Result<Deferral, BoxError>
-where
-    T: Serialize + DeserializeOwned,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    if max_deferrals.is_some_and(|max| deferrals >= max) {
-        return Err(TooManyDeferrals {
-            id: token.id().to_owned(),
-            key: busy.key().to_owned(),
-            deferrals,
-        }
-        .into());
-    }
-    // A job claimed with its key's lock keeps its place in its own line; an
-    // unkeyed one a `LockLayer` found busy moves into its key's line.
-    let deferred = match (into_line, token.held_lock()) {
-        (true, None) => {
-            let limits = busy.permits().map_or(String::new(), |n| n.to_string());
-            let key = (busy.key(), limits.as_str());
-            queue.defer_to_key(token, key, delay).await?
-        }
-        // Claimed with its own key's lock, busy on another key: it keeps
-        // its place in its own line, and waits out the other holder's lease
-        // at least (it cannot stand in two lines).
-        (true, Some(_)) => {
-            let wait = busy.retry_after().max(MIN_HOLDER_WAIT);
-            queue.defer(token, delay.max(wait)).await?
-        }
-        (false, _) => queue.defer(token, delay).await?,
-    };
-    match deferred {
-        Some(due) => {
-            tracing::debug!(key = %busy.key(), id = %token.id(), deferrals = deferrals + 1, ?delay, "deferred");
-            Ok((token.id().to_owned(), due))
-        }
-        None => Err(ClaimLost {
-            id: token.id().to_owned(),
-        }
-        .into()),
     }
 }
 
@@ -397,26 +319,83 @@ where
         job: Job<T>,
         busy: Contended,
     ) -> BoxFuture<'static, Result<Deferral, BoxError>> {
-        let queue = self.queue.clone();
-        let delay = self.delay.resolve(&busy);
-        let max_deferrals = self.max_deferrals;
-        let into_line = self.delay == DeferDelay::UntilReleased;
+        let defer = self.clone();
         Box::pin(async move {
-            if job.queue_keys() != queue.keys() {
+            let delay = defer.delay.resolve(&busy);
+            if job.queue_keys() != defer.queue.keys() {
                 // Claimed from another queue: copy it into the deferral queue.
                 // The worker that claimed it acknowledges the original when it
                 // sees a deferral under another id. Outside a key's line it
                 // keeps its priority.
-                let mut options = line_options(&busy, delay, into_line);
-                if !into_line {
+                let mut options = defer.push_options(&busy, delay);
+                if !defer.until_released() {
                     options = options.priority(job.priority());
                 }
-                let pushed = queue.push_with(job.into_payload(), options).await?;
+                let pushed = defer.queue.push_with(job.into_payload(), options).await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();
-            let to = (delay, into_line);
-            defer_in_place(&queue, &token, job.deferrals(), max_deferrals, &busy, to).await
+            defer.in_place(&token, job.deferrals(), &busy, delay).await
         })
+    }
+}
+
+impl<T, C> Defer<T, C>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// How a new message deferred on `busy` is pushed: due after `delay`, or
+    /// into its key's line (`DeferDelay::until_released`).
+    fn push_options(&self, busy: &Contended, delay: Duration) -> PushOptions {
+        let options = PushOptions::new().after(delay);
+        match (self.until_released(), busy.permits()) {
+            (false, _) => options,
+            (true, None) => options.key(busy.key()),
+            (true, Some(n)) => options.key(busy.key()).permits(n),
+        }
+    }
+
+    /// Defers a claimed job in place, within its deferral cap: rescheduled
+    /// after `delay` (one script), or moved into its key's line.
+    async fn in_place(
+        &self,
+        token: &ClaimToken,
+        deferrals: u32,
+        busy: &Contended,
+        delay: Duration,
+    ) -> Result<Deferral, BoxError> {
+        if self.max_deferrals.is_some_and(|max| deferrals >= max) {
+            return Err(TooManyDeferrals {
+                id: token.id().to_owned(),
+                key: busy.key().to_owned(),
+                deferrals,
+            }
+            .into());
+        }
+        let queue = &self.queue;
+        // A job claimed with its key's lock keeps its place in its own line; an
+        // unkeyed one a `LockLayer` found busy moves into its key's line.
+        let deferred = match (self.until_released(), token.held_lock()) {
+            (true, None) => {
+                let limits = busy.permits().map_or(String::new(), |n| n.to_string());
+                let key = (busy.key(), limits.as_str());
+                queue.defer_to_key(token, key, delay).await?
+            }
+            // Claimed with its own key's lock, busy on another key: it keeps
+            // its place in its own line, and waits out the other holder's lease
+            // at least (it cannot stand in two lines).
+            (true, Some(_)) => {
+                let wait = busy.retry_after().max(MIN_HOLDER_WAIT);
+                queue.defer(token, delay.max(wait)).await?
+            }
+            (false, _) => queue.defer(token, delay).await?,
+        };
+        let Some(due) = deferred else {
+            let id = token.id().to_owned();
+            return Err(ClaimLost { id }.into());
+        };
+        tracing::debug!(key = %busy.key(), id = %token.id(), deferrals = deferrals + 1, ?delay, "deferred");
+        Ok((token.id().to_owned(), due))
     }
 }

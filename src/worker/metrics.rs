@@ -45,27 +45,23 @@ pub struct MetricsSnapshot {
     pub retried: u64,
     /// Messages deferred because their lock was busy.
     pub deferred: u64,
-    /// Deferred messages that were pushed as a copy under a new id (their
-    /// counts starting again) because no `LockLayer` on the worker's task
-    /// took the claim: the deferral ran on another task, behind tower's
-    /// `Buffer` for example (see the [`layer`](crate::layer) docs). Counted
-    /// in `deferred` too. Zero in a pipeline that defers in place.
+    /// Deferred messages pushed as a copy under a new id (counts starting
+    /// again) because no `LockLayer` on the worker's task took the claim (it
+    /// ran behind tower's `Buffer`, say). Counted in `deferred` too; zero in
+    /// a pipeline that defers in place.
     pub copied: u64,
     /// Messages moved to the dead letters (failed for the last time, too
     /// many deferrals, or undecodable).
     pub dead: u64,
-    /// Messages whose lease ran out while this worker held them: the
-    /// server confirmed that the claim was no longer this worker's (the
-    /// message went back to the schedule, or to another worker), so the
-    /// message is (or was) handled again.
+    /// Messages whose lease ran out while this worker held them (the server
+    /// confirmed the claim was no longer this worker's): they are, or were,
+    /// handled again.
     pub lost_leases: u64,
     /// Settlements (retry, dead letter) whose first attempt failed in
     /// transport and whose resend the server refused: the earlier attempt
     /// may have been applied (its reply was lost), or the lease ran out in
-    /// between. Not counted as lost leases. An ack in that situation is
-    /// decided by what the server holds (the message is gone: done, unless
-    /// the outage outlasted the lease and another worker completed it; still
-    /// there under another claim: a lost lease).
+    /// between. Not counted as lost leases (an ack in that situation is
+    /// decided by what the server holds: see the README's "The worker").
     pub unconfirmed: u64,
     /// Messages of dead workers recovered (requeued or buried) by this one.
     pub recovered: u64,
@@ -99,7 +95,6 @@ impl Metrics {
             .get_or_init(|| QueueInstruments::register(queue));
     }
 
-    /// The facade's instruments, once registered.
     pub(crate) fn instruments(&self) -> Option<&QueueInstruments> {
         self.0.instruments.get()
     }

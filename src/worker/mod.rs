@@ -1,19 +1,14 @@
 //! Drives a tower service from a [`Queue`]: the consumer loop that brings
 //! fresh, delayed, retried and deferred messages back into the pipeline.
 //!
-//! The worker claims due messages in batches sized to its free capacity
-//! (`concurrency` plus `prefetch`), calls the service once it is ready, and
-//! settles: `Ok` acknowledges, [`Outcome::Deferred`] leaves the message
-//! where the [`LockLayer`](crate::LockLayer) put it (a job deferred into its
-//! own queue is rescheduled in place, same id and bytes), `Err` or a panic
-//! retries with backoff and buries after `max_attempts`. One timer renews
-//! every lease and recovers dead workers' messages. Idle, it sleeps on a
-//! timer and the queue's doorbell ([`Waiter`](crate::queue::Waiter)), never
-//! polling. Redis errors are logged and retried with jittered backoff;
-//! nothing is lost (an unwritten settlement comes back after its lease). On
-//! shutdown it hands back what it has not started, waits `shutdown_timeout`,
-//! then cancels the rest and hands them back without counting an attempt.
-//! What each metric counts, and the rest: the README's "The worker".
+//! The worker claims due messages in batches sized to its free capacity,
+//! calls the service once it is ready, and settles: `Ok` acknowledges,
+//! [`Outcome::Deferred`] leaves the message where the
+//! [`LockLayer`](crate::LockLayer) put it, `Err` or a panic retries with
+//! backoff and buries after `max_attempts`. One timer renews every lease and
+//! recovers dead workers' messages. Idle, it sleeps on a timer and the
+//! queue's doorbell ([`Waiter`](crate::queue::Waiter)), never polling. Redis
+//! errors, shutdown and metrics: the README's "The worker".
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), lockgate::BoxError> {
@@ -71,14 +66,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Conn for C {}
 pub const MAX_CONCURRENCY: usize = 100_000;
 
 /// How a worker reads a service's response: whether the message was
-/// deferred (and is rescheduled already) or done.
-///
-/// Implemented for [`Outcome`] (what a [`LockLayer`](crate::LockLayer)
-/// returns) and for common plain responses (`()`, `bool`, `String`,
-/// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done.
-/// For a response type of your own, `impl WorkerResponse for MyType {}` says
-/// "done" (also inside an `Outcome`); for a foreign type, map it away with
-/// `ServiceBuilder::map_response(|_| ())`.
+/// deferred (and is rescheduled already) or done. Implemented for
+/// [`Outcome`] and for common plain responses (`()`, `bool`, `String`,
+/// integers, `serde_json::Value`, `Option`, `Vec`), which always mean done;
+/// `impl WorkerResponse for MyType {}` says "done" for a type of your own,
+/// and `ServiceBuilder::map_response(|_| ())` maps a foreign type away.
 pub trait WorkerResponse {
     /// The id under which the message was deferred, if it was.
     fn deferred_as(&self) -> Option<&str> {
@@ -97,65 +89,47 @@ impl<R: WorkerResponse> WorkerResponse for Outcome<R> {
     }
 }
 
-macro_rules! done_responses {
-    ($($t:ty),*) => {$( impl WorkerResponse for $t {} )*};
-}
-impl<R> WorkerResponse for Option<R> {}
-impl<R> WorkerResponse for Vec<R> {}
 impl<R: WorkerResponse + ?Sized> WorkerResponse for Box<R> {
     fn deferred_as(&self) -> Option<&str> {
         (**self).deferred_as()
     }
 }
 
+macro_rules! done_responses {
+    ($($t:ty),*) => {$( impl WorkerResponse for $t {} )*};
+}
+impl<R> WorkerResponse for Option<R> {}
+impl<R> WorkerResponse for Vec<R> {}
+impl WorkerResponse for () {}
+impl WorkerResponse for serde_json::Value {}
 done_responses!(
-    (),
-    bool,
-    String,
-    u8,
-    u16,
-    u32,
-    u64,
-    usize,
-    i8,
-    i16,
-    i32,
-    i64,
-    isize,
-    serde_json::Value
+    bool, String, u8, u16, u32, u64, usize, i8, i16, i32, i64, isize
 );
 
 /// Consumes a [`Queue`] through a tower service.
 pub struct Worker<T, C, K, S> {
     /// Opens the dedicated connection the idle wait blocks on.
     connector: K,
-    /// The queue to consume.
     queue: Queue<T, C>,
-    /// The service each job is passed to.
     service: S,
-    /// Tunables, validated when set.
+    /// Validated when set.
     config: Config,
-    /// Counters, shared with [`Worker::metrics`] handles.
+    /// Shared with [`Worker::metrics`] handles.
     metrics: Metrics,
 }
 
 #[derive(Debug, Clone)]
 struct Config {
-    /// Handlers running at once, at most.
     concurrency: usize,
     /// Lease of a claimed message; renewed every third of it.
     lease: Duration,
     /// Claimed jobs held ready beyond `concurrency`; `None`: as many.
     prefetch: Option<usize>,
-    /// Tries per message before it is buried.
     max_attempts: u32,
-    /// Lease expiries per message before it is buried.
     max_stalls: u32,
-    /// Deferrals per message before it is buried; `None` for no limit.
+    /// `None` for no limit.
     max_deferrals: Option<u32>,
-    /// Wait before retrying a failed message.
     retry: Backoff,
-    /// How long shutdown waits for running handlers.
     shutdown_timeout: Duration,
     /// How often the queue's depth gauges are sampled; `None`: never.
     sample_every: Option<Duration>,
@@ -224,10 +198,8 @@ where
     /// ([`PushOptions::key`](crate::PushOptions::key)) whose key's lock
     /// other code holds is claimable as soon as that lock is released. A
     /// worker made with a [`redis::Client`] opens a listener by itself; one
-    /// made with a cluster client needs this
-    /// ([`ReleaseListener::connect_cluster`](crate::ReleaseListener::connect_cluster)),
-    /// else such a key waits for the lock's expiry. The first listener a
-    /// queue's handles are given is the one they keep.
+    /// made with a cluster client needs this, else such a key waits for the
+    /// lock's expiry. A queue's handles keep the first listener given.
     pub fn wake_on_release(self, listener: crate::ReleaseListener) -> Self {
         self.queue.wake_keys_by(listener);
         self
@@ -291,13 +263,10 @@ where
 
     /// Lease expiries per message (its worker died or stalled while it held
     /// the message) before it becomes a dead letter, counted apart from
-    /// failed attempts: a message whose handler never started (it sat in a
-    /// dead worker's prefetch buffer) is not charged an attempt, and a
-    /// message that kills its worker every time still ends as a dead letter.
-    /// Default 3 (BullMQ's `maxStalledCount` is 1): one crash or redeploy
-    /// expires the leases of every message the worker held, most of them
-    /// innocent, so a single expiry is too little evidence; 3 bounds what a
-    /// poison message costs to 3 worker crashes. Errors on zero.
+    /// failed attempts. Default 3: one crash expires the leases of every
+    /// message the worker held, most of them innocent; 3 bounds what a
+    /// poison message costs to 3 worker crashes (see the README's "The
+    /// worker"). Errors on zero.
     pub fn max_stalls(mut self, n: u32) -> Result<Self> {
         self.config.max_stalls = at_least_one("max_stalls", n)?;
         Ok(self)
@@ -336,13 +305,11 @@ where
     ///
     /// Redis failures do not end the loop (they are logged and retried with
     /// backoff), except a refusal that waiting does not cure: when the
-    /// server has denied the connection's user a command, key or channel its
-    /// work needs ([`Error::is_denied`]) for 5 s without a success between
-    /// (a shorter refusal, an ACL being changed, is retried), `run_until`
-    /// hands back what it claimed and returns that error, whose message names
-    /// what is missing. It also
-    /// returns an error when the service fails in `poll_ready`, which in
-    /// tower means it can serve no more requests.
+    /// server has denied the connection's user what its work needs
+    /// ([`Error::is_denied`]) for 5 s without a success between, `run_until`
+    /// hands back what it claimed and returns that error. It also returns an
+    /// error when the service fails in `poll_ready`, which in tower means it
+    /// can serve no more requests.
     pub async fn run_until(self, shutdown: impl Future) -> Result<()> {
         warn_on_eviction(&self.queue).await;
         let shared = Arc::new(Shared {
@@ -357,17 +324,15 @@ where
             continued_ready: tokio::sync::Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
         });
-        // Aborted when run_until ends or is dropped: it must not keep
-        // renewing the leases of messages nobody handles any more.
-        let housekeeping = AbortOnDrop(tokio::spawn(housekeep(shared.clone())));
+        // Aborted when run_until ends or is dropped: housekeeping must not
+        // keep renewing the leases of messages nobody handles any more.
+        let mut background = JoinSet::new();
+        background.spawn(housekeep(shared.clone()));
         shared.metrics.register(self.queue.name());
-        let _sampling = shared.config.sample_every.map(|every| {
-            AbortOnDrop(tokio::spawn(sample_depth(
-                self.queue.clone(),
-                shared.metrics.clone(),
-                every,
-            )))
-        });
+        if let Some(every) = shared.config.sample_every {
+            let metrics = shared.metrics.clone();
+            background.spawn(sample_depth(self.queue.clone(), metrics, every));
+        }
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let mut run = run::Run {
@@ -398,7 +363,7 @@ where
         run.finish().await;
         // Every handler has finished: let the acker write what is queued.
         let _ = acker.await;
-        drop(housekeeping);
+        drop(background);
         result
     }
 }
@@ -408,15 +373,6 @@ fn at_least_one(setting: &str, n: u32) -> Result<u32> {
     match n {
         0 => Err(Error::config(format_args!("{setting} must be at least 1"))),
         n => Ok(n),
-    }
-}
-
-/// Aborts a background task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -454,7 +410,6 @@ const HAND_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A claim being handled, as housekeeping sees it.
 struct InFlight {
-    /// The claim.
     token: ClaimToken,
     /// A renewal found the claim gone. Housekeeping only marks it: the
     /// handler's task decides, once the call returns, whether anything was
@@ -463,13 +418,20 @@ struct InFlight {
     refused: bool,
 }
 
-impl InFlight {
-    fn new(token: ClaimToken) -> Self {
-        Self {
+/// Tracks `job`'s claim in `in_flight` under the next sequence number,
+/// which it returns.
+fn track<T>(in_flight: &mut HashMap<u64, InFlight>, next_seq: &mut u64, job: &Job<T>) -> u64 {
+    let seq = *next_seq;
+    *next_seq += 1;
+    let token = job.claim_ref().to_token();
+    in_flight.insert(
+        seq,
+        InFlight {
             token,
             refused: false,
-        }
-    }
+        },
+    );
+    seq
 }
 
 /// What to write back for a handled message.
@@ -637,30 +599,6 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
-    /// Claims up to `max` due messages into `buffer`, leased and tracked
-    /// under sequence numbers from `next_seq`; returns whether the batch
-    /// came back full (more may be due) and when the next message is due.
-    async fn claim(
-        &self,
-        max: usize,
-        buffer: &mut VecDeque<(u64, Job<T>)>,
-        next_seq: &mut u64,
-    ) -> Result<(bool, Option<Instant>)> {
-        let claimed = self.queue.claim(max, self.config.lease).await?;
-        let claimed_at = Instant::now();
-        self.metrics.add(Count::Claimed, claimed.jobs.len() as u64);
-        self.metrics.add(Count::Dead, claimed.buried as u64);
-        let full = claimed.jobs.len() == max;
-        let mut in_flight = self.in_flight();
-        for job in claimed.jobs {
-            let seq = *next_seq;
-            *next_seq += 1;
-            in_flight.insert(seq, InFlight::new(job.claim_ref().to_token()));
-            buffer.push_back((seq, job));
-        }
-        Ok((full, claimed.next_due.map(|d| claimed_at + d)))
-    }
-
     /// Settles a message that is not passed to the handler, in a task of
     /// its own that holds the handler slot until it is done.
     fn spawn_settle(
@@ -719,11 +657,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     /// a settlement retries for).
     async fn drain(&self, mut tasks: JoinSet<()>) {
         let join = async |tasks: &mut JoinSet<()>| while tasks.join_next().await.is_some() {};
-        let timeout = self.config.shutdown_timeout;
-        if tokio::time::timeout(timeout, join(&mut tasks))
-            .await
-            .is_ok()
-        {
+        let joined = tokio::time::timeout(self.config.shutdown_timeout, join(&mut tasks)).await;
+        if joined.is_ok() {
             return;
         }
         // Each task drops its handler call and hands its message back.
@@ -792,10 +727,7 @@ async fn handle<T: Payload, C: Conn, R, E>(
     // Settling starts: stop renewing the lease. A renewal that found the
     // claim gone while the handler ran left a mark; what it means depends
     // on the outcome.
-    let refused = shared
-        .in_flight()
-        .remove(&seq)
-        .is_some_and(|flight| flight.refused);
+    let refused = shared.in_flight().remove(&seq).is_some_and(|f| f.refused);
     let settlement = settlement_of(&shared, &token, &running, outcome);
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any
@@ -849,10 +781,7 @@ where
             }
             None => Some(Settlement::Ack(true)),
         },
-        Ok(Err(error)) => {
-            let error = error_chain(&*error.into());
-            Some(failure(&shared.config, token, error))
-        }
+        Ok(Err(error)) => Some(failure(&shared.config, token, error_chain(&*error.into()))),
         Err(panic) => {
             let error = format!("handler panicked: {}", panic_message(&*panic));
             Some(failure(&shared.config, token, error))
@@ -899,14 +828,9 @@ fn failure(config: &Config, token: &ClaimToken, error: String) -> Settlement {
 
 /// An error and its sources, joined with ": ".
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
+    let chain = std::iter::successors(Some(error), |error| error.source());
+    let texts: Vec<String> = chain.map(|error| error.to_string()).collect();
+    texts.join(": ")
 }
 
 /// Sets the queue's depth gauges every `every` (see `Worker::sample_every`).
@@ -918,11 +842,10 @@ async fn sample_depth<T: Payload, C: Conn>(queue: Queue<T, C>, metrics: Metrics,
         match queue.stats().await {
             Ok(stats) => {
                 if let Some(instruments) = metrics.instruments() {
-                    let [due, later, active, dead] = &instruments.depth;
-                    due.set(stats.due as f64);
-                    later.set(stats.later as f64);
-                    active.set(stats.active as f64);
-                    dead.set(stats.dead as f64);
+                    let counts = [stats.due, stats.later, stats.active, stats.dead];
+                    for (gauge, n) in instruments.depth.iter().zip(counts) {
+                        gauge.set(n as f64);
+                    }
                 }
             }
             Err(error) => {
@@ -948,11 +871,8 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
             .map(|(seq, f)| (*seq, f.token.clone()))
             .collect();
         for batch in in_flight.chunks(MAX_BATCH) {
-            match shared
-                .queue
-                .extend(batch.iter().map(|(_, token)| token), lease)
-                .await
-            {
+            let tokens = batch.iter().map(|(_, token)| token);
+            match shared.queue.extend(tokens, lease).await {
                 Ok(held) => {
                     for ((seq, _), held) in batch.iter().zip(held) {
                         // Only marked: settled since the snapshot is not
@@ -971,10 +891,8 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
         }
         match shared.queue.recover(shared.config.max_stalls).await {
             Ok(recovered) => {
-                shared.metrics.add(
-                    Count::Recovered,
-                    (recovered.requeued + recovered.buried) as u64,
-                );
+                let n = recovered.requeued + recovered.buried;
+                shared.metrics.add(Count::Recovered, n as u64);
                 shared.metrics.add(Count::Dead, recovered.buried as u64);
             }
             Err(error) => {
@@ -986,11 +904,7 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
 }
 
 /// Warns when the server may evict keys: an evicted queue key loses messages.
-async fn warn_on_eviction<T, C>(queue: &Queue<T, C>)
-where
-    T: Serialize + DeserializeOwned,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
+async fn warn_on_eviction<T: Payload, C: Conn>(queue: &Queue<T, C>) {
     match crate::lock::EvictionPolicy::read(&mut queue.connection().clone()).await {
         Ok(policy) if policy.may_evict_locks() => tracing::warn!(
             policy = policy.name(),

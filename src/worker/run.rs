@@ -21,7 +21,7 @@ use super::{
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
-use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, RunningJob, Slot, Waiter};
+use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, RunningJob, Slot, Waiter};
 
 /// What ends the loop: `Some` with how `run_until` returns.
 pub(super) type Stop = Option<Result<()>>;
@@ -64,10 +64,9 @@ where
 {
     fn prefetch(&self) -> usize {
         let config = &self.shared.config;
-        (config.prefetch).unwrap_or(config.concurrency.min(crate::queue::MAX_BATCH))
+        (config.prefetch).unwrap_or(config.concurrency.min(MAX_BATCH))
     }
 
-    /// One round of the loop.
     pub(super) async fn round(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
         while self.tasks.try_join_next().is_some() {}
         // Keyed messages an ack claimed start before anything else: their
@@ -85,9 +84,7 @@ where
         if self.maybe_due
             && room > 0
             && self.buffer.len() <= prefetch / 2
-            && let Err(stop) = self
-                .refill(room.min(crate::queue::MAX_BATCH), shutdown)
-                .await
+            && let Err(stop) = self.refill(room.min(MAX_BATCH), shutdown).await
         {
             return stop;
         }
@@ -116,33 +113,41 @@ where
         }
         let mut in_flight = self.shared.in_flight();
         while let Some(job) = continued.pop_back() {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            in_flight.insert(seq, super::InFlight::new(job.claim_ref().to_token()));
+            let seq = super::track(&mut in_flight, &mut self.next_seq, &job);
             self.buffer.push_front((seq, job));
         }
         true
     }
 
-    /// Claims up to `max` jobs into the buffer; `Err` ends the round (see
-    /// `after_error`). Not raced against shutdown: a claim cancelled after
-    /// the server ran it would strand its jobs until their lease ran out.
+    /// Claims up to `max` jobs into the buffer, leased and tracked; `Err`
+    /// ends the round (see `after_error`). Not raced against shutdown: a
+    /// claim cancelled after the server ran it would strand its jobs until
+    /// their lease ran out.
     async fn refill(
         &mut self,
         max: usize,
         shutdown: &mut (impl Future + Unpin),
     ) -> std::result::Result<(), Stop> {
-        let claimed = self.shared.claim(max, &mut self.buffer, &mut self.next_seq);
-        match claimed.await {
-            Ok((full, due)) => {
-                self.failures = 0;
-                self.claims_denied = None;
-                self.maybe_due = full;
-                self.next_due = due;
-                Ok(())
-            }
-            Err(error) => Err(self.after_error(error, true, shutdown).await),
+        let shared = &self.shared;
+        let claimed = match shared.queue.claim(max, shared.config.lease).await {
+            Ok(claimed) => claimed,
+            Err(error) => return Err(self.after_error(error, true, shutdown).await),
+        };
+        let claimed_at = Instant::now();
+        shared
+            .metrics
+            .add(Count::Claimed, claimed.jobs.len() as u64);
+        shared.metrics.add(Count::Dead, claimed.buried as u64);
+        (self.failures, self.claims_denied) = (0, None);
+        // A full batch: more may be due.
+        self.maybe_due = claimed.jobs.len() == max;
+        self.next_due = claimed.next_due.map(|d| claimed_at + d);
+        let mut in_flight = shared.in_flight();
+        for job in claimed.jobs {
+            let seq = super::track(&mut in_flight, &mut self.next_seq, &job);
+            self.buffer.push_back((seq, job));
         }
+        Ok(())
     }
 
     /// After a Redis error in a claim (`claiming`) or an idle wait: counts
@@ -188,12 +193,10 @@ where
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
             }
-            let max_deferrals = self.shared.config.max_deferrals;
-            if let Some(max) = max_deferrals.filter(|max| job.deferrals() > *max) {
-                let error = format!(
-                    "deferred {} times (limit {max}): its lock stayed busy",
-                    job.deferrals()
-                );
+            let (deferrals, max) = (job.deferrals(), self.shared.config.max_deferrals);
+            if let Some(max) = max.filter(|max| deferrals > *max) {
+                let error =
+                    format!("deferred {deferrals} times (limit {max}): its lock stayed busy");
                 let settlement = Settlement::Bury {
                     error,
                     failed: false,
@@ -279,7 +282,6 @@ where
         }
     }
 
-    /// Waits until a handler slot frees up, or shutdown.
     async fn wait_for_slot(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
         tokio::select! {
             biased;
