@@ -582,106 +582,77 @@ where
         });
     }
 
-    /// Sends `cmd` (a script's `EVALSHA` when `script` is given) and `WAIT` in
-    /// one pipeline: its reply, and how many replicas acknowledged.
-    async fn run_and_wait<T: redis::FromRedisValue>(
-        &self,
-        script: Option<&Script>,
-        cmd: &redis::Cmd,
-        durability: Durability,
-        attempted: impl Fn() -> String,
-    ) -> Result<(T, u32)> {
-        let mut pipe = redis::pipe();
-        pipe.add_command(cmd.clone())
-            .cmd("WAIT")
-            .arg(durability.replicas)
-            .arg(millis(durability.timeout));
-        let mut conn = self.conn.clone();
-        let reply: redis::RedisResult<(T, i64)> = match pipe.query_async(&mut conn).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                if let Some(script) = script {
-                    script
-                        .prepare_invoke()
-                        .load_async(&mut conn)
-                        .await
-                        .map_err(|e| Error::redis(attempted())(e))?;
-                }
-                pipe.query_async(&mut conn).await
-            }
-            reply => reply,
-        };
-        let (reply, acked) = reply.map_err(|e| Error::redis(attempted())(e))?;
-        Ok((reply, u32::try_from(acked).unwrap_or(0)))
-    }
-
-    /// Sends a command that may take the lock: directly, or under
-    /// `require_replicas` with `WAIT`, failing closed (the lock released, as
-    /// only we know the token) when too few replicas confirm a reply that
-    /// `took` says took the lock, or the pipeline fails after it may have run.
-    async fn send_acquire<T: redis::FromRedisValue>(
+    /// Sends `cmd` (a script's `EVALSHA` when `script` is given) that may
+    /// take (`acquire`) or extend the lock: directly, or under
+    /// `require_replicas` with `WAIT` in one pipeline.
+    async fn send<T: redis::FromRedisValue>(
         &self,
         script: Option<&Script>,
         cmd: &redis::Cmd,
         ticket: &Ticket,
-        took: impl Fn(&T) -> bool,
+        acquire: bool,
+        wrote: impl Fn(&T) -> bool,
     ) -> Result<T> {
         let reply = match self.config.durability {
             None => match script {
                 Some(script) => script::run(script, cmd, &mut self.conn.clone()).await,
                 None => cmd.query_async(&mut self.conn.clone()).await,
             }
-            .map_err(|e| Error::redis(format_args!("acquiring lock `{}`", ticket.key))(e))?,
+            .map_err(|e| Error::redis(attempted(acquire, ticket))(e))?,
             // Boxed: the rare path keeps the common future small.
             Some(durability) => {
-                Box::pin(self.send_durable(script, cmd, ticket, took, durability)).await?
+                let durable = self.send_durable(script, cmd, ticket, acquire, wrote, durability);
+                Box::pin(durable).await?
             }
         };
-        self.check_eviction_once();
+        if acquire {
+            self.check_eviction_once();
+        }
         Ok(reply)
     }
 
-    /// `send_acquire` under `require_replicas`.
+    /// `send` under `require_replicas`, failing closed (the lock released, as
+    /// only we know the token, and [`Error::NotReplicated`]) when too few
+    /// replicas confirm a reply that `wrote` says changed the lock.
     async fn send_durable<T: redis::FromRedisValue>(
         &self,
         script: Option<&Script>,
         cmd: &redis::Cmd,
         ticket: &Ticket,
-        took: impl Fn(&T) -> bool,
+        acquire: bool,
+        wrote: impl Fn(&T) -> bool,
         durability: Durability,
     ) -> Result<T> {
-        let attempted = || format!("acquiring lock `{}`", ticket.key);
-        let (reply, acked) = match self
-            .run_and_wait::<T>(script, cmd, durability, attempted)
-            .await
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd.clone())
+            .cmd("WAIT")
+            .arg(durability.replicas)
+            .arg(millis(durability.timeout));
+        let mut conn = self.conn.clone();
+        let mut sent = pipe.query_async::<(T, i64)>(&mut conn).await;
+        if let (Err(e), Some(script)) = (&sent, script)
+            && e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
         {
-            Ok(replied) => replied,
-            Err(error) => {
-                // The command may have run although the pipeline failed
-                // (a timeout during WAIT, WAIT refused, a dropped connection).
-                if let Err(release) = self.release_ticket(ticket).await {
+            sent = match script.prepare_invoke().load_async(&mut conn).await {
+                Ok(_) => pipe.query_async(&mut conn).await,
+                Err(e) => Err(e),
+            };
+        }
+        let (reply, acked) = match sent {
+            Ok((reply, acked)) => (reply, u32::try_from(acked).unwrap_or(0)),
+            Err(e) => {
+                // An acquire may have run although the pipeline failed (a
+                // timeout during WAIT, WAIT refused, a dropped connection).
+                if acquire && let Err(release) = self.release_ticket(ticket).await {
                     tracing::warn!(%release, key = ticket.key, "could not release a lock whose durable acquire failed; it expires with its TTL");
                 }
-                return Err(error);
+                return Err(Error::redis(attempted(acquire, ticket))(e));
             }
         };
         // Only a write needs replicas: a contended attempt wrote nothing.
-        if took(&reply) && acked < durability.replicas {
-            return Err(self
-                .not_replicated(ticket, attempted(), durability, acked)
-                .await);
+        if !wrote(&reply) || acked >= durability.replicas {
+            return Ok(reply);
         }
-        Ok(reply)
-    }
-
-    /// Fails closed after a write that too few replicas confirmed: releases
-    /// the lock (token-checked) and says so.
-    async fn not_replicated(
-        &self,
-        ticket: &Ticket,
-        attempted: String,
-        durability: Durability,
-        acked: u32,
-    ) -> Error {
         let released = match self.release_ticket(ticket).await {
             Ok(released) => released == Released::Now,
             Err(error) => {
@@ -689,13 +660,13 @@ where
                 false
             }
         };
-        Error::NotReplicated {
-            attempted,
+        Err(Error::NotReplicated {
+            attempted: attempted(acquire, ticket),
             wanted: durability.replicas,
             acked,
             timeout: durability.timeout,
             released,
-        }
+        })
     }
 
     pub(crate) fn key_prefix(&self) -> &str {
@@ -791,9 +762,7 @@ where
             .arg("PX")
             .arg(millis(ttl));
         // `OK` when set, nil when the key exists.
-        let set: Option<String> = self
-            .send_acquire(None, &cmd, ticket, |set: &Option<String>| set.is_some())
-            .await?;
+        let set: Option<String> = self.send(None, &cmd, ticket, true, Option::is_some).await?;
         Ok(set.map(|_| self.lease(ticket, started, ttl)))
     }
 
@@ -815,7 +784,7 @@ where
         }
         cmd.arg(line as u32);
         let reply: Vec<i64> = self
-            .send_acquire(Some(script), &cmd, ticket, |reply: &Vec<i64>| {
+            .send(Some(script), &cmd, ticket, true, |reply: &Vec<i64>| {
                 reply.first() == Some(&1)
             })
             .await?;
@@ -1058,25 +1027,17 @@ where
         cmd.arg(ticket.lock_key())
             .arg(ticket.token)
             .arg(millis(ttl));
-        let attempted = || format!("extending lock `{}`", ticket.key);
-        let extended: i64 = match self.config.durability {
-            None => script::run(script, &cmd, &mut self.conn.clone())
-                .await
-                .map_err(|e| Error::redis(attempted())(e))?,
-            Some(durability) => {
-                let (extended, acked): (i64, u32) = self
-                    .run_and_wait(Some(script), &cmd, durability, attempted)
-                    .await?;
-                if extended == 1 && acked < durability.replicas {
-                    return Err(self
-                        .not_replicated(ticket, attempted(), durability, acked)
-                        .await);
-                }
-                extended
-            }
-        };
+        let extended: i64 = self
+            .send(Some(script), &cmd, ticket, false, |extended| *extended == 1)
+            .await?;
         Ok(extended == 1)
     }
+}
+
+/// What a call on the lock of `ticket` was doing, for errors.
+fn attempted(acquire: bool, ticket: &Ticket) -> String {
+    let doing = if acquire { "acquiring" } else { "extending" };
+    format!("{doing} lock `{}`", ticket.key)
 }
 
 /// What a release found.

@@ -64,6 +64,7 @@ struct Shared {
     subscribe: mpsc::UnboundedSender<String>,
 }
 
+#[derive(Default)]
 struct Channel {
     /// Waiters of this process that listen on it now.
     waiters: usize,
@@ -155,12 +156,7 @@ impl ReleaseListener {
             // Ordered after any unsubscribe of the same channel: the
             // connection task handles one request at a time.
             let _ = self.shared.subscribe.send(channel.to_owned());
-            Channel {
-                waiters: 0,
-                handed: HashMap::new(),
-                idle_since: None,
-                state: watch::Sender::new(State::default()),
-            }
+            Channel::default()
         });
         entry.waiters += 1;
         entry.idle_since = None;
