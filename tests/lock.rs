@@ -751,14 +751,25 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
 // scripts are run twice, exactly as such a resend runs them.
 // ---------------------------------------------------------------------------
 
+/// A lock script as the library loads it: after `holds.lua`, the token check
+/// the scripts share (and, for a release, `line.lua`).
+fn lock_lua(parts: &[&str]) -> redis::Script {
+    let holds = include_str!("../src/lock/holds.lua");
+    redis::Script::new(&format!("{holds}\n{}", parts.join("\n")))
+}
+
 static CONTEND_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/contend.lua")));
-static RELEASE_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/release.lua")));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/contend.lua")]));
+static RELEASE_LUA: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    lock_lua(&[
+        include_str!("../src/lock/line.lua"),
+        include_str!("../src/lock/release.lua"),
+    ])
+});
 static EXTEND_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/extend.lua")));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/extend.lua")]));
 static FENCE_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../src/lock/fence.lua")));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/fence.lua")]));
 
 /// Sends the acquire command for `token` as `Locker::acquire` sends it.
 async fn set_nx(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> Option<String> {

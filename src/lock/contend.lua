@@ -14,9 +14,7 @@
 -- Usual cost: SET, then ZREM (taken) or PTTL (busy); in line, ZADD and
 -- PEXPIRE too (and APPEND once per holder).
 local held = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
-local n = #ARGV[1]
-local after = held and string.byte(held, n + 1)
-if not held or string.sub(held, 1, n) == ARGV[1] and (after == nil or after == 58 or after == 33) then
+if not held or holds(held, ARGV[1]) then -- see holds.lua, prepended
   -- Free, or ours: handed to us for a moment (see release.lua), or a
   -- resend. It lives a whole TTL from now.
   if held then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end

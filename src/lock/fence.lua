@@ -13,12 +13,11 @@
 -- 2255: Lua numbers hold them exactly, and %.0f prints no exponent.
 -- Usual cost: GET, TIME, GET, SET, PTTL, SET.
 local value = redis.call('GET', KEYS[1])
-local n = #ARGV[1]
-local after = value and string.byte(value, n + 1)
-if not value or string.sub(value, 1, n) ~= ARGV[1]
-    or not (after == nil or after == 58 or after == 33) then
+if not holds(value, ARGV[1]) then -- see holds.lua, prepended
   return -1
 end
+local n = #ARGV[1]
+local after = string.byte(value, n + 1)
 if after == 58 then -- issued already (a second ask, or a resend)
   return tonumber(string.match(value, '^:(%d+)', n + 1))
 end

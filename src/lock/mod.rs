@@ -96,16 +96,17 @@ pub(crate) enum Line {
     Leave = 2,
 }
 
-static CONTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("contend.lua")));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("line.lua"),
-        "\n",
-        include_str!("release.lua")
-    ))
-});
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
-static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("fence.lua")));
+/// A lock script: `holds.lua` (the token check they share), then `parts`.
+fn lock_script(parts: &[&str]) -> Script {
+    let holds = include_str!("holds.lua");
+    Script::new(&format!("{holds}\n{}", parts.join("\n")))
+}
+
+static CONTEND: LazyLock<Script> = LazyLock::new(|| lock_script(&[include_str!("contend.lua")]));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| lock_script(&[include_str!("line.lua"), include_str!("release.lua")]));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| lock_script(&[include_str!("extend.lua")]));
+static FENCE: LazyLock<Script> = LazyLock::new(|| lock_script(&[include_str!("fence.lua")]));
 
 /// The key prefix used when none is configured.
 pub const DEFAULT_PREFIX: &str = "lockgate";

@@ -18,10 +18,7 @@
 -- Usual cost: GET, DEL (a hand-off: ZPOPMIN, PUBSUB NUMSUB, SET, ZCARD and a
 -- publish).
 local value = redis.call('GET', KEYS[1])
-local n = #ARGV[1]
-local after = value and string.byte(value, n + 1)
-if not value or string.sub(value, 1, n) ~= ARGV[1]
-    or not (after == nil or after == 58 or after == 33) then
+if not holds(value, ARGV[1]) then -- see holds.lua, prepended
   redis.call('ZREM', KEYS[2], ARGV[1])
   if not value then return 0 end
   return -1
