@@ -67,15 +67,14 @@ impl AutoListener {
         if let Some(listener) = self.listener.get() {
             return Some(listener.clone());
         }
-        {
-            // A few assignments under the lock: nothing to poison.
-            let mut attempt = self.attempt.lock().unwrap_or_else(|e| e.into_inner());
-            match *attempt {
-                Attempt::Running => return None,
-                Attempt::FailedUntil(until) if Instant::now() < until => return None,
-                _ => *attempt = Attempt::Running,
-            }
+        // A few assignments under the lock: nothing to poison.
+        let mut attempt = self.attempt.lock().unwrap_or_else(|e| e.into_inner());
+        match *attempt {
+            Attempt::Running => return None,
+            Attempt::FailedUntil(until) if Instant::now() < until => return None,
+            _ => *attempt = Attempt::Running,
         }
+        drop(attempt);
         let this = self.clone();
         tokio::spawn(async move {
             let opened = match &this.open {

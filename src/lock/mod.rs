@@ -22,12 +22,10 @@
 //! unless the issuing server's clock (after a failover: the new primary's)
 //! stepped back by more than the time from that earlier fence to the end of
 //! its lock plus [`FENCE_GRACE`], or, when a failover or a restart lost the
-//! latest fences, by more than the failover's duration. No counter is kept
-//! that a restart from an older snapshot, a lagging replica's promotion or a
-//! deleted or evicted key could roll back. A failover can still let a second
-//! holder in while the first believes it holds the lock; the second's fence
-//! is higher ([`Locker::require_replicas`] narrows that window). The README's
-//! "Locks under failover" has the details.
+//! latest fences, by more than the failover's duration. A failover can still
+//! let a second holder in while the first believes it holds the lock; the
+//! second's fence is higher ([`Locker::require_replicas`] narrows that
+//! window). The README's "Locks under failover" has the details.
 //!
 //! Every command is safe to run twice, as redis-rs' cluster connections do
 //! when a reply was lost. **Upgrading:** stop processes of older versions
@@ -192,8 +190,7 @@ impl EvictionPolicy {
     pub(crate) async fn read(conn: &mut (impl ConnectionLike + Send)) -> Result<Self> {
         let attempted = "reading the server's maxmemory-policy";
         let reply: Vec<String> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory*")
+            .arg(&["GET", "maxmemory*"])
             .query_async(conn)
             .await
             .map_err(Error::redis(attempted))?;
@@ -743,10 +740,9 @@ where
     pub(crate) async fn try_set(&self, ticket: &Arc<Ticket>) -> Result<Option<Acquisition>> {
         // Found out before the first lock is taken, so that its release
         // does not depend on one more round trip.
-        let key = &ticket.key;
         self.publish_command()
             .await
-            .map_err(Error::redis(format_args!("acquiring lock `{key}`")))?;
+            .map_err(|e| Error::redis(attempted(true, ticket))(e))?;
         if ticket.permits.is_some() {
             // The key admits several holders: only the script can tell.
             return match self.contend(ticket, Line::Outside).await? {

@@ -20,8 +20,7 @@
 local value = redis.call('GET', KEYS[1])
 if not holds(value, ARGV[1]) then -- see holds.lua, prepended
   redis.call('ZREM', KEYS[2], ARGV[1])
-  if not value then return 0 end
-  return -1
+  return value and -1 or 0
 end
 if string.byte(value, -1) ~= 33 then -- nobody waits
   redis.call('DEL', KEYS[1])

@@ -37,13 +37,11 @@ fn with_presence(names: &[String]) -> Vec<String> {
 /// holder's TTL) instead of polling with backoff. Clones share the
 /// connection, closed when the last clone (and the last waiter) is dropped.
 ///
-/// A waiter listens on a channel named like the lock key (subscribed while a
-/// task of this process waits for the key, and a second longer), marks the
-/// lock and joins the key's line; a release hands the lock to the first
-/// waiter in line whose process still listens, and publishes its token (see
-/// the README's "The LockLayer"). The listener reconnects with backoff when
-/// its connection drops, waking every waiter: a lost message only means a
-/// waiter wakes on the holder's TTL, or the hand-off's end, instead.
+/// A waiter listens on a channel named like the lock key while it waits (and
+/// a second longer): see the README's "The LockLayer" for the line and the
+/// hand-off. The listener reconnects with backoff when its connection drops,
+/// waking every waiter: a lost message only means a waiter wakes on the
+/// holder's TTL, or the hand-off's end, instead.
 #[derive(Clone)]
 pub struct ReleaseListener {
     shared: Arc<Shared>,

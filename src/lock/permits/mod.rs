@@ -170,10 +170,9 @@ where
             .await
             .map_err(Error::redis(format_args!("releasing a permit of `{key}`")))?;
         // 1: free now; 2: free and handed to a waiter in line.
-        Ok(if released >= 1 {
-            Released::Now
-        } else {
-            Released::Gone
+        Ok(match released {
+            1.. => Released::Now,
+            _ => Released::Gone,
         })
     }
 }
