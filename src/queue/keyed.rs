@@ -13,11 +13,11 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::{Cmd, FromRedisValue, Script, Value};
+use redis::{Cmd, FromRedisValue, Script};
 use tokio::time::Instant;
 
 use super::scripts::Query;
-use super::{EventKind, QueueKeys};
+use super::{EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
@@ -86,7 +86,6 @@ const DATA: usize = 0;
 const SCHEDULE: usize = 1;
 const ACTIVE: usize = 2;
 const DEAD: usize = 3;
-const ERRORS: usize = 4;
 const CLAIMS: usize = 5;
 const LINES: usize = 6;
 const READY: usize = 7;
@@ -101,19 +100,20 @@ pub(crate) struct Partition {
 }
 
 /// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
-/// on: the queue's own, or a partition's.
+/// on, `<base>:data`, `<base>:dead`, ...: the queue's own, or a partition's.
 #[derive(Debug)]
 pub(crate) struct DeadSet {
-    pub(crate) data: String,
-    pub(crate) schedule: String,
-    pub(crate) dead: String,
-    pub(crate) errors: String,
-    pub(crate) bell: String,
-    pub(crate) prioritized: String,
-    pub(crate) events: String,
+    base: String,
     /// The partition's slot (re-driven letters make it ready) and its
     /// `keyof` hash (where the letters' keys are); `None` for the queue's own.
     pub(crate) partition: Option<(u16, String)>,
+}
+
+impl DeadSet {
+    /// The keys `<base>:<name>` of `names`.
+    pub(crate) fn keys<const N: usize>(&self, names: [&str; N]) -> [String; N] {
+        names.map(|name| format!("{}:{name}", self.base))
+    }
 }
 
 impl Partition {
@@ -133,17 +133,9 @@ impl Partition {
     /// the bell, priorities and events are names in the partition's slot
     /// that keyed messages leave empty.
     fn dead_set(&self) -> DeadSet {
-        let stem = self.keys[DATA].trim_end_matches(":data");
-        DeadSet {
-            data: self.keys[DATA].clone(),
-            schedule: self.keys[SCHEDULE].clone(),
-            dead: self.keys[DEAD].clone(),
-            errors: self.keys[ERRORS].clone(),
-            bell: format!("{stem}:bell"),
-            prioritized: format!("{stem}:prioritized"),
-            events: format!("{stem}:events"),
-            partition: Some((self.slot, self.keys[KEYOF].clone())),
-        }
+        let base = self.keys[DATA].trim_end_matches(":data").to_owned();
+        let partition = Some((self.slot, self.keys[KEYOF].clone()));
+        DeadSet { base, partition }
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
@@ -274,15 +266,6 @@ pub(crate) struct Keyed<'a, C> {
     pub(crate) keys: &'a Arc<QueueKeys>,
     pub(crate) state: &'a Arc<KeyedState>,
     pub(crate) recording: Recording,
-}
-
-/// What a queue's handle keeps beside its keyed messages: the events' cap,
-/// the completed messages' limits, the dead letters' retention.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Recording {
-    pub(crate) events: Option<usize>,
-    pub(crate) completed: Option<super::Retention>,
-    pub(crate) dead: super::Retention,
 }
 
 /// The events and completed messages a keyed script's change calls for,
@@ -551,7 +534,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         type Reply = (
             u64,
             i64,
-            i64,
             Vec<String>,
             Vec<Taken>,
             Vec<(String, String, u64)>,
@@ -561,7 +543,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Some(first) => run_after(&CLAIM, first, &cmd, &mut conn).await,
             None => run(&CLAIM, &cmd, &mut conn).await,
         };
-        let (claim, _now, next_at, named, taken, blocked): Reply =
+        let (claim, next_at, named, taken, blocked): Reply =
             reply.map_err(|e| Error::redis(attempted())(e))?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
@@ -844,16 +826,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            let (now, flat): (i64, Vec<Value>) = self.run(&KEY_LOADS, &cmd, attempted).await?;
-            for entry in flat.chunks_exact(4) {
-                let (Ok(key), Ok(waiting), Ok(at_work), Ok(pushed)) = (
-                    String::from_redis_value_ref(&entry[0]),
-                    u64::from_redis_value_ref(&entry[1]),
-                    u64::from_redis_value_ref(&entry[2]),
-                    i64::from_redis_value_ref(&entry[3]),
-                ) else {
-                    return Err(Error::reply(attempted(), "a malformed key entry"));
-                };
+            let (now, keys): (i64, Vec<(String, u64, u64, i64)>) =
+                self.run(&KEY_LOADS, &cmd, attempted).await?;
+            for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
                 loads.push(super::KeyLoad {
                     key,
@@ -884,10 +859,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(())
     }
 
-    /// The dead-letter keys of every partition in the index.
+    /// The queue's own dead-letter keys, then every partition's in the index.
     pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let slots = self.slots().await?.into_iter();
-        Ok(slots.map(|slot| self.partition(slot).dead_set()).collect())
+        let own = DeadSet {
+            base: self.keys.base.clone(),
+            partition: None,
+        };
+        let partitions = self.slots().await?.into_iter();
+        let partitions = partitions.map(|slot| self.partition(slot).dead_set());
+        Ok(std::iter::once(own).chain(partitions).collect())
     }
 
     /// Makes a partition whose dead letters were re-driven look for them,
@@ -960,16 +940,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&PEEK, 0);
             cmd.arg(limit);
-            let (count, flat): (usize, Vec<Value>) = self.run(&PEEK, &cmd, attempted).await?;
-            for (n, entry) in flat.chunks_exact(4).enumerate() {
-                let (Ok(id), Ok(at), Ok(key), Ok(record)) = (
-                    String::from_redis_value_ref(&entry[0]),
-                    i64::from_redis_value_ref(&entry[1]),
-                    String::from_redis_value_ref(&entry[2]),
-                    Option::<Vec<u8>>::from_redis_value_ref(&entry[3]),
-                ) else {
-                    return Err(Error::reply(attempted(), "a malformed entry"));
-                };
+            type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
+            let (count, entries): (usize, Entries) = self.run(&PEEK, &cmd, attempted).await?;
+            for (n, (id, at, key, record)) in entries.into_iter().enumerate() {
                 let mut peeked = super::Peeked::new(id, super::from_unix_ms(at), 0, record);
                 peeked.key = Some(key).filter(|key| !key.is_empty());
                 match n < count {

@@ -76,12 +76,7 @@ pub const MAX_BATCH: usize = 1000;
 pub struct Queue<T, C = redis::aio::ConnectionManager> {
     conn: C,
     keys: Arc<QueueKeys>,
-    /// Dead-letter retention, applied by burials.
-    retention: Retention,
-    /// The lifecycle events' cap, when they are recorded.
-    events: Option<usize>,
-    /// Completed-message retention, when they are kept.
-    completed: Option<Retention>,
+    recording: Recording,
     /// The keyed side's state, shared by clones.
     keyed: Arc<KeyedState>,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
@@ -113,11 +108,7 @@ impl<T, C> Queue<T, C> {
             conn: &self.conn,
             keys: &self.keys,
             state: &self.keyed,
-            recording: keyed::Recording {
-                events: self.events,
-                completed: self.completed,
-                dead: self.retention,
-            },
+            recording: self.recording,
         }
     }
 }
@@ -127,9 +118,7 @@ impl<T, C: Clone> Clone for Queue<T, C> {
         Self {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
-            retention: self.retention,
-            events: self.events,
-            completed: self.completed,
+            recording: self.recording,
             keyed: self.keyed.clone(),
             _message: PhantomData,
         }
@@ -143,6 +132,16 @@ struct Retention {
     max_count: Option<usize>,
     /// Keep none older than this.
     max_age: Option<Duration>,
+}
+
+/// What a queue's handle records and keeps: the lifecycle events' cap
+/// (when recorded), the completed messages' retention (when kept), and the
+/// dead letters' retention (applied by burials).
+#[derive(Debug, Clone, Copy, Default)]
+struct Recording {
+    events: Option<usize>,
+    completed: Option<Retention>,
+    dead: Retention,
 }
 
 impl Retention {
@@ -159,9 +158,9 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
         f.debug_struct("Queue")
             .field("name", &self.keys.name)
             .field("prefix", &self.keys.prefix)
-            .field("retention", &self.retention)
-            .field("events", &self.events)
-            .field("completed", &self.completed)
+            .field("retention", &self.recording.dead)
+            .field("events", &self.recording.events)
+            .field("completed", &self.recording.completed)
             .finish_non_exhaustive()
     }
 }
@@ -617,9 +616,7 @@ where
         Ok(Self {
             conn,
             keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
-            retention: Retention::default(),
-            events: None,
-            completed: None,
+            recording: Recording::default(),
             keyed: Arc::default(),
             _message: PhantomData,
         })
@@ -745,7 +742,7 @@ where
         let k = &self.keys;
         let mut call = scripts::PUSH.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
-        if let Some(cap) = self.events {
+        if let Some(cap) = self.recording.events {
             call.key(&k.events).arg(cap);
         }
         for (_, (id, when, payload, _)) in batch {
@@ -941,8 +938,8 @@ where
             return Ok(Vec::new());
         }
         let mut call = scripts::ACK_MANY.prepare_invoke();
-        let completed = self.completed.unwrap_or_default().args();
-        let keep = kind == "done" && self.completed.is_some();
+        let completed = self.recording.completed.unwrap_or_default().args();
+        let keep = kind == "done" && self.recording.completed.is_some();
         let k = &self.keys;
         call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
             .arg(self.events_arg())
@@ -1090,7 +1087,7 @@ where
         if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
-        let (max_count, max_age) = self.retention.args();
+        let (max_count, max_age) = self.recording.dead.args();
         let k = &self.keys;
         let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
@@ -1206,7 +1203,7 @@ where
     /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
-        let (max_count, max_age) = self.retention.args();
+        let (max_count, max_age) = self.recording.dead.args();
         let k = &self.keys;
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
@@ -1358,29 +1355,11 @@ where
         // of keyed messages have dead letters of their own).
         let stop = offset.saturating_add(limit - 1);
         let mut out = Vec::new();
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             out.extend(self.dead_in(&set, stop).await?);
         }
         out.sort_by_key(|letter| letter.buried_at);
         Ok(out.into_iter().skip(offset).take(limit).collect())
-    }
-
-    /// The queue's own dead-letter keys, then every keyed partition's.
-    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let keys = &self.keys;
-        let own = DeadSet {
-            data: keys.data.clone(),
-            schedule: keys.schedule.clone(),
-            dead: keys.dead.clone(),
-            errors: keys.errors.clone(),
-            bell: keys.bell.clone(),
-            prioritized: keys.prioritized.clone(),
-            events: keys.events.clone(),
-            partition: None,
-        };
-        let mut sets = vec![own];
-        sets.extend(self.keyed().dead_sets().await?);
-        Ok(sets)
     }
 
     /// The first `stop + 1` dead letters of one set, oldest first.
@@ -1388,7 +1367,7 @@ where
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
         type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
         let reply: Letters = scripts::DEAD
-            .key(&[&set.data, &set.dead, &set.errors])
+            .key(&set.keys(["data", "dead", "errors"]))
             .arg(0)
             .arg(stop)
             .query_on(&self.conn, attempted)
@@ -1407,7 +1386,7 @@ where
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
                 return Ok(true);
             }
@@ -1421,7 +1400,7 @@ where
     /// at once) are left dead, so the call ends.
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             let mut cutoff = None;
             loop {
                 let (requeued, examined, started) =
@@ -1449,8 +1428,8 @@ where
         let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
         let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
         script
-            .key(&[&set.data, &set.schedule, &set.dead, &set.errors])
-            .key(&[&set.bell, &set.prioritized, &set.events]);
+            .key(&set.keys(["data", "schedule", "dead", "errors"]))
+            .key(&set.keys(["bell", "prioritized", "events"]));
         if let Some((_, keyof)) = &set.partition {
             script.key(keyof);
         }
@@ -1473,11 +1452,9 @@ where
     /// default: no limit). Applied by the scripts that bury, about a
     /// hundred letters per burial at most. Every process that buries should
     /// use the same setting. See the README's "The queue".
-    pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
-        Self {
-            retention: Retention { max_count, max_age },
-            ..self
-        }
+    pub fn dead_retention(mut self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
+        self.recording.dead = Retention { max_count, max_age };
+        self
     }
 
     /// Records lifecycle events: every change of a message this handle
@@ -1485,16 +1462,14 @@ where
     /// `max_len` entries; follow them with [`events`](Self::events). Turn it
     /// on for every handle that changes the queue: one without it leaves
     /// gaps. Errors on 0. See the README's "Lifecycle events".
-    pub fn record_events(self, max_len: usize) -> Result<Self> {
+    pub fn record_events(mut self, max_len: usize) -> Result<Self> {
         if max_len == 0 || max_len > MAX_KEPT {
             return Err(Error::config(format_args!(
                 "the events stream's cap must be 1..={MAX_KEPT}, got {max_len}"
             )));
         }
-        Ok(Self {
-            events: Some(max_len),
-            ..self
-        })
+        self.recording.events = Some(max_len);
+        Ok(self)
     }
 
     /// Keeps the last `max_count` completed messages, and those of the last
@@ -1503,7 +1478,7 @@ where
     /// Errors when both are `None` or on a count of 0. See the README's
     /// "Keeping completed messages".
     pub fn keep_completed(
-        self,
+        mut self,
         max_count: Option<usize>,
         max_age: Option<Duration>,
     ) -> Result<Self> {
@@ -1520,8 +1495,8 @@ where
                 "keeping completed messages for more than a year is not bounded memory".to_owned()
             }
             _ => {
-                let completed = Some(Retention { max_count, max_age });
-                return Ok(Self { completed, ..self });
+                self.recording.completed = Some(Retention { max_count, max_age });
+                return Ok(self);
             }
         };
         Err(Error::config(refusal))
@@ -1529,7 +1504,10 @@ where
 
     /// The events' cap as the scripts take it ("" when events are off).
     fn events_arg(&self) -> String {
-        self.events.map(|cap| cap.to_string()).unwrap_or_default()
+        self.recording
+            .events
+            .map(|cap| cap.to_string())
+            .unwrap_or_default()
     }
 
     /// Follows the queue's [lifecycle events](Self::record_events) from
