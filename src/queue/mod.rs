@@ -768,11 +768,7 @@ where
     /// A claimed payload that does not decode as `T` is not returned: it is
     /// buried with the decoding error and counted in [`Claimed::buried`].
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
-        if max == 0 || max > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "claim batch must be 1..={MAX_BATCH}, got {max}"
-            )));
-        }
+        check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_lease(lease)?;
         let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
         let room = max - claimed.jobs.len();
@@ -860,11 +856,10 @@ where
         (id, claim, due_ms, record): (String, u64, i64, &[u8]),
         held: Option<Arc<Held>>,
     ) -> std::result::Result<Job<T>, bool> {
-        let (job, error) = match Job::<T>::decode(id, claim, due_ms, record, &self.keys) {
-            Ok(job) => return Ok(job.with_lock(held)),
+        let (job, error) = match Job::<T>::decode((id, claim, held), due_ms, record, &self.keys) {
+            Ok(job) => return Ok(job),
             Err(bad) => *bad,
         };
-        let job = job.with_lock(held);
         tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
         match self.bury_with(&job, &error, false).await {
             Ok(buried) => Err(buried),
@@ -928,12 +923,7 @@ where
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
     async fn ack_batch(&self, jobs: &[&ClaimToken], kind: &str) -> Result<Vec<Acked>> {
-        if jobs.len() > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "ack_many takes at most {MAX_BATCH} messages, got {}",
-                jobs.len()
-            )));
-        }
+        check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
@@ -1343,11 +1333,7 @@ where
     /// re-driven or trimmed meanwhile shift positions. Errors when `limit`
     /// exceeds [`MAX_BATCH`].
     pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
-        if limit > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "a dead-letter page holds at most {MAX_BATCH} letters, got {limit}"
-            )));
-        }
+        check_count("a dead-letter page", limit, 0..=MAX_BATCH)?;
         if limit == 0 {
             return Ok(Vec::new());
         }
@@ -1463,11 +1449,7 @@ where
     /// on for every handle that changes the queue: one without it leaves
     /// gaps. Errors on 0. See the README's "Lifecycle events".
     pub fn record_events(mut self, max_len: usize) -> Result<Self> {
-        if max_len == 0 || max_len > MAX_KEPT {
-            return Err(Error::config(format_args!(
-                "the events stream's cap must be 1..={MAX_KEPT}, got {max_len}"
-            )));
-        }
+        check_count("the events stream's cap", max_len, 1..=MAX_KEPT)?;
         self.recording.events = Some(max_len);
         Ok(self)
     }
@@ -1607,11 +1589,7 @@ where
     /// [`keep_completed`](Self::keep_completed), newest first, at most
     /// `limit` (at most [`MAX_BATCH`]).
     pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
-        if limit > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "a page of completed messages holds at most {MAX_BATCH}, got {limit}"
-            )));
-        }
+        check_count("a page of completed messages", limit, 0..=MAX_BATCH)?;
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
         let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
             stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit)
@@ -1768,6 +1746,17 @@ fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> r
     let mut cmd = redis::cmd(cmd);
     cmd.arg(key).arg(start).arg(end).arg("COUNT").arg(count);
     cmd
+}
+
+/// Refuses a count `n` outside `range` (`what`: the operation's count).
+fn check_count(what: &str, n: usize, range: std::ops::RangeInclusive<usize>) -> Result<()> {
+    if range.contains(&n) {
+        return Ok(());
+    }
+    let (min, max) = range.into_inner();
+    Err(Error::config(format_args!(
+        "{what} must be {min}..={max}, got {n}"
+    )))
 }
 
 fn check_lease(lease: Duration) -> Result<()> {
