@@ -292,17 +292,15 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
+    /// A letter as `dead.lua` lists it: id, burial score (ms), record, error.
     pub(crate) fn new(
-        id: String,
-        buried_at: SystemTime,
-        record: Option<Vec<u8>>,
-        error: Option<String>,
+        (id, buried_ms, record, error): (String, f64, Option<Vec<u8>>, Option<String>),
     ) -> Self {
         let record = record.unwrap_or_default();
         let r = split_or_raw(&record);
         Self {
             id,
-            buried_at,
+            buried_at: from_unix_ms(buried_ms as i64),
             error,
             failures: r.failures,
             deferrals: r.deferrals,

@@ -761,10 +761,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("waking key `{key}`");
         redis::cmd("ZADD")
             .arg(&partition.keys[READY])
-            .arg("XX")
-            .arg("LT")
-            .arg(0)
-            .arg(key)
+            .arg(&["XX", "LT", "0", key])
             .query_on::<(), _>(self.conn, attempted)
             .await?;
         self.mark_ready(partition.slot, attempted).await

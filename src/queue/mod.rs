@@ -1039,8 +1039,7 @@ where
         };
         if let Some(held) = &job.held {
             let settled = self.settle_keyed(job, held, outcome).await?;
-            let due = SystemTime::now() + delay;
-            return Ok(settled.then_some(due));
+            return Ok(settled.then(|| SystemTime::now() + delay));
         }
         let k = &self.keys;
         let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
@@ -1116,10 +1115,8 @@ where
                 .query_on(&self.conn, attempted)
                 .await?;
             if held.len() != batch.len() {
-                return Err(Error::reply(
-                    attempted(),
-                    format_args!("{} values for {} leases", held.len(), batch.len()),
-                ));
+                let detail = format_args!("{} values for {} leases", held.len(), batch.len());
+                return Err(Error::reply(attempted(), detail));
             }
             plain.extend(held.into_iter().map(|h| h == 1));
         }
@@ -1249,10 +1246,8 @@ where
     /// keyed ones.
     async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
         let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values", reply.len()),
-            ));
+            let detail = format_args!("{} values", reply.len());
+            return Err(Error::reply(attempted(), detail));
         };
         // A keyed message is due once its key is ready for it.
         let (keyed, ready) = self.keyed().counts(now).await?;
@@ -1314,10 +1309,8 @@ where
             .await?;
         let n = buckets as usize;
         if reply.len() != 8 + 2 * n {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values", reply.len()),
-            ));
+            let detail = format_args!("{} values", reply.len());
+            return Err(Error::reply(attempted(), detail));
         }
         Ok(Activity {
             stats: self.with_keyed(&reply, attempted).await?,
@@ -1358,12 +1351,7 @@ where
             .arg(stop)
             .query_on(&self.conn, attempted)
             .await?;
-        Ok(reply
-            .into_iter()
-            .map(|(id, at, record, error)| {
-                DeadLetter::new(id, from_unix_ms(at as i64), record, error)
-            })
-            .collect())
+        Ok(reply.into_iter().map(DeadLetter::new).collect())
     }
 
     /// Re-drives one dead letter: due now, attempts, deferrals and stalls
@@ -1558,16 +1546,9 @@ where
     /// the beginning; see [`last_event_entry`](Self::last_event_entry)).
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
-        let after = format!("({after}");
-        let reply: Value = stream_range(
-            "XRANGE",
-            &self.keys.events,
-            &after,
-            "+",
-            limit.clamp(1, MAX_BATCH),
-        )
-        .query_on(&self.conn, attempted)
-        .await?;
+        let (after, limit) = (format!("({after}"), limit.clamp(1, MAX_BATCH));
+        let range = stream_range("XRANGE", &self.keys.events, &after, "+", limit);
+        let reply: Value = range.query_on(&self.conn, attempted).await?;
         Ok(events::entries(reply)
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
@@ -1577,11 +1558,9 @@ where
     /// The newest entry of the events stream, if any: where
     /// [`events_after`](Self::events_after) starts to see only what comes.
     pub async fn last_event_entry(&self) -> Result<Option<String>> {
-        let reply: Value = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1)
-            .query_on(&self.conn, || {
-                format!("reading the events of queue `{}`", self.name())
-            })
-            .await?;
+        let attempted = || format!("reading the events of queue `{}`", self.name());
+        let range = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1);
+        let reply: Value = range.query_on(&self.conn, attempted).await?;
         Ok(events::entries(reply).into_iter().next().map(|(id, _)| id))
     }
 
@@ -1591,10 +1570,9 @@ where
     pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
         check_count("a page of completed messages", limit, 0..=MAX_BATCH)?;
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
+        let range = stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit);
         let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
-            stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit)
-                .query_on(&self.conn, attempted)
-                .await?;
+            range.query_on(&self.conn, attempted).await?;
         reply
             .into_iter()
             .map(|(entry, mut fields)| {
