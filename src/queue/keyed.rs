@@ -16,7 +16,7 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, Script};
 use tokio::time::Instant;
 
-use super::scripts::Query;
+use super::scripts::{Lazy, Query};
 use super::{EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
@@ -46,8 +46,7 @@ static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
 fn source(body: &str) -> String {
-    let prelude = include_str!("lua/prelude.lua");
-    format!("{prelude}\n{}\n{body}", include_str!("lua/keyed.lua"))
+    super::scripts::with_prelude(&format!("{}\n{body}", include_str!("lua/keyed.lua")))
 }
 
 fn script(body: &str) -> Script {
@@ -69,17 +68,16 @@ pub(crate) fn push_source() -> String {
 }
 
 // The keyed scripts, each hashed once per process.
-static PUSH: LazyLock<Script> = LazyLock::new(|| Script::new(&push_source()));
-static EVENTS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
-static CLAIM: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
-static DONE: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
-static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
-static RECOVER: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
-static KEY_LOADS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
-static TAKE_IN: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
-static PEEK: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
-static REMOVE: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
+static PUSH: Lazy = LazyLock::new(|| Script::new(&push_source()));
+static EVENTS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
+static CLAIM: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
+static DONE: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
+static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
+static RECOVER: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
+static KEY_LOADS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
+static TAKE_IN: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
+static PEEK: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
+static REMOVE: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
@@ -103,17 +101,10 @@ pub(crate) struct Partition {
 /// on, `<base>:data`, `<base>:dead`, ...: the queue's own, or a partition's.
 #[derive(Debug)]
 pub(crate) struct DeadSet {
-    base: String,
+    pub(crate) base: String,
     /// The partition's slot (re-driven letters make it ready) and its
     /// `keyof` hash (where the letters' keys are); `None` for the queue's own.
     pub(crate) partition: Option<(u16, String)>,
-}
-
-impl DeadSet {
-    /// The keys `<base>:<name>` of `names`.
-    pub(crate) fn keys<const N: usize>(&self, names: [&str; N]) -> [String; N] {
-        names.map(|name| format!("{}:{name}", self.base))
-    }
 }
 
 impl Partition {
@@ -292,7 +283,6 @@ impl Log {
         self.with_error(kind, key, "", (id, attempt));
     }
 
-    /// Logs `kind` with an error.
     fn with_error(&mut self, kind: EventKind, key: &str, error: &str, (id, attempt): (&str, u32)) {
         let pair = (id.to_owned(), attempt);
         if let Some(last) = self.entries.last_mut()

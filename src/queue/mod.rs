@@ -102,7 +102,6 @@ impl<T, C> Queue<T, C> {
         let _ = self.keyed.listener.set(Arc::new(auto));
     }
 
-    /// The queue's keyed messages.
     fn keyed(&self) -> Keyed<'_, C> {
         Keyed {
             conn: &self.conn,
@@ -206,15 +205,11 @@ impl QueueKeys {
             partitions: format!("{base}:partitions"),
         }
     }
+}
 
-    /// The keys `<base>:<name>` of `names`.
-    fn named(&self, names: impl IntoIterator<Item = &'static str>) -> Vec<String> {
-        let base = &self.base;
-        names
-            .into_iter()
-            .map(|name| format!("{base}:{name}"))
-            .collect()
-    }
+/// The keys `<base>:<name>` of `names`.
+fn named<const N: usize>(base: &str, names: [&str; N]) -> [String; N] {
+    names.map(|name| format!("{base}:{name}"))
 }
 
 /// When a pushed message becomes due, and under which id.
@@ -661,10 +656,8 @@ where
 
     /// Adds a message with a chosen id and due time.
     pub async fn push_with(&self, msg: impl Borrow<T>, options: PushOptions) -> Result<Pushed> {
-        let mut pushed = self.push_many_with([(msg, options)]).await?;
-        pushed
-            .pop()
-            .ok_or_else(|| Error::reply("pushing a message", "empty reply"))
+        let pushed = self.push_many_with([(msg, options)]).await?.pop();
+        pushed.ok_or_else(|| Error::reply("pushing a message", "empty reply"))
     }
 
     /// Adds many messages, all due now, in one round trip per
@@ -1224,7 +1217,7 @@ where
     pub async fn exists(&self) -> Result<bool> {
         // Every key but the bell (a ring alone is no queue).
         let found: u32 = redis::cmd("EXISTS")
-            .arg(self.keys.named(QUEUE_KEYS))
+            .arg(&named(&self.keys.base, QUEUE_KEYS))
             .query_on(&self.conn, || format!("looking up queue `{}`", self.name()))
             .await?;
         Ok(found > 0)
@@ -1346,7 +1339,7 @@ where
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
         type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
         let reply: Letters = scripts::DEAD
-            .key(&set.keys(["data", "dead", "errors"]))
+            .key(&named(&set.base, ["data", "dead", "errors"]))
             .arg(0)
             .arg(stop)
             .query_on(&self.conn, attempted)
@@ -1402,8 +1395,8 @@ where
         let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
         let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
         script
-            .key(&set.keys(["data", "schedule", "dead", "errors"]))
-            .key(&set.keys(["bell", "prioritized", "events"]));
+            .key(&named(&set.base, ["data", "schedule", "dead", "errors"]))
+            .key(&named(&set.base, ["bell", "prioritized", "events"]));
         if let Some((_, keyof)) = &set.partition {
             script.key(keyof);
         }
@@ -1617,7 +1610,8 @@ where
     pub async fn purge(&self) -> Result<()> {
         self.keyed().purge().await?;
         redis::cmd("UNLINK")
-            .arg(self.keys.named(QUEUE_KEYS.into_iter().chain(["bell"])))
+            .arg(&named(&self.keys.base, QUEUE_KEYS))
+            .arg(&self.keys.bell)
             .query_on(&self.conn, || format!("purging queue `{}`", self.name()))
             .await
     }
@@ -1748,10 +1742,8 @@ fn check_lease(lease: Duration) -> Result<()> {
 }
 
 pub(crate) fn unix_ms(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
-        Err(_) => 0,
-    }
+    let ms = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
