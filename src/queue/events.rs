@@ -190,15 +190,10 @@ impl<K: Connector> Reader<K> {
                 self.conn.insert(conn)
             }
         };
+        let block = BLOCK.as_millis().to_string();
         let mut xread = redis::cmd("XREAD");
-        xread
-            .arg("COUNT")
-            .arg(1000)
-            .arg("BLOCK")
-            .arg(BLOCK.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(&self.key)
-            .arg(&self.last);
+        xread.arg(&["COUNT", "1000", "BLOCK", &block]);
+        xread.arg("STREAMS").arg(&self.key).arg(&self.last);
         let read = xread.query_async::<Value>(conn);
         let reply = match tokio::time::timeout(BLOCK + MARGIN, read).await {
             Ok(reply) => reply.map_err(Error::redis(attempted()))?,

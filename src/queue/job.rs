@@ -91,11 +91,11 @@ pub(crate) struct Record<'a> {
 }
 
 impl<T: DeserializeOwned> Job<T> {
-    /// Builds a job from a claimed record; on failure returns a job-shaped
-    /// handle (without payload) to bury, and the reason.
+    /// Builds a job from a claimed record, under its key's lock when `held`;
+    /// on failure returns a job-shaped handle (without payload) to bury, and
+    /// the reason.
     pub(crate) fn decode(
-        id: String,
-        claim: u64,
+        (id, claim, held): (String, u64, Option<Arc<Held>>),
         due_ms: i64,
         record: &[u8],
         queue: &Arc<QueueKeys>,
@@ -106,7 +106,7 @@ impl<T: DeserializeOwned> Job<T> {
             claim,
             failures: r.failures,
             stalls: r.stalls,
-            held: None,
+            held,
         };
         let job = Job {
             token,
@@ -213,12 +213,6 @@ impl<T> Job<T> {
         self.token.held.as_ref().map(|held| held.key.as_str())
     }
 
-    /// A keyed job: its key's lock is held with it.
-    pub(crate) fn with_lock(mut self, held: Option<Arc<Held>>) -> Self {
-        self.token.held = held;
-        self
-    }
-
     pub(crate) fn queue_keys(&self) -> &Arc<QueueKeys> {
         &self.queue
     }
@@ -298,17 +292,15 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
+    /// A letter as `dead.lua` lists it: id, burial score (ms), record, error.
     pub(crate) fn new(
-        id: String,
-        buried_at: SystemTime,
-        record: Option<Vec<u8>>,
-        error: Option<String>,
+        (id, buried_ms, record, error): (String, f64, Option<Vec<u8>>, Option<String>),
     ) -> Self {
         let record = record.unwrap_or_default();
         let r = split_or_raw(&record);
         Self {
             id,
-            buried_at,
+            buried_at: from_unix_ms(buried_ms as i64),
             error,
             failures: r.failures,
             deferrals: r.deferrals,
@@ -447,7 +439,7 @@ mod tests {
             #[test]
             fn any_bytes_decode_or_are_refused_without_panic(record in bytes()) {
                 let keys = Arc::new(QueueKeys::new("lockgate", "q"));
-                let decoded = Job::<serde_json::Value>::decode("id".into(), 1, 0, &record, &keys);
+                let decoded = Job::<serde_json::Value>::decode(("id".into(), 1, None), 0, &record, &keys);
                 if let Ok(job) = decoded {
                     let split = split_record(&record).expect("decoded, so split");
                     let payload: serde_json::Value = serde_json::from_slice(split.payload).expect("decoded");

@@ -13,11 +13,11 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
-use redis::{Cmd, FromRedisValue, Script, Value};
+use redis::{Cmd, FromRedisValue, Script};
 use tokio::time::Instant;
 
-use super::scripts::Query;
-use super::{EventKind, QueueKeys};
+use super::scripts::{Lazy, Query};
+use super::{EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
@@ -46,8 +46,7 @@ static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
 fn source(body: &str) -> String {
-    let prelude = include_str!("lua/prelude.lua");
-    format!("{prelude}\n{}\n{body}", include_str!("lua/keyed.lua"))
+    super::scripts::with_prelude(&format!("{}\n{body}", include_str!("lua/keyed.lua")))
 }
 
 fn script(body: &str) -> Script {
@@ -69,24 +68,22 @@ pub(crate) fn push_source() -> String {
 }
 
 // The keyed scripts, each hashed once per process.
-static PUSH: LazyLock<Script> = LazyLock::new(|| Script::new(&push_source()));
-static EVENTS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
-static CLAIM: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
-static DONE: LazyLock<Script> = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
-static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
-static RECOVER: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
-static KEY_LOADS: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
-static TAKE_IN: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
-static PEEK: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
-static REMOVE: LazyLock<Script> = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
+static PUSH: Lazy = LazyLock::new(|| Script::new(&push_source()));
+static EVENTS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
+static CLAIM: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
+static DONE: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
+static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
+static RECOVER: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
+static KEY_LOADS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
+static TAKE_IN: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
+static PEEK: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
+static REMOVE: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
 const SCHEDULE: usize = 1;
 const ACTIVE: usize = 2;
 const DEAD: usize = 3;
-const ERRORS: usize = 4;
 const CLAIMS: usize = 5;
 const LINES: usize = 6;
 const READY: usize = 7;
@@ -101,16 +98,10 @@ pub(crate) struct Partition {
 }
 
 /// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
-/// on: the queue's own, or a partition's.
+/// on, `<base>:data`, `<base>:dead`, ...: the queue's own, or a partition's.
 #[derive(Debug)]
 pub(crate) struct DeadSet {
-    pub(crate) data: String,
-    pub(crate) schedule: String,
-    pub(crate) dead: String,
-    pub(crate) errors: String,
-    pub(crate) bell: String,
-    pub(crate) prioritized: String,
-    pub(crate) events: String,
+    pub(crate) base: String,
     /// The partition's slot (re-driven letters make it ready) and its
     /// `keyof` hash (where the letters' keys are); `None` for the queue's own.
     pub(crate) partition: Option<(u16, String)>,
@@ -133,17 +124,9 @@ impl Partition {
     /// the bell, priorities and events are names in the partition's slot
     /// that keyed messages leave empty.
     fn dead_set(&self) -> DeadSet {
-        let stem = self.keys[DATA].trim_end_matches(":data");
-        DeadSet {
-            data: self.keys[DATA].clone(),
-            schedule: self.keys[SCHEDULE].clone(),
-            dead: self.keys[DEAD].clone(),
-            errors: self.keys[ERRORS].clone(),
-            bell: format!("{stem}:bell"),
-            prioritized: format!("{stem}:prioritized"),
-            events: format!("{stem}:events"),
-            partition: Some((self.slot, self.keys[KEYOF].clone())),
-        }
+        let base = self.keys[DATA].trim_end_matches(":data").to_owned();
+        let partition = Some((self.slot, self.keys[KEYOF].clone()));
+        DeadSet { base, partition }
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
@@ -276,15 +259,6 @@ pub(crate) struct Keyed<'a, C> {
     pub(crate) recording: Recording,
 }
 
-/// What a queue's handle keeps beside its keyed messages: the events' cap,
-/// the completed messages' limits, the dead letters' retention.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Recording {
-    pub(crate) events: Option<usize>,
-    pub(crate) completed: Option<super::Retention>,
-    pub(crate) dead: super::Retention,
-}
-
 /// The events and completed messages a keyed script's change calls for,
 /// appended to the queue's streams after it (`lua/keyed_events.lua`): a
 /// key's line lives in its lock's hash slot, the streams in the queue's.
@@ -309,7 +283,6 @@ impl Log {
         self.with_error(kind, key, "", (id, attempt));
     }
 
-    /// Logs `kind` with an error.
     fn with_error(&mut self, kind: EventKind, key: &str, error: &str, (id, attempt): (&str, u32)) {
         let pair = (id.to_owned(), attempt);
         if let Some(last) = self.entries.last_mut()
@@ -551,7 +524,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         type Reply = (
             u64,
             i64,
-            i64,
             Vec<String>,
             Vec<Taken>,
             Vec<(String, String, u64)>,
@@ -561,7 +533,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Some(first) => run_after(&CLAIM, first, &cmd, &mut conn).await,
             None => run(&CLAIM, &cmd, &mut conn).await,
         };
-        let (claim, _now, next_at, named, taken, blocked): Reply =
+        let (claim, next_at, named, taken, blocked): Reply =
             reply.map_err(|e| Error::redis(attempted())(e))?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
@@ -779,10 +751,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("waking key `{key}`");
         redis::cmd("ZADD")
             .arg(&partition.keys[READY])
-            .arg("XX")
-            .arg("LT")
-            .arg(0)
-            .arg(key)
+            .arg(&["XX", "LT", "0", key])
             .query_on::<(), _>(self.conn, attempted)
             .await?;
         self.mark_ready(partition.slot, attempted).await
@@ -844,16 +813,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            let (now, flat): (i64, Vec<Value>) = self.run(&KEY_LOADS, &cmd, attempted).await?;
-            for entry in flat.chunks_exact(4) {
-                let (Ok(key), Ok(waiting), Ok(at_work), Ok(pushed)) = (
-                    String::from_redis_value_ref(&entry[0]),
-                    u64::from_redis_value_ref(&entry[1]),
-                    u64::from_redis_value_ref(&entry[2]),
-                    i64::from_redis_value_ref(&entry[3]),
-                ) else {
-                    return Err(Error::reply(attempted(), "a malformed key entry"));
-                };
+            let (now, keys): (i64, Vec<(String, u64, u64, i64)>) =
+                self.run(&KEY_LOADS, &cmd, attempted).await?;
+            for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
                 loads.push(super::KeyLoad {
                     key,
@@ -884,10 +846,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(())
     }
 
-    /// The dead-letter keys of every partition in the index.
+    /// The queue's own dead-letter keys, then every partition's in the index.
     pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let slots = self.slots().await?.into_iter();
-        Ok(slots.map(|slot| self.partition(slot).dead_set()).collect())
+        let own = DeadSet {
+            base: self.keys.base.clone(),
+            partition: None,
+        };
+        let partitions = self.slots().await?.into_iter();
+        let partitions = partitions.map(|slot| self.partition(slot).dead_set());
+        Ok(std::iter::once(own).chain(partitions).collect())
     }
 
     /// Makes a partition whose dead letters were re-driven look for them,
@@ -960,16 +927,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&PEEK, 0);
             cmd.arg(limit);
-            let (count, flat): (usize, Vec<Value>) = self.run(&PEEK, &cmd, attempted).await?;
-            for (n, entry) in flat.chunks_exact(4).enumerate() {
-                let (Ok(id), Ok(at), Ok(key), Ok(record)) = (
-                    String::from_redis_value_ref(&entry[0]),
-                    i64::from_redis_value_ref(&entry[1]),
-                    String::from_redis_value_ref(&entry[2]),
-                    Option::<Vec<u8>>::from_redis_value_ref(&entry[3]),
-                ) else {
-                    return Err(Error::reply(attempted(), "a malformed entry"));
-                };
+            type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
+            let (count, entries): (usize, Entries) = self.run(&PEEK, &cmd, attempted).await?;
+            for (n, (id, at, key, record)) in entries.into_iter().enumerate() {
                 let mut peeked = super::Peeked::new(id, super::from_unix_ms(at), 0, record);
                 peeked.key = Some(key).filter(|key| !key.is_empty());
                 match n < count {

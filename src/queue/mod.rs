@@ -76,12 +76,7 @@ pub const MAX_BATCH: usize = 1000;
 pub struct Queue<T, C = redis::aio::ConnectionManager> {
     conn: C,
     keys: Arc<QueueKeys>,
-    /// Dead-letter retention, applied by burials.
-    retention: Retention,
-    /// The lifecycle events' cap, when they are recorded.
-    events: Option<usize>,
-    /// Completed-message retention, when they are kept.
-    completed: Option<Retention>,
+    recording: Recording,
     /// The keyed side's state, shared by clones.
     keyed: Arc<KeyedState>,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
@@ -107,17 +102,12 @@ impl<T, C> Queue<T, C> {
         let _ = self.keyed.listener.set(Arc::new(auto));
     }
 
-    /// The queue's keyed messages.
     fn keyed(&self) -> Keyed<'_, C> {
         Keyed {
             conn: &self.conn,
             keys: &self.keys,
             state: &self.keyed,
-            recording: keyed::Recording {
-                events: self.events,
-                completed: self.completed,
-                dead: self.retention,
-            },
+            recording: self.recording,
         }
     }
 }
@@ -127,9 +117,7 @@ impl<T, C: Clone> Clone for Queue<T, C> {
         Self {
             conn: self.conn.clone(),
             keys: self.keys.clone(),
-            retention: self.retention,
-            events: self.events,
-            completed: self.completed,
+            recording: self.recording,
             keyed: self.keyed.clone(),
             _message: PhantomData,
         }
@@ -143,6 +131,16 @@ struct Retention {
     max_count: Option<usize>,
     /// Keep none older than this.
     max_age: Option<Duration>,
+}
+
+/// What a queue's handle records and keeps: the lifecycle events' cap
+/// (when recorded), the completed messages' retention (when kept), and the
+/// dead letters' retention (applied by burials).
+#[derive(Debug, Clone, Copy, Default)]
+struct Recording {
+    events: Option<usize>,
+    completed: Option<Retention>,
+    dead: Retention,
 }
 
 impl Retention {
@@ -159,9 +157,9 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
         f.debug_struct("Queue")
             .field("name", &self.keys.name)
             .field("prefix", &self.keys.prefix)
-            .field("retention", &self.retention)
-            .field("events", &self.events)
-            .field("completed", &self.completed)
+            .field("retention", &self.recording.dead)
+            .field("events", &self.recording.events)
+            .field("completed", &self.recording.completed)
             .finish_non_exhaustive()
     }
 }
@@ -207,15 +205,11 @@ impl QueueKeys {
             partitions: format!("{base}:partitions"),
         }
     }
+}
 
-    /// The keys `<base>:<name>` of `names`.
-    fn named(&self, names: impl IntoIterator<Item = &'static str>) -> Vec<String> {
-        let base = &self.base;
-        names
-            .into_iter()
-            .map(|name| format!("{base}:{name}"))
-            .collect()
-    }
+/// The keys `<base>:<name>` of `names`.
+fn named<const N: usize>(base: &str, names: [&str; N]) -> [String; N] {
+    names.map(|name| format!("{base}:{name}"))
 }
 
 /// When a pushed message becomes due, and under which id.
@@ -617,9 +611,7 @@ where
         Ok(Self {
             conn,
             keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
-            retention: Retention::default(),
-            events: None,
-            completed: None,
+            recording: Recording::default(),
             keyed: Arc::default(),
             _message: PhantomData,
         })
@@ -664,10 +656,8 @@ where
 
     /// Adds a message with a chosen id and due time.
     pub async fn push_with(&self, msg: impl Borrow<T>, options: PushOptions) -> Result<Pushed> {
-        let mut pushed = self.push_many_with([(msg, options)]).await?;
-        pushed
-            .pop()
-            .ok_or_else(|| Error::reply("pushing a message", "empty reply"))
+        let pushed = self.push_many_with([(msg, options)]).await?.pop();
+        pushed.ok_or_else(|| Error::reply("pushing a message", "empty reply"))
     }
 
     /// Adds many messages, all due now, in one round trip per
@@ -745,7 +735,7 @@ where
         let k = &self.keys;
         let mut call = scripts::PUSH.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
-        if let Some(cap) = self.events {
+        if let Some(cap) = self.recording.events {
             call.key(&k.events).arg(cap);
         }
         for (_, (id, when, payload, _)) in batch {
@@ -771,11 +761,7 @@ where
     /// A claimed payload that does not decode as `T` is not returned: it is
     /// buried with the decoding error and counted in [`Claimed::buried`].
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
-        if max == 0 || max > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "claim batch must be 1..={MAX_BATCH}, got {max}"
-            )));
-        }
+        check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_lease(lease)?;
         let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
         let room = max - claimed.jobs.len();
@@ -863,11 +849,10 @@ where
         (id, claim, due_ms, record): (String, u64, i64, &[u8]),
         held: Option<Arc<Held>>,
     ) -> std::result::Result<Job<T>, bool> {
-        let (job, error) = match Job::<T>::decode(id, claim, due_ms, record, &self.keys) {
-            Ok(job) => return Ok(job.with_lock(held)),
+        let (job, error) = match Job::<T>::decode((id, claim, held), due_ms, record, &self.keys) {
+            Ok(job) => return Ok(job),
             Err(bad) => *bad,
         };
-        let job = job.with_lock(held);
         tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
         match self.bury_with(&job, &error, false).await {
             Ok(buried) => Err(buried),
@@ -931,18 +916,13 @@ where
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
     async fn ack_batch(&self, jobs: &[&ClaimToken], kind: &str) -> Result<Vec<Acked>> {
-        if jobs.len() > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "ack_many takes at most {MAX_BATCH} messages, got {}",
-                jobs.len()
-            )));
-        }
+        check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
         let mut call = scripts::ACK_MANY.prepare_invoke();
-        let completed = self.completed.unwrap_or_default().args();
-        let keep = kind == "done" && self.completed.is_some();
+        let completed = self.recording.completed.unwrap_or_default().args();
+        let keep = kind == "done" && self.recording.completed.is_some();
         let k = &self.keys;
         call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
             .arg(self.events_arg())
@@ -1052,8 +1032,7 @@ where
         };
         if let Some(held) = &job.held {
             let settled = self.settle_keyed(job, held, outcome).await?;
-            let due = SystemTime::now() + delay;
-            return Ok(settled.then_some(due));
+            return Ok(settled.then(|| SystemTime::now() + delay));
         }
         let k = &self.keys;
         let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
@@ -1090,7 +1069,7 @@ where
         if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
-        let (max_count, max_age) = self.retention.args();
+        let (max_count, max_age) = self.recording.dead.args();
         let k = &self.keys;
         let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
@@ -1129,10 +1108,8 @@ where
                 .query_on(&self.conn, attempted)
                 .await?;
             if held.len() != batch.len() {
-                return Err(Error::reply(
-                    attempted(),
-                    format_args!("{} values for {} leases", held.len(), batch.len()),
-                ));
+                let detail = format_args!("{} values for {} leases", held.len(), batch.len());
+                return Err(Error::reply(attempted(), detail));
             }
             plain.extend(held.into_iter().map(|h| h == 1));
         }
@@ -1206,7 +1183,7 @@ where
     /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
-        let (max_count, max_age) = self.retention.args();
+        let (max_count, max_age) = self.recording.dead.args();
         let k = &self.keys;
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
@@ -1240,7 +1217,7 @@ where
     pub async fn exists(&self) -> Result<bool> {
         // Every key but the bell (a ring alone is no queue).
         let found: u32 = redis::cmd("EXISTS")
-            .arg(self.keys.named(QUEUE_KEYS))
+            .arg(&named(&self.keys.base, QUEUE_KEYS))
             .query_on(&self.conn, || format!("looking up queue `{}`", self.name()))
             .await?;
         Ok(found > 0)
@@ -1262,10 +1239,8 @@ where
     /// keyed ones.
     async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
         let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values", reply.len()),
-            ));
+            let detail = format_args!("{} values", reply.len());
+            return Err(Error::reply(attempted(), detail));
         };
         // A keyed message is due once its key is ready for it.
         let (keyed, ready) = self.keyed().counts(now).await?;
@@ -1327,10 +1302,8 @@ where
             .await?;
         let n = buckets as usize;
         if reply.len() != 8 + 2 * n {
-            return Err(Error::reply(
-                attempted(),
-                format_args!("{} values", reply.len()),
-            ));
+            let detail = format_args!("{} values", reply.len());
+            return Err(Error::reply(attempted(), detail));
         }
         Ok(Activity {
             stats: self.with_keyed(&reply, attempted).await?,
@@ -1346,11 +1319,7 @@ where
     /// re-driven or trimmed meanwhile shift positions. Errors when `limit`
     /// exceeds [`MAX_BATCH`].
     pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
-        if limit > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "a dead-letter page holds at most {MAX_BATCH} letters, got {limit}"
-            )));
-        }
+        check_count("a dead-letter page", limit, 0..=MAX_BATCH)?;
         if limit == 0 {
             return Ok(Vec::new());
         }
@@ -1358,29 +1327,11 @@ where
         // of keyed messages have dead letters of their own).
         let stop = offset.saturating_add(limit - 1);
         let mut out = Vec::new();
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             out.extend(self.dead_in(&set, stop).await?);
         }
         out.sort_by_key(|letter| letter.buried_at);
         Ok(out.into_iter().skip(offset).take(limit).collect())
-    }
-
-    /// The queue's own dead-letter keys, then every keyed partition's.
-    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let keys = &self.keys;
-        let own = DeadSet {
-            data: keys.data.clone(),
-            schedule: keys.schedule.clone(),
-            dead: keys.dead.clone(),
-            errors: keys.errors.clone(),
-            bell: keys.bell.clone(),
-            prioritized: keys.prioritized.clone(),
-            events: keys.events.clone(),
-            partition: None,
-        };
-        let mut sets = vec![own];
-        sets.extend(self.keyed().dead_sets().await?);
-        Ok(sets)
     }
 
     /// The first `stop + 1` dead letters of one set, oldest first.
@@ -1388,17 +1339,12 @@ where
         let attempted = || format!("listing dead letters of queue `{}`", self.name());
         type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
         let reply: Letters = scripts::DEAD
-            .key(&[&set.data, &set.dead, &set.errors])
+            .key(&named(&set.base, ["data", "dead", "errors"]))
             .arg(0)
             .arg(stop)
             .query_on(&self.conn, attempted)
             .await?;
-        Ok(reply
-            .into_iter()
-            .map(|(id, at, record, error)| {
-                DeadLetter::new(id, from_unix_ms(at as i64), record, error)
-            })
-            .collect())
+        Ok(reply.into_iter().map(DeadLetter::new).collect())
     }
 
     /// Re-drives one dead letter: due now, attempts, deferrals and stalls
@@ -1407,7 +1353,7 @@ where
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
                 return Ok(true);
             }
@@ -1421,7 +1367,7 @@ where
     /// at once) are left dead, so the call ends.
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
-        for set in self.dead_sets().await? {
+        for set in self.keyed().dead_sets().await? {
             let mut cutoff = None;
             loop {
                 let (requeued, examined, started) =
@@ -1449,8 +1395,8 @@ where
         let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
         let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
         script
-            .key(&[&set.data, &set.schedule, &set.dead, &set.errors])
-            .key(&[&set.bell, &set.prioritized, &set.events]);
+            .key(&named(&set.base, ["data", "schedule", "dead", "errors"]))
+            .key(&named(&set.base, ["bell", "prioritized", "events"]));
         if let Some((_, keyof)) = &set.partition {
             script.key(keyof);
         }
@@ -1473,11 +1419,9 @@ where
     /// default: no limit). Applied by the scripts that bury, about a
     /// hundred letters per burial at most. Every process that buries should
     /// use the same setting. See the README's "The queue".
-    pub fn dead_retention(self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
-        Self {
-            retention: Retention { max_count, max_age },
-            ..self
-        }
+    pub fn dead_retention(mut self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
+        self.recording.dead = Retention { max_count, max_age };
+        self
     }
 
     /// Records lifecycle events: every change of a message this handle
@@ -1485,16 +1429,10 @@ where
     /// `max_len` entries; follow them with [`events`](Self::events). Turn it
     /// on for every handle that changes the queue: one without it leaves
     /// gaps. Errors on 0. See the README's "Lifecycle events".
-    pub fn record_events(self, max_len: usize) -> Result<Self> {
-        if max_len == 0 || max_len > MAX_KEPT {
-            return Err(Error::config(format_args!(
-                "the events stream's cap must be 1..={MAX_KEPT}, got {max_len}"
-            )));
-        }
-        Ok(Self {
-            events: Some(max_len),
-            ..self
-        })
+    pub fn record_events(mut self, max_len: usize) -> Result<Self> {
+        check_count("the events stream's cap", max_len, 1..=MAX_KEPT)?;
+        self.recording.events = Some(max_len);
+        Ok(self)
     }
 
     /// Keeps the last `max_count` completed messages, and those of the last
@@ -1503,7 +1441,7 @@ where
     /// Errors when both are `None` or on a count of 0. See the README's
     /// "Keeping completed messages".
     pub fn keep_completed(
-        self,
+        mut self,
         max_count: Option<usize>,
         max_age: Option<Duration>,
     ) -> Result<Self> {
@@ -1520,8 +1458,8 @@ where
                 "keeping completed messages for more than a year is not bounded memory".to_owned()
             }
             _ => {
-                let completed = Some(Retention { max_count, max_age });
-                return Ok(Self { completed, ..self });
+                self.recording.completed = Some(Retention { max_count, max_age });
+                return Ok(self);
             }
         };
         Err(Error::config(refusal))
@@ -1529,7 +1467,10 @@ where
 
     /// The events' cap as the scripts take it ("" when events are off).
     fn events_arg(&self) -> String {
-        self.events.map(|cap| cap.to_string()).unwrap_or_default()
+        self.recording
+            .events
+            .map(|cap| cap.to_string())
+            .unwrap_or_default()
     }
 
     /// Follows the queue's [lifecycle events](Self::record_events) from
@@ -1598,16 +1539,9 @@ where
     /// the beginning; see [`last_event_entry`](Self::last_event_entry)).
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
-        let after = format!("({after}");
-        let reply: Value = stream_range(
-            "XRANGE",
-            &self.keys.events,
-            &after,
-            "+",
-            limit.clamp(1, MAX_BATCH),
-        )
-        .query_on(&self.conn, attempted)
-        .await?;
+        let (after, limit) = (format!("({after}"), limit.clamp(1, MAX_BATCH));
+        let range = stream_range("XRANGE", &self.keys.events, &after, "+", limit);
+        let reply: Value = range.query_on(&self.conn, attempted).await?;
         Ok(events::entries(reply)
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
@@ -1617,11 +1551,9 @@ where
     /// The newest entry of the events stream, if any: where
     /// [`events_after`](Self::events_after) starts to see only what comes.
     pub async fn last_event_entry(&self) -> Result<Option<String>> {
-        let reply: Value = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1)
-            .query_on(&self.conn, || {
-                format!("reading the events of queue `{}`", self.name())
-            })
-            .await?;
+        let attempted = || format!("reading the events of queue `{}`", self.name());
+        let range = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1);
+        let reply: Value = range.query_on(&self.conn, attempted).await?;
         Ok(events::entries(reply).into_iter().next().map(|(id, _)| id))
     }
 
@@ -1629,16 +1561,11 @@ where
     /// [`keep_completed`](Self::keep_completed), newest first, at most
     /// `limit` (at most [`MAX_BATCH`]).
     pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
-        if limit > MAX_BATCH {
-            return Err(Error::config(format_args!(
-                "a page of completed messages holds at most {MAX_BATCH}, got {limit}"
-            )));
-        }
+        check_count("a page of completed messages", limit, 0..=MAX_BATCH)?;
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
+        let range = stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit);
         let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
-            stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit)
-                .query_on(&self.conn, attempted)
-                .await?;
+            range.query_on(&self.conn, attempted).await?;
         reply
             .into_iter()
             .map(|(entry, mut fields)| {
@@ -1683,7 +1610,8 @@ where
     pub async fn purge(&self) -> Result<()> {
         self.keyed().purge().await?;
         redis::cmd("UNLINK")
-            .arg(self.keys.named(QUEUE_KEYS.into_iter().chain(["bell"])))
+            .arg(&named(&self.keys.base, QUEUE_KEYS))
+            .arg(&self.keys.bell)
             .query_on(&self.conn, || format!("purging queue `{}`", self.name()))
             .await
     }
@@ -1792,6 +1720,17 @@ fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> r
     cmd
 }
 
+/// Refuses a count `n` outside `range` (`what`: the operation's count).
+fn check_count(what: &str, n: usize, range: std::ops::RangeInclusive<usize>) -> Result<()> {
+    if range.contains(&n) {
+        return Ok(());
+    }
+    let (min, max) = range.into_inner();
+    Err(Error::config(format_args!(
+        "{what} must be {min}..={max}, got {n}"
+    )))
+}
+
 fn check_lease(lease: Duration) -> Result<()> {
     if lease < Duration::from_millis(1) || lease > crate::lock::MAX_TTL {
         return Err(Error::config(format_args!(
@@ -1803,10 +1742,8 @@ fn check_lease(lease: Duration) -> Result<()> {
 }
 
 pub(crate) fn unix_ms(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
-        Err(_) => 0,
-    }
+    let ms = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    i64::try_from(ms).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {

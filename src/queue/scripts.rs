@@ -8,7 +8,7 @@ use redis::{Cmd, FromRedisValue, RedisResult, Script, ScriptInvocation};
 use crate::error::{Error, Result};
 
 /// A script, hashed on first use.
-type Lazy = LazyLock<Script>;
+pub(crate) type Lazy = LazyLock<Script>;
 
 pub(crate) static PUSH: Lazy = LazyLock::new(|| load(include_str!("lua/push.lua")));
 pub(crate) static CLAIM: Lazy = LazyLock::new(|| load(include_str!("lua/claim.lua")));
@@ -24,7 +24,7 @@ pub(crate) static DEAD: Lazy = LazyLock::new(|| load(include_str!("lua/dead.lua"
 pub(crate) static PEEK: Lazy = LazyLock::new(|| load(include_str!("lua/peek.lua")));
 
 /// A script's source as loaded: the shared prelude, a newline, the script.
-fn with_prelude(body: &str) -> String {
+pub(crate) fn with_prelude(body: &str) -> String {
     format!("{}\n{body}", include_str!("lua/prelude.lua"))
 }
 

@@ -176,14 +176,11 @@ where
 
     /// Starts a `BLPOP` on the dedicated connection, opening it if needed.
     async fn block(&mut self) -> Result<Pending> {
-        let conn = match &self.conn {
+        let mut conn = match &self.conn {
             Some(conn) => conn.clone(),
             None => {
-                let conn = self
-                    .connector
-                    .connect()
-                    .await
-                    .map_err(Error::redis("opening the waiter's connection"))?;
+                let opened = self.connector.connect().await;
+                let conn = opened.map_err(Error::redis("opening the waiter's connection"))?;
                 self.conn.insert(conn).clone()
             }
         };
@@ -191,13 +188,8 @@ where
         cmd.arg(&self.bell).arg(&self.poke).arg(BLOCK.as_secs_f64());
         let bell = self.bell.clone();
         Ok(Box::pin(async move {
-            let mut conn = conn;
-            match tokio::time::timeout(
-                BLOCK + MARGIN,
-                cmd.query_async::<Option<(String, String)>>(&mut conn),
-            )
-            .await
-            {
+            let popped = cmd.query_async::<Option<(String, String)>>(&mut conn);
+            match tokio::time::timeout(BLOCK + MARGIN, popped).await {
                 // A ring, or our own poke (which is no ring).
                 Ok(answer) => answer.map(|popped| popped.is_some_and(|(key, _)| key == bell)),
                 Err(_) => Err(std::io::Error::new(

@@ -13,9 +13,9 @@
 -- publishes, and waits for that or the first lease's end; a key over its
 -- rate waits for its next slot. A key with permits gives one message per
 -- call: one with room left is named again for the next.
--- Returns {claim, now, when a key or a delayed message is due next (ms, -1
--- for none), {candidate keys}, {key, id, seq, permits (0: the lock), 1 if
--- the key has a rate limit else 0, record, ...}, {key that other code keeps
+-- Returns {claim, when a key or a delayed message is due next (ms, -1 for
+-- none), {candidate keys}, {key, id, seq, permits (0: the lock), 1 if the
+-- key has a rate limit else 0, record, ...}, {key that other code keeps
 -- full, the lock or set to watch, ms until its first lease ends, ...}}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -110,4 +110,4 @@ local next_at = tonumber(
   redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
 local due = head_due(KEYS[SCHEDULE])
 if due and (next_at < 0 or due < next_at) then next_at = due end
-return {tag and tonumber(tag) or 0, now, next_at, candidates, claimed, blocked}
+return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked}

@@ -2,16 +2,16 @@
 -- each key with messages in line or at work, how many of each, and when the
 -- first in its line was pushed. KEYS[1..11]: the partition
 -- ARGV[1]: the most keys to read from each of the active and ready sets
--- Returns {now ms, {key, in line, at work, its head's push ms (-1: none), ...}}.
+-- Returns {now ms, {{key, in line, at work, its head's push ms (-1: none)}, ...}}.
 local now = now_ms()
 local most = tonumber(ARGV[1])
-local seen, flat = {}, {}
+local seen, out = {}, {}
 
--- The place of `key`'s four fields in `flat`.
-local function at(key)
+-- `key`'s entry in `out`.
+local function entry(key)
   if not seen[key] then
-    seen[key] = #flat + 1
-    flat[#flat + 1], flat[#flat + 2], flat[#flat + 3], flat[#flat + 4] = key, 0, 0, -1
+    seen[key] = {key, 0, 0, -1}
+    out[#out + 1] = seen[key]
   end
   return seen[key]
 end
@@ -19,15 +19,15 @@ end
 for _, member in ipairs(redis.call('ZRANGE', KEYS[ACTIVE], 0, most - 1)) do
   local key = string.match(member, '^(.-)%z')
   if key then
-    local i = at(key)
-    flat[i + 2] = flat[i + 2] + 1
+    local e = entry(key)
+    e[3] = e[3] + 1
   end
 end
 for _, key in ipairs(redis.call('ZRANGE', KEYS[READY], 0, most - 1)) do
-  local i = at(key)
-  flat[i + 1] = redis.call('ZLEXCOUNT', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1')
+  local e = entry(key)
+  e[2] = redis.call('ZLEXCOUNT', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1')
   local id = head_of(key)
   local record = id and redis.call('HGET', KEYS[DATA], id)
-  flat[i + 3] = tonumber(record and string.match(record, '^(%d+):') or '') or -1
+  e[4] = tonumber(record and string.match(record, '^(%d+):') or '') or -1
 end
-return {now, flat}
+return {now, out}

@@ -3,7 +3,7 @@
 -- soonest, then keys at work), its delayed messages, soonest due first, and
 -- its messages at work, soonest lease end first.
 -- KEYS[1..11]: the partition   ARGV[1]: how many of each at most
--- Returns {n waiting, {(id, ms, key, record or false) per message}}, the n
+-- Returns {n waiting, {{id, ms, key, record or false}, ...}}, the n
 -- waiting first: a head's ms is when its key may be claimed from (now for
 -- a key at work), a delayed message's its due time, one at work's its lease end.
 local limit = tonumber(ARGV[1])
@@ -11,7 +11,7 @@ local now = now_ms()
 local out, waiting = {}, 0
 
 local function add(id, at, key)
-  append(out, id, string.format('%d', at), key, redis.call('HGET', KEYS[DATA], id))
+  out[#out + 1] = {id, string.format('%d', at), key, redis.call('HGET', KEYS[DATA], id)}
 end
 
 local ready = redis.call('ZRANGE', KEYS[READY], 0, limit - 1, 'WITHSCORES')

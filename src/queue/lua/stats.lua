@@ -44,10 +44,7 @@ if KEYS[5] then
   local width, count = tonumber(ARGV[2]), tonumber(ARGV[3])
   local since = now - tonumber(ARGV[1])
   local done, failed = {}, {}
-  for i = 1, count do
-    done[i] = 0
-    failed[i] = 0
-  end
+  for i = 1, count do done[i], failed[i] = 0, 0 end
   out[#out + 1] = redis.call('EXISTS', KEYS[5])
   local entries = redis.call('XRANGE', KEYS[5], string.format('%d', since), '+', 'COUNT', 1000)
   for _, entry in ipairs(entries) do
