@@ -661,6 +661,27 @@ async fn purge_deletes_the_keyed_partitions_too() {
 }
 
 #[tokio::test]
+async fn purge_forgets_the_limits_of_keys() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    for n in 0..2 {
+        let two = PushOptions::new().key("p").permits(2);
+        queue.push_with(format!("before {n}"), two).await.unwrap();
+    }
+    queue.purge().await.unwrap();
+    // A key forgets its limits when nothing of it is left: pushed again
+    // without them, it runs one message at a time under its lock.
+    for n in 0..2 {
+        let plain = PushOptions::new().key("p");
+        queue.push_with(format!("after {n}"), plain).await.unwrap();
+    }
+    let mut claimed = queue.claim(10, secs(10)).await.unwrap().jobs;
+    claimed.extend(queue.claim(10, secs(10)).await.unwrap().jobs);
+    let payloads: Vec<&str> = claimed.iter().map(|job| job.as_str()).collect();
+    assert_eq!(payloads, ["after 0"]);
+}
+
+#[tokio::test]
 async fn keyed_dead_letters_are_listed_and_re_driven_to_the_end_of_their_line() {
     let server = server();
     let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();

@@ -829,16 +829,17 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Deletes every partition in the index (one `UNLINK` each: a
-    /// partition is one hash slot), and forgets the candidates named. The
-    /// claim and line counters stay (as the queue's claim counter does), so
-    /// that a claim from before the purge never matches a message pushed
-    /// after it.
+    /// partition is one hash slot), keys' limits included, and forgets the
+    /// candidates named. The claim and line counters stay (as the queue's
+    /// claim counter does), so that a claim from before the purge never
+    /// matches a message pushed after it.
     pub(crate) async fn purge(&self) -> Result<()> {
         for slot in self.slots().await? {
             let k = &self.partition(slot).keys;
             redis::cmd("UNLINK")
                 .arg(&k[..CLAIMS])
                 .arg(&k[CLAIMS + 1..SEQ])
+                .arg(&k[SEQ + 1..])
                 .query_on::<(), _>(self.conn, || format!("purging queue `{}`", self.keys.name))
                 .await?;
         }
