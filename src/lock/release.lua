@@ -18,6 +18,10 @@
 -- Usual cost: GET, DEL (a hand-off: ZPOPMIN, PUBSUB NUMSUB, SET, ZCARD and a
 -- publish).
 local value = redis.call('GET', KEYS[1])
+if value == ARGV[1] then -- the usual case: no fence, nobody waits
+  redis.call('DEL', KEYS[1])
+  return 1
+end
 if not holds(value, ARGV[1]) then -- see holds.lua, prepended
   redis.call('ZREM', KEYS[2], ARGV[1])
   return value and -1 or 0
