@@ -1306,6 +1306,29 @@ async fn a_busy_key_handed_on_by_acknowledgements_is_released_once_at_the_end() 
 }
 
 #[tokio::test]
+async fn keyed_dead_letters_stay_with_a_queue_whose_name_ends_in_data() {
+    let server = server();
+    let conn = manager(&server).await;
+    let other: Queue<String> = Queue::new(conn.clone(), "user").unwrap();
+    for name in ["user:data", "data"] {
+        let queue: Queue<String> = Queue::new(conn.clone(), name).unwrap();
+        push_lines(&queue).await;
+        let jobs = claim_ids(&queue, secs(10)).await;
+        assert!(queue.bury(&jobs[0], "no such account").await.unwrap());
+        let dead = queue.dead_letters(0, 10).await.unwrap();
+        let ids: Vec<&str> = dead.iter().map(|letter| letter.id.as_str()).collect();
+        assert_eq!(ids, ["a1"], "{name}'s own dead letter");
+        assert!(queue.requeue_dead("a1").await.unwrap(), "{name}");
+        assert!(
+            queue.dead_letters(0, 10).await.unwrap().is_empty(),
+            "{name}"
+        );
+        queue.purge().await.unwrap();
+    }
+    assert!(other.dead_letters(0, 10).await.unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn keyed_dead_letters_keep_to_the_queue_s_retention() {
     let server = server();
     let queue: Queue<String> = Queue::new(manager(&server).await, "q")

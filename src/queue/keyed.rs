@@ -124,7 +124,9 @@ impl Partition {
     /// the bell, priorities and events are names in the partition's slot
     /// that keyed messages leave empty.
     fn dead_set(&self) -> DeadSet {
-        let base = self.keys[DATA].trim_end_matches(":data").to_owned();
+        // Stripped once: a queue's own name may end in `:data`.
+        let data = &self.keys[DATA];
+        let base = data.strip_suffix(":data").unwrap_or(data).to_owned();
         let partition = Some((self.slot, self.keys[KEYOF].clone()));
         DeadSet { base, partition }
     }
