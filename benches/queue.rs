@@ -156,23 +156,7 @@ async fn claim_scaling() -> Result<(), BoxError> {
 }
 
 async fn commandstats(conn: &mut Conn) -> Result<HashMap<String, u64>, BoxError> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await?;
-    Ok(info
-        .lines()
-        .filter_map(|l| {
-            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = rest
-                .strip_prefix("calls=")?
-                .split(',')
-                .next()?
-                .parse()
-                .ok()?;
-            Some((name.to_owned(), calls))
-        })
-        .collect())
+    Ok(lockgate::testing::command_calls(conn).await?)
 }
 
 /// Worker throughput (push, no-op handler, ack) at concurrency 50, beside
@@ -192,7 +176,7 @@ async fn end_to_end() -> Result<(), BoxError> {
         queue.push_many(std::iter::repeat_n(&msg, n)).await?;
         push_rates.push(n as f64 / start.elapsed().as_secs_f64());
 
-        worker_rates.push(work_through(&server, &queue, n).await?);
+        worker_rates.push(drain(server.client(), &queue, n).await?);
         let after = commandstats(&mut conn).await?;
         let delta = |name: &str| after.get(name).unwrap_or(&0) - before.get(name).unwrap_or(&0);
         let all: u64 = after.keys().map(|k| delta(k)).sum::<u64>() - delta("info");
@@ -251,28 +235,6 @@ async fn end_to_end() -> Result<(), BoxError> {
         per_message.0, per_message.1
     );
     Ok(())
-}
-
-/// Runs a worker at concurrency 50 with a no-op handler until `n` messages
-/// are acknowledged; returns messages per second.
-async fn work_through(
-    server: &RedisServer,
-    queue: &Queue<String>,
-    n: usize,
-) -> Result<f64, BoxError> {
-    let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
-    let worker = Worker::new(server.client(), queue.clone(), service).concurrency(50)?;
-    let metrics = worker.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let start = Instant::now();
-    let run = tokio::spawn(worker.run_until(stopped));
-    while metrics.snapshot().done < n as u64 {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    let _ = stop.send(());
-    run.await??;
-    Ok(rate)
 }
 
 /// The least a Redis queue can do: claim up to 100 due ids with their
@@ -513,7 +475,7 @@ async fn events_cost() -> Result<(), BoxError> {
             let start = Instant::now();
             queue.push_many(std::iter::repeat_n(&msg, n)).await?;
             pushes.push(n as f64 / start.elapsed().as_secs_f64());
-            works.push(work_through(&server, &queue, n).await?);
+            works.push(drain(server.client(), &queue, n).await?);
             entries = redis::cmd("XLEN")
                 .arg("lockgate:{events}:events")
                 .query_async::<u64>(&mut conn)

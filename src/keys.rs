@@ -45,11 +45,36 @@ pub(crate) fn rate_key(prefix: &str, key: &str) -> String {
 /// The hash slot of the lock on `key` (a Redis Cluster's CRC16 of the
 /// lock's hash tag, modulo 16,384).
 pub(crate) fn lock_slot(key: &str) -> u16 {
-    crc16::State::<crc16::XMODEM>::calculate(tag(key).as_bytes()) % SLOTS
+    slot_of(&tag(key))
 }
 
 /// A Redis Cluster's number of hash slots.
 pub(crate) const SLOTS: u16 = 16_384;
+
+/// The hash slot of `text` (CRC16-XMODEM, as Redis Cluster).
+pub(crate) fn slot_of(text: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(text.as_bytes()) % SLOTS
+}
+
+/// The tag of `slot`: the smallest non-negative integer whose decimal text
+/// hashes to it, so that `{<tag>}` places a key in that slot.
+pub(crate) fn slot_tag(slot: u16) -> &'static str {
+    static TAGS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+        let mut tags = vec![String::new(); usize::from(SLOTS)];
+        let (mut left, mut n) = (tags.len(), 0u64);
+        while left > 0 {
+            let text = n.to_string();
+            let tag = &mut tags[usize::from(slot_of(&text))];
+            if tag.is_empty() {
+                *tag = text;
+                left -= 1;
+            }
+            n += 1;
+        }
+        tags
+    });
+    &TAGS[usize::from(slot % SLOTS)]
+}
 
 /// The user key an escaped tag (see [`tag`]) stands for.
 pub(crate) fn untag(tag: &str) -> String {
@@ -143,12 +168,15 @@ pub async fn delete_prefix(
         .map_err(|e| Error::redis(attempted())(e))?;
     let mut deleted = 0;
     for batch in found.chunks(1000) {
-        let n: usize = redis::cmd("DEL")
-            .arg(batch)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| Error::redis(attempted())(e))?;
-        deleted += n;
+        // One key per command: a cluster node refuses keys of several
+        // slots in one.
+        let mut pipe = redis::pipe();
+        for key in batch {
+            pipe.del(key);
+        }
+        let n: Vec<usize> =
+            (pipe.query_async(&mut conn).await).map_err(|e| Error::redis(attempted())(e))?;
+        deleted += n.iter().sum::<usize>();
     }
     Ok(deleted)
 }

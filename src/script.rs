@@ -70,3 +70,24 @@ pub(crate) async fn run_after<T: FromRedisValue>(
         result => result.map(|(reply,)| reply),
     }
 }
+
+/// Sends the `EVALSHA` `cmd` of `script`, then `then`, in one round trip
+/// (a pipeline: in this order, on one connection to one server, or to the
+/// one node of a cluster that serves both's keys), loading the script when
+/// the server does not know it yet; returns both replies.
+pub(crate) async fn run_then<T: FromRedisValue, U: FromRedisValue>(
+    script: &Script,
+    cmd: &Cmd,
+    then: &Cmd,
+    conn: &mut (impl ConnectionLike + Send),
+) -> RedisResult<(T, U)> {
+    let mut pipe = redis::pipe();
+    pipe.add_command(cmd.clone()).add_command(then.clone());
+    match pipe.query_async::<(T, U)>(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load_async(conn).await?;
+            pipe.query_async::<(T, U)>(conn).await
+        }
+        result => result,
+    }
+}

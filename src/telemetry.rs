@@ -14,6 +14,7 @@
 //! | `lockgate_handler_duration_seconds` | histogram | `queue` | the service call, claim to outcome |
 //! | `lockgate_due_lag_seconds` | histogram | `queue` | from a message's due time (server clock) to its handler's start (this host's clock) |
 //! | `lockgate_queue_messages` | gauge | `queue`, `state` (`due`, `later`, `active`, `dead`) | sampled by each worker (`Worker::sample_every`) |
+//! | `lockgate_queue_shard_messages` | gauge | `queue`, `shard`, `state` | each shard's messages without a key, when asked (`Worker::sample_shards`) |
 //! | `lockgate_lock_acquired_total` | counter | — | locks and permits a `LockLayer` took |
 //! | `lockgate_lock_contended_total` | counter | `outcome` (`acquired`, `failed`, `deferred`) | calls that found their key busy, by how they ended |
 //! | `lockgate_lock_wait_seconds` | histogram | — | how long a call that found its key busy waited for it (`retry`) |
@@ -56,6 +57,21 @@ impl QueueInstruments {
             handler: histogram!("lockgate_handler_duration_seconds", "queue" => q()),
             due_lag: histogram!("lockgate_due_lag_seconds", "queue" => q()),
             depth: [state("due"), state("later"), state("active"), state("dead")],
+        }
+    }
+}
+
+/// Sets each shard's depth gauges (shard `i`: `each[i]`).
+pub(crate) fn shard_depth(queue: &str, each: &[crate::queue::Stats]) {
+    for (shard, stats) in each.iter().enumerate() {
+        let counts = [stats.due, stats.later, stats.active, stats.dead];
+        for (state, n) in ["due", "later", "active", "dead"].into_iter().zip(counts) {
+            let labels = [
+                ("queue", queue.to_owned()),
+                ("shard", shard.to_string()),
+                ("state", state.to_owned()),
+            ];
+            gauge!("lockgate_queue_shard_messages", &labels).set(n as f64);
         }
     }
 }

@@ -881,22 +881,11 @@ async fn lines_on_the_cluster(permits: Option<u32>) {
 async fn script_calls_on(cluster: &RedisCluster) -> u64 {
     let mut calls = 0;
     for node in cluster.nodes() {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut node.multiplexed().await.unwrap())
-            .await
-            .unwrap();
-        calls += info
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
+        let mut conn = node.multiplexed().await.unwrap();
+        let on_node = lockgate::testing::command_calls(&mut conn).await.unwrap();
+        calls += ["evalsha", "eval"]
+            .iter()
+            .filter_map(|c| on_node.get(*c))
             .sum::<u64>();
     }
     calls
@@ -1170,4 +1159,30 @@ async fn a_release_script_sees_a_waiting_process_s_presence_on_the_key_s_node() 
         assert!(holder.release(&lease).await.unwrap());
         assert_eq!(call.await.unwrap().unwrap(), lockgate::Outcome::Done(key));
     }
+}
+
+#[tokio::test]
+async fn delete_prefix_with_each_master_deletes_keys_of_many_slots() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let locker = Locker::new(conn.clone()).prefix("throwaway").unwrap();
+    let mut held = Vec::new();
+    for n in 0..30 {
+        held.push(
+            locker
+                .acquire(&format!("key{n}"))
+                .await
+                .unwrap()
+                .lease()
+                .unwrap(),
+        );
+    }
+    std::mem::forget(held);
+    let mut deleted = 0;
+    for node in cluster.nodes() {
+        let master = node.connection_manager().await.unwrap();
+        deleted += lockgate::delete_prefix(&master, "throwaway").await.unwrap();
+    }
+    assert_eq!(deleted, 30);
+    assert!(keys_by_node(&cluster).await.iter().all(BTreeSet::is_empty));
 }

@@ -1639,3 +1639,30 @@ async fn stats_age_the_oldest_keyed_message_that_could_run() {
         "the rest wait behind keys at work"
     );
 }
+
+#[tokio::test]
+async fn a_claim_that_left_partitions_with_work_unvisited_says_more_is_due_now() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    // One message for each of 100 keys, whose locks lie in 100 slots: more
+    // partitions with work than one claim visits.
+    let keys: Vec<String> = (0..100).map(|n| format!("key{n}")).collect();
+    let batch = keys.iter().map(|k| (k.clone(), PushOptions::new().key(k)));
+    queue.push_many_with(batch).await.unwrap();
+    let claimed = queue.claim(1000, secs(10)).await.unwrap();
+    assert!(!claimed.jobs.is_empty() && claimed.jobs.len() < 100);
+    // The worker sleeps until `next_due`: it must not wait for a ring that
+    // comes from nowhere, or for the partitions' 30 s recheck.
+    assert_eq!(
+        claimed.next_due,
+        Some(Duration::ZERO),
+        "{} claimed",
+        claimed.jobs.len()
+    );
+    let mut total = claimed.jobs.len();
+    while total < 100 {
+        let claimed = queue.claim(1000, secs(10)).await.unwrap();
+        assert!(!claimed.jobs.is_empty(), "{total} claimed, then none");
+        total += claimed.jobs.len();
+    }
+}

@@ -18,16 +18,18 @@ use support::{manager, raw, secs, server, stats};
 
 const LONG: Duration = secs(60);
 
-/// Runs `tests/python/producer.py` with `calls` (a list of lists of
-/// `[id, when, payload]`) and returns its per-call results.
-async fn python(server: &RedisServer, queue: &str, calls: Value) -> Vec<Value> {
+/// Runs `tests/python/<file>` with `args` after the server's port, `input`
+/// on its stdin; returns the JSON list it prints.
+async fn run_python(server: &RedisServer, file: &str, args: &[&str], input: Value) -> Vec<Value> {
     let root = env!("CARGO_MANIFEST_DIR");
-    let port = server.port().to_string();
-    let queue = queue.to_owned();
+    let mut command = Command::new("python3");
+    command
+        .arg(format!("{root}/tests/python/{file}"))
+        .arg(server.port().to_string())
+        .args(args.iter().map(|a| a.replace("$ROOT", root)));
+    let file = file.to_owned();
     tokio::task::spawn_blocking(move || {
-        let mut child = Command::new("python3")
-            .arg(format!("{root}/tests/python/producer.py"))
-            .args([&port, &queue, &format!("{root}/scripts/push.lua")])
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -37,14 +39,21 @@ async fn python(server: &RedisServer, queue: &str, calls: Value) -> Vec<Value> {
             .stdin
             .take()
             .unwrap()
-            .write_all(calls.to_string().as_bytes())
+            .write_all(input.to_string().as_bytes())
             .unwrap();
         let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "producer.py failed: {:?}", out.status);
-        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("producer.py output")
+        assert!(out.status.success(), "{file} failed: {:?}", out.status);
+        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("the producer's output")
     })
     .await
     .unwrap()
+}
+
+/// Runs `tests/python/producer.py` with `calls` (a list of lists of
+/// `[id, when, payload]`) and returns its per-call results.
+async fn python(server: &RedisServer, queue: &str, calls: Value) -> Vec<Value> {
+    let args = [queue, "$ROOT/scripts/push.lua"];
+    run_python(server, "producer.py", &args, calls).await
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -176,35 +185,8 @@ async fn a_python_producer_pushes_with_priorities() {
 /// Runs `tests/python/keyed_producer.py` with `messages` (a list of
 /// `[key, id, when, payload]`) and returns its per-message results.
 async fn python_keyed(server: &RedisServer, queue: &str, messages: Value) -> Vec<Value> {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let port = server.port().to_string();
-    let queue = queue.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut child = Command::new("python3")
-            .arg(format!("{root}/tests/python/keyed_producer.py"))
-            .args([&port, &queue, &format!("{root}/scripts/push_keyed.lua")])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 must be installed to run this test");
-        let input = messages.to_string();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "keyed_producer.py failed: {:?}",
-            out.status
-        );
-        serde_json::from_slice::<Vec<Value>>(&out.stdout).expect("keyed_producer.py output")
-    })
-    .await
-    .unwrap()
+    let args = [queue, "$ROOT/scripts/push_keyed.lua"];
+    run_python(server, "keyed_producer.py", &args, messages).await
 }
 
 #[tokio::test]
@@ -253,4 +235,60 @@ async fn a_python_producer_pushes_keyed_messages_the_claim_takes_with_their_keys
     let orders: Vec<u64> = jobs.iter().map(|job| job.order).collect();
     assert_eq!(orders, [0, 1]);
     assert_eq!(locker.permit_holders("dave").await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn a_python_producer_pushes_to_a_sharded_queue_and_workers_find_every_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let q: Queue<Order> = Queue::new(conn.clone(), "py")
+        .and_then(|q| q.shards(3))
+        .unwrap();
+    let messages = (0..30u64).map(|n| json!([format!("o{n}"), "0", {"order": n, "note": "s"}]));
+    let mut messages: Vec<Value> = messages.collect();
+    messages.push(json!(["o7", "0", {"order": 99, "note": "again"}]));
+    let args = ["py", "3", "$ROOT/scripts/push.lua"];
+    let results = run_python(
+        &server,
+        "sharded_producer.py",
+        &args,
+        Value::Array(messages),
+    )
+    .await;
+    assert!(results[..30].iter().all(|r| r[0] == 1), "{results:?}");
+    assert_eq!(
+        results[30][0], 0,
+        "a duplicate id meets itself in its shard"
+    );
+    let shards: std::collections::BTreeSet<u64> =
+        results.iter().map(|r| r[2].as_u64().unwrap()).collect();
+    assert_eq!(shards.len(), 3, "{results:?}");
+    // Claimed from every shard, each once, woken by the bell.
+    let mut waiter = q.waiter(server.client());
+    let _ = waiter.wait(Some(tokio::time::Instant::now())).await;
+    let mut orders = Vec::new();
+    for _ in 0..10 {
+        let jobs = q.claim(100, LONG).await.unwrap().jobs;
+        orders.extend(jobs.iter().map(|j| j.order));
+        q.ack_many(&jobs).await.unwrap();
+    }
+    orders.sort_unstable();
+    assert_eq!(orders, (0..30).collect::<Vec<_>>());
+    // A producer with another count is refused by the record.
+    let args = ["py", "2", "$ROOT/scripts/push.lua"];
+    let wrong = std::process::Command::new("python3")
+        .arg(format!(
+            "{}/tests/python/sharded_producer.py",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .arg(server.port().to_string())
+        .args(
+            args.iter()
+                .map(|a| a.replace("$ROOT", env!("CARGO_MANIFEST_DIR"))),
+        )
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!wrong.success());
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bullmq::options::RedisConnectionOptions;
 use bullmq::types::RemoveOnFinish;
 use bullmq::{BulkJob, QueueOptions, WorkerOptions};
-use common::{full_run, median, ms, quantile, size, used_memory};
+use common::{drain, full_run, median, ms, quantile, size, used_memory};
 use lockgate::testing::RedisServer;
 use lockgate::{BoxError, Job, PushOptions, Queue, Worker};
 use tokio::sync::Mutex;
@@ -165,20 +165,8 @@ async fn lockgate_throughput(n: usize) -> Result<f64, BoxError> {
     let queue: Queue<String> = Queue::new(server.connection_manager().await?, "e2e")?;
     let msg = payload();
     queue.push_many(std::iter::repeat_n(&msg, n)).await?;
-    let service = tower::service_fn(|_: Job<String>| async { Ok::<_, BoxError>(()) });
-    let worker = Worker::new(server.client(), queue, service).concurrency(50)?;
-    let metrics = worker.metrics();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let start = Instant::now();
-    let run = tokio::spawn(worker.run_until(stopped));
-    // `done` counts acknowledged messages.
-    while metrics.snapshot().done < n as u64 {
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let rate = n as f64 / start.elapsed().as_secs_f64();
-    let _ = stop.send(());
-    run.await??;
-    Ok(rate)
+    // Until `done`, the acknowledged messages, reaches n.
+    drain(server.client(), &queue, n).await
 }
 
 async fn bullmq_throughput(n: usize) -> Result<f64, BoxError> {

@@ -78,3 +78,31 @@ pub async fn server_cpu(conn: &redis::aio::MultiplexedConnection) -> redis::Redi
         .sum();
     Ok(Duration::from_secs_f64(secs))
 }
+
+/// Runs a worker at concurrency 50 with a no-op handler over `queue` until
+/// `n` messages are acknowledged; returns messages per second.
+pub async fn drain<T, C, K>(
+    connector: K,
+    queue: &lockgate::Queue<T, C>,
+    n: usize,
+) -> Result<f64, lockgate::BoxError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + Sync + 'static,
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    K: lockgate::queue::Connector,
+{
+    let service =
+        tower::service_fn(|_: lockgate::Job<T>| async { Ok::<_, lockgate::BoxError>(()) });
+    let worker = lockgate::Worker::new(connector, queue.clone(), service).concurrency(50)?;
+    let metrics = worker.metrics();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let start = std::time::Instant::now();
+    let run = tokio::spawn(worker.run_until(stopped));
+    while metrics.snapshot().done < n as u64 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    let _ = stop.send(());
+    run.await??;
+    Ok(rate)
+}

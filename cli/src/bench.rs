@@ -89,7 +89,8 @@ pub async fn run(
     progress.inc(1);
 
     progress.set_message("queue end to end");
-    let (pushed, handled) = end_to_end(client, conn, prefix, size.messages).await?;
+    let queue: Queue<u64> = Queue::new(conn.clone(), "bench-e2e")?.prefix(prefix)?;
+    let (pushed, handled) = end_to_end(client.clone(), &queue, size.messages).await?;
     rows.push(Row {
         workload: "queue end to end: push, worker at concurrency 50, no-op handler, ack",
         lockgate: format!("{handled:.0} messages/s handled"),
@@ -217,13 +218,18 @@ async fn hot_keys(
 
 /// Pushes `messages`, then lets a worker (concurrency 50) handle them all.
 /// Returns (push rate, handling rate).
-async fn end_to_end(
-    client: &redis::Client,
-    conn: &ConnectionManager,
-    prefix: &str,
+/// Pushes `messages` to `queue` in batches of 100, then drains them with a
+/// worker at concurrency 50 and a no-op handler: (pushed, handled) per
+/// second.
+async fn end_to_end<C, K>(
+    connector: K,
+    queue: &Queue<u64, C>,
     messages: usize,
-) -> Result<(f64, f64), BoxError> {
-    let queue: Queue<u64> = Queue::new(conn.clone(), "bench-e2e")?.prefix(prefix)?;
+) -> Result<(f64, f64), BoxError>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    K: lockgate::queue::Connector,
+{
     let started = Instant::now();
     let payloads: Vec<u64> = (0..messages as u64).collect();
     for chunk in payloads.chunks(100) {
@@ -247,7 +253,7 @@ async fn end_to_end(
             }
         }
     };
-    Worker::new(client.clone(), queue, service)
+    Worker::new(connector, queue.clone(), service)
         .concurrency(50)?
         .run_until(done)
         .await?;
@@ -357,4 +363,109 @@ fn percentile(values: &mut [Duration], q: f64) -> f64 {
     values.sort();
     let at = ((values.len() - 1) as f64 * q).round() as usize;
     values[at].as_secs_f64() * 1000.0
+}
+
+/// What one run of a queue on a cluster did: messages handled per second,
+/// and per master the commands it served and its CPU time.
+struct ClusterRun {
+    handled: f64,
+    commands: Vec<u64>,
+    cpu: Vec<Duration>,
+}
+
+/// Runs the sharded-queue workload on a cluster whose masters are
+/// `masters` (a connection to each): one queue in one slot, then the same
+/// queue over as many shards as masters, each pushed `messages` and drained
+/// by a worker at concurrency 50 (see README, "One queue across a Redis
+/// Cluster").
+pub async fn run_cluster(
+    client: &redis::cluster::ClusterClient,
+    conn: &redis::cluster_async::ClusterConnection,
+    masters: &[ConnectionManager],
+    prefix: &str,
+    size: Size,
+    progress: &ProgressBar,
+) -> Result<Vec<Row>, BoxError> {
+    progress.set_length(2);
+    let mut runs = Vec::new();
+    for (shards, what) in [(1, "one slot"), (masters.len().max(1), "shards")] {
+        progress.set_message(format!("queue in {what}"));
+        let name = format!("bench-cluster-{shards}");
+        let queue: Queue<u64, _> = Queue::new(conn.clone(), name)?
+            .prefix(prefix)?
+            .shards(shards)?;
+        let before = master_counters(masters).await?;
+        let (_, handled) = end_to_end(client.clone(), &queue, size.messages).await?;
+        let after = master_counters(masters).await?;
+        let delta = |i: usize| {
+            (
+                after[i].0.saturating_sub(before[i].0),
+                after[i].1 - before[i].1,
+            )
+        };
+        runs.push(ClusterRun {
+            handled,
+            cpu: (0..masters.len()).map(|i| delta(i).0).collect(),
+            commands: (0..masters.len()).map(|i| delta(i).1).collect(),
+        });
+        progress.inc(1);
+    }
+    let (one, sharded) = (&runs[0], &runs[1]);
+    let per_message = |run: &ClusterRun| {
+        let cpu: Duration = run.cpu.iter().sum();
+        cpu.as_secs_f64() * 1e6 / size.messages as f64
+    };
+    let mean = sharded.commands.iter().sum::<u64>() as f64 / masters.len().max(1) as f64;
+    let worst = (sharded.commands.iter())
+        .map(|c| (*c as f64 - mean).abs())
+        .fold(0.0, f64::max);
+    Ok(vec![Row {
+        workload: "one queue across the masters: push, worker at concurrency 50, no-op handler, ack",
+        lockgate: format!(
+            "{:.0} messages/s over {} shards; commands per master {:?} (largest deviation {:.0} %); server CPU {:.1} µs per message",
+            sharded.handled,
+            masters.len(),
+            sharded.commands,
+            100.0 * worst / mean.max(1.0),
+            per_message(sharded)
+        ),
+        comparator: format!(
+            "{:.0} messages/s in one slot; server CPU {:.1} µs per message",
+            one.handled,
+            per_message(one)
+        ),
+        ratio: Some(sharded.handled / one.handled),
+        figures: serde_json::json!({
+            "sharded_handled_per_s": sharded.handled,
+            "one_slot_handled_per_s": one.handled,
+            "sharded_commands_per_master": sharded.commands,
+            "sharded_server_cpu_us_per_message": per_message(sharded),
+            "one_slot_server_cpu_us_per_message": per_message(one),
+        }),
+    }])
+}
+
+/// Per master: its CPU time so far and the commands it has served.
+async fn master_counters(masters: &[ConnectionManager]) -> Result<Vec<(Duration, u64)>, BoxError> {
+    let mut out = Vec::with_capacity(masters.len());
+    for master in masters {
+        let mut conn = master.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("everything")
+            .query_async(&mut conn)
+            .await?;
+        let field = |name: &str| {
+            (info.lines()).find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(':')?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+        };
+        let cpu = field("used_cpu_user").unwrap_or(0.0) + field("used_cpu_sys").unwrap_or(0.0);
+        let commands = field("total_commands_processed").unwrap_or(0.0);
+        out.push((Duration::from_secs_f64(cpu), commands as u64));
+    }
+    Ok(out)
 }

@@ -225,8 +225,9 @@ impl<C> Dashboard<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    fn queue(&self, name: &str) -> lockgate::Result<Queue<Value, C>> {
-        Queue::new(self.conn.clone(), name)?.prefix(&self.prefix)
+    async fn queue(&self, name: &str) -> lockgate::Result<Queue<Value, C>> {
+        let queue = Queue::new(self.conn.clone(), name)?.prefix(&self.prefix)?;
+        queue.with_recorded_shards().await
     }
 
     /// The queues under the prefix, discovered with SCAN at most every
@@ -298,7 +299,7 @@ where
 {
     let mut rows = Vec::new();
     for name in d.names().await? {
-        let queue = d.queue(&name)?;
+        let queue = d.queue(&name).await?;
         rows.push(row(&queue, name).await?);
     }
     Ok(rows)
@@ -481,11 +482,15 @@ async fn queue_body<C>(
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let queue = d.queue(name)?;
+    let queue = d.queue(name).await?;
     if !queue.exists().await? {
         return Ok(None);
     }
     let stats = queue.stats().await?;
+    let shards = match queue.shard_count() {
+        1 => Vec::new(),
+        _ => queue.stats_by_shard().await?,
+    };
     let keys = queue.key_stats(PEEK).await?;
     let peek = queue.peek(PEEK).await?;
     let dead = queue.dead_letters(offset, PAGE).await?;
@@ -498,6 +503,25 @@ where
             td { "dead " b.dead { (stats.dead) } }
             td { "oldest due " b { (age(stats.oldest_due_age)) } }
         } }
+        @if !shards.is_empty() {
+            h2 { "Shards" }
+            p.muted { (shards.len()) " shards of the messages without a key." }
+            table.shards {
+                thead { tr { th { "shard" } th.n { "due" } th.n { "later" } th.n { "active" } th.n { "dead" } th { "oldest due" } } }
+                tbody {
+                    @for (i, shard) in shards.iter().enumerate() {
+                        tr {
+                            td { "shard " (i) }
+                            td.n { (shard.due) }
+                            td.n { (shard.later) }
+                            td.n { (shard.active) }
+                            td.n { (shard.dead) }
+                            td { (age(shard.oldest_due_age)) }
+                        }
+                    }
+                }
+            }
+        }
         @if keys.keys > 0 {
             h2 { "Keys" }
             p.muted { (keys.keys) " keys with messages in line or at work." }
@@ -708,7 +732,7 @@ where
         return forbidden();
     }
     let result = async {
-        let queue = d.queue(&name)?;
+        let queue = d.queue(&name).await?;
         match (&form.id, form.all.as_deref()) {
             (_, Some("1")) => Ok(format!(
                 "re-drove {} dead letters",
@@ -740,7 +764,7 @@ where
     let Some(id) = form.id.clone() else {
         return back(&name, "no message given");
     };
-    match d.queue(&name) {
+    match d.queue(&name).await {
         Ok(queue) => match queue.remove(&id).await {
             Ok(true) => back(&name, &format!("removed {id}")),
             Ok(false) => back(&name, &format!("{id} is not waiting or dead (any more)")),
@@ -765,7 +789,7 @@ where
     if form.confirm.as_deref() != Some(name.as_str()) {
         return back(&name, "not purged: type the queue's name to confirm");
     }
-    match d.queue(&name) {
+    match d.queue(&name).await {
         Ok(queue) => match queue.purge().await {
             Ok(()) => {
                 if let Ok(mut cache) = d.names.lock() {

@@ -58,6 +58,10 @@ enum Command {
         /// Refresh in place every INTERVAL (default 1s) until Ctrl-C.
         #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "1s", value_parser = positive_duration)]
         watch: Option<Duration>,
+        /// Also each shard's counts of messages without a key (a queue over
+        /// shards, `Queue::shards`).
+        #[arg(long)]
+        shards: bool,
     },
     /// Dead letters, oldest first, with their errors and payloads.
     Dead {
@@ -304,13 +308,17 @@ async fn connect_cluster(
 
 async fn run(cli: Cli) -> Result<(), Failure> {
     if cli.cluster || cli.url.len() > 1 {
-        if matches!(cli.command, Command::Bench { .. }) {
-            return Err(
-                "bench runs against a single server (give one --url, without --cluster)".into(),
-            );
-        }
         let conn = connect_cluster(&cli.url).await?;
         let nodes = masters(&cli.url[0], &mut conn.clone()).await?;
+        if let Command::Bench {
+            messages,
+            allow_eviction,
+            duration,
+        } = cli.command
+        {
+            let size = bench_size(duration, messages);
+            return run_cluster_bench(&cli, conn, &nodes, size, allow_eviction).await;
+        }
         return commands(cli, conn, nodes).await;
     }
     let url = cli
@@ -324,12 +332,16 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         allow_eviction,
     } = cli.command
     {
-        // At most 100,000,000: fits any usize this builds for.
-        let messages = usize::try_from(messages).unwrap_or(usize::MAX);
-        let size = bench::Size { duration, messages };
+        let size = bench_size(duration, messages);
         return run_bench(&cli, url, conn, size, allow_eviction).await;
     }
     commands(cli, conn, Vec::new()).await
+}
+
+fn bench_size(duration: Duration, messages: u64) -> bench::Size {
+    // At most 100,000,000: fits any usize this builds for.
+    let messages = usize::try_from(messages).unwrap_or(usize::MAX);
+    bench::Size { duration, messages }
 }
 
 /// The URLs of a cluster's masters (from `CLUSTER NODES`), with the seed
@@ -378,8 +390,9 @@ where
         ..
     } = cli;
     let out = Output { json };
-    let queue = |name: &str| -> Result<Queue<Value, C>, Failure> {
-        Ok(Queue::new(conn.clone(), name)?.prefix(&prefix)?)
+    let queue = async |name: &str| -> Result<Queue<Value, C>, Failure> {
+        let queue = Queue::new(conn.clone(), name)?.prefix(&prefix)?;
+        Ok(queue.with_recorded_shards().await?)
     };
     let locker =
         || -> Result<Locker<C>, Failure> { Ok(Locker::new(conn.clone()).prefix(&prefix)?) };
@@ -396,15 +409,26 @@ where
             names.dedup();
             let mut rows = Vec::new();
             for name in names {
-                let stats = queue(&name)?.stats().await?;
+                let stats = queue(&name).await?.stats().await?;
                 rows.push((name, stats));
             }
             out.queues(&rows);
         }
-        Command::Stats { queue: name, watch } => {
-            let q = existing(queue(&name)?, &name).await?;
+        Command::Stats {
+            queue: name,
+            watch,
+            shards,
+        } => {
+            let q = existing(queue(&name).await?, &name).await?;
             match watch {
-                None => out.stats(&name, &q.stats().await?, &q.key_stats(TOP_KEYS).await?),
+                None => {
+                    let each = match shards {
+                        true => q.stats_by_shard().await?,
+                        false => Vec::new(),
+                    };
+                    let keys = q.key_stats(TOP_KEYS).await?;
+                    out.stats(&name, &q.stats().await?, &keys, &each);
+                }
                 Some(every) => {
                     let mut ticks = tokio::time::interval(every);
                     // Rates from the queue's lifecycle events, when its
@@ -439,7 +463,11 @@ where
                         if !json && std::io::stdout().is_terminal() {
                             say_inline!("\x1b[H\x1b[2J"); // refresh in place
                         }
-                        out.stats(&name, &stats, &keys);
+                        let each = match shards {
+                            true => q.stats_by_shard().await?,
+                            false => Vec::new(),
+                        };
+                        out.stats(&name, &stats, &keys, &each);
                         out.rates(seen.is_some(), &counts, elapsed);
                     }
                 }
@@ -451,7 +479,7 @@ where
             after,
         } => {
             let limit = usize::from(limit);
-            let q = existing(queue(&name)?, &name).await?;
+            let q = existing(queue(&name).await?, &name).await?;
             let dead = q.dead_letters(after, limit).await?;
             let next = (dead.len() == limit).then_some(after + limit);
             out.dead(&dead, next);
@@ -461,7 +489,7 @@ where
             id,
             all,
         } => {
-            let q = existing(queue(&name)?, &name).await?;
+            let q = existing(queue(&name).await?, &name).await?;
             if all {
                 let n = q.requeue_all_dead().await?;
                 out.done(
@@ -476,7 +504,7 @@ where
             }
         }
         Command::Remove { queue: name, id } => {
-            let q = existing(queue(&name)?, &name).await?;
+            let q = existing(queue(&name).await?, &name).await?;
             if !q.remove(&id).await? {
                 return Err(not_found(format!(
                     "{id} is not a scheduled or dead message of {name} (absent, or being handled)"
@@ -485,7 +513,7 @@ where
             out.done(json!({"removed": id}), &format!("removed {id}"));
         }
         Command::Purge { queue: name, yes } => {
-            let q = existing(queue(&name)?, &name).await?;
+            let q = existing(queue(&name).await?, &name).await?;
             if !yes && !confirm(&format!("delete every message of queue {name}?"))? {
                 return Err("not purged (confirm, or pass --yes)".into());
             }
@@ -511,7 +539,7 @@ where
             if let Some(id) = id {
                 options = options.id(id);
             }
-            let pushed = queue(&name)?.push_with(value, options).await?;
+            let pushed = queue(&name).await?.push_with(value, options).await?;
             let state = if pushed.created {
                 "pushed"
             } else {
@@ -591,9 +619,7 @@ where
     Ok(())
 }
 
-/// `lockgate bench`: refuses a server that may evict its keys (unless
-/// told), runs under a fresh prefix, and deletes it afterwards, also when
-/// interrupted.
+/// `lockgate bench` on one server.
 async fn run_bench(
     cli: &Cli,
     url: &str,
@@ -601,15 +627,61 @@ async fn run_bench(
     size: bench::Size,
     allow_eviction: bool,
 ) -> Result<(), Failure> {
+    refuse_eviction(&conn, allow_eviction).await?;
+    let client = redis::Client::open(url)?;
+    let servers = [conn.clone()];
+    let run = |prefix: String, progress: indicatif::ProgressBar| async move {
+        bench::run(&client, &conn, &prefix, size, &progress).await
+    };
+    bench_under_prefix(cli, &servers, run).await
+}
+
+/// `lockgate bench --cluster`: one queue in one slot, then across the
+/// masters (`nodes`, their URLs).
+async fn run_cluster_bench(
+    cli: &Cli,
+    conn: redis::cluster_async::ClusterConnection,
+    nodes: &[String],
+    size: bench::Size,
+    allow_eviction: bool,
+) -> Result<(), Failure> {
+    let masters = node_connections(nodes).await?;
+    for master in &masters {
+        refuse_eviction(master, allow_eviction).await?;
+    }
+    let client = redis::cluster::ClusterClient::builder(cli.url.iter().cloned()).build()?;
+    let run = |prefix: String, progress: indicatif::ProgressBar| {
+        let masters = masters.clone();
+        async move { bench::run_cluster(&client, &conn, &masters, &prefix, size, &progress).await }
+    };
+    bench_under_prefix(cli, &masters, run).await
+}
+
+/// Refuses to run a benchmark on a server that may evict its keys, unless
+/// `allow` says to.
+async fn refuse_eviction(conn: &ConnectionManager, allow: bool) -> Result<(), Failure> {
     let policy = Locker::new(conn.clone()).check_eviction().await?;
-    if policy.may_evict_locks() && !allow_eviction {
+    if policy.may_evict_locks() && !allow {
         return Err(format!(
             "the server's maxmemory-policy is {}: it may evict the benchmark's keys (and any lock); pass --allow-eviction to run anyway",
             policy.name()
         )
         .into());
     }
-    let client = redis::Client::open(url)?;
+    Ok(())
+}
+
+/// Runs `run` under a throwaway prefix, deletes the keys under it on every
+/// server of `servers` afterwards (also on Ctrl-C), and prints the rows.
+async fn bench_under_prefix<F, Fut>(
+    cli: &Cli,
+    servers: &[ConnectionManager],
+    run: F,
+) -> Result<(), Failure>
+where
+    F: FnOnce(String, indicatif::ProgressBar) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<bench::Row>, lockgate::BoxError>>,
+{
     let nonce = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos())
@@ -621,11 +693,15 @@ async fn run_bench(
         indicatif::ProgressBar::new(0)
     };
     let outcome = tokio::select! {
-        rows = bench::run(&client, &conn, &prefix, size, &progress) => Some(rows),
+        rows = run(prefix.clone(), progress.clone()) => Some(rows),
         _ = tokio::signal::ctrl_c() => None,
     };
     progress.finish_and_clear();
-    let cleaned = lockgate::delete_prefix(&conn, &prefix).await;
+    let mut cleaned = Ok(0);
+    for server in servers {
+        let deleted = lockgate::delete_prefix(server, &prefix).await;
+        cleaned = cleaned.and_then(|n| deleted.map(|m| n + m));
+    }
     let Some(rows) = outcome else {
         match cleaned {
             Ok(_) => {
@@ -823,8 +899,14 @@ impl Output {
         say!("  rates   {}", line.join("  "));
     }
 
-    fn stats(&self, queue: &str, stats: &Stats, keys: &KeyStats) {
+    /// A queue's counts, its busiest keys and, when asked for, each
+    /// shard's counts (`shards`, else empty).
+    fn stats(&self, queue: &str, stats: &Stats, keys: &KeyStats, shards: &[Stats]) {
         let row = QueueRow::new(queue, stats);
+        let names: Vec<String> = (0..shards.len()).map(|i| format!("shard {i}")).collect();
+        let shards: Vec<QueueRow> = (names.iter().zip(shards))
+            .map(|(name, stats)| QueueRow::new(name, stats))
+            .collect();
         let busy: Vec<KeyRow> = keys.busy.iter().map(KeyRow::new).collect();
         let backlogs: Vec<KeyRow> = keys.backlogs.iter().map(KeyRow::new).collect();
         if self.json {
@@ -833,6 +915,9 @@ impl Output {
                 fields.insert("keys".into(), json!(keys.keys));
                 fields.insert("busy_keys".into(), json!(busy));
                 fields.insert("longest_lines".into(), json!(backlogs));
+                if !shards.is_empty() {
+                    fields.insert("shards".into(), json!(shards));
+                }
             }
             return self.print(&document);
         }
@@ -857,6 +942,18 @@ impl Output {
                     say!("    {}", key.line());
                 }
             }
+        }
+        if !shards.is_empty() {
+            say!("  shard   due  later  active  dead");
+        }
+        for (i, row) in shards.iter().enumerate() {
+            say!(
+                "  {i:<5} {:>5} {:>6} {:>7} {:>5}",
+                row.due,
+                row.later,
+                row.active,
+                row.dead
+            );
         }
     }
 

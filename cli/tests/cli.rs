@@ -393,7 +393,7 @@ async fn operates_a_queue_and_a_lock_on_a_cluster() {
     assert_eq!(stats["due"], 1);
 
     let conn = cluster.connection().await.unwrap();
-    let locker = Locker::new(conn);
+    let locker = Locker::new(conn.clone());
     let lease = locker.acquire("order:9").await.unwrap().lease().unwrap();
     let lock = run(&["--json", "lock", "order:9"]);
     let lock: serde_json::Value = serde_json::from_slice(&lock.stdout).unwrap();
@@ -414,8 +414,50 @@ async fn operates_a_queue_and_a_lock_on_a_cluster() {
     assert_eq!(queues["queues"][0]["queue"], "orders");
     assert!(run(&["unlock", "order:9", "--force"]).status.success());
     assert!(locker.inspect("order:9").await.unwrap().is_none());
-    let bench = run(&["bench"]);
-    assert_eq!(bench.status.code(), Some(1), "bench is for a single server");
+    // A queue over shards: one view of all of them.
+    let sharded: lockgate::Queue<u32, _> = lockgate::Queue::new(conn.clone(), "sharded")
+        .and_then(|q| q.shards(3))
+        .unwrap();
+    sharded.push_many(0..30u32).await.unwrap();
+    let stats = run(&["--json", "stats", "sharded"]);
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["due"], 30, "{stats}");
+    let each = run(&["--json", "stats", "sharded", "--shards"]);
+    let each: serde_json::Value = serde_json::from_slice(&each.stdout).unwrap();
+    let due: Vec<u64> = (each["shards"].as_array().unwrap().iter())
+        .map(|shard| shard["due"].as_u64().unwrap())
+        .collect();
+    assert_eq!((due.len(), due.iter().sum::<u64>()), (3, 30), "{each}");
+    assert!(due.iter().all(|n| *n > 0), "every shard has some: {each}");
+    // The benchmark: one queue in one slot, then over the three masters.
+    let bench = run(&["--json", "bench", "--messages", "300"]);
+    assert!(
+        bench.status.success(),
+        "{}",
+        String::from_utf8_lossy(&bench.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&bench.stdout).unwrap();
+    let figures = &report["results"][0]["figures"];
+    assert!(
+        figures["sharded_handled_per_s"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+    let per_master = figures["sharded_commands_per_master"].as_array().unwrap();
+    assert_eq!(per_master.len(), 3, "{report}");
+    assert!(
+        per_master.iter().all(|n| n.as_u64().unwrap() > 0),
+        "{report}"
+    );
+    let prefix = report["prefix"].as_str().unwrap();
+    for node in cluster.nodes() {
+        let mut conn = node.multiplexed().await.unwrap();
+        let left: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(left.is_empty(), "the benchmark left keys behind: {left:?}");
+    }
 }
 
 /// A certificate and key for 127.0.0.1, made with `openssl` in `dir`.

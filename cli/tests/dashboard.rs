@@ -297,3 +297,24 @@ async fn a_keyed_queue_shows_its_busy_keys_and_longest_lines() {
         assert!(page.contains(needle), "{needle} missing: {page}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_queue_shows_one_view_and_each_shard() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn, "spread")
+        .and_then(|q| q.shards(3))
+        .unwrap();
+    let messages: Vec<serde_json::Value> = (0..30).map(|n| json!({"n": n})).collect();
+    q.push_many(&messages).await.unwrap();
+    let board = Dashboard::start(&server, &[]);
+    let (status, page) = board.get("/queue/spread");
+    assert_eq!(status, 200);
+    for needle in [
+        "due <b class=\"due\">30</b>",
+        "3 shards of the messages without a key",
+        "shard 2",
+    ] {
+        assert!(page.contains(needle), "{needle} missing: {page}");
+    }
+}

@@ -247,6 +247,13 @@ pub(crate) fn is_entry_id(id: &str) -> bool {
     }
 }
 
+/// A stream entry id as numbers (ms, seq), to order entries of several
+/// streams (a malformed one first).
+pub(crate) fn entry_order(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+    (ms.parse().unwrap_or(0), seq.parse().unwrap_or(0))
+}
+
 /// The entries of an `XRANGE`/`XREAD` reply: (id, flat fields).
 pub(crate) fn entries(reply: Value) -> Vec<(String, Vec<Value>)> {
     let Value::Array(entries) = reply else {

@@ -95,7 +95,7 @@ impl<T: DeserializeOwned> Job<T> {
     /// on failure returns a job-shaped handle (without payload) to bury, and
     /// the reason.
     pub(crate) fn decode(
-        (id, claim, held): (String, u64, Option<Arc<Held>>),
+        (id, claim, held, shard): (String, u64, Option<Arc<Held>>, u16),
         due_ms: i64,
         record: &[u8],
         queue: &Arc<QueueKeys>,
@@ -107,6 +107,7 @@ impl<T: DeserializeOwned> Job<T> {
             failures: r.failures,
             stalls: r.stalls,
             held,
+            shard,
         };
         let job = Job {
             token,
@@ -439,7 +440,7 @@ mod tests {
             #[test]
             fn any_bytes_decode_or_are_refused_without_panic(record in bytes()) {
                 let keys = Arc::new(QueueKeys::new("lockgate", "q"));
-                let decoded = Job::<serde_json::Value>::decode(("id".into(), 1, None), 0, &record, &keys);
+                let decoded = Job::<serde_json::Value>::decode(("id".into(), 1, None, 0), 0, &record, &keys);
                 if let Ok(job) = decoded {
                     let split = split_record(&record).expect("decoded, so split");
                     let payload: serde_json::Value = serde_json::from_slice(split.payload).expect("decoded");

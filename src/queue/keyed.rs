@@ -23,25 +23,7 @@ use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{evalsha, run, run_after};
-
-/// The tag of every hash slot.
-static SLOT_TAGS: LazyLock<Vec<String>> = LazyLock::new(|| {
-    let mut tags = vec![String::new(); usize::from(SLOTS)];
-    let mut left = tags.len();
-    let mut n: u64 = 0;
-    while left > 0 {
-        let text = n.to_string();
-        let slot = crc16::State::<crc16::XMODEM>::calculate(text.as_bytes()) % SLOTS;
-        let tag = &mut tags[usize::from(slot)];
-        if tag.is_empty() {
-            *tag = text;
-            left -= 1;
-        }
-        n += 1;
-    }
-    tags
-});
+use crate::script::{evalsha, run};
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
@@ -103,13 +85,15 @@ pub(crate) struct Partition {
 pub(crate) struct DeadSet {
     pub(crate) base: String,
     /// The partition's slot (re-driven letters make it ready) and its
-    /// `keyof` hash (where the letters' keys are); `None` for the queue's own.
+    /// `keyof` hash (where the letters' keys are); `None` for a shard's.
     pub(crate) partition: Option<(u16, String)>,
+    /// The shard whose set it is (0 for a partition).
+    pub(crate) shard: usize,
 }
 
 impl Partition {
     fn new(prefix: &str, queue: &str, slot: u16) -> Self {
-        let (tag, queue) = (&SLOT_TAGS[usize::from(slot)], keys::tag(queue));
+        let (tag, queue) = (keys::slot_tag(slot), keys::tag(queue));
         let base = format!("{prefix}:{{{tag}}}:{queue}");
         let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
@@ -128,7 +112,11 @@ impl Partition {
         let data = &self.keys[DATA];
         let base = data.strip_suffix(":data").unwrap_or(data).to_owned();
         let partition = Some((self.slot, self.keys[KEYOF].clone()));
-        DeadSet { base, partition }
+        DeadSet {
+            base,
+            partition,
+            shard: 0,
+        }
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
@@ -243,7 +231,7 @@ const RECHECK_MS: i64 = 30_000;
 /// The keyed side of a queue, shared by its clones.
 #[derive(Debug, Default)]
 pub(crate) struct KeyedState {
-    publish: tokio::sync::OnceCell<&'static str>,
+    pub(crate) publish: tokio::sync::OnceCell<&'static str>,
     /// Per partition, the ready keys its last claim named.
     candidates: Mutex<HashMap<u16, Vec<String>>>,
     /// Hears the releases of locks other code held while messages of their
@@ -322,7 +310,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Pushes keyed messages of one partition in one script call (see
     /// `lua/keyed_push.lua`). Returns per message whether it was added and
-    /// its due time (-1 when it is not waiting for one).
+    /// its due time (-1 when it is not waiting for one). The caller marks
+    /// the partition ready afterwards ([`mark_ready`](Self::mark_ready)).
     pub(crate) async fn push(&self, batch: &[Pushing<'_>]) -> Result<Vec<(bool, i64)>> {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
@@ -338,7 +327,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
         let reply: Vec<i64> = self.run(&PUSH, &cmd, attempted).await?;
-        self.mark_ready(partition.slot, attempted).await?;
         if reply.len() != 2 * batch.len() {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
         }
@@ -374,7 +362,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Claims up to `max` heads of ready keys' lines across the partitions
     /// `slots` (named by the queue's claim as due at the server's `now`),
-    /// each with its key's lock for `lease`.
+    /// each with its key's lock for `lease`. The partitions' index entries
+    /// are raised before the claims and lowered after them only to what
+    /// each claim saw, each in one command: a push that came in between
+    /// lowers its partition's entry itself, after its own script.
     pub(crate) async fn claim(
         &self,
         slots: &[u16],
@@ -382,58 +373,67 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         max: usize,
         lease: Duration,
     ) -> Result<Claimed> {
+        let slots: Vec<u16> = slots.iter().copied().filter(|s| *s < SLOTS).collect();
         let mut claimed = Claimed::default();
-        for slot in slots.iter().filter(|slot| **slot < SLOTS) {
-            let left = max - claimed.turns.len();
-            if left == 0 {
-                break;
-            }
-            self.claim_in(*slot, now, (left, lease), &mut claimed)
-                .await?;
+        if slots.is_empty() {
+            return Ok(claimed);
         }
-        Ok(claimed)
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        let raised = slots.iter().map(|slot| (now + RECHECK_MS, *slot));
+        let raise = self.index(&["XX"], raised);
+        raise.query_on::<(), _>(self.conn, attempted).await?;
+        let (mut lowered, mut failed) = (Vec::with_capacity(slots.len()), None);
+        for slot in slots {
+            let left = max - claimed.turns.len();
+            // A partition not visited (or not claimed) is due as it was.
+            let at = match (left, &failed) {
+                (0, _) | (_, Some(_)) => Some(now),
+                _ => match self.claim_in(slot, (left, lease), &mut claimed).await {
+                    Ok(at) => at,
+                    Err(error) => {
+                        failed = Some(error);
+                        Some(now)
+                    }
+                },
+            };
+            lowered.extend(at.map(|at| (at.max(0), slot)));
+        }
+        if !lowered.is_empty() {
+            let lower = self.index(&["XX", "LT"], lowered);
+            if let Err(error) = lower.query_on::<(), _>(self.conn, attempted).await {
+                failed.get_or_insert(error);
+            }
+        }
+        match failed {
+            Some(error) if claimed.turns.is_empty() => Err(error),
+            Some(error) => {
+                // The turns taken hold their keys' locks: they must reach
+                // the caller.
+                tracing::warn!(queue = %self.keys.name, %error, "a keyed partition could not be claimed from; returning what the others gave");
+                Ok(claimed)
+            }
+            None => Ok(claimed),
+        }
     }
 
     /// Claims in one partition, and brings `claimed.next_at` forward to
-    /// when it has a key or a delayed message due next (server ms). Its
-    /// index entry is raised before the claim and lowered after it only to
-    /// what the claim saw: a push that came in between lowers it itself,
-    /// after its own script.
+    /// when it has a key or a delayed message due next (server ms); returns
+    /// what its index entry is to be lowered to (none: nothing waits there).
     async fn claim_in(
         &self,
         slot: u16,
-        now: i64,
         limits: (usize, Duration),
         claimed: &mut Claimed,
-    ) -> Result<()> {
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+    ) -> Result<Option<i64>> {
         let partition = self.partition(slot);
-        let raise = self.index(&["XX"], now + RECHECK_MS, slot);
-        // The raise must reach the server before the script. On one server
-        // a pipeline keeps that order; a cluster's may not (the index and
-        // the partition are on different nodes): two round trips there.
-        let publish = detect_publish(&self.state.publish, self.conn)
-            .await
-            .map_err(Error::redis(attempted()))?;
-        let first = match publish {
-            "PUBLISH" => Some(&raise),
-            _ => {
-                raise.query_on::<(), _>(self.conn, attempted).await?;
-                None
-            }
-        };
         let mut candidates = lock(&self.state.candidates)
             .remove(&slot)
             .unwrap_or_default();
-        let mut reply = self
-            .claim_keys(&partition, &candidates, limits, first)
-            .await?;
+        let mut reply = self.claim_keys(&partition, &candidates, limits).await?;
         if candidates.is_empty() && !reply.2.is_empty() {
             // The first claim here: it named the ready keys, claim them.
             candidates = std::mem::take(&mut reply.2);
-            reply = self
-                .claim_keys(&partition, &candidates, limits, None)
-                .await?;
+            reply = self.claim_keys(&partition, &candidates, limits).await?;
         }
         let (turns, next_at, named) = reply;
         claimed.turns.extend(turns);
@@ -446,19 +446,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             lock(&self.state.candidates).insert(slot, named);
             Some(0)
         };
-        let Some(at) = lower_to else {
-            return Ok(());
-        };
-        claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
-        self.index(&["XX", "LT"], at.max(0), slot)
-            .query_on(self.conn, attempted)
-            .await
+        if let Some(at) = lower_to {
+            claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
+        }
+        Ok(lower_to)
     }
 
-    /// A `ZADD` of `slot` at `at` with `flags` to the queue's index of partitions.
-    fn index(&self, flags: &[&str], at: i64, slot: u16) -> Cmd {
+    /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
+    /// partitions.
+    fn index(&self, flags: &[&str], entries: impl IntoIterator<Item = (i64, u16)>) -> Cmd {
         let mut cmd = redis::cmd("ZADD");
-        cmd.arg(&self.keys.partitions).arg(flags).arg(at).arg(slot);
+        cmd.arg(&self.keys.partitions).arg(flags);
+        for (at, slot) in entries {
+            cmd.arg(at).arg(slot);
+        }
         cmd
     }
 
@@ -506,7 +507,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         partition: &Arc<Partition>,
         candidates: &[String],
         (max, lease): (usize, Duration),
-        first: Option<&Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
         let prefix = &self.keys.prefix;
         let mut cmd = partition.call(&CLAIM, 4 * candidates.len());
@@ -530,13 +530,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Vec<Taken>,
             Vec<(String, String, u64)>,
         );
-        let mut conn = self.conn.clone();
-        let reply = match first {
-            Some(first) => run_after(&CLAIM, first, &cmd, &mut conn).await,
-            None => run(&CLAIM, &cmd, &mut conn).await,
-        };
         let (claim, next_at, named, taken, blocked): Reply =
-            reply.map_err(|e| Error::redis(attempted())(e))?;
+            self.run(&CLAIM, &cmd, attempted).await?;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
@@ -726,8 +721,25 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Marks a partition as having a ready key, and rings the doorbell.
     async fn mark_ready(&self, slot: u16, attempted: impl FnOnce() -> String) -> Result<()> {
+        self.mark_all_ready(&[slot], attempted).await
+    }
+
+    /// Marks partitions as having a ready key (one command), and rings the
+    /// doorbell: one round trip after a push to many partitions.
+    pub(crate) async fn mark_all_ready(
+        &self,
+        slots: &[u16],
+        attempted: impl FnOnce() -> String,
+    ) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
         let mut hint = redis::pipe();
-        hint.add_command(self.index(&["LT"], 0, slot)).ignore();
+        let index = hint.cmd("ZADD").arg(&self.keys.partitions).arg("LT");
+        for slot in slots {
+            index.arg(0).arg(slot);
+        }
+        index.ignore();
         hint.lpush(&self.keys.bell, 1).ignore();
         hint.ltrim(&self.keys.bell, 0, 0).ignore();
         let done = hint.query_async(&mut self.conn.clone()).await;
@@ -849,15 +861,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(())
     }
 
-    /// The queue's own dead-letter keys, then every partition's in the index.
+    /// The dead-letter keys of every partition in the index.
     pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let own = DeadSet {
-            base: self.keys.base.clone(),
-            partition: None,
-        };
         let partitions = self.slots().await?.into_iter();
-        let partitions = partitions.map(|slot| self.partition(slot).dead_set());
-        Ok(std::iter::once(own).chain(partitions).collect())
+        Ok(partitions
+            .map(|slot| self.partition(slot).dead_set())
+            .collect())
     }
 
     /// Makes a partition whose dead letters were re-driven look for them,

@@ -40,6 +40,9 @@ pub use keyed::MAX_RUN;
 use keyed::{DeadSet, Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
 pub(crate) mod scripts;
+mod shards;
+pub use shards::MAX_SHARDS;
+use shards::Shards;
 mod wait;
 
 use std::borrow::Borrow;
@@ -79,6 +82,8 @@ pub struct Queue<T, C = redis::aio::ConnectionManager> {
     recording: Recording,
     /// The keyed side's state, shared by clones.
     keyed: Arc<KeyedState>,
+    /// The shards of its messages without a key (one: the queue's own keys).
+    shards: Arc<Shards>,
     /// `Queue<T>` neither owns nor sends `T`s across threads by itself.
     _message: PhantomData<fn(T) -> T>,
 }
@@ -119,6 +124,7 @@ impl<T, C: Clone> Clone for Queue<T, C> {
             keys: self.keys.clone(),
             recording: self.recording,
             keyed: self.keyed.clone(),
+            shards: self.shards.clone(),
             _message: PhantomData,
         }
     }
@@ -160,6 +166,7 @@ impl<T, C> std::fmt::Debug for Queue<T, C> {
             .field("retention", &self.recording.dead)
             .field("events", &self.recording.events)
             .field("completed", &self.recording.completed)
+            .field("shards", &self.shards.len())
             .finish_non_exhaustive()
     }
 }
@@ -181,13 +188,20 @@ pub(crate) struct QueueKeys {
     pub(crate) bell: String,
     pub(crate) events: String,
     pub(crate) completed: String,
-    /// The index of the keyed partitions (see `keyed.rs`).
+    /// The index of the keyed partitions and shards (see `keyed.rs`,
+    /// `shards.rs`).
     pub(crate) partitions: String,
+    /// The record of the queue's shard count (see `shards.rs`).
+    pub(crate) shards: String,
 }
 
 impl QueueKeys {
     fn new(prefix: &str, name: &str) -> Self {
-        let base = format!("{prefix}:{{{}}}", keys::tag(name));
+        Self::at(prefix, name, format!("{prefix}:{{{}}}", keys::tag(name)))
+    }
+
+    /// The keys of queue `name` under `base` (its own, or a shard's).
+    fn at(prefix: &str, name: &str, base: String) -> Self {
         Self {
             name: name.to_owned(),
             base: base.clone(),
@@ -203,6 +217,7 @@ impl QueueKeys {
             events: format!("{base}:events"),
             completed: format!("{base}:completed"),
             partitions: format!("{base}:partitions"),
+            shards: format!("{base}:shards"),
         }
     }
 }
@@ -608,9 +623,11 @@ where
         if name.is_empty() {
             return Err(Error::config("queue name must not be empty"));
         }
+        let keys = Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name));
         Ok(Self {
             conn,
-            keys: Arc::new(QueueKeys::new(crate::lock::DEFAULT_PREFIX, name)),
+            shards: Arc::new(Shards::new(keys.clone(), 1)),
+            keys,
             recording: Recording::default(),
             keyed: Arc::default(),
             _message: PhantomData,
@@ -622,11 +639,34 @@ where
     pub fn prefix(self, prefix: impl AsRef<str>) -> Result<Self> {
         let prefix = prefix.as_ref();
         keys::check_prefix(prefix)?;
+        let keys = Arc::new(QueueKeys::new(prefix, &self.keys.name));
         Ok(Self {
-            keys: Arc::new(QueueKeys::new(prefix, &self.keys.name)),
+            shards: Arc::new(Shards::new(keys.clone(), self.shards.len())),
+            keys,
             keyed: Arc::default(),
             ..self
         })
+    }
+
+    /// Spreads the queue's messages without a key over `n` shards, each in
+    /// a hash slot of its own, evenly apart: on a Redis Cluster, over its
+    /// masters (keyed messages live in their keys' slots anyway). `n` is
+    /// fixed when the queue is first used with it and recorded in Redis; a
+    /// handle with another count is refused ([`Error::Config`]) on its first
+    /// call. One shard, the default, is the plain queue. Errors when `n` is
+    /// not 1..=[`MAX_SHARDS`]. See the README's "One queue across a Redis
+    /// Cluster".
+    pub fn shards(self, n: usize) -> Result<Self> {
+        shards::check_count(n)?;
+        Ok(Self {
+            shards: Arc::new(Shards::new(self.keys.clone(), n)),
+            ..self
+        })
+    }
+
+    /// The number of shards its messages without a key spread over.
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
     }
 
     /// The queue's name.
@@ -688,13 +728,38 @@ where
             let key = options.key.clone().map(|key| (key, options.limits_arg()));
             encoded.push((id.unwrap_or_else(job::new_id), when, payload, key));
         }
+        let shards = self.layout().await?;
         let mut receipts = Vec::with_capacity(encoded.len());
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
             .into_iter()
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
-        for batch in plain.chunks(MAX_BATCH) {
-            receipts.extend(self.push_batch(batch).await?);
+        let mut by_shard = std::collections::BTreeMap::<usize, Vec<_>>::new();
+        for message in plain {
+            by_shard
+                .entry(shards.of(&message.1.0))
+                .or_default()
+                .push(message);
+        }
+        // The shards pushed to have work, also when a later push failed.
+        let (mut marks, mut failed) = (Vec::new(), None);
+        'push: for (shard, plain) in by_shard {
+            for batch in plain.chunks(MAX_BATCH) {
+                match self.push_batch(&shards.keys[shard], batch).await {
+                    Ok((pushed, due)) => {
+                        receipts.extend(pushed);
+                        marks.extend(due.map(|due| (shard, due)));
+                    }
+                    Err(error) => {
+                        failed = Some(error);
+                        break 'push;
+                    }
+                }
+            }
+        }
+        self.mark_shards(&marks).await?;
+        if let Some(error) = failed {
+            return Err(error);
         }
         receipts.extend(self.push_keyed(keyed).await?);
         receipts.sort_unstable_by_key(|(n, _)| *n);
@@ -719,20 +784,41 @@ where
             by_partition.entry(slot).or_default().push((*n, pushing));
         }
         let mut receipts = Vec::with_capacity(keyed.len());
-        for batch in by_partition.values().flat_map(|all| all.chunks(MAX_BATCH)) {
-            let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
-            let pushed = self.keyed().push(&pushing).await?;
-            for ((n, m), (created, due)) in batch.iter().zip(pushed) {
-                receipts.push((*n, receipt(m.id, created, due)));
+        let mut pushed_to = Vec::new();
+        let mut failed = None;
+        'push: for (slot, all) in &by_partition {
+            for batch in all.chunks(MAX_BATCH) {
+                let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
+                let pushed = match self.keyed().push(&pushing).await {
+                    Ok(pushed) => pushed,
+                    Err(error) => {
+                        failed = Some(error);
+                        break 'push;
+                    }
+                };
+                pushed_to.push(*slot);
+                for ((n, m), (created, due)) in batch.iter().zip(pushed) {
+                    receipts.push((*n, receipt(m.id, created, due)));
+                }
             }
         }
-        Ok(receipts)
+        // The partitions pushed to have work, also when a later push failed.
+        let attempted = || format!("pushing keyed messages to queue `{}`", self.name());
+        pushed_to.dedup();
+        for slots in pushed_to.chunks(MAX_BATCH) {
+            self.keyed().mark_all_ready(slots, attempted).await?;
+        }
+        failed.map_or(Ok(receipts), Err)
     }
 
     /// Pushes unkeyed messages (at most [`MAX_BATCH`], with their place in
-    /// the caller's list) in one script call.
-    async fn push_batch(&self, batch: &[(usize, Encoded)]) -> Result<Vec<(usize, Pushed)>> {
-        let k = &self.keys;
+    /// the caller's list) to the shard of keys `k` in one script call; also
+    /// returns the first due time of those waiting.
+    async fn push_batch(
+        &self,
+        k: &QueueKeys,
+        batch: &[(usize, Encoded)],
+    ) -> Result<(Vec<(usize, Pushed)>, Option<i64>)> {
         let mut call = scripts::PUSH.prepare_invoke();
         call.key(&[&k.data, &k.schedule, &k.bell, &k.prioritized]);
         if let Some(cap) = self.recording.events {
@@ -747,10 +833,14 @@ where
             let detail = format_args!("{} receipts for {} messages", reply.len(), batch.len());
             return Err(Error::reply(attempted(), detail));
         }
+        // A message there already is marked too: this may be the retry of a
+        // push whose mark was lost.
+        let first_due = reply.iter().map(|r| r.1).filter(|due| *due >= 0).min();
         let receipts = batch.iter().zip(reply);
-        Ok(receipts
+        let receipts = receipts
             .map(|((n, (id, ..)), (created, due))| (*n, receipt(id, created == 1, due)))
-            .collect())
+            .collect();
+        Ok((receipts, first_due))
     }
 
     /// Claims up to `max` due messages (at most [`MAX_BATCH`]), in due order,
@@ -763,20 +853,34 @@ where
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
         check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_lease(lease)?;
-        let (mut claimed, slots, now) = self.claim_plain(max, lease).await?;
+        let (mut claimed, slots, now) = match self.layout().await?.len() {
+            1 => self.claim_plain(max, lease).await?,
+            _ => self.claim_shards(max, lease).await?,
+        };
         let room = max - claimed.jobs.len();
         if room == 0 || slots.is_empty() {
             return Ok(claimed);
         }
-        // Then keyed messages, with their keys' locks.
-        let keyed = self.keyed().claim(&slots, now, room, lease).await?;
+        // Then keyed messages, with their keys' locks; those claimed so far
+        // are leased, so a failure here must not lose them.
+        let keyed = match self.keyed().claim(&slots, now, room, lease).await {
+            Ok(keyed) => keyed,
+            Err(error) if claimed.jobs.is_empty() => return Err(error),
+            Err(error) => {
+                tracing::warn!(queue = %self.name(), %error, "keyed messages could not be claimed; returning the others");
+                return Ok(claimed);
+            }
+        };
         for turn in keyed.turns {
             match self.decode_turn(turn).await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
             }
         }
-        if let Some(at) = keyed.next_at {
+        // As many partitions named as a claim names: the index may hold
+        // more with work now, which this claim did not see.
+        let more = (slots.len() >= keyed::PARTITIONS_PER_CLAIM).then_some(now);
+        if let Some(at) = keyed.next_at.into_iter().chain(more).min() {
             let wait = span(at - now);
             claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
         }
@@ -792,7 +896,7 @@ where
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
         let k = &self.keys;
-        let mut header: Vec<Value> = scripts::CLAIM
+        let reply: Vec<Value> = scripts::CLAIM
             .key(&[&k.data, &k.schedule, &k.active, &k.claims])
             .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(max)
@@ -801,6 +905,17 @@ where
             .arg(keyed::PARTITIONS_PER_CLAIM)
             .query_on(&self.conn, attempted)
             .await?;
+        self.decode_claimed(reply, 0, attempted).await
+    }
+
+    /// The claim script's reply from shard `shard` decoded: the jobs, the
+    /// partitions it named, and the server's time.
+    async fn decode_claimed(
+        &self,
+        mut header: Vec<Value>,
+        shard: usize,
+        attempted: impl Fn() -> String,
+    ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         // {claim, next due, now, partitions}, then the claimed messages.
         let mut values = header.split_off(header.len().min(4)).into_iter();
         let (claim, next_due, now, slots): (u64, i64, i64, Vec<u16>) =
@@ -824,7 +939,7 @@ where
                 tracing::error!(queue = %self.name(), "claim returned a malformed entry; skipping it");
                 continue;
             };
-            let decoded = self.decode_or_bury((id, claim, due as i64, &record), None);
+            let decoded = self.decode_or_bury((id, claim, due as i64, &record), (None, shard));
             match decoded.await {
                 Ok(job) => claimed.jobs.push(job),
                 Err(buried) => claimed.buried += usize::from(buried),
@@ -837,19 +952,22 @@ where
     async fn decode_turn(&self, turn: keyed::Turn) -> std::result::Result<Job<T>, bool> {
         let enqueued = job::split_or_raw(&turn.record).enqueued;
         let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
-        self.decode_or_bury(record, Some(turn.held)).await
+        self.decode_or_bury(record, (Some(turn.held), 0)).await
     }
 
-    /// A claimed message decoded as `T`, under its key's lock when `held`.
+    /// A claimed message decoded as `T`, under its key's lock when `held`,
+    /// from shard `shard`.
     /// One that does not decode is buried (not as a failed attempt) and
     /// `Err` says whether it was; a failed burial is logged and must not
     /// strand the rest of a batch: the message comes back after its lease.
     async fn decode_or_bury(
         &self,
         (id, claim, due_ms, record): (String, u64, i64, &[u8]),
-        held: Option<Arc<Held>>,
+        (held, shard): (Option<Arc<Held>>, usize),
     ) -> std::result::Result<Job<T>, bool> {
-        let (job, error) = match Job::<T>::decode((id, claim, held), due_ms, record, &self.keys) {
+        let shard = u16::try_from(shard).unwrap_or_default();
+        let token = (id, claim, held, shard);
+        let (job, error) = match Job::<T>::decode(token, due_ms, record, &self.keys) {
             Ok(job) => return Ok(job),
             Err(bad) => *bad,
         };
@@ -872,7 +990,7 @@ where
         if let Some(held) = &job.held {
             return self.settle_keyed(job, held, Outcome::Ack).await;
         }
-        let acked = self.ack_batch(&[job], "done").await?;
+        let acked = self.ack_batch(self.shard_of(job)?, &[job], "done").await?;
         Ok(acked.first() == Some(&Acked::Done))
     }
 
@@ -896,18 +1014,25 @@ where
         J: Claim + 'a,
         I: IntoIterator<Item = &'a J>,
     {
-        // The unkeyed ones in one script call, each keyed one in its key's
-        // partition; the answers in the batch's order.
+        // The unkeyed ones in one script call per shard, each keyed one in
+        // its key's partition; the answers in the batch's order.
         let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
-        let plain: Vec<&ClaimToken> = jobs.iter().filter(|j| j.held.is_none()).copied().collect();
-        let mut plain = self.ack_batch(&plain, "done").await?.into_iter();
-        let mut out = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            out.push(match job.held {
-                None => plain.next().unwrap_or(Acked::NotHeld),
-                Some(_) if self.ack(job).await? => Acked::Done,
-                Some(_) => Acked::NotHeld,
-            });
+        check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
+        let mut out = vec![Acked::NotHeld; jobs.len()];
+        for (shard, batch) in by_shard(&jobs) {
+            let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
+            let acked = self
+                .ack_batch(self.shards.get(shard)?, &plain, "done")
+                .await?;
+            for ((n, _), acked) in batch.iter().zip(acked) {
+                out[*n] = acked;
+            }
+        }
+        for (n, job) in jobs.iter().enumerate().filter(|(_, j)| j.held.is_some()) {
+            out[n] = match self.ack(*job).await? {
+                true => Acked::Done,
+                false => Acked::NotHeld,
+            };
         }
         Ok(out)
     }
@@ -915,15 +1040,18 @@ where
     /// Acknowledges unkeyed messages in one script call; `kind` names their
     /// event: `done`, or `deferred` for one that moved into its key's line
     /// (not kept on the completed stream).
-    async fn ack_batch(&self, jobs: &[&ClaimToken], kind: &str) -> Result<Vec<Acked>> {
-        check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
+    async fn ack_batch(
+        &self,
+        k: &QueueKeys,
+        jobs: &[&ClaimToken],
+        kind: &str,
+    ) -> Result<Vec<Acked>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
         let mut call = scripts::ACK_MANY.prepare_invoke();
         let completed = self.recording.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.recording.completed.is_some();
-        let k = &self.keys;
         call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
             .arg(self.events_arg())
             .arg(if keep { "1" } else { "" })
@@ -989,9 +1117,10 @@ where
                 job.id
             )));
         }
+        let k = self.shard_of(job)?;
         let (record, held): (Option<Vec<u8>>, Option<f64>) = redis::pipe()
-            .hget(&self.keys.data, &job.id)
-            .zscore(&self.keys.active, job.member())
+            .hget(&k.data, &job.id)
+            .zscore(&k.active, job.member())
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(attempted()))?;
@@ -1004,7 +1133,7 @@ where
             .await?;
         // Out of this queue, with a `deferred` event (the message goes on,
         // in its key's line).
-        let removed = self.ack_batch(&[job], "deferred").await?;
+        let removed = self.ack_batch(k, &[job], "deferred").await?;
         if removed.first() != Some(&Acked::Done) {
             tracing::warn!(id = %job.id, %key, "claim lost while the message moved into its key's line: it may run twice");
         }
@@ -1034,7 +1163,7 @@ where
             let settled = self.settle_keyed(job, held, outcome).await?;
             return Ok(settled.then(|| SystemTime::now() + delay));
         }
-        let k = &self.keys;
+        let k = self.shard_of(job)?;
         let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
         let due: i64 = scripts::RESCHEDULE
             .key(&[&k.data, &k.schedule, &k.active, &k.errors])
@@ -1047,6 +1176,9 @@ where
             .arg(self.events_arg())
             .query_on(&self.conn, attempted)
             .await?;
+        if due >= 0 {
+            self.mark_shard(usize::from(job.shard), due).await?;
+        }
         Ok((due >= 0).then(|| from_unix_ms(due)))
     }
 
@@ -1070,7 +1202,7 @@ where
             return self.settle_keyed(job, held, Outcome::Bury { error }).await;
         }
         let (max_count, max_age) = self.recording.dead.args();
-        let k = &self.keys;
+        let k = self.shard_of(job)?;
         let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
             .arg(job.member())
@@ -1095,32 +1227,33 @@ where
     {
         check_lease(lease)?;
         let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
-        let plain = jobs.iter().filter(|j| j.held.is_none());
-        let members: Vec<String> = plain.map(|j| j.member()).collect();
-        let mut plain = Vec::with_capacity(members.len());
+        let mut out = vec![false; jobs.len()];
         // Bounded script calls: one call never keeps the server busy for long.
         let attempted = || format!("extending leases in queue `{}`", self.name());
-        for batch in members.chunks(MAX_BATCH) {
-            let held: Vec<i64> = scripts::EXTEND
-                .key(&self.keys.active)
-                .arg(millis(lease))
-                .arg(batch)
-                .query_on(&self.conn, attempted)
-                .await?;
-            if held.len() != batch.len() {
-                let detail = format_args!("{} values for {} leases", held.len(), batch.len());
-                return Err(Error::reply(attempted(), detail));
+        for (shard, plain) in by_shard(&jobs) {
+            let active = &self.shards.get(shard)?.active;
+            for batch in plain.chunks(MAX_BATCH) {
+                let members: Vec<String> = batch.iter().map(|(_, j)| j.member()).collect();
+                let held: Vec<i64> = scripts::EXTEND
+                    .key(active)
+                    .arg(millis(lease))
+                    .arg(&members)
+                    .query_on(&self.conn, attempted)
+                    .await?;
+                if held.len() != batch.len() {
+                    let detail = format_args!("{} values for {} leases", held.len(), batch.len());
+                    return Err(Error::reply(attempted(), detail));
+                }
+                for ((n, _), held) in batch.iter().zip(held) {
+                    out[*n] = held == 1;
+                }
             }
-            plain.extend(held.into_iter().map(|h| h == 1));
         }
-        let mut plain = plain.into_iter();
         let keyed = self.keyed();
-        let mut out = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            out.push(match &job.held {
-                Some(held) => keyed.extend(held, (&job.id, job.claim), lease).await?,
-                None => plain.next().unwrap_or(false),
-            });
+        for (n, job) in jobs.iter().enumerate() {
+            if let Some(held) = &job.held {
+                out[n] = keyed.extend(held, (&job.id, job.claim), lease).await?;
+            }
         }
         Ok(out)
     }
@@ -1183,8 +1316,29 @@ where
     /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
         let mut total = Recovered::default();
+        let shards = self.layout().await?;
+        self.index_shards().await?;
+        for (shard, k) in shards.keys.iter().enumerate() {
+            let recovered = self.recover_shard(k, max_stalls).await?;
+            if recovered.requeued > 0 {
+                self.mark_shard(shard, 0).await?;
+            }
+            total.requeued += recovered.requeued;
+            total.buried += recovered.buried;
+        }
+        let (requeued, buried) = self.keyed().recover(max_stalls.max(1)).await?;
+        total.requeued += requeued;
+        total.buried += buried;
+        if total.requeued + total.buried > 0 {
+            tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
+        }
+        Ok(total)
+    }
+
+    /// Recovers the messages without a key of the shard of keys `k`.
+    async fn recover_shard(&self, k: &QueueKeys, max_stalls: u32) -> Result<Recovered> {
+        let mut total = Recovered::default();
         let (max_count, max_age) = self.recording.dead.args();
-        let k = &self.keys;
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         loop {
             let (requeued, buried, examined): (usize, usize, usize) = scripts::RECOVER
@@ -1200,12 +1354,6 @@ where
             total.requeued += requeued;
             total.buried += buried;
             if examined < MAX_BATCH {
-                let (requeued, buried) = self.keyed().recover(max_stalls.max(1)).await?;
-                total.requeued += requeued;
-                total.buried += buried;
-                if total.requeued + total.buried > 0 {
-                    tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
-                }
                 return Ok(total);
             }
         }
@@ -1215,23 +1363,86 @@ where
     /// or dead, or errors on record. (A queue exists in Redis only while it
     /// holds something.)
     pub async fn exists(&self) -> Result<bool> {
-        // Every key but the bell (a ring alone is no queue).
-        let found: u32 = redis::cmd("EXISTS")
-            .arg(&named(&self.keys.base, QUEUE_KEYS))
-            .query_on(&self.conn, || format!("looking up queue `{}`", self.name()))
-            .await?;
-        Ok(found > 0)
+        // Every key but the bell (a ring alone is no queue), per shard.
+        for k in &self.layout().await?.keys {
+            let found: u32 = redis::cmd("EXISTS")
+                .arg(&named(&k.base, QUEUE_KEYS))
+                .query_on(&self.conn, || format!("looking up queue `{}`", self.name()))
+                .await?;
+            if found > 0 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Counts the queue's messages in each state.
     pub async fn stats(&self) -> Result<Stats> {
-        let k = &self.keys;
         let attempted = || format!("reading stats of queue `{}`", self.name());
-        let reply: Vec<i64> = scripts::STATS
-            .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized])
-            .query_on(&self.conn, attempted)
-            .await?;
+        let reply = self.summed_stats(None, attempted).await?;
         self.with_keyed(&reply, attempted).await
+    }
+
+    /// The stats script's reply (with activity buckets of `(window, width,
+    /// buckets)` when given) summed over the shards: counts and buckets
+    /// added up, the earliest times kept, the clock of shard 0.
+    async fn summed_stats(
+        &self,
+        buckets: Option<(u64, u64, u32)>,
+        attempted: impl Fn() -> String + Copy,
+    ) -> Result<Vec<i64>> {
+        let mut total: Vec<i64> = Vec::new();
+        for reply in self.shard_replies(buckets, attempted).await? {
+            if total.is_empty() {
+                total = reply;
+                continue;
+            }
+            if reply.len() != total.len() {
+                let detail = format_args!("{} values", reply.len());
+                return Err(Error::reply(attempted(), detail));
+            }
+            for (i, (sum, n)) in total.iter_mut().zip(reply).enumerate() {
+                *sum = match i {
+                    // Times: the earliest of those there are (-1: none).
+                    4 | 6 if *sum < 0 || (0..*sum).contains(&n) => n,
+                    4 | 6 => *sum,
+                    5 => *sum,
+                    7 => (*sum).max(n),
+                    _ => *sum + n,
+                };
+            }
+        }
+        Ok(total)
+    }
+
+    /// The stats script's reply of each shard.
+    async fn shard_replies(
+        &self,
+        buckets: Option<(u64, u64, u32)>,
+        attempted: impl Fn() -> String + Copy,
+    ) -> Result<Vec<Vec<i64>>> {
+        let mut replies = Vec::new();
+        for k in &self.layout().await?.keys {
+            let mut call = scripts::STATS.prepare_invoke();
+            call.key(&[&k.schedule, &k.active, &k.dead, &k.prioritized]);
+            if let Some((window, width, n)) = buckets {
+                call.key(&k.events).arg(window).arg(width).arg(n);
+            }
+            replies.push(call.query_on(&self.conn, attempted).await?);
+        }
+        Ok(replies)
+    }
+
+    /// The counts of each shard's messages without a key, shard 0 first
+    /// (keyed messages live in their keys' partitions, counted by
+    /// [`stats`](Self::stats) alone). See [`shards`](Self::shards).
+    pub async fn stats_by_shard(&self) -> Result<Vec<Stats>> {
+        let attempted = || format!("reading stats of queue `{}`", self.name());
+        let replies = self.shard_replies(None, attempted).await?;
+        replies
+            .iter()
+            .map(|reply| plain_stats(reply, attempted))
+            .collect()
     }
 
     /// The queue's `Stats`: the stats script's counts (due, later, active,
@@ -1239,8 +1450,7 @@ where
     /// keyed ones.
     async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
         let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
-            let detail = format_args!("{} values", reply.len());
-            return Err(Error::reply(attempted(), detail));
+            return plain_stats(reply, attempted);
         };
         // A keyed message is due once its key is ready for it.
         let (keyed, ready) = self.keyed().counts(now).await?;
@@ -1292,14 +1502,8 @@ where
         let buckets = buckets.clamp(1, 1000);
         let width = (millis(window) / u64::from(buckets)).max(1);
         let attempted = || format!("reading the activity of queue `{}`", self.name());
-        let k = &self.keys;
-        let reply: Vec<i64> = scripts::STATS
-            .key(&[&k.schedule, &k.active, &k.dead, &k.prioritized, &k.events])
-            .arg(width * u64::from(buckets))
-            .arg(width)
-            .arg(buckets)
-            .query_on(&self.conn, attempted)
-            .await?;
+        let spans = (width * u64::from(buckets), width, buckets);
+        let reply = self.summed_stats(Some(spans), attempted).await?;
         let n = buckets as usize;
         if reply.len() != 8 + 2 * n {
             let detail = format_args!("{} values", reply.len());
@@ -1327,7 +1531,7 @@ where
         // of keyed messages have dead letters of their own).
         let stop = offset.saturating_add(limit - 1);
         let mut out = Vec::new();
-        for set in self.keyed().dead_sets().await? {
+        for set in self.dead_sets().await? {
             out.extend(self.dead_in(&set, stop).await?);
         }
         out.sort_by_key(|letter| letter.buried_at);
@@ -1353,7 +1557,7 @@ where
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
-        for set in self.keyed().dead_sets().await? {
+        for set in self.dead_sets().await? {
             if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
                 return Ok(true);
             }
@@ -1367,7 +1571,7 @@ where
     /// at once) are left dead, so the call ends.
     pub async fn requeue_all_dead(&self) -> Result<usize> {
         let mut total = 0;
-        for set in self.keyed().dead_sets().await? {
+        for set in self.dead_sets().await? {
             let mut cutoff = None;
             loop {
                 let (requeued, examined, started) =
@@ -1408,10 +1612,25 @@ where
             .arg(events)
             .query_on(&self.conn, attempted)
             .await?;
-        if let (Some((slot, _)), true) = (&set.partition, requeued > 0) {
-            self.keyed().redriven(*slot, redriven, keys).await?;
+        match (&set.partition, requeued > 0) {
+            (Some((slot, _)), true) => self.keyed().redriven(*slot, redriven, keys).await?,
+            (None, true) => self.mark_shard(set.shard, 0).await?,
+            _ => {}
         }
         Ok((requeued, examined, started))
+    }
+
+    /// Every shard's dead-letter keys, then every keyed partition's.
+    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let shards = self.layout().await?.keys.iter().enumerate();
+        let shards = shards.map(|(shard, k)| DeadSet {
+            base: k.base.clone(),
+            partition: None,
+            shard,
+        });
+        let mut sets: Vec<DeadSet> = shards.collect();
+        sets.extend(self.keyed().dead_sets().await?);
+        Ok(sets)
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the
@@ -1497,7 +1716,16 @@ where
             EventsFrom::After(id) => Some(id),
         };
         let last = last.unwrap_or_else(|| "0-0".into());
-        Ok(events::follow(connector, self.keys.events.clone(), last))
+        // One follower per shard's stream, merged as they come.
+        let connector = Arc::new(connector);
+        let streams = (self.layout().await?.keys.iter()).map(|k| {
+            Box::pin(events::follow(
+                connector.clone(),
+                k.events.clone(),
+                last.clone(),
+            ))
+        });
+        Ok(futures_util::stream::select_all(streams))
     }
 
     /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
@@ -1508,24 +1736,25 @@ where
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
-        let k = &self.keys;
         type Waiting = Vec<(String, f64, u8, Option<Vec<u8>>)>;
         type Active = Vec<(String, f64, Option<Vec<u8>>)>;
-        let (waiting, active): (Waiting, Active) = scripts::PEEK
-            .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
-            .arg(limit)
-            .query_on(&self.conn, attempted)
-            .await?;
         let at = |ms: f64| from_unix_ms(ms as i64);
-        let mut waiting: Vec<Peeked> = (waiting.into_iter())
-            .map(|(id, due, priority, record)| Peeked::new(id, at(due), priority, record))
-            .collect();
-        let mut active: Vec<Peeked> = (active.into_iter())
-            .map(|(id, deadline, record)| {
+        let (mut waiting, mut active) = (Vec::new(), Vec::new());
+        for k in &self.layout().await?.keys {
+            let (w, a): (Waiting, Active) = scripts::PEEK
+                .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
+                .arg(limit)
+                .query_on(&self.conn, attempted)
+                .await?;
+            waiting.extend(
+                (w.into_iter())
+                    .map(|(id, due, priority, record)| Peeked::new(id, at(due), priority, record)),
+            );
+            active.extend(a.into_iter().map(|(id, deadline, record)| {
                 let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
                 Peeked::new(id, at(deadline), priority, record)
-            })
-            .collect();
+            }));
+        }
         self.keyed().peek(limit, &mut waiting, &mut active).await?;
         waiting.sort_by_key(|w| w.at);
         waiting.truncate(limit);
@@ -1540,9 +1769,16 @@ where
     pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
         let (after, limit) = (format!("({after}"), limit.clamp(1, MAX_BATCH));
-        let range = stream_range("XRANGE", &self.keys.events, &after, "+", limit);
-        let reply: Value = range.query_on(&self.conn, attempted).await?;
-        Ok(events::entries(reply)
+        // Each shard's first `limit` entries, the first `limit` of them all.
+        let mut entries = Vec::new();
+        for k in &self.layout().await?.keys {
+            let range = stream_range("XRANGE", &k.events, &after, "+", limit);
+            let reply: Value = range.query_on(&self.conn, attempted).await?;
+            entries.extend(events::entries(reply));
+        }
+        entries.sort_by_key(|(entry, _)| events::entry_order(entry));
+        entries.truncate(limit);
+        Ok(entries
             .into_iter()
             .flat_map(|(entry, fields)| events::decode(&entry, fields))
             .collect())
@@ -1552,9 +1788,15 @@ where
     /// [`events_after`](Self::events_after) starts to see only what comes.
     pub async fn last_event_entry(&self) -> Result<Option<String>> {
         let attempted = || format!("reading the events of queue `{}`", self.name());
-        let range = stream_range("XREVRANGE", &self.keys.events, "+", "-", 1);
-        let reply: Value = range.query_on(&self.conn, attempted).await?;
-        Ok(events::entries(reply).into_iter().next().map(|(id, _)| id))
+        let mut last = None;
+        for k in &self.layout().await?.keys {
+            let range = stream_range("XREVRANGE", &k.events, "+", "-", 1);
+            let reply: Value = range.query_on(&self.conn, attempted).await?;
+            let entry = events::entries(reply).into_iter().next().map(|(id, _)| id);
+            let order = |e: &Option<String>| e.as_deref().map(events::entry_order);
+            last = std::cmp::max_by_key(last, entry, order);
+        }
+        Ok(last)
     }
 
     /// The most recent completed messages kept by
@@ -1563,9 +1805,15 @@ where
     pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
         check_count("a page of completed messages", limit, 0..=MAX_BATCH)?;
         let attempted = || format!("listing completed messages of queue `{}`", self.name());
-        let range = stream_range("XREVRANGE", &self.keys.completed, "+", "-", limit);
-        let reply: Vec<(String, HashMap<String, Vec<u8>>)> =
-            range.query_on(&self.conn, attempted).await?;
+        let mut reply: Vec<(String, HashMap<String, Vec<u8>>)> = Vec::new();
+        for k in &self.layout().await?.keys {
+            let range = stream_range("XREVRANGE", &k.completed, "+", "-", limit);
+            let entries: Vec<_> = range.query_on(&self.conn, attempted).await?;
+            reply.extend(entries);
+        }
+        // Newest first over every shard.
+        reply.sort_by_key(|(entry, _)| std::cmp::Reverse(events::entry_order(entry)));
+        reply.truncate(limit);
         reply
             .into_iter()
             .map(|(entry, mut fields)| {
@@ -1591,7 +1839,8 @@ where
     /// A keyed message is looked for in every partition, then in its
     /// partition's lines: O(messages in line) there.
     pub async fn remove(&self, id: &str) -> Result<bool> {
-        let k = &self.keys;
+        let shards = self.layout().await?;
+        let k = &shards.keys[shards.of(id)];
         let removed: i64 = scripts::REMOVE
             .key(&[&k.data, &k.schedule, &k.dead])
             .key(&[&k.errors, &k.prioritized, &k.events])
@@ -1609,11 +1858,14 @@ where
     /// the server.
     pub async fn purge(&self) -> Result<()> {
         self.keyed().purge().await?;
-        redis::cmd("UNLINK")
-            .arg(&named(&self.keys.base, QUEUE_KEYS))
-            .arg(&self.keys.bell)
-            .query_on(&self.conn, || format!("purging queue `{}`", self.name()))
-            .await
+        for k in &self.layout().await?.keys {
+            redis::cmd("UNLINK")
+                .arg(&named(&k.base, QUEUE_KEYS))
+                .arg(&k.bell)
+                .query_on::<(), _>(&self.conn, || format!("purging queue `{}`", self.name()))
+                .await?;
+        }
+        Ok(())
     }
 
     /// A [`Waiter`] that blocks until this queue's doorbell rings, on its own
@@ -1641,6 +1893,8 @@ pub struct ClaimToken {
     failures: u32,
     stalls: u32,
     held: Option<Arc<Held>>,
+    /// The shard it was claimed from (0 for a keyed message).
+    shard: u16,
 }
 
 impl ClaimToken {
@@ -1699,6 +1953,37 @@ impl ClaimRef<'_> {
 /// The claim `job` proves.
 fn token<J: Claim>(job: &J) -> &ClaimToken {
     job.claim_ref().0
+}
+
+/// The messages without a key among `jobs`, with their place in it, by shard.
+fn by_shard<'a>(
+    jobs: &[&'a ClaimToken],
+) -> std::collections::BTreeMap<usize, Vec<(usize, &'a ClaimToken)>> {
+    let mut shards = std::collections::BTreeMap::<_, Vec<_>>::new();
+    for (n, job) in jobs.iter().enumerate().filter(|(_, j)| j.held.is_none()) {
+        shards
+            .entry(usize::from(job.shard))
+            .or_default()
+            .push((n, *job));
+    }
+    shards
+}
+
+/// The `Stats` of one stats script reply (counts: due, later, active, dead;
+/// times: oldest due, now, next due; -1 for none).
+fn plain_stats(reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
+    let &[due, later, active, dead, oldest, now, next_due, ..] = reply else {
+        let detail = format_args!("{} values", reply.len());
+        return Err(Error::reply(attempted(), detail));
+    };
+    Ok(Stats {
+        due: count(due),
+        later: count(later),
+        active: count(active),
+        dead: count(dead),
+        oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
+        next_due_in: (next_due >= 0).then(|| span(next_due - now)),
+    })
 }
 
 /// A count from a script (none when negative).

@@ -64,6 +64,14 @@ impl Connector for redis::cluster::ClusterClient {
     }
 }
 
+impl<K: Connector> Connector for std::sync::Arc<K> {
+    type Connection = K::Connection;
+
+    fn connect(&self) -> impl Future<Output = RedisResult<Self::Connection>> + Send {
+        (**self).connect()
+    }
+}
+
 /// Why [`Waiter::wait`] returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

@@ -133,6 +133,8 @@ struct Config {
     shutdown_timeout: Duration,
     /// How often the queue's depth gauges are sampled; `None`: never.
     sample_every: Option<Duration>,
+    /// Whether each shard's depth is sampled too.
+    sample_shards: bool,
 }
 
 impl Default for Config {
@@ -149,6 +151,7 @@ impl Default for Config {
                 .unlimited_attempts(),
             shutdown_timeout: Duration::from_secs(30),
             sample_every: Some(Duration::from_secs(10)),
+            sample_shards: false,
         }
     }
 }
@@ -238,6 +241,15 @@ where
         }
         self.config.sample_every = every;
         Ok(self)
+    }
+
+    /// Also samples each shard's counts of a queue over shards
+    /// ([`Queue::shards`]) into `lockgate_queue_shard_messages` gauges
+    /// (labels `queue`, `shard`, `state`), at the same interval: one stats
+    /// script per shard each time.
+    pub fn sample_shards(mut self) -> Self {
+        self.config.sample_shards = true;
+        self
     }
 
     /// How long a claimed message stays leased without renewal; the worker
@@ -331,7 +343,8 @@ where
         shared.metrics.register(self.queue.name());
         if let Some(every) = shared.config.sample_every {
             let metrics = shared.metrics.clone();
-            background.spawn(sample_depth(self.queue.clone(), metrics, every));
+            let sampling = (every, shared.config.sample_shards);
+            background.spawn(sample_depth(self.queue.clone(), metrics, sampling));
         }
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
@@ -833,12 +846,26 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     texts.join(": ")
 }
 
-/// Sets the queue's depth gauges every `every` (see `Worker::sample_every`).
-async fn sample_depth<T: Payload, C: Conn>(queue: Queue<T, C>, metrics: Metrics, every: Duration) {
+/// Sets the queue's depth gauges every `every` (see `Worker::sample_every`),
+/// and each shard's when `shards` (see `Worker::sample_shards`).
+async fn sample_depth<T: Payload, C: Conn>(
+    queue: Queue<T, C>,
+    metrics: Metrics,
+    (every, shards): (Duration, bool),
+) {
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
+        if shards {
+            match queue.stats_by_shard().await {
+                Ok(each) => crate::telemetry::shard_depth(queue.name(), &each),
+                Err(error) => {
+                    metrics.count(Count::RedisErrors);
+                    tracing::debug!(%error, "could not sample the shards' depth");
+                }
+            }
+        }
         match queue.stats().await {
             Ok(stats) => {
                 if let Some(instruments) = metrics.instruments() {

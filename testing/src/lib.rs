@@ -25,7 +25,7 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use lockgate_testing::RedisCluster;
 //!
-//! let cluster = RedisCluster::start()?; // three primaries, no replicas
+//! let cluster = RedisCluster::start()?; // three primaries (replicas: `with_replicas`)
 //! let conn = cluster.connection().await?;
 //! // ... use `conn` (a `redis::cluster_async::ClusterConnection`).
 //! # Ok(()) }
@@ -451,6 +451,8 @@ impl Drop for RedisServer {
 pub struct ClusterBuilder {
     /// How many primaries (each serving an equal share of the slots).
     nodes: usize,
+    /// Whether each primary has a replica.
+    replicas: bool,
     /// Extra command-line arguments for every node.
     args: Vec<String>,
     /// Whether the nodes serve TLS alone, bus included.
@@ -463,6 +465,7 @@ impl Default for ClusterBuilder {
     fn default() -> Self {
         Self {
             nodes: 3,
+            replicas: false,
             args: Vec::new(),
             tls: false,
             binary: None,
@@ -471,10 +474,16 @@ impl Default for ClusterBuilder {
 }
 
 impl ClusterBuilder {
-    /// How many nodes (all primaries, no replicas); 3 by default. Starting
-    /// with 0 fails.
+    /// How many primaries; 3 by default. Starting with 0 fails.
     pub fn nodes(mut self, n: usize) -> Self {
         self.nodes = n;
+        self
+    }
+
+    /// Gives each primary a replica ([`RedisCluster::replicas`]), to fail
+    /// over to ([`RedisCluster::fail_over`]).
+    pub fn with_replicas(mut self) -> Self {
+        self.replicas = true;
         self
     }
 
@@ -529,12 +538,19 @@ impl ClusterBuilder {
             nodes.push(node);
             bus_ports.push(bus_port);
         }
+        let mut replicas = Vec::new();
+        for _ in 0..if self.replicas { self.nodes } else { 0 } {
+            replicas.push(self.start_node()?);
+        }
         let cluster = RedisCluster {
             nodes,
             bus_ports,
+            replicas: replicas.into_iter().map(|(node, _)| node).collect(),
             tls: self.tls,
+            moved: std::sync::Mutex::default(),
         };
         cluster.form()?;
+        cluster.attach_replicas()?;
         Ok(cluster)
     }
 
@@ -573,7 +589,8 @@ impl ClusterBuilder {
 }
 
 /// A private Redis Cluster of `redis-server` processes on loopback ports:
-/// primaries only, the slots split evenly between them. Every node is a
+/// primaries with the slots split evenly between them, and a replica each
+/// when asked for. Every node is a
 /// [`RedisServer`], killed (its directory removed) when the cluster is
 /// dropped.
 #[derive(Debug)]
@@ -582,9 +599,14 @@ pub struct RedisCluster {
     nodes: Vec<RedisServer>,
     /// Their cluster bus ports, in the same order.
     bus_ports: Vec<u16>,
+    /// The replicas: `replicas[i]` replicates node `i` (a failed-over
+    /// primary takes its replica's place, stopped).
+    replicas: Vec<RedisServer>,
     /// Whether the nodes serve TLS alone.
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
     tls: bool,
+    /// Slots moved by `move_slot`, to the node that serves them now.
+    moved: std::sync::Mutex<std::collections::HashMap<u16, usize>>,
 }
 
 impl RedisCluster {
@@ -615,9 +637,176 @@ impl RedisCluster {
         &mut self.nodes
     }
 
-    /// The index of the node that serves `slot` (`0..16384`).
+    /// The index of the node that serves `slot` (`0..16384`), as formed or
+    /// as [`move_slot`](Self::move_slot) left it.
     pub fn node_of_slot(&self, slot: u16) -> usize {
-        (usize::from(slot) * self.nodes.len() / SLOTS).min(self.nodes.len() - 1)
+        let moved = self.moved.lock().unwrap_or_else(|e| e.into_inner());
+        moved.get(&slot).copied().unwrap_or_else(|| {
+            (usize::from(slot) * self.nodes.len() / SLOTS).min(self.nodes.len() - 1)
+        })
+    }
+
+    /// Moves `slot` to node `to` while clients use it, as `redis-cli
+    /// --cluster reshard` does: the target imports it, the source migrates
+    /// it, its keys move `batch` at a time (`MIGRATE ... KEYS`, a `pause`
+    /// between batches, during which clients meet `ASK` and `TRYAGAIN`),
+    /// then every node is told the target owns it.
+    pub fn move_slot(
+        &self,
+        slot: u16,
+        to: usize,
+        (batch, pause): (usize, Duration),
+    ) -> redis::RedisResult<()> {
+        let from = self.node_of_slot(slot);
+        if from == to {
+            return Ok(());
+        }
+        let mut conns = Vec::with_capacity(self.nodes.len());
+        for node in &self.nodes {
+            conns.push(
+                node.client()
+                    .get_connection_with_timeout(Duration::from_secs(2))?,
+            );
+        }
+        let id = |conn: &mut redis::Connection| -> redis::RedisResult<String> {
+            redis::cmd("CLUSTER").arg("MYID").query(conn)
+        };
+        let (source, target) = (id(&mut conns[from])?, id(&mut conns[to])?);
+        let setslot = |conn: &mut redis::Connection, state: &str, node: &str| {
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(state)
+                .arg(node)
+                .exec(conn)
+        };
+        setslot(&mut conns[to], "IMPORTING", &source)?;
+        setslot(&mut conns[from], "MIGRATING", &target)?;
+        let port = self.nodes[to].port();
+        loop {
+            let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(batch.max(1))
+                .query(&mut conns[from])?;
+            if keys.is_empty() {
+                break;
+            }
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(keys)
+                .exec(&mut conns[from])?;
+            std::thread::sleep(pause);
+        }
+        // The target first, as redis-cli does: its answers are then right.
+        for i in std::iter::once(to).chain((0..conns.len()).filter(|i| *i != to)) {
+            setslot(&mut conns[i], "NODE", &target)?;
+        }
+        let mut moved = self.moved.lock().unwrap_or_else(|e| e.into_inner());
+        moved.insert(slot, to);
+        Ok(())
+    }
+
+    /// The replicas ([`ClusterBuilder::with_replicas`]): replica `i`
+    /// replicates node `i`.
+    pub fn replicas(&self) -> &[RedisServer] {
+        &self.replicas
+    }
+
+    /// Kills node `i` (SIGKILL) and promotes its replica in its place
+    /// (`CLUSTER FAILOVER TAKEOVER`, as an operator does when the primary
+    /// is gone), waiting until every live primary sees the replica serve
+    /// the slots; node `i` is then the promoted replica. Writes the replica
+    /// had not received are lost, as in any failover.
+    pub fn fail_over(&mut self, i: usize) -> Result<(), StartError> {
+        let ports = vec![self.nodes[i].port(), self.replicas[i].port()];
+        let fail = |reason: String| StartError::ClusterNotReady {
+            ports: ports.clone(),
+            reason,
+        };
+        self.nodes[i].stop();
+        let replica = &self.replicas[i];
+        let id: String = (replica.query(redis::cmd("CLUSTER").arg("MYID")))
+            .map_err(|e| fail(format!("CLUSTER MYID: {e}")))?;
+        (replica.query::<()>(redis::cmd("CLUSTER").arg("FAILOVER").arg("TAKEOVER")))
+            .map_err(|e| fail(format!("CLUSTER FAILOVER TAKEOVER: {e}")))?;
+        std::mem::swap(&mut self.nodes[i], &mut self.replicas[i]);
+        let deadline = Instant::now() + CLUSTER_TIMEOUT;
+        for (n, node) in self.nodes.iter().enumerate() {
+            loop {
+                let nodes: String = (node.query(redis::cmd("CLUSTER").arg("NODES")))
+                    .map_err(|e| fail(format!("CLUSTER NODES on node {n}: {e}")))?;
+                let promoted = nodes.lines().any(|line| {
+                    let fields: Vec<&str> = line.split(' ').collect();
+                    fields.first() == Some(&id.as_str())
+                        && fields.get(2).is_some_and(|flags| flags.contains("master"))
+                        && fields.len() > 8
+                });
+                if promoted {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(fail(format!(
+                        "node {n} did not see the promotion:\n{nodes}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Joins each replica to the cluster as its primary's replica and
+    /// waits until it has synced.
+    fn attach_replicas(&self) -> Result<(), StartError> {
+        let fail = |port: u16, reason: String| StartError::ClusterNotReady {
+            ports: vec![port],
+            reason,
+        };
+        for (i, replica) in self.replicas.iter().enumerate() {
+            let port = replica.port();
+            let meet = redis::cmd("CLUSTER")
+                .arg("MEET")
+                .arg("127.0.0.1")
+                .arg(self.nodes[0].port())
+                .arg(self.bus_ports[0])
+                .to_owned();
+            (replica.query::<()>(&meet)).map_err(|e| fail(port, format!("MEET: {e}")))?;
+            let master: String = (self.nodes[i].query(redis::cmd("CLUSTER").arg("MYID")))
+                .map_err(|e| fail(port, format!("CLUSTER MYID: {e}")))?;
+            let deadline = Instant::now() + CLUSTER_TIMEOUT;
+            // It can replicate its primary once it knows it (by gossip).
+            loop {
+                let replicate = redis::cmd("CLUSTER")
+                    .arg("REPLICATE")
+                    .arg(&master)
+                    .to_owned();
+                match replica.query::<()>(&replicate) {
+                    Ok(()) => break,
+                    Err(e) if Instant::now() > deadline => {
+                        return Err(fail(port, format!("CLUSTER REPLICATE: {e}")));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+            loop {
+                let info: String = (replica.query(redis::cmd("INFO").arg("replication")))
+                    .map_err(|e| fail(port, format!("INFO: {e}")))?;
+                if info.lines().any(|l| l.trim() == "master_link_status:up") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(fail(port, format!("not synced:\n{info}")));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
     }
 
     /// Every node's URL, `redis://127.0.0.1:<port>/` (`rediss://` for TLS).
@@ -742,6 +931,34 @@ fn describe(cmd: &redis::Cmd) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The calls each command has had on the server behind `conn` so far,
+/// by command name (`evalsha`, `zadd`, `config|get`, ...), from `INFO
+/// commandstats`: what tests and benchmarks count commands with.
+pub async fn command_calls<C>(
+    conn: &mut C,
+) -> redis::RedisResult<std::collections::HashMap<String, u64>>
+where
+    C: redis::aio::ConnectionLike + Send,
+{
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await?;
+    Ok(info
+        .lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect())
 }
 
 /// Where an example or a manual try should find Redis.

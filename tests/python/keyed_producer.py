@@ -12,7 +12,7 @@ stdout: JSON list with, per message, [added, due_ms] or {"error": text}
 import json
 import sys
 
-from producer import Redis, RedisError
+from producer import Redis, Script, answer
 
 SLOTS = 16384
 
@@ -53,9 +53,7 @@ class KeyedProducer:
 
     def __init__(self, redis, queue, script_path, prefix="lockgate"):
         self.redis, self.prefix, self.queue = redis, prefix, hash_tag(queue)
-        with open(script_path, "rb") as f:
-            self.script = f.read()
-        self.sha = redis.call("SCRIPT", "LOAD", self.script).decode()
+        self.script = Script(redis, script_path)
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
 
@@ -66,12 +64,7 @@ class KeyedProducer:
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
         keys = [base + ":" + name for name in self.NAMES]
         argv = [key, str(limits), msg_id, when, json.dumps(payload)]
-        try:
-            reply = self.redis.call("EVALSHA", self.sha, len(keys), *keys, *argv)
-        except RedisError as e:
-            if not str(e).startswith("NOSCRIPT"):
-                raise
-            reply = self.redis.call("EVAL", self.script, len(keys), *keys, *argv)
+        reply = self.script.run(keys, argv)
         # After the script: the partition may have work, and idle workers wake.
         self.redis.call("ZADD", self.index, "LT", 0, slot)
         self.redis.call("LPUSH", self.bell, 1)
@@ -82,13 +75,7 @@ class KeyedProducer:
 def main():
     port, queue, script_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     producer = KeyedProducer(Redis(port), queue, script_path)
-    results = []
-    for message in json.load(sys.stdin):
-        try:
-            results.append(producer.push(*message))
-        except RedisError as e:
-            results.append({"error": str(e)})
-    json.dump(results, sys.stdout)
+    answer(lambda message: producer.push(*message))
 
 
 if __name__ == "__main__":

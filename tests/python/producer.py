@@ -47,14 +47,30 @@ class Redis:
         raise RedisError("unexpected reply %r" % line)
 
 
+class Script:
+    """A script file loaded once, called with EVALSHA (EVAL after NOSCRIPT:
+    the server restarted or flushed its script cache)."""
+
+    def __init__(self, redis, path):
+        self.redis = redis
+        with open(path, "rb") as f:
+            self.source = f.read()
+        self.sha = redis.call("SCRIPT", "LOAD", self.source).decode()
+
+    def run(self, keys, argv):
+        try:
+            return self.redis.call("EVALSHA", self.sha, len(keys), *keys, *argv)
+        except RedisError as e:
+            if not str(e).startswith("NOSCRIPT"):
+                raise
+            return self.redis.call("EVAL", self.source, len(keys), *keys, *argv)
+
+
 class Producer:
     """Pushes to lockgate queue `queue` (default prefix "lockgate")."""
 
     def __init__(self, redis, queue, script_path):
-        self.redis = redis
-        with open(script_path, "rb") as f:
-            self.script = f.read()
-        self.sha = redis.call("SCRIPT", "LOAD", self.script).decode()
+        self.script = Script(redis, script_path)
         base = "lockgate:{%s}" % queue
         # The fourth key lets it push messages with a priority ("0/5").
         self.keys = [base + ":data", base + ":schedule", base + ":bell", base + ":prioritized"]
@@ -65,26 +81,25 @@ class Producer:
         argv = []
         for msg_id, when, payload in messages:
             argv += [msg_id, when, json.dumps(payload)]
-        try:
-            reply = self.redis.call("EVALSHA", self.sha, len(self.keys), *self.keys, *argv)
-        except RedisError as e:
-            if not str(e).startswith("NOSCRIPT"):
-                raise
-            # The server restarted or flushed its script cache.
-            reply = self.redis.call("EVAL", self.script, len(self.keys), *self.keys, *argv)
+        reply = self.script.run(self.keys, argv)
         return [reply[i:i + 2] for i in range(0, len(reply), 2)]
+
+
+def answer(push):
+    """Calls `push` with each item of the JSON list on stdin and prints the
+    JSON list of what it returned, or {"error": text} for a Redis error."""
+    results = []
+    for call in json.load(sys.stdin):
+        try:
+            results.append(push(call))
+        except RedisError as e:
+            results.append({"error": str(e)})
+    json.dump(results, sys.stdout)
 
 
 def main():
     port, queue, script_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    producer = Producer(Redis(port), queue, script_path)
-    results = []
-    for call in json.load(sys.stdin):
-        try:
-            results.append(producer.push(call))
-        except RedisError as e:
-            results.append({"error": str(e)})
-    json.dump(results, sys.stdout)
+    answer(Producer(Redis(port), queue, script_path).push)
 
 
 if __name__ == "__main__":

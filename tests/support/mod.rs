@@ -300,17 +300,11 @@ impl Holds {
 /// Calls made through `EVAL`/`EVALSHA` on the server so far (`INFO
 /// commandstats`): what a waiter that polls would drive up.
 pub async fn script_calls(conn: &ConnectionManager) -> u64 {
-    let info: String = raw(conn, &["INFO", "commandstats"]).await;
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
+    let calls = lockgate::testing::command_calls(&mut conn.clone()).await;
+    let calls = calls.expect("INFO commandstats");
+    ["evalsha", "eval"]
+        .iter()
+        .filter_map(|c| calls.get(*c))
         .sum()
 }
 
