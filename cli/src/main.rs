@@ -431,6 +431,10 @@ where
                 }
                 Some(every) => {
                     let mut ticks = tokio::time::interval(every);
+                    // One listener for the whole watch: a Ctrl-C that comes
+                    // while a refresh waits on the server is seen at the next
+                    // tick instead of lost.
+                    let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
                     // Rates from the queue's lifecycle events, when its
                     // handles record them: what happened since the last look.
                     let mut seen = q.last_event_entry().await?;
@@ -438,7 +442,7 @@ where
                     loop {
                         tokio::select! {
                             _ = ticks.tick() => {}
-                            _ = tokio::signal::ctrl_c() => return Ok(()),
+                            _ = &mut interrupted => return Ok(()),
                         }
                         let stats = q.stats().await?;
                         let keys = q.key_stats(TOP_KEYS).await?;

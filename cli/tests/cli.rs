@@ -2,6 +2,7 @@
 //! server: exit codes, human output and JSON output.
 
 use std::process::{Command, Output};
+use std::sync::Arc;
 
 use lockgate::testing::RedisServer;
 use lockgate::{Locker, Queue};
@@ -573,6 +574,8 @@ async fn stats_watch_refreshes_and_permits_speak_json() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_watch_shows_rates_from_the_lifecycle_events() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
     let server = RedisServer::start().unwrap();
     let conn = server.connection_manager().await.unwrap();
     let q: Queue<serde_json::Value> = Queue::new(conn, "rated")
@@ -587,34 +590,111 @@ async fn stats_watch_shows_rates_from_the_lifecycle_events() {
         .spawn()
         .unwrap();
     let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
-    // Pushes while it watches: a refresh shows them as a rate.
-    let pusher = tokio::spawn(async move {
-        for n in 1..=200 {
-            q.push(serde_json::json!(n)).await.unwrap();
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-    });
-    let (rated, lines) = tokio::task::spawn_blocking(move || {
-        let mut seen = None;
-        for line in lines.by_ref().map_while(Result::ok) {
-            if line.contains("rates") && !line.contains("pushed 0/s") {
-                seen = Some(line);
-                break;
+    // Pushes while it watches, until a refresh shows them as a rate: however
+    // long the command takes to start, pushes happen after its first look.
+    let seen = Arc::new(AtomicBool::new(false));
+    let pusher = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            let mut n = 1;
+            while !seen.load(Ordering::Relaxed) {
+                q.push(serde_json::json!(n)).await.unwrap();
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
-        (seen, lines)
-    })
-    .await
-    .unwrap();
+    });
+    let reader = tokio::task::spawn_blocking({
+        let seen = seen.clone();
+        move || {
+            let mut rated = None;
+            for line in lines.by_ref().map_while(Result::ok) {
+                if line.contains("rates") && !line.contains("pushed 0/s") {
+                    rated = Some(line);
+                    break;
+                }
+            }
+            seen.store(true, Ordering::Relaxed);
+            (rated, lines)
+        }
+    });
+    // A command that never shows a rate fails the test rather than hang
+    // it: the watch is interrupted, which ends its output.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !seen.load(Ordering::Relaxed) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    seen.store(true, Ordering::Relaxed);
+    let interrupt = || {
+        let _ = Command::new("kill")
+            .args(["-INT", &watch.id().to_string()])
+            .status();
+    };
+    if !reader.is_finished() {
+        interrupt();
+    }
+    let (rated, lines) = reader.await.unwrap();
     pusher.await.unwrap();
-    let _ = Command::new("kill")
-        .args(["-INT", &watch.id().to_string()])
-        .status();
+    interrupt();
     // Read to the end, so that it never writes to a closed pipe.
     let _rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(watch.wait().unwrap().success());
-    let line = rated.expect("a rates line with pushes");
+    let line = rated.expect("a rates line with pushes within 30 s");
     assert!(line.contains("pushed ") && line.contains("/s"), "{line}");
+}
+
+#[tokio::test]
+async fn ctrl_c_in_the_middle_of_a_refresh_ends_stats_watch() {
+    use std::io::BufRead;
+    use std::time::{Duration, Instant};
+    let server = RedisServer::start().unwrap();
+    let q: Queue<serde_json::Value> =
+        Queue::new(server.connection_manager().await.unwrap(), "paused").unwrap();
+    q.push(serde_json::json!(1)).await.unwrap();
+    let mut watch = Command::new(env!("CARGO_BIN_EXE_lockgate"))
+        .args(["stats", "paused", "--watch", "100ms"])
+        .env("REDIS_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+    // The first refresh is on screen; the server then stops answering, so
+    // the next refresh waits on it when Ctrl-C comes.
+    assert!(
+        lines
+            .by_ref()
+            .map_while(Result::ok)
+            .any(|l| l.contains("rates"))
+    );
+    let drain = std::thread::spawn(move || lines.map_while(Result::ok).count());
+    // Shorter than the client's response timeout (500 ms).
+    server.pause().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let _ = Command::new("kill")
+        .args(["-INT", &watch.id().to_string()])
+        .status();
+    std::thread::sleep(Duration::from_millis(100));
+    server.resume().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = watch.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = watch.kill();
+            let _ = watch.wait();
+            panic!("`lockgate stats --watch` kept running after Ctrl-C");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    drain.join().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut watch.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        status.success(),
+        "Ctrl-C ends --watch cleanly: {status} {stderr}"
+    );
 }
 
 /// Runs `lockgate` with stdout into a pipe whose reader takes one line and
