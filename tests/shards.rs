@@ -713,3 +713,43 @@ async fn pushing_an_id_again_marks_its_shard_again() {
     let claimed = queue.claim(10, LONG).await.unwrap();
     assert_eq!(claimed.jobs.len(), 1);
 }
+
+#[tokio::test]
+async fn a_shards_small_set_of_leases_is_a_skiplist_that_holds_only_leases() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue = sharded(conn.clone(), "small", 4);
+    queue.push_many(0..40u32).await.unwrap();
+    let mut claimed = Vec::new();
+    while claimed.len() < 40 {
+        claimed.extend(queue.claim(40, LONG).await.unwrap().jobs);
+    }
+    // Each shard's set was made a skiplist at creation (one claim's ZADD
+    // into a listpack is a linear search per member) and holds its leases.
+    let mut leases = 0;
+    for active in all_keys(&conn)
+        .await
+        .iter()
+        .filter(|k| k.ends_with(":active"))
+    {
+        let encoding: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(active)
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap();
+        assert_eq!(encoding, "skiplist", "{active}");
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(active)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap();
+        assert!(members.iter().all(|m| m.contains(':')), "{members:?}");
+        leases += members.len();
+    }
+    assert_eq!(leases, 40);
+    queue.ack_many(&claimed).await.unwrap();
+    assert_eq!(stats(&queue).await.active, 0);
+}

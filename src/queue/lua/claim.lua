@@ -10,6 +10,9 @@
 -- the bell rings again: a ring wakes one idle worker and this passes it on,
 -- so a backlog reaches every idle worker, not just the first.
 local now, now_us = server_time()
+-- No lease is this member (leases end in :<claim>); its length makes a new
+-- set of leases a skiplist (see the end).
+local SKIPLIST = string.rep('~', 65)
 local max = tonumber(ARGV[1])
 -- ids[i] was due at dues[i]. Reads first, writes last: the events' entry
 -- (the one write that can fail, say for a user without XADD) goes before
@@ -90,5 +93,16 @@ for i, id in ipairs(ids) do
     out[#out + 1] = records[i]
   end
 end
-if #leases > 0 then redis.call('ZADD', KEYS[3], unpack(leases)) end
+if #leases > 0 then
+  -- Every message adds to the set of leases and removes from it. A new
+  -- sorted set of up to 128 members is a listpack, searched linearly on
+  -- each write; one member longer than 64 bytes (the server's defaults for
+  -- zset-max-listpack-entries and -value) makes it a skiplist instead,
+  -- which it stays until it empties. At a few dozen leases, as each shard
+  -- of a queue holds, the skiplist costs the server less per message.
+  local new = redis.call('EXISTS', KEYS[3]) == 0
+  if new then redis.call('ZADD', KEYS[3], 0, SKIPLIST) end
+  redis.call('ZADD', KEYS[3], unpack(leases))
+  if new then redis.call('ZREM', KEYS[3], SKIPLIST) end
+end
 return out
