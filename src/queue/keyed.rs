@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{evalsha, run};
+use crate::script::{evalsha, run, run_after};
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
@@ -381,14 +381,22 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let raised = slots.iter().map(|slot| (now + RECHECK_MS, *slot));
         let raise = self.index(&["XX"], raised);
-        raise.query_on::<(), _>(self.conn, attempted).await?;
+        // On one server the raise rides with the first claim (a pipeline
+        // keeps their order); on a cluster the index is on another node.
+        let mut first = match self.is_cluster().await? {
+            true => {
+                raise.query_on::<(), _>(self.conn, attempted).await?;
+                None
+            }
+            false => Some(raise),
+        };
         let (mut lowered, mut failed) = (Vec::with_capacity(slots.len()), None);
         for slot in slots {
             let left = max - claimed.turns.len();
             // A partition not visited (or not claimed) is due as it was.
             let at = match (left, &failed) {
                 (0, _) | (_, Some(_)) => Some(now),
-                _ => match self.claim_in(slot, (left, lease), &mut claimed).await {
+                _ => match (self.claim_in(slot, (left, lease), first.take(), &mut claimed)).await {
                     Ok(at) => at,
                     Err(error) => {
                         failed = Some(error);
@@ -419,21 +427,23 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Claims in one partition, and brings `claimed.next_at` forward to
     /// when it has a key or a delayed message due next (server ms); returns
     /// what its index entry is to be lowered to (none: nothing waits there).
+    /// (`first` goes in the same round trip as its first script call.)
     async fn claim_in(
         &self,
         slot: u16,
         limits: (usize, Duration),
+        first: Option<Cmd>,
         claimed: &mut Claimed,
     ) -> Result<Option<i64>> {
         let partition = self.partition(slot);
         let mut candidates = lock(&self.state.candidates)
             .remove(&slot)
             .unwrap_or_default();
-        let mut reply = self.claim_keys(&partition, &candidates, limits).await?;
+        let mut reply = (self.claim_keys(&partition, &candidates, limits, first)).await?;
         if candidates.is_empty() && !reply.2.is_empty() {
             // The first claim here: it named the ready keys, claim them.
             candidates = std::mem::take(&mut reply.2);
-            reply = self.claim_keys(&partition, &candidates, limits).await?;
+            reply = (self.claim_keys(&partition, &candidates, limits, None)).await?;
         }
         let (turns, next_at, named) = reply;
         claimed.turns.extend(turns);
@@ -507,6 +517,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         partition: &Arc<Partition>,
         candidates: &[String],
         (max, lease): (usize, Duration),
+        first: Option<Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
         let prefix = &self.keys.prefix;
         let mut cmd = partition.call(&CLAIM, 4 * candidates.len());
@@ -530,8 +541,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Vec<Taken>,
             Vec<(String, String, u64)>,
         );
-        let (claim, next_at, named, taken, blocked): Reply =
-            self.run(&CLAIM, &cmd, attempted).await?;
+        let (claim, next_at, named, taken, blocked): Reply = match first {
+            Some(first) => (run_after(&CLAIM, &first, &cmd, &mut self.conn.clone()).await)
+                .map_err(Error::redis(attempted()))?,
+            None => self.run(&CLAIM, &cmd, attempted).await?,
+        };
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
@@ -755,6 +769,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     ) -> Result<R> {
         let reply = run(script, cmd, &mut self.conn.clone()).await;
         reply.map_err(|e| Error::redis(attempted())(e))
+    }
+
+    /// Whether the connection is to a Redis Cluster.
+    pub(crate) async fn is_cluster(&self) -> Result<bool> {
+        let publish = detect_publish(&self.state.publish, self.conn).await;
+        let publish = publish.map_err(Error::redis(format!(
+            "looking up queue `{}`",
+            self.keys.name
+        )))?;
+        Ok(publish != "PUBLISH")
     }
 
     /// Makes `key` ready at once if it waits (for a lock other code held,

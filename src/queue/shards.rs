@@ -194,10 +194,7 @@ where
 
     /// Whether the connection is to a Redis Cluster.
     async fn is_cluster(&self) -> Result<bool> {
-        let publish = crate::lock::detect_publish(&self.keyed.publish, &self.conn).await;
-        let publish =
-            publish.map_err(Error::redis(format!("looking up queue `{}`", self.name())))?;
-        Ok(publish != "PUBLISH")
+        self.keyed().is_cluster().await
     }
 
     /// Tells the queue's workers that shard `i` has work from `due` (server
