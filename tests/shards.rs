@@ -117,9 +117,9 @@ async fn messages_spread_over_the_shards_and_each_is_claimed_once() {
         "shards 1..3 hold messages: {keys:?}"
     );
     assert_eq!(stats(&queue).await.due, 400);
-    let each: Vec<u64> = (queue.stats_by_shard().await.unwrap().iter())
-        .map(|s| s.due)
-        .collect();
+    let (total, each) = queue.stats_by_shard().await.unwrap();
+    assert_eq!(total.due, 400, "the queue's counts beside its shards'");
+    let each: Vec<u64> = each.iter().map(|s| s.due).collect();
     assert_eq!((each.len(), each.iter().sum::<u64>()), (4, 400), "{each:?}");
     assert!(
         each.iter().all(|n| (60..=140).contains(n)),

@@ -486,9 +486,8 @@ where
     if !queue.exists().await? {
         return Ok(None);
     }
-    let stats = queue.stats().await?;
-    let shards = match queue.shard_count() {
-        1 => Vec::new(),
+    let (stats, shards) = match queue.shard_count() {
+        1 => (queue.stats().await?, Vec::new()),
         _ => queue.stats_by_shard().await?,
     };
     let keys = queue.key_stats(PEEK).await?;

@@ -422,12 +422,9 @@ where
             let q = existing(queue(&name).await?, &name).await?;
             match watch {
                 None => {
-                    let each = match shards {
-                        true => q.stats_by_shard().await?,
-                        false => Vec::new(),
-                    };
+                    let (stats, each) = stats_and_shards(&q, shards).await?;
                     let keys = q.key_stats(TOP_KEYS).await?;
-                    out.stats(&name, &q.stats().await?, &keys, &each);
+                    out.stats(&name, &stats, &keys, &each);
                 }
                 Some(every) => {
                     let mut ticks = tokio::time::interval(every);
@@ -444,7 +441,7 @@ where
                             _ = ticks.tick() => {}
                             _ = &mut interrupted => return Ok(()),
                         }
-                        let stats = q.stats().await?;
+                        let (stats, each) = stats_and_shards(&q, shards).await?;
                         let keys = q.key_stats(TOP_KEYS).await?;
                         let mut counts: BTreeMap<&'static str, u64> = BTreeMap::new();
                         if seen.is_none() {
@@ -467,10 +464,6 @@ where
                         if !json && std::io::stdout().is_terminal() {
                             say_inline!("\x1b[H\x1b[2J"); // refresh in place
                         }
-                        let each = match shards {
-                            true => q.stats_by_shard().await?,
-                            false => Vec::new(),
-                        };
                         out.stats(&name, &stats, &keys, &each);
                         out.rates(seen.is_some(), &counts, elapsed);
                     }
@@ -750,6 +743,20 @@ where
     } else {
         Err(not_found(format!("no queue named {name}")))
     }
+}
+
+/// The queue's stats, and each shard's when `shards` (none otherwise).
+async fn stats_and_shards<C>(
+    queue: &Queue<Value, C>,
+    shards: bool,
+) -> Result<(lockgate::queue::Stats, Vec<lockgate::queue::Stats>), Failure>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    Ok(match shards {
+        true => queue.stats_by_shard().await?,
+        false => (queue.stats().await?, Vec::new()),
+    })
 }
 
 /// Asks on the terminal; refuses (false) when stdin is not one.

@@ -223,10 +223,11 @@ pub(crate) struct Claimed {
 /// How many due partitions a claim names (the queue's claim script) and visits.
 pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 
-/// A partition is looked at again at the latest this long after a claim
-/// found nothing ready in it: the index is a hint, and a claimer that died
-/// between its two writes of a partition's entry is covered by this.
-const RECHECK_MS: i64 = 30_000;
+/// A partition (or a shard: see `shards.rs`) is looked at again at the
+/// latest this long after a claim found nothing ready in it: the index is a
+/// hint, and a claimer that died between its two writes of an entry is
+/// covered by this.
+pub(crate) const RECHECK_MS: i64 = 30_000;
 
 /// The keyed side of a queue, shared by its clones.
 #[derive(Debug, Default)]
@@ -297,8 +298,8 @@ fn attempt_of(record: &[u8]) -> u32 {
     super::job::split_record(record).map_or(1, |r| r.failures.saturating_add(1))
 }
 
-/// Locks `mutex`, held for a map or set operation: nothing can poison it.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks `mutex`, held for a copy or an update: nothing can poison it.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 

@@ -895,17 +895,28 @@ where
         lease: Duration,
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
-        let k = &self.keys;
-        let reply: Vec<Value> = scripts::CLAIM
-            .key(&[&k.data, &k.schedule, &k.active, &k.claims])
-            .key(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
+        let cmd = self.claim_call(&self.keys, (max, lease), keyed::PARTITIONS_PER_CLAIM);
+        let reply = crate::script::run(&scripts::CLAIM, &cmd, &mut self.conn.clone()).await;
+        let reply: Vec<Value> = reply.map_err(Error::redis(attempted()))?;
+        self.decode_claimed(reply, 0, attempted).await
+    }
+
+    /// The claim script's call on the shard of keys `k` (see
+    /// `lua/claim.lua`), naming up to `partitions` keyed partitions.
+    fn claim_call(
+        &self,
+        k: &QueueKeys,
+        (max, lease): (usize, Duration),
+        partitions: usize,
+    ) -> redis::Cmd {
+        let mut cmd = crate::script::evalsha(&scripts::CLAIM, 8);
+        cmd.arg(&[&k.data, &k.schedule, &k.active, &k.claims])
+            .arg(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(max)
             .arg(millis(lease))
             .arg(self.events_arg())
-            .arg(keyed::PARTITIONS_PER_CLAIM)
-            .query_on(&self.conn, attempted)
-            .await?;
-        self.decode_claimed(reply, 0, attempted).await
+            .arg(partitions);
+        cmd
     }
 
     /// The claim script's reply from shard `shard` decoded: the jobs, the
@@ -1384,35 +1395,14 @@ where
     }
 
     /// The stats script's reply (with activity buckets of `(window, width,
-    /// buckets)` when given) summed over the shards: counts and buckets
-    /// added up, the earliest times kept, the clock of shard 0.
+    /// buckets)` when given) summed over the shards.
     async fn summed_stats(
         &self,
         buckets: Option<(u64, u64, u32)>,
         attempted: impl Fn() -> String + Copy,
     ) -> Result<Vec<i64>> {
-        let mut total: Vec<i64> = Vec::new();
-        for reply in self.shard_replies(buckets, attempted).await? {
-            if total.is_empty() {
-                total = reply;
-                continue;
-            }
-            if reply.len() != total.len() {
-                let detail = format_args!("{} values", reply.len());
-                return Err(Error::reply(attempted(), detail));
-            }
-            for (i, (sum, n)) in total.iter_mut().zip(reply).enumerate() {
-                *sum = match i {
-                    // Times: the earliest of those there are (-1: none).
-                    4 | 6 if *sum < 0 || (0..*sum).contains(&n) => n,
-                    4 | 6 => *sum,
-                    5 => *sum,
-                    7 => (*sum).max(n),
-                    _ => *sum + n,
-                };
-            }
-        }
-        Ok(total)
+        let replies = self.shard_replies(buckets, attempted).await?;
+        sum_replies(replies, attempted)
     }
 
     /// The stats script's reply of each shard.
@@ -1433,16 +1423,18 @@ where
         Ok(replies)
     }
 
-    /// The counts of each shard's messages without a key, shard 0 first
-    /// (keyed messages live in their keys' partitions, counted by
-    /// [`stats`](Self::stats) alone). See [`shards`](Self::shards).
-    pub async fn stats_by_shard(&self) -> Result<Vec<Stats>> {
+    /// The queue's counts, as [`stats`](Self::stats) gives them, and those
+    /// of each shard's messages without a key, shard 0 first (keyed
+    /// messages live in their keys' partitions, counted in the queue's
+    /// alone), from one reading of each shard. See [`shards`](Self::shards).
+    pub async fn stats_by_shard(&self) -> Result<(Stats, Vec<Stats>)> {
         let attempted = || format!("reading stats of queue `{}`", self.name());
         let replies = self.shard_replies(None, attempted).await?;
-        replies
-            .iter()
+        let each = (replies.iter())
             .map(|reply| plain_stats(reply, attempted))
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        let reply = sum_replies(replies, attempted)?;
+        Ok((self.with_keyed(&reply, attempted).await?, each))
     }
 
     /// The queue's `Stats`: the stats script's counts (due, later, active,
@@ -1967,6 +1959,30 @@ fn by_shard<'a>(
             .push((n, *job));
     }
     shards
+}
+
+/// Stats script replies of the shards summed: counts and buckets added up,
+/// the earliest times kept, the clock of shard 0.
+fn sum_replies(replies: Vec<Vec<i64>>, attempted: impl Fn() -> String) -> Result<Vec<i64>> {
+    let mut replies = replies.into_iter();
+    let mut total = replies.next().unwrap_or_default();
+    for reply in replies {
+        if reply.len() != total.len() {
+            let detail = format_args!("{} values", reply.len());
+            return Err(Error::reply(attempted(), detail));
+        }
+        for (i, (sum, n)) in total.iter_mut().zip(reply).enumerate() {
+            *sum = match i {
+                // Times: the earliest of those there are (-1: none).
+                4 | 6 if *sum < 0 || (0..*sum).contains(&n) => n,
+                4 | 6 => *sum,
+                5 => *sum,
+                7 => (*sum).max(n),
+                _ => *sum + n,
+            };
+        }
+    }
+    Ok(total)
 }
 
 /// The `Stats` of one stats script reply (counts: due, later, active, dead;

@@ -12,7 +12,7 @@
 //! (from when it may have work), the bell, and the record of `n`.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionLike;
@@ -20,20 +20,15 @@ use redis::{Cmd, Value};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::keyed::{RECHECK_MS, lock};
 use super::scripts::{self, Query};
 use super::{Claimed, Queue, QueueKeys};
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
-use crate::lock::millis;
-use crate::script::{evalsha, run, run_after, run_then};
+use crate::script::{run, run_after, run_then};
 
 /// The most shards a queue can have.
 pub const MAX_SHARDS: usize = 256;
-
-/// A shard's index entry is looked at again at the latest this long after
-/// a claim found nothing in it (as for keyed partitions: the index is a
-/// hint, and covers a claimer that died between raising and lowering it).
-const RECHECK_MS: i64 = 30_000;
 
 /// A queue's shards, shared by its handles' clones.
 #[derive(Debug)]
@@ -184,7 +179,10 @@ where
         let n: Option<usize> = (Cmd::get(&self.keys.shards))
             .query_on(&self.conn, attempted)
             .await?;
-        self.shards(n.unwrap_or(1))
+        let queue = self.shards(n.unwrap_or(1))?;
+        // Checked against the record just read: `layout` need not read it.
+        let _ = queue.shards.checked.set(());
+        Ok(queue)
     }
 
     /// The keys of the shard `job` was claimed from.
@@ -403,19 +401,6 @@ where
         }
     }
 
-    /// The claim script's call on the shard of keys `k` (see
-    /// `lua/claim.lua`), naming up to `partitions` keyed partitions.
-    fn claim_call(&self, k: &QueueKeys, (max, lease): (usize, Duration), partitions: usize) -> Cmd {
-        let mut cmd = evalsha(&scripts::CLAIM, 8);
-        cmd.arg(&[&k.data, &k.schedule, &k.active, &k.claims])
-            .arg(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
-            .arg(max)
-            .arg(millis(lease))
-            .arg(self.events_arg())
-            .arg(partitions);
-        cmd
-    }
-
     /// Lowers shard `i`'s index entry to `at` (server ms) and, for a
     /// backlog, rings the bell: another idle worker may take part of it.
     async fn lower(&self, i: usize, at: i64, ring: bool) -> Result<()> {
@@ -441,9 +426,4 @@ fn add<T>(claimed: &mut Claimed<T>, more: Claimed<T>) {
     if let Some(wait) = more.next_due {
         claimed.next_due = Some(claimed.next_due.map_or(wait, |d| d.min(wait)));
     }
-}
-
-/// Locks `mutex`, held for a copy or an update: nothing can poison it.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -857,16 +857,14 @@ async fn sample_depth<T: Payload, C: Conn>(
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        if shards {
-            match queue.stats_by_shard().await {
-                Ok(each) => crate::telemetry::shard_depth(queue.name(), &each),
-                Err(error) => {
-                    metrics.count(Count::RedisErrors);
-                    tracing::debug!(%error, "could not sample the shards' depth");
-                }
-            }
-        }
-        match queue.stats().await {
+        let stats = match shards {
+            true => (queue.stats_by_shard().await).map(|(stats, each)| {
+                crate::telemetry::shard_depth(queue.name(), &each);
+                stats
+            }),
+            false => queue.stats().await,
+        };
+        match stats {
             Ok(stats) => {
                 if let Some(instruments) = metrics.instruments() {
                     let counts = [stats.due, stats.later, stats.active, stats.dead];
