@@ -11,7 +11,12 @@
 //! `SHARDS_EACH=1` prints each run's figures to stderr;
 //! `SHARDS_KEYS=<k>` gives the one-master run's messages k keys;
 //! `SHARDS_SERVER_ARGS="--zset-max-listpack-entries 0"` starts every
-//! server with those arguments (see BENCHMARKS.md: the shards' small active sets).
+//! server with those arguments (see BENCHMARKS.md: the shards' small active sets);
+//! `SHARDS_MESSAGES=<n>` pushes n messages per run instead of the default.
+//! Run under `benches/callgrind.sh`, the servers run under Valgrind's
+//! callgrind and each run adds the instructions the servers executed per
+//! message (user space): a count that does not depend on how the servers
+//! share this machine's cores.
 
 mod common;
 
@@ -41,17 +46,104 @@ async fn main() -> Result<(), BoxError> {
 struct Run {
     rate: f64,
     cpu_us: f64,
+    /// Of `cpu_us`, the part spent in the kernel (`used_cpu_sys`).
+    sys_us: f64,
     commands: f64,
     scripts: f64,
     /// The servers' reads from clients (`total_reads_processed`).
     reads: f64,
     /// The servers' sleeps (voluntary context switches, Linux).
     sleeps: f64,
+    /// The servers' instructions, when they run under callgrind.
+    instructions: f64,
     per_server: Vec<u64>,
 }
 
-/// One server's counters: CPU time, commands, script calls, reads, sleeps.
-type Counters = (Duration, u64, u64, u64, u64);
+/// One server's counters so far (or over a run).
+#[derive(Clone, Copy, Default)]
+struct Counters {
+    /// CPU time, user and system, in µs (`INFO cpu`).
+    user_us: u64,
+    sys_us: u64,
+    /// Commands (those inside scripts included) and script calls.
+    commands: u64,
+    scripts: u64,
+    reads: u64,
+    sleeps: u64,
+    instructions: u64,
+}
+
+impl Counters {
+    /// What `self` counted since `before`.
+    fn since(self, before: Self) -> Self {
+        Self {
+            user_us: self.user_us.saturating_sub(before.user_us),
+            sys_us: self.sys_us.saturating_sub(before.sys_us),
+            commands: self.commands.saturating_sub(before.commands),
+            scripts: self.scripts.saturating_sub(before.scripts),
+            reads: self.reads.saturating_sub(before.reads),
+            sleeps: self.sleeps.saturating_sub(before.sleeps),
+            instructions: self.instructions.saturating_sub(before.instructions),
+        }
+    }
+
+    /// The sum of `all`'s counters.
+    fn sum(all: &[Self]) -> Self {
+        all.iter().fold(Self::default(), |a, b| Self {
+            user_us: a.user_us + b.user_us,
+            sys_us: a.sys_us + b.sys_us,
+            commands: a.commands + b.commands,
+            scripts: a.scripts + b.scripts,
+            reads: a.reads + b.reads,
+            sleeps: a.sleeps + b.sleeps,
+            instructions: a.instructions + b.instructions,
+        })
+    }
+}
+
+/// A server's CPU time so far, user and system, in µs (`INFO cpu`).
+async fn server_cpu_us(conn: &redis::aio::MultiplexedConnection) -> Result<(u64, u64), BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn.clone())
+        .await?;
+    let field = |name: &str| -> Result<u64, BoxError> {
+        let value = info.lines().find_map(|l| l.strip_prefix(name));
+        let secs: f64 = value
+            .ok_or(format!("INFO cpu has no {name}"))?
+            .trim()
+            .parse()?;
+        Ok((secs * 1e6) as u64)
+    };
+    Ok((field("used_cpu_user:")?, field("used_cpu_sys:")?))
+}
+
+/// Whether the servers run under callgrind (`benches/callgrind.sh`).
+fn under_callgrind() -> bool {
+    std::env::var_os("LOCKGATE_CALLGRIND").is_some()
+}
+
+/// The instructions the server process `pid` has executed so far, summed
+/// over its threads, as `callgrind_control -e Ir` tells them; 0 when the
+/// servers do not run under callgrind.
+fn instructions(pid: Option<u32>) -> Result<u64, BoxError> {
+    let Some(pid) = pid.filter(|_| under_callgrind()) else {
+        return Ok(0);
+    };
+    let out = std::process::Command::new("callgrind_control")
+        .args(["-e", "Ir", &pid.to_string()])
+        .output()?;
+    let text = String::from_utf8(out.stdout)?;
+    // `   Th 1  25,978,596`: one line per thread.
+    let threads = text.lines().filter_map(|l| {
+        let count = l.trim().strip_prefix("Th ")?.split_whitespace().nth(1)?;
+        count.replace(',', "").parse::<u64>().ok()
+    });
+    match threads.collect::<Vec<_>>() {
+        counts if counts.is_empty() => Err(format!("callgrind_control said: {text}").into()),
+        counts => Ok(counts.iter().sum()),
+    }
+}
 
 /// How often the server process `pid` has gone to sleep (it waits for
 /// clients in `epoll_wait`): its voluntary context switches; 0 where
@@ -91,8 +183,18 @@ async fn counters(nodes: &[&RedisServer]) -> Result<Vec<Counters>, BoxError> {
             .map(|(_, n)| n)
             .sum();
         let scripts = calls.get("evalsha").copied().unwrap_or(0);
-        let cpu = server_cpu(&conn).await?;
-        out.push((cpu, all, scripts, reads(&conn).await?, sleeps(node.pid())));
+        let (user_us, sys_us) = server_cpu_us(&conn).await?;
+        let (reads, pid) = (reads(&conn).await?, node.pid());
+        let instructions = tokio::task::block_in_place(|| instructions(pid))?;
+        out.push(Counters {
+            user_us,
+            sys_us,
+            commands: all,
+            scripts,
+            reads,
+            sleeps: sleeps(pid),
+            instructions,
+        });
     }
     Ok(out)
 }
@@ -127,53 +229,81 @@ where
     let rate = drain(connector, queue, n).await?;
     let after = counters(nodes).await?;
     let deltas: Vec<Counters> = (after.iter().zip(&before))
-        .map(|(a, b)| {
-            let cpu = a.0.saturating_sub(b.0);
-            (
-                cpu,
-                a.1 - b.1,
-                a.2 - b.2,
-                a.3 - b.3,
-                a.4.saturating_sub(b.4),
-            )
-        })
+        .map(|(a, b)| a.since(*b))
         .collect();
-    let scripts: u64 = deltas.iter().map(|d| d.2).sum();
-    let reads: u64 = deltas.iter().map(|d| d.3).sum();
-    let sleeps: u64 = deltas.iter().map(|d| d.4).sum();
-    let cpu: Duration = deltas.iter().map(|d| d.0).sum();
-    let per_server: Vec<u64> = deltas.iter().map(|d| d.1).collect();
+    let all = Counters::sum(&deltas);
+    let per = |count: u64| count as f64 / n as f64;
     if std::env::var_os("SHARDS_EACH").is_some() {
-        let ms: Vec<u128> = deltas.iter().map(|d| d.0.as_millis()).collect();
-        let per = cpu.as_secs_f64() * 1e6 / n as f64;
+        let ms: Vec<u64> = deltas
+            .iter()
+            .map(|d| (d.user_us + d.sys_us) / 1000)
+            .collect();
         eprintln!(
-            "{}: {rate:.0}/s, {per:.1} µs per message, ms per server {ms:?}",
-            queue.name()
+            "{}: {rate:.0}/s, {:.1} µs per message ({:.1} system), ms per server {ms:?}",
+            queue.name(),
+            per(all.user_us + all.sys_us),
+            per(all.sys_us)
         );
     }
     Ok(Run {
         rate,
-        cpu_us: cpu.as_secs_f64() * 1e6 / n as f64,
-        commands: per_server.iter().sum::<u64>() as f64 / n as f64,
-        scripts: scripts as f64 / n as f64,
-        reads: reads as f64 / n as f64,
-        sleeps: sleeps as f64 / n as f64,
-        per_server,
+        cpu_us: per(all.user_us + all.sys_us),
+        sys_us: per(all.sys_us),
+        commands: per(all.commands),
+        scripts: per(all.scripts),
+        reads: per(all.reads),
+        sleeps: per(all.sleeps),
+        instructions: per(all.instructions),
+        per_server: deltas.iter().map(|d| d.commands).collect(),
     })
 }
 
-/// The medians of runs' rate, CPU, commands, script calls, reads and
-/// sleeps per message.
-fn medians(runs: &[Run]) -> (f64, f64, f64, f64, f64, f64) {
+/// The medians of runs' figures; the last run's commands per server.
+fn medians(runs: &[Run]) -> Run {
     let of = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
-    (
-        of(|r| r.rate),
-        of(|r| r.cpu_us),
-        of(|r| r.commands),
-        of(|r| r.scripts),
-        of(|r| r.reads),
-        of(|r| r.sleeps),
-    )
+    Run {
+        rate: of(|r| r.rate),
+        cpu_us: of(|r| r.cpu_us),
+        sys_us: of(|r| r.sys_us),
+        commands: of(|r| r.commands),
+        scripts: of(|r| r.scripts),
+        reads: of(|r| r.reads),
+        sleeps: of(|r| r.sleeps),
+        instructions: of(|r| r.instructions),
+        per_server: runs
+            .last()
+            .map(|r| r.per_server.clone())
+            .unwrap_or_default(),
+    }
+}
+
+/// Messages per run: `SHARDS_MESSAGES`, or `full` in a full run and
+/// `smoke` on tiny inputs.
+fn messages(full: usize, smoke: usize) -> usize {
+    let set = std::env::var("SHARDS_MESSAGES")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    set.filter(|_| full_run()).unwrap_or(size(full, smoke))
+}
+
+/// A run's instructions per message, as a table's last cell: empty unless
+/// the servers run under callgrind.
+fn instructions_cell(run: &Run) -> String {
+    match under_callgrind() {
+        true => format!(" {:.0} |", run.instructions),
+        false => String::new(),
+    }
+}
+
+/// The instructions column's heading, as [`instructions_cell`].
+fn instructions_heading(what: &str) -> (String, &'static str) {
+    match under_callgrind() {
+        true => (
+            format!(" server instructions per message ({what}) |"),
+            "---|",
+        ),
+        false => (String::new(), ""),
+    }
 }
 
 /// Rounds of each comparison: 3 in a full run (`SHARDS_ROUNDS` for more),
@@ -199,7 +329,7 @@ fn spread(per_server: &[u64]) -> f64 {
 }
 
 async fn one_master() -> Result<(), BoxError> {
-    let n = size(100_000, 2_000);
+    let n = messages(100_000, 2_000);
     let rounds = rounds();
     let (mut one, mut four) = (Vec::new(), Vec::new());
     for round in 0..rounds {
@@ -223,29 +353,39 @@ async fn one_master() -> Result<(), BoxError> {
             }
         }
     }
-    let ((r1, c1, k1, s1, d1, w1), (r4, c4, k4, s4, d4, w4)) = (medians(&one), medians(&four));
+    let (one, four) = (medians(&one), medians(&four));
+    let (heading, rule) = instructions_heading("user space");
     println!(
         "## one master: {n} messages pushed (batches of 1000), then a worker at concurrency 50 with a no-op handler (median of {rounds}, alternated)"
     );
     println!(
-        "| queue | messages/s | server CPU µs per message | Redis commands per message | script calls per message | reads from clients per message | server sleeps per message |\n|---|---|---|---|---|---|---|"
+        "| queue | messages/s | server CPU µs per message (of which system) | Redis commands per message | script calls per message | reads from clients per message | server sleeps per message |{heading}\n|---|---|---|---|---|---|---|{rule}"
     );
-    println!(
-        "| one slot (`Queue::new`) | {r1:.0} | {c1:.1} | {k1:.2} | {s1:.3} | {d1:.3} | {w1:.3} |"
-    );
-    println!(
-        "| 4 shards on the same server | {r4:.0} | {c4:.1} | {k4:.2} | {s4:.3} | {d4:.3} | {w4:.3} |"
-    );
+    for (label, run) in [
+        ("one slot (`Queue::new`)", &one),
+        ("4 shards on the same server", &four),
+    ] {
+        println!("| {label} | {} |{}", row(run), instructions_cell(run));
+    }
     println!(
         "4 shards / one slot: throughput {:.1} %, server CPU {:.1} %\n",
-        100.0 * r4 / r1,
-        100.0 * c4 / c1
+        100.0 * four.rate / one.rate,
+        100.0 * four.cpu_us / one.cpu_us
     );
     Ok(())
 }
 
+/// A run's rate, CPU (of which system), commands, script calls, reads and
+/// sleeps, as cells.
+fn row(run: &Run) -> String {
+    format!(
+        "{:.0} | {:.1} ({:.1}) | {:.2} | {:.3} | {:.3} | {:.3}",
+        run.rate, run.cpu_us, run.sys_us, run.commands, run.scripts, run.reads, run.sleeps
+    )
+}
+
 async fn cluster() -> Result<(), BoxError> {
-    let n = size(60_000, 1_500);
+    let n = messages(60_000, 1_500);
     let rounds = rounds();
     let mut builder = RedisCluster::builder();
     if let Ok(args) = std::env::var("SHARDS_SERVER_ARGS") {
@@ -257,8 +397,9 @@ async fn cluster() -> Result<(), BoxError> {
     println!(
         "## three-master cluster: {n} messages pushed (batches of 1000), then a worker at concurrency 50 with a no-op handler (median of {rounds}, alternated)"
     );
+    let (heading, rule) = instructions_heading("all masters, user space");
     println!(
-        "| workload | queue | messages/s | server CPU µs per message (all masters) | commands per message | script calls per message | reads from clients per message | server sleeps per message | commands per master | largest deviation from the mean |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| workload | queue | messages/s | server CPU µs per message, all masters (of which system) | commands per message | script calls per message | reads from clients per message | server sleeps per message | commands per master | largest deviation from the mean |{heading}\n|---|---|---|---|---|---|---|---|---|---|{rule}"
     );
     // Without keys, a third placement: the same 3 shards with their slots
     // moved to one master. Beside the spread shards, it tells sharding's
@@ -287,19 +428,28 @@ async fn cluster() -> Result<(), BoxError> {
                 }
             }
         }
-        for ((label, ..), runs) in placements.iter().zip(&runs) {
-            let (rate, cpu, commands, scripts, reads, sleeps) = medians(runs);
-            let last = &runs[runs.len() - 1].per_server;
-            let spread = spread(last);
+        let medians: Vec<Run> = runs.iter().map(|runs| medians(runs)).collect();
+        for ((label, ..), run) in placements.iter().zip(&medians) {
+            let spread = spread(&run.per_server);
             println!(
-                "| {workload} | {label} | {rate:.0} | {cpu:.1} | {commands:.2} | {scripts:.3} | {reads:.3} | {sleeps:.3} | {last:?} | {spread:.0} % |"
+                "| {workload} | {label} | {} | {:?} | {spread:.0} % |{}",
+                row(run),
+                run.per_server,
+                instructions_cell(run)
             );
         }
-        let c1 = medians(&runs[0]).1;
-        for ((label, ..), runs) in placements.iter().zip(&runs).skip(1) {
+        let one = &medians[0];
+        for ((label, ..), run) in placements.iter().zip(&medians).skip(1) {
+            let instructions = match under_callgrind() {
+                true => format!(
+                    ", instructions {:.1} %",
+                    100.0 * run.instructions / one.instructions
+                ),
+                false => String::new(),
+            };
             println!(
-                "| {workload} | {label} / one slot, server CPU | | {:.1} % | | | | | | |",
-                100.0 * medians(runs).1 / c1
+                "{workload}, {label} / one slot: server CPU {:.1} %{instructions}",
+                100.0 * run.cpu_us / one.cpu_us
             );
         }
     }
