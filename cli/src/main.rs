@@ -7,6 +7,7 @@
 
 mod bench;
 mod dashboard;
+mod ops;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
@@ -15,10 +16,12 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
 use lockgate::queue::{DeadLetter, KeyLoad, KeyStats, Stats};
-use lockgate::{BoxError, Locker, PushOptions, Queue};
+use lockgate::{BoxError, Locker};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::Serialize;
 use serde_json::{Value, json};
+
+use ops::{NewMessage, Ops};
 
 /// Inspect and operate lockgate queues and locks.
 #[derive(Parser)]
@@ -178,6 +181,7 @@ macro_rules! say_inline {
     ($($arg:tt)*) => { crate::emit(format_args!($($arg)*)) };
 }
 pub(crate) use say;
+pub(crate) use say_inline;
 
 /// Writes to stdout and flushes (so that `--watch` notices a closed pipe at
 /// once). A reader that went away ends the process with success: it chose
@@ -383,237 +387,63 @@ async fn commands<C>(cli: Cli, conn: C, nodes: Vec<String>) -> Result<(), Failur
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let Cli {
-        prefix,
-        json,
-        command,
-        ..
-    } = cli;
-    let out = Output { json };
-    let queue = async |name: &str| -> Result<Queue<Value, C>, Failure> {
-        let queue = Queue::new(conn.clone(), name)?.prefix(&prefix)?;
-        Ok(queue.with_recorded_shards().await?)
+    let ops = Ops {
+        conn,
+        nodes,
+        prefix: cli.prefix,
+        out: Output { json: cli.json },
     };
-    let locker =
-        || -> Result<Locker<C>, Failure> { Ok(Locker::new(conn.clone()).prefix(&prefix)?) };
-    match command {
-        Command::Queues => {
-            let mut names = Vec::new();
-            if nodes.is_empty() {
-                names = lockgate::queue::queue_names(&conn, &prefix).await?;
-            }
-            for node in node_connections(&nodes).await? {
-                names.extend(lockgate::queue::queue_names(&node, &prefix).await?);
-            }
-            names.sort();
-            names.dedup();
-            let mut rows = Vec::new();
-            for name in names {
-                let stats = queue(&name).await?.stats().await?;
-                rows.push((name, stats));
-            }
-            out.queues(&rows);
-        }
+    match cli.command {
+        Command::Queues => ops.queues().await,
         Command::Stats {
-            queue: name,
+            queue,
             watch,
             shards,
-        } => {
-            let q = existing(queue(&name).await?, &name).await?;
-            match watch {
-                None => {
-                    let (stats, each) = stats_and_shards(&q, shards).await?;
-                    let keys = q.key_stats(TOP_KEYS).await?;
-                    out.stats(&name, &stats, &keys, &each);
-                }
-                Some(every) => {
-                    let mut ticks = tokio::time::interval(every);
-                    // One listener for the whole watch: a Ctrl-C that comes
-                    // while a refresh waits on the server is seen at the next
-                    // tick instead of lost.
-                    let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
-                    // Rates from the queue's lifecycle events, when its
-                    // handles record them: what happened since the last look.
-                    let mut seen = q.last_event_entry().await?;
-                    let mut since = std::time::Instant::now();
-                    loop {
-                        tokio::select! {
-                            _ = ticks.tick() => {}
-                            _ = &mut interrupted => return Ok(()),
-                        }
-                        let (stats, each) = stats_and_shards(&q, shards).await?;
-                        let keys = q.key_stats(TOP_KEYS).await?;
-                        let mut counts: BTreeMap<&'static str, u64> = BTreeMap::new();
-                        if seen.is_none() {
-                            seen = q.last_event_entry().await?;
-                        } else {
-                            // Bounded: a queue busier than this is shown
-                            // as far as it was read.
-                            for _ in 0..100 {
-                                let Some(after) = seen.clone() else { break };
-                                let events = q.events_after(&after, 1000).await?;
-                                let Some(last) = events.last() else { break };
-                                seen = Some(last.entry.clone());
-                                for event in &events {
-                                    *counts.entry(event.kind.as_str()).or_default() += 1;
-                                }
-                            }
-                        }
-                        let elapsed = since.elapsed().as_secs_f64().max(0.001);
-                        since = std::time::Instant::now();
-                        if !json && std::io::stdout().is_terminal() {
-                            say_inline!("\x1b[H\x1b[2J"); // refresh in place
-                        }
-                        out.stats(&name, &stats, &keys, &each);
-                        out.rates(seen.is_some(), &counts, elapsed);
-                    }
-                }
-            }
-        }
+        } => ops.stats(&queue, watch, shards).await,
         Command::Dead {
-            queue: name,
+            queue,
             limit,
             after,
         } => {
             let limit = usize::from(limit);
-            let q = existing(queue(&name).await?, &name).await?;
-            let dead = q.dead_letters(after, limit).await?;
+            let dead = ops
+                .existing(&queue)
+                .await?
+                .dead_letters(after, limit)
+                .await?;
             let next = (dead.len() == limit).then_some(after + limit);
-            out.dead(&dead, next);
+            ops.out.dead(&dead, next);
+            Ok(())
         }
-        Command::Requeue {
-            queue: name,
-            id,
-            all,
-        } => {
-            let q = existing(queue(&name).await?, &name).await?;
-            if all {
-                let n = q.requeue_all_dead().await?;
-                out.done(
-                    json!({"requeued": n}),
-                    &format!("re-drove {n} dead letters"),
-                );
-            } else if let Some(id) = id {
-                if !q.requeue_dead(&id).await? {
-                    return Err(not_found(format!("{id} is not a dead letter of {name}")));
-                }
-                out.done(json!({"requeued": 1, "id": id}), &format!("re-drove {id}"));
-            }
-        }
-        Command::Remove { queue: name, id } => {
-            let q = existing(queue(&name).await?, &name).await?;
-            if !q.remove(&id).await? {
-                return Err(not_found(format!(
-                    "{id} is not a scheduled or dead message of {name} (absent, or being handled)"
-                )));
-            }
-            out.done(json!({"removed": id}), &format!("removed {id}"));
-        }
-        Command::Purge { queue: name, yes } => {
-            let q = existing(queue(&name).await?, &name).await?;
-            if !yes && !confirm(&format!("delete every message of queue {name}?"))? {
-                return Err("not purged (confirm, or pass --yes)".into());
-            }
-            q.purge().await?;
-            out.done(json!({"purged": name}), &format!("purged {name}"));
-        }
+        Command::Requeue { queue, id, all } => ops.requeue(&queue, id, all).await,
+        Command::Remove { queue, id } => ops.remove(&queue, &id).await,
+        Command::Purge { queue, yes } => ops.purge(&queue, yes).await,
         Command::Push {
-            queue: name,
+            queue,
             message,
             delay,
             at,
             id,
         } => {
-            let value: Value = serde_json::from_str(&message)
-                .map_err(|e| Failure::Failed(format!("malformed JSON message: {e}").into()))?;
-            let mut options = PushOptions::new();
-            if let Some(delay) = delay {
-                options = options.after(delay);
-            }
-            if let Some(at) = at {
-                options = options.at(at);
-            }
-            if let Some(id) = id {
-                options = options.id(id);
-            }
-            let pushed = queue(&name).await?.push_with(value, options).await?;
-            let state = if pushed.created {
-                "pushed"
-            } else {
-                "exists already"
+            let message = NewMessage {
+                json: message,
+                delay,
+                at,
+                id,
             };
-            out.done(
-                json!({"id": pushed.id, "created": pushed.created, "due": pushed.due.map(unix_ms)}),
-                &format!("{state}: {}", pushed.id),
-            );
+            ops.push(&queue, message).await
         }
-        Command::Locks { pattern } => {
-            let mut held = Vec::new();
-            if nodes.is_empty() {
-                held = locker()?.held_locks(&pattern).await?;
-            }
-            for node in node_connections(&nodes).await? {
-                let locker = Locker::new(node).prefix(&prefix)?;
-                held.extend(locker.held_locks(&pattern).await?);
-            }
-            held.sort_by(|a, b| a.0.cmp(&b.0));
-            out.locks(&held);
-        }
-        Command::Lock { key } => {
-            let locker = locker()?;
-            match locker.inspect(&key).await? {
-                Some(holder) => out.locks(&[(key, holder)]),
-                None => {
-                    let last: Option<u64> = redis::cmd("GET")
-                        .arg(locker.fence_key(&key))
-                        .query_async(&mut conn.clone())
-                        .await?;
-                    let note = match last {
-                        Some(fence) => format!("{key}: free; last fence {fence}"),
-                        None => format!(
-                            "{key}: free; no fence on record (none issued, or over {:?} ago)",
-                            lockgate::lock::FENCE_GRACE
-                        ),
-                    };
-                    out.done(
-                        json!({"key": key, "held": false, "last_fence": last}),
-                        &note,
-                    );
-                }
-            }
-        }
-        Command::Unlock { key, force: _ } => {
-            if !locker()?.force_unlock(&key).await? {
-                return Err(not_found(format!("lock {key} is not held")));
-            }
-            out.done(
-                json!({"unlocked": key}),
-                &format!(
-                    "deleted lock {key}: its holder runs on without it until its next renewal fails, and another caller may take the key meanwhile"
-                ),
-            );
-        }
+        Command::Locks { pattern } => ops.locks(&pattern).await,
+        Command::Lock { key } => ops.lock(key).await,
+        Command::Unlock { key, force: _ } => ops.unlock(key).await,
         Command::Permits { key } => {
-            let holders = locker()?.permit_holders(&key).await?;
-            out.permits(&key, &holders);
+            let holders = ops.locker()?.permit_holders(&key).await?;
+            ops.out.permits(&key, &holders);
+            Ok(())
         }
-        Command::Bench { .. } => unreachable!("handled above"),
-        Command::Dashboard { bind, token } => {
-            let csrf: String = (0..32)
-                .map(|_| char::from_digit(rand::random_range(0..16), 16).unwrap_or('0'))
-                .collect();
-            let board = dashboard::Dashboard {
-                conn: conn.clone(),
-                nodes: node_connections(&nodes).await?,
-                prefix: prefix.clone(),
-                token: token.filter(|t| !t.is_empty()),
-                csrf,
-                names: std::sync::Mutex::new(None),
-            };
-            dashboard::serve(board, bind).await?;
-        }
+        Command::Bench { .. } => unreachable!("run by run_bench or run_cluster_bench"),
+        Command::Dashboard { bind, token } => ops.dashboard(bind, token).await,
     }
-    Ok(())
 }
 
 /// `lockgate bench` on one server.
@@ -731,32 +561,6 @@ where
     }
     say!("(keys under {prefix}: deleted)");
     Ok(())
-}
-
-/// The queue, if it has any key in Redis.
-async fn existing<C>(queue: Queue<Value, C>, name: &str) -> Result<Queue<Value, C>, Failure>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    if queue.exists().await? {
-        Ok(queue)
-    } else {
-        Err(not_found(format!("no queue named {name}")))
-    }
-}
-
-/// The queue's stats, and each shard's when `shards` (none otherwise).
-async fn stats_and_shards<C>(
-    queue: &Queue<Value, C>,
-    shards: bool,
-) -> Result<(lockgate::queue::Stats, Vec<lockgate::queue::Stats>), Failure>
-where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
-{
-    Ok(match shards {
-        true => queue.stats_by_shard().await?,
-        false => (queue.stats().await?, Vec::new()),
-    })
 }
 
 /// Asks on the terminal; refuses (false) when stdin is not one.
