@@ -753,3 +753,44 @@ async fn a_shards_small_set_of_leases_is_a_skiplist_that_holds_only_leases() {
     queue.ack_many(&claimed).await.unwrap();
     assert_eq!(stats(&queue).await.active, 0);
 }
+
+#[tokio::test]
+async fn idle_workers_take_turns_at_recovery_instead_of_each_sweeping_every_shard() {
+    // Four idle workers of a queue of 8 shards, leases of 300 ms: each
+    // looks for expired leases every 100 ms. One sweep of the 8 shards per
+    // 100 ms serves them all; each sweeping every shard would be 4 × 8
+    // script calls per 100 ms.
+    let server = server();
+    let mut conn = manager(&server).await;
+    let queue = sharded(conn.clone(), "idle", 8);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for _ in 0..4 {
+        let service = tower::service_fn(|_: Job<u32>| async { Ok::<_, BoxError>(()) });
+        let worker = Worker::new(server.client(), queue.clone(), service)
+            .lease(ms(300))
+            .unwrap();
+        let mut stopped = stopped.clone();
+        runs.push(tokio::spawn(worker.run_until(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })));
+    }
+    tokio::time::sleep(ms(300)).await;
+    let scripts = async |conn: &mut redis::aio::ConnectionManager| {
+        let calls = lockgate::testing::command_calls(conn).await.unwrap();
+        calls.get("evalsha").copied().unwrap_or(0)
+    };
+    let (before, started) = (scripts(&mut conn).await, std::time::Instant::now());
+    tokio::time::sleep(secs(1)).await;
+    let calls = scripts(&mut conn).await - before;
+    let sweeps = started.elapsed().as_millis() as u64 / 100 + 2;
+    let _ = stop.send(true);
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    assert!(
+        calls <= 8 * sweeps + 8,
+        "{calls} script calls in {:?}: at most {sweeps} sweeps of 8 shards expected",
+        started.elapsed()
+    );
+}

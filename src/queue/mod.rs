@@ -193,6 +193,8 @@ pub(crate) struct QueueKeys {
     pub(crate) partitions: String,
     /// The record of the queue's shard count (see `shards.rs`).
     pub(crate) shards: String,
+    /// Whose turn it is to recover expired leases (see `recover_in_turn`).
+    pub(crate) recovering: String,
 }
 
 impl QueueKeys {
@@ -218,6 +220,7 @@ impl QueueKeys {
             completed: format!("{base}:completed"),
             partitions: format!("{base}:partitions"),
             shards: format!("{base}:shards"),
+            recovering: format!("{base}:recovering"),
         }
     }
 }
@@ -1344,6 +1347,29 @@ where
             tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
         }
         Ok(total)
+    }
+
+    /// [`recover`](Self::recover), unless a handle of the queue (a worker,
+    /// in this process or another) did in the last `every`: the workers of
+    /// a queue take turns, so that between them they sweep its shards and
+    /// keyed partitions once per `every`, however many they are. Returns
+    /// nothing recovered when it was not this handle's turn.
+    pub(crate) async fn recover_in_turn(
+        &self,
+        max_stalls: u32,
+        every: Duration,
+    ) -> Result<Recovered> {
+        // A turn lasts 90 % of `every`: the next tick of the worker that
+        // took it finds it over, however their timers drift.
+        let mut turn = redis::cmd("SET");
+        turn.arg(&self.keys.recovering).arg(1).arg("NX");
+        turn.arg("PX").arg((millis(every) * 9 / 10).max(1));
+        let attempted = || format!("recovering expired leases in queue `{}`", self.name());
+        let taken: Option<String> = turn.query_on(&self.conn, attempted).await?;
+        match taken {
+            Some(_) => self.recover(max_stalls).await,
+            None => Ok(Recovered::default()),
+        }
     }
 
     /// Recovers the messages without a key of the shard of keys `k`.

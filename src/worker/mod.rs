@@ -882,7 +882,8 @@ async fn sample_depth<T: Payload, C: Conn>(
 }
 
 /// Renews the leases of in-flight messages every third of the lease, and
-/// recovers expired leases of dead workers.
+/// recovers expired leases of dead workers (in turn with the queue's other
+/// workers).
 async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
     let lease = shared.config.lease;
     let mut ticks = tokio::time::interval(lease / 3);
@@ -914,7 +915,11 @@ async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
                 }
             }
         }
-        match shared.queue.recover(shared.config.max_stalls).await {
+        // The queue's workers take turns: one sweep per tick between them.
+        match (shared.queue)
+            .recover_in_turn(shared.config.max_stalls, lease / 3)
+            .await
+        {
             Ok(recovered) => {
                 let n = recovered.requeued + recovered.buried;
                 shared.metrics.add(Count::Recovered, n as u64);
