@@ -6,7 +6,7 @@
 //! path to example binaries), one after the other so that the cargo
 //! invocations do not fight over the build directory lock.
 
-use std::process::Command;
+mod support;
 
 use lockgate::testing::{NatsServer, RedisServer};
 
@@ -27,17 +27,7 @@ fn every_example_runs() {
     // For examples/nats.rs: JetStream in front of the pipeline.
     let nats = NatsServer::start().unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
     for name in EXAMPLES {
-        let mut cargo = Command::new(env!("CARGO"));
-        // Without the variables Cargo set for this test: build scripts that
-        // watch one (ring's watches CARGO_MANIFEST_DIR) would run again, and
-        // every crate above them be rebuilt, here and in the next build.
-        for (var, _) in std::env::vars_os() {
-            if var.to_str().is_some_and(set_by_cargo) {
-                cargo.env_remove(var);
-            }
-        }
-        let output = cargo
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+        let output = support::cargo()
             .args([
                 "run",
                 "--quiet",
@@ -70,19 +60,6 @@ fn every_example_runs() {
             "example {name} printed nothing\n--- stderr ---\n{stderr}"
         );
     }
-}
-
-/// Whether Cargo sets `var` for the tests it runs (its package's
-/// metadata, paths), rather than the caller for Cargo itself.
-fn set_by_cargo(var: &str) -> bool {
-    const SET: &[&str] = &[
-        "CARGO_PKG_",
-        "CARGO_MANIFEST_",
-        "CARGO_CRATE_",
-        "CARGO_PRIMARY_",
-    ];
-    const EXACT: &[&str] = &["CARGO_TARGET_TMPDIR", "CARGO_RUSTC_CURRENT_DIR", "OUT_DIR"];
-    SET.iter().any(|prefix| var.starts_with(prefix)) || EXACT.contains(&var)
 }
 
 /// A loopback address whose port was free a moment ago.

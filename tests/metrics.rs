@@ -1,10 +1,12 @@
 //! The metrics lockgate records through the `metrics` facade, scraped from
 //! `examples/prometheus.rs` over HTTP while it runs: the counters move.
 
+mod support;
+
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use lockgate::testing::RedisServer;
@@ -42,8 +44,7 @@ fn the_prometheus_example_serves_counters_that_move() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().to_string()
     };
-    let mut example = Command::new(env!("CARGO"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+    let mut example = support::cargo()
         .args([
             "run",
             "--quiet",

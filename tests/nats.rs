@@ -28,8 +28,7 @@ const SUBJECT: &str = "lockgate-example.orders";
 fn example() -> &'static PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| {
-        let status = Command::new(env!("CARGO"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+        let status = support::cargo()
             .args([
                 "build",
                 "--quiet",

@@ -30,6 +30,31 @@ pub const fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
+/// `cargo`, to build or run an example, in the package's directory and
+/// without the variables Cargo set for this test: build scripts that watch
+/// one (ring's watches `CARGO_MANIFEST_DIR`) would run again, and every
+/// crate above them be rebuilt, here and in the next build.
+pub fn cargo() -> std::process::Command {
+    const SET: &[&str] = &[
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_PRIMARY_",
+    ];
+    const EXACT: &[&str] = &["CARGO_TARGET_TMPDIR", "CARGO_RUSTC_CURRENT_DIR", "OUT_DIR"];
+    let mut cargo = std::process::Command::new(env!("CARGO"));
+    cargo.current_dir(env!("CARGO_MANIFEST_DIR"));
+    for (var, _) in std::env::vars_os() {
+        let set_by_cargo = var.to_str().is_some_and(|var| {
+            SET.iter().any(|prefix| var.starts_with(prefix)) || EXACT.contains(&var)
+        });
+        if set_by_cargo {
+            cargo.env_remove(var);
+        }
+    }
+    cargo
+}
+
 /// A private redis-server for one test, killed when dropped.
 pub fn server() -> RedisServer {
     RedisServer::start().unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
