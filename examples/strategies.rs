@@ -30,6 +30,7 @@ use lockgate::{
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, timeout};
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -58,6 +59,63 @@ async fn handle(m: Message) -> Result<String, BoxError> {
     Ok(format!("handled {:?}", m.text))
 }
 
+/// The holder: takes `hot` with a 400 ms TTL and lets go after 300 ms, in
+/// a task of its own (awaited at the end).
+async fn hold(conn: ConnectionManager) -> Result<JoinHandle<lockgate::Result<bool>>, BoxError> {
+    let holder = Locker::new(conn).ttl(Duration::from_millis(400))?;
+    let lease = match holder.acquire(KEY).await? {
+        Acquisition::Acquired(lease) => lease,
+        Acquisition::Contended(busy) => {
+            return Err(format!("`{KEY}` is already held elsewhere: {busy}").into());
+        }
+    };
+    println!(
+        "[holder] took `{KEY}` (fence {}) for ~300 ms",
+        holder.fence(&lease).await?
+    );
+    Ok(tokio::spawn(async move {
+        sleep(Duration::from_millis(300)).await;
+        let released = holder.release(&lease).await;
+        println!("[holder] released `{KEY}`");
+        released
+    }))
+}
+
+/// What each strategy answered, and after how long.
+type Answer = (Result<Outcome<String>, BoxError>, Duration);
+
+/// Prints the three answers; fails on an error other than `fail()`'s.
+fn report(failed: Answer, retried: Answer, deferred: Answer) -> Result<(), BoxError> {
+    match failed {
+        (Err(e), after) => match e.downcast_ref::<Contended>() {
+            Some(busy) => println!(
+                "[fail]  error after {after:?}: `{}` is busy, retry after {:?}",
+                busy.key(),
+                busy.retry_after()
+            ),
+            None => return Err(e),
+        },
+        (Ok(outcome), _) => println!("[fail]  unexpectedly got through: {outcome:?}"),
+    }
+    let (outcome, after) = retried;
+    match outcome? {
+        Outcome::Done(reply) => println!("[retry] done after {} ms: {reply}", after.as_millis()),
+        other => println!("[retry] {other:?}"),
+    }
+    let (outcome, after) = deferred;
+    match outcome? {
+        Outcome::Deferred { id, due } => {
+            let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
+            println!(
+                "[defer] deferred after {after:?}: id {id}, due in {} ms (when the holder's lock runs out)",
+                wait.as_millis()
+            );
+        }
+        Outcome::Done(reply) => println!("[defer] the key was free after all: {reply}"),
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     if let Err(e) = run().await {
@@ -83,27 +141,7 @@ async fn run() -> Result<(), BoxError> {
     let queue: Queue<Message> = Queue::new(conn.clone(), QUEUE)?;
     queue.purge().await?; // a clean slate on a shared Redis
 
-    // The holder: takes `hot` with a 400 ms TTL and lets go after 300 ms.
-    let holder = Locker::new(conn.clone()).ttl(ms(400))?;
-    let lease = match holder.acquire(KEY).await? {
-        Acquisition::Acquired(lease) => lease,
-        Acquisition::Contended(busy) => {
-            return Err(format!("`{KEY}` is already held elsewhere: {busy}").into());
-        }
-    };
-    println!(
-        "[holder] took `{KEY}` (fence {}) for ~300 ms",
-        holder.fence(&lease).await?
-    );
-    let releasing = tokio::spawn({
-        let holder = holder.clone();
-        async move {
-            sleep(ms(300)).await;
-            let released = holder.release(&lease).await;
-            println!("[holder] released `{KEY}`");
-            released
-        }
-    });
+    let releasing = hold(conn.clone()).await?;
 
     // Three layers over one locker, differing only in their strategy.
     let locker = Locker::new(conn.clone()).ttl(Duration::from_secs(5))?;
@@ -142,33 +180,7 @@ async fn run() -> Result<(), BoxError> {
         },
     );
 
-    match failed {
-        (Err(e), after) => match e.downcast_ref::<Contended>() {
-            Some(busy) => println!(
-                "[fail]  error after {after:?}: `{}` is busy, retry after {:?}",
-                busy.key(),
-                busy.retry_after()
-            ),
-            None => return Err(e),
-        },
-        (Ok(outcome), _) => println!("[fail]  unexpectedly got through: {outcome:?}"),
-    }
-    let (outcome, after) = retried;
-    match outcome? {
-        Outcome::Done(reply) => println!("[retry] done after {} ms: {reply}", after.as_millis()),
-        other => println!("[retry] {other:?}"),
-    }
-    let (outcome, after) = deferred;
-    match outcome? {
-        Outcome::Deferred { id, due } => {
-            let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
-            println!(
-                "[defer] deferred after {after:?}: id {id}, due in {} ms (when the holder's lock runs out)",
-                wait.as_millis()
-            );
-        }
-        Outcome::Done(reply) => println!("[defer] the key was free after all: {reply}"),
-    }
+    report(failed, retried, deferred)?;
     releasing.await??;
 
     // A worker on the queue brings deferred messages back through the same
