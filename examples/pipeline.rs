@@ -23,13 +23,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures_util::{StreamExt, stream};
+use lockgate::worker::MetricsSnapshot;
 use lockgate::{
     Acquisition, Backoff, BoxError, HeldLock, Job, LockLayer, Locker, OnConflict, Outcome, Queue,
     Worker,
 };
+use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
-use tower::{ServiceBuilder, ServiceExt};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 const HOT: &str = "sensor-a";
 
@@ -67,19 +70,7 @@ async fn run() -> Result<(), BoxError> {
     let at = move || started.elapsed().as_millis();
 
     // Someone else holds the hot device for 400 ms.
-    let holder = Locker::new(conn.clone()).ttl(Duration::from_secs(2))?;
-    let lease = match holder.acquire(HOT).await? {
-        Acquisition::Acquired(lease) => lease,
-        Acquisition::Contended(busy) => {
-            return Err(format!("`{HOT}` is held elsewhere: {busy}").into());
-        }
-    };
-    println!("{:>4} ms  [holder]  takes `{HOT}` for 400 ms", at());
-    let releasing = tokio::spawn(async move {
-        sleep(ms(400)).await;
-        println!("{:>4} ms  [holder]  releases `{HOT}`", at());
-        holder.release(&lease).await
-    });
+    let releasing = hold(conn.clone(), started).await?;
 
     // One lock configuration for both entry points: retry ~30 ms, then defer
     // for 400 ms into the queue the worker consumes.
@@ -125,38 +116,7 @@ async fn run() -> Result<(), BoxError> {
         })
         .collect();
     let total = msgs.len();
-    let arrivals = stream::iter(msgs.clone()).then(|m| async move {
-        sleep(ms(30)).await;
-        m
-    });
-
-    // The consumer loop: `call_all` runs the calls concurrently and answers
-    // in arrival order, so each answer pairs with its message.
-    let consume = async {
-        let mut deferred = Vec::new();
-        let mut answers = pin!(pipeline.call_all(arrivals));
-        for m in &msgs {
-            let Some(answer) = answers.next().await else {
-                break;
-            };
-            match answer {
-                Ok(Outcome::Done(_)) => {}
-                Ok(Outcome::Deferred { id, due }) => {
-                    let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
-                    println!(
-                        "{:>4} ms  [stream]  msg {} ({}) deferred as {id}, due in {} ms",
-                        at(),
-                        m.seq,
-                        m.device,
-                        wait.as_millis()
-                    );
-                    deferred.push(m.seq);
-                }
-                Err(e) => println!("{:>4} ms  [stream]  msg {} failed: {e}", at(), m.seq),
-            }
-        }
-        deferred
-    };
+    let consume = consume(pipeline, &msgs, started);
 
     // The worker runs until every message was handled (or 10 s passed).
     let worker = Worker::new(client, queue.clone(), worker_service).concurrency(4)?;
@@ -174,9 +134,79 @@ async fn run() -> Result<(), BoxError> {
     worked?;
     releasing.await??;
 
-    println!("\nwhat happened to each message:");
     let handled = handled.lock().map(|h| h.clone()).unwrap_or_default();
-    for m in &msgs {
+    report(&msgs, &deferred, &handled, metrics.snapshot())
+}
+
+/// The consumer loop: the messages arrive one every 30 ms, and `call_all`
+/// runs the calls concurrently and answers in arrival order, so each answer
+/// pairs with its message. Returns the deferred ones.
+async fn consume<S>(pipeline: S, msgs: &[Msg], started: Instant) -> Vec<u32>
+where
+    S: Service<Msg, Response = Outcome<i64>>,
+    S::Error: std::fmt::Display,
+{
+    let at = || started.elapsed().as_millis();
+    let arrivals = stream::iter(msgs.to_vec()).then(|m| async move {
+        sleep(Duration::from_millis(30)).await;
+        m
+    });
+    let mut deferred = Vec::new();
+    let mut answers = pin!(pipeline.call_all(arrivals));
+    for m in msgs {
+        let Some(answer) = answers.next().await else {
+            break;
+        };
+        match answer {
+            Ok(Outcome::Done(_)) => {}
+            Ok(Outcome::Deferred { id, due }) => {
+                let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
+                println!(
+                    "{:>4} ms  [stream]  msg {} ({}) deferred as {id}, due in {} ms",
+                    at(),
+                    m.seq,
+                    m.device,
+                    wait.as_millis()
+                );
+                deferred.push(m.seq);
+            }
+            Err(e) => println!("{:>4} ms  [stream]  msg {} failed: {e}", at(), m.seq),
+        }
+    }
+    deferred
+}
+
+/// Takes the hot device's lock for 400 ms, as another process would, and
+/// lets go in a task of its own (awaited at the end).
+async fn hold(
+    conn: ConnectionManager,
+    started: Instant,
+) -> Result<JoinHandle<lockgate::Result<bool>>, BoxError> {
+    let at = move || started.elapsed().as_millis();
+    let holder = Locker::new(conn).ttl(Duration::from_secs(2))?;
+    let lease = match holder.acquire(HOT).await? {
+        Acquisition::Acquired(lease) => lease,
+        Acquisition::Contended(busy) => {
+            return Err(format!("`{HOT}` is held elsewhere: {busy}").into());
+        }
+    };
+    println!("{:>4} ms  [holder]  takes `{HOT}` for 400 ms", at());
+    Ok(tokio::spawn(async move {
+        sleep(Duration::from_millis(400)).await;
+        println!("{:>4} ms  [holder]  releases `{HOT}`", at());
+        holder.release(&lease).await
+    }))
+}
+
+/// Says what happened to each message; fails unless every one was handled.
+fn report(
+    msgs: &[Msg],
+    deferred: &[u32],
+    handled: &[u32],
+    w: MetricsSnapshot,
+) -> Result<(), BoxError> {
+    println!("\nwhat happened to each message:");
+    for m in msgs {
         let fate = match (deferred.contains(&m.seq), handled.contains(&m.seq)) {
             (false, true) => "handled straight from the stream",
             (true, true) => "deferred, then handled by the worker",
@@ -184,13 +214,13 @@ async fn run() -> Result<(), BoxError> {
         };
         println!("  msg {} ({}): {fate}", m.seq, m.device);
     }
-    let w = metrics.snapshot();
     println!(
         "worker: {} handled, {} deferred again, {} retried, {} dead",
         w.done, w.deferred, w.retried, w.dead
     );
-    if handled.len() < total {
-        return Err(format!("only {} of {total} messages were handled", handled.len()).into());
+    if handled.len() < msgs.len() {
+        let n = handled.len();
+        return Err(format!("only {n} of {} messages were handled", msgs.len()).into());
     }
     Ok(())
 }
