@@ -79,6 +79,40 @@ async fn main() {
     }
 }
 
+/// A: takes the lock directly, stalls past its TTL (and, to keep the story
+/// in order, until B has written), then tries its late write.
+async fn stall_and_write_late(
+    locker: Locker<ConnectionManager>,
+    store: Arc<Store>,
+    ttl: Duration,
+    b_done: oneshot::Receiver<()>,
+) -> Result<(), BoxError> {
+    let lease = match locker.acquire(KEY).await? {
+        Acquisition::Acquired(lease) => lease,
+        Acquisition::Contended(busy) => return Err(BoxError::from(busy)),
+    };
+    // The fence is issued while A holds the lock (on first use).
+    let fence = locker.fence(&lease).await?;
+    let balance = store.read() + 100;
+    println!("[A] holds `{KEY}` with fence {fence} (TTL {ttl:?}); computed balance {balance}");
+    println!("[A] ... stalls (think: a long GC pause) ...");
+    let (_, _) = tokio::join!(sleep(ttl + Duration::from_millis(100)), b_done);
+    println!(
+        "[A] wakes up; its lease expired {:?} ago, but A does not know",
+        tokio::time::Instant::now().saturating_duration_since(lease.expires_at())
+    );
+    match store.write(fence, balance) {
+        Ok(()) => println!("[A] late write accepted (this must not happen!)"),
+        Err(refused) => println!("[A] late write {refused}"),
+    }
+    let released = match locker.release(&lease).await? {
+        true => "released",
+        false => "refused, the lock is not A's any more",
+    };
+    println!("[A] release: {released}");
+    Ok(())
+}
+
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
     let (client, server) = lockgate::testing::local_or_throwaway()?;
@@ -129,43 +163,7 @@ async fn run() -> Result<(), BoxError> {
     // A: takes the lock directly and then stalls past its TTL.
     let locker = Locker::new(conn.clone()).ttl(ttl)?;
     let (b_done_tx, b_done_rx) = oneshot::channel::<()>();
-    let a = tokio::spawn({
-        let store = store.clone();
-        async move {
-            let lease = match locker.acquire(KEY).await? {
-                Acquisition::Acquired(lease) => lease,
-                Acquisition::Contended(busy) => return Err(BoxError::from(busy)),
-            };
-            // The fence is issued while A holds the lock (on first use).
-            let fence = locker.fence(&lease).await?;
-            let balance = store.read() + 100;
-            println!(
-                "[A] holds `{KEY}` with fence {fence} (TTL {ttl:?}); computed balance {balance}"
-            );
-            println!("[A] ... stalls (think: a long GC pause) ...");
-            // Stall past the TTL, and (to keep the story in order) until B
-            // has written.
-            let (_, _) = tokio::join!(sleep(ttl + ms(100)), b_done_rx);
-            println!(
-                "[A] wakes up; its lease expired {:?} ago, but A does not know",
-                tokio::time::Instant::now().saturating_duration_since(lease.expires_at())
-            );
-            match store.write(fence, balance) {
-                Ok(()) => println!("[A] late write accepted (this must not happen!)"),
-                Err(refused) => println!("[A] late write {refused}"),
-            }
-            let released = locker.release(&lease).await?;
-            println!(
-                "[A] release: {}",
-                if released {
-                    "released"
-                } else {
-                    "refused, the lock is not A's any more"
-                }
-            );
-            Ok::<(), BoxError>(())
-        }
-    });
+    let a = tokio::spawn(stall_and_write_late(locker, store.clone(), ttl, b_done_rx));
 
     // B's deposit arrives while A holds the lock.
     sleep(ms(20)).await;
