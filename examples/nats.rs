@@ -76,22 +76,12 @@ async fn main() {
     }
 }
 
-async fn run() -> Result<(), BoxError> {
-    let ms = Duration::from_millis;
-    let orders: usize = match std::env::var("ORDERS") {
-        Ok(n) => n.parse().map_err(|e| format!("ORDERS={n}: {e}"))?,
-        Err(_) => 12,
-    };
-    let (nats_url, _nats) = lockgate::testing::nats_or_throwaway()?;
-    let (client, _redis) = lockgate::testing::local_or_throwaway()?;
-    println!(
-        "NATS at {nats_url}, Redis at {}",
-        client.get_connection_info().addr()
-    );
-
-    // JetStream: a stream for the orders, one durable consumer that every
-    // process of this pipeline shares (each message goes to one of them).
-    let js = jetstream::new(async_nats::connect(&nats_url).await?);
+/// JetStream: a stream for the orders, and one durable consumer that every
+/// process of this pipeline shares (each message goes to one of them).
+async fn jetstream_consumer(
+    nats_url: &str,
+) -> Result<(jetstream::Context, stream::Stream, PullConsumer), BoxError> {
+    let js = jetstream::new(async_nats::connect(nats_url).await?);
     // A busy server may let a JetStream request time out (processes of the
     // pipeline starting together create the same stream and consumer): try
     // again a few times before giving up.
@@ -115,6 +105,23 @@ async fn run() -> Result<(), BoxError> {
         )
     })
     .await?;
+    Ok((js, stream, consumer))
+}
+
+async fn run() -> Result<(), BoxError> {
+    let ms = Duration::from_millis;
+    let orders: usize = match std::env::var("ORDERS") {
+        Ok(n) => n.parse().map_err(|e| format!("ORDERS={n}: {e}"))?,
+        Err(_) => 12,
+    };
+    let (nats_url, _nats) = lockgate::testing::nats_or_throwaway()?;
+    let (client, _redis) = lockgate::testing::local_or_throwaway()?;
+    println!(
+        "NATS at {nats_url}, Redis at {}",
+        client.get_connection_info().addr()
+    );
+
+    let (js, stream, consumer) = jetstream_consumer(&nats_url).await?;
 
     // lockgate: the queue orders wait in, a lock per account.
     let conn = client.get_connection_manager().await?;
