@@ -767,8 +767,10 @@ async fn idle_workers_take_turns_at_recovery_instead_of_each_sweeping_every_shar
     let mut runs = Vec::new();
     for _ in 0..4 {
         let service = tower::service_fn(|_: Job<u32>| async { Ok::<_, BoxError>(()) });
+        // No depth sampling: its stats scripts are not what is counted.
         let worker = Worker::new(server.client(), queue.clone(), service)
             .lease(ms(300))
+            .and_then(|w| w.sample_every(None))
             .unwrap();
         let mut stopped = stopped.clone();
         runs.push(tokio::spawn(worker.run_until(async move {
@@ -789,8 +791,54 @@ async fn idle_workers_take_turns_at_recovery_instead_of_each_sweeping_every_shar
         run.await.unwrap().unwrap();
     }
     assert!(
-        calls <= 8 * sweeps + 8,
+        calls <= 8 * sweeps + 16,
         "{calls} script calls in {:?}: at most {sweeps} sweeps of 8 shards expected",
         started.elapsed()
     );
+}
+
+#[tokio::test]
+async fn a_worker_with_a_short_lease_recovers_beside_one_with_a_long_lease() {
+    // A message whose worker died: claimed with a 300 ms lease, never
+    // settled. A worker with a 30 s lease (it looks every 10 s) takes its
+    // turn at recovery first; one with a 300 ms lease (every 100 ms) must
+    // not wait for it.
+    let server = server();
+    let conn = manager(&server).await;
+    let queue = sharded(conn.clone(), "leases", 2);
+    queue.push(7).await.unwrap();
+    let claimed = queue.claim(1, ms(300)).await.unwrap();
+    assert_eq!(claimed.jobs.len(), 1);
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut runs = Vec::new();
+    for lease in [secs(30), ms(300)] {
+        let service = {
+            let handled = handled.clone();
+            tower::service_fn(move |job: Job<u32>| {
+                let handled = handled.clone();
+                async move {
+                    handled.lock().unwrap().push(*job);
+                    Ok::<_, BoxError>(())
+                }
+            })
+        };
+        let worker = Worker::new(server.client(), queue.clone(), service)
+            .lease(lease)
+            .unwrap();
+        let mut stopped = stopped.clone();
+        runs.push(tokio::spawn(worker.run_until(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })));
+        tokio::time::sleep(ms(100)).await;
+    }
+    eventually("the short-lease worker recovers it", secs(4), async || {
+        let handled = handled.lock().unwrap().clone();
+        done_if(handled == [7], format_args!("handled {handled:?}"))
+    })
+    .await;
+    let _ = stop.send(true);
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
 }

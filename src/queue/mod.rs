@@ -193,7 +193,8 @@ pub(crate) struct QueueKeys {
     pub(crate) partitions: String,
     /// The record of the queue's shard count (see `shards.rs`).
     pub(crate) shards: String,
-    /// Whose turn it is to recover expired leases (see `recover_in_turn`).
+    /// Whose turn it is to recover expired leases, per period (see
+    /// `recover_in_turn`): `<recovering>:<ms>`.
     pub(crate) recovering: String,
 }
 
@@ -1349,21 +1350,27 @@ where
         Ok(total)
     }
 
-    /// [`recover`](Self::recover), unless a handle of the queue (a worker,
-    /// in this process or another) did in the last `every`: the workers of
-    /// a queue take turns, so that between them they sweep its shards and
-    /// keyed partitions once per `every`, however many they are. Returns
-    /// nothing recovered when it was not this handle's turn.
+    /// [`recover`](Self::recover), unless a handle of the queue with the
+    /// same `every` (a worker with the same lease, in this process or
+    /// another) did in the last `every`: such workers take turns, so that
+    /// between them they sweep the queue's shards and keyed partitions once
+    /// per `every`, however many they are. (Workers with another lease
+    /// take their own turns: none waits on a slower one's.) Returns nothing
+    /// recovered when it was not this handle's turn.
     pub(crate) async fn recover_in_turn(
         &self,
         max_stalls: u32,
         every: Duration,
     ) -> Result<Recovered> {
+        // A handle that cannot recover (say, of another shard count) must
+        // not take a turn from those that can.
+        self.layout().await?;
+        let every = millis(every);
         // A turn lasts 90 % of `every`: the next tick of the worker that
         // took it finds it over, however their timers drift.
         let mut turn = redis::cmd("SET");
-        turn.arg(&self.keys.recovering).arg(1).arg("NX");
-        turn.arg("PX").arg((millis(every) * 9 / 10).max(1));
+        turn.arg(format!("{}:{every}", self.keys.recovering));
+        turn.arg(1).arg("NX").arg("PX").arg((every * 9 / 10).max(1));
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         let taken: Option<String> = turn.query_on(&self.conn, attempted).await?;
         match taken {
