@@ -24,6 +24,6 @@ command -v valgrind > /dev/null || {
 }
 wrapper=$(mktemp -t lockgate-callgrind-redis.XXXXXX)
 trap 'rm -f "$wrapper"' EXIT
-printf '#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file=/dev/null -q %s "$@"\n' "$real" >"$wrapper"
+printf '#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file=/dev/null -q %q "$@"\n' "$real" >"$wrapper"
 chmod +x "$wrapper"
 LOCKGATE_CALLGRIND=1 LOCKGATE_REDIS_SERVER=$wrapper "$@"

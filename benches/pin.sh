@@ -24,6 +24,6 @@ real=$(command -v "${LOCKGATE_REDIS_SERVER:-redis-server}") || {
 }
 wrapper=$(mktemp -t lockgate-pinned-redis.XXXXXX)
 trap 'rm -f "$wrapper"' EXIT
-printf '#!/bin/sh\nexec taskset -c %s %s "$@"\n' "$server_cpus" "$real" >"$wrapper"
+printf '#!/bin/sh\nexec taskset -c %s %q "$@"\n' "$server_cpus" "$real" >"$wrapper"
 chmod +x "$wrapper"
 LOCKGATE_REDIS_SERVER=$wrapper taskset -c "$client_cpus" "$@"

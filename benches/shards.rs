@@ -12,11 +12,13 @@
 //! `SHARDS_KEYS=<k>` gives the one-master run's messages k keys;
 //! `SHARDS_SERVER_ARGS="--zset-max-listpack-entries 0"` starts every
 //! server with those arguments (see BENCHMARKS.md: the shards' small active sets);
-//! `SHARDS_MESSAGES=<n>` pushes n messages per run instead of the default.
-//! Run under `benches/callgrind.sh`, the servers run under Valgrind's
-//! callgrind and each run adds the instructions the servers executed per
-//! message (user space): a count that does not depend on how the servers
-//! share this machine's cores.
+//! `SHARDS_MESSAGES=<n>` pushes n messages per run of a full run instead
+//! of the default. Run under `benches/callgrind.sh`, the servers run under
+//! Valgrind's callgrind and each run adds the instructions the servers
+//! executed per message (user space), less what they execute idle (their
+//! timers, the cluster bus) over the run's time, measured for a second
+//! before it: a count that does not depend on how the servers share this
+//! machine's cores.
 
 mod common;
 
@@ -54,7 +56,8 @@ struct Run {
     reads: f64,
     /// The servers' sleeps (voluntary context switches, Linux).
     sleeps: f64,
-    /// The servers' instructions, when they run under callgrind.
+    /// The servers' instructions, when they run under callgrind, less
+    /// those they execute idle over the run's time.
     instructions: f64,
     per_server: Vec<u64>,
 }
@@ -199,6 +202,22 @@ async fn counters(nodes: &[&RedisServer]) -> Result<Vec<Counters>, BoxError> {
     Ok(out)
 }
 
+/// The instructions the servers execute per second while nothing is sent
+/// to them (their timers, the cluster bus), over a second; 0 unless they
+/// run under callgrind.
+async fn idle_instructions_per_second(nodes: &[&RedisServer]) -> Result<f64, BoxError> {
+    if !under_callgrind() {
+        return Ok(0.0);
+    }
+    let (before, started) = (counters(nodes).await?, std::time::Instant::now());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = counters(nodes).await?;
+    let idle: u64 = (after.iter().zip(&before))
+        .map(|(a, b)| a.since(*b).instructions)
+        .sum();
+    Ok(idle as f64 / started.elapsed().as_secs_f64())
+}
+
 /// Pushes `n` messages (keyed over `keys` keys when `keys` > 0) in batches
 /// of 1000, then drains them with a worker at concurrency 50 and a no-op
 /// handler; measured on `nodes`.
@@ -212,7 +231,8 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
     K: lockgate::queue::Connector + Clone,
 {
-    let before = counters(nodes).await?;
+    let idle = idle_instructions_per_second(nodes).await?;
+    let (before, started) = (counters(nodes).await?, std::time::Instant::now());
     let messages = (0..n as u64).map(|i| {
         let options = match keys {
             0 => PushOptions::new(),
@@ -228,6 +248,7 @@ where
     }
     let rate = drain(connector, queue, n).await?;
     let after = counters(nodes).await?;
+    let background = (idle * started.elapsed().as_secs_f64()) as u64;
     let deltas: Vec<Counters> = (after.iter().zip(&before))
         .map(|(a, b)| a.since(*b))
         .collect();
@@ -253,7 +274,7 @@ where
         scripts: per(all.scripts),
         reads: per(all.reads),
         sleeps: per(all.sleeps),
-        instructions: per(all.instructions),
+        instructions: per(all.instructions.saturating_sub(background)),
         per_server: deltas.iter().map(|d| d.commands).collect(),
     })
 }
@@ -299,7 +320,7 @@ fn instructions_cell(run: &Run) -> String {
 fn instructions_heading(what: &str) -> (String, &'static str) {
     match under_callgrind() {
         true => (
-            format!(" server instructions per message ({what}) |"),
+            format!(" server instructions per message ({what}, less idle) |"),
             "---|",
         ),
         false => (String::new(), ""),
@@ -409,6 +430,7 @@ async fn cluster() -> Result<(), BoxError> {
         ("3 shards", 3, false),
         ("3 shards, slots moved to one master", 3, true),
     ];
+    let mut ratios = Vec::new();
     for (workload, keys) in [("without keys", 0), ("keyed, 1000 keys", 1000)] {
         let placements = &placements[..if keys == 0 { 3 } else { 2 }];
         let mut runs: Vec<Vec<Run>> = placements.iter().map(|_| Vec::new()).collect();
@@ -447,11 +469,16 @@ async fn cluster() -> Result<(), BoxError> {
                 ),
                 false => String::new(),
             };
-            println!(
+            ratios.push(format!(
                 "{workload}, {label} / one slot: server CPU {:.1} %{instructions}",
                 100.0 * run.cpu_us / one.cpu_us
-            );
+            ));
         }
+    }
+    // After the table, which a line between its rows would end.
+    println!();
+    for ratio in ratios {
+        println!("{ratio}");
     }
     println!();
     Ok(())
