@@ -25,6 +25,19 @@ where
     (Queue::new(conn, name).and_then(|q| q.shards(n))).expect("a valid shard count")
 }
 
+/// A handler that records each message it is given in `handled`.
+fn recorder(
+    handled: &Arc<Mutex<Vec<u32>>>,
+) -> tower::util::ServiceFn<
+    impl FnMut(Job<u32>) -> std::future::Ready<Result<(), BoxError>> + Clone + use<>,
+> {
+    let handled = handled.clone();
+    tower::service_fn(move |job: Job<u32>| {
+        handled.lock().unwrap().push(*job);
+        std::future::ready(Ok(()))
+    })
+}
+
 /// Every key of the server, through `conn`.
 async fn all_keys(conn: &redis::aio::ConnectionManager) -> BTreeSet<String> {
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -345,16 +358,7 @@ async fn a_worker_handles_each_message_of_every_shard_once() {
     let conn = manager(&server).await;
     let queue = sharded(conn.clone(), "work", 4);
     let handled = Arc::new(Mutex::new(Vec::new()));
-    let service = {
-        let handled = handled.clone();
-        tower::service_fn(move |job: Job<u32>| {
-            let handled = handled.clone();
-            async move {
-                handled.lock().unwrap().push(*job);
-                Ok::<_, BoxError>(())
-            }
-        })
-    };
+    let service = recorder(&handled);
     let worker = Worker::new(server.client(), queue.clone(), service)
         .concurrency(8)
         .unwrap();
@@ -436,14 +440,7 @@ impl Recording {
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let mut runs = Vec::new();
         for _ in 0..workers {
-            let handled = handled.clone();
-            let service = tower::service_fn(move |job: Job<u32>| {
-                let handled = handled.clone();
-                async move {
-                    handled.lock().unwrap().push(*job);
-                    Ok::<_, BoxError>(())
-                }
-            });
+            let service = recorder(&handled);
             let worker = Worker::new(cluster.client(), queue.clone(), service);
             let mut stopped = stopped.clone();
             runs.push(tokio::spawn(worker.run_until(async move {
@@ -813,16 +810,7 @@ async fn a_worker_with_a_short_lease_recovers_beside_one_with_a_long_lease() {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut runs = Vec::new();
     for lease in [secs(30), ms(300)] {
-        let service = {
-            let handled = handled.clone();
-            tower::service_fn(move |job: Job<u32>| {
-                let handled = handled.clone();
-                async move {
-                    handled.lock().unwrap().push(*job);
-                    Ok::<_, BoxError>(())
-                }
-            })
-        };
+        let service = recorder(&handled);
         let worker = Worker::new(server.client(), queue.clone(), service)
             .lease(lease)
             .unwrap();
