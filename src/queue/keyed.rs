@@ -60,6 +60,7 @@ static KEY_LOADS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_keys.lu
 static TAKE_IN: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
 static PEEK: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
 static REMOVE: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
+static INDEX_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_settle.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
@@ -212,6 +213,17 @@ pub(crate) struct Turn {
     pub(crate) record: Vec<u8>,
 }
 
+/// What a partition holds, as a claim saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holds {
+    /// No message at all.
+    Nothing,
+    /// A message at work.
+    AtWork,
+    /// Messages, none at work (dead letters, say).
+    Waiting,
+}
+
 /// Turns claimed across partitions.
 #[derive(Debug, Default)]
 pub(crate) struct Claimed {
@@ -225,9 +237,15 @@ pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 
 /// A partition (or a shard: see `shards.rs`) is looked at again at the
 /// latest this long after a claim found nothing ready in it: the index is a
-/// hint, and a claimer that died between its two writes of an entry is
-/// covered by this.
+/// hint.
 pub(crate) const RECHECK_MS: i64 = 30_000;
+
+/// How long a claim hides the partitions it visits from other claims: their
+/// index entries are raised this far ahead before its scripts and settled
+/// after them. A claim that never comes back (its reply timed out, the
+/// server froze, the claimer died between the raise and the scripts)
+/// hides them no longer than this, about a claim's own timeout (issue 35).
+pub(crate) const CLAIMING_MS: i64 = 2_000;
 
 /// The keyed side of a queue, shared by its clones.
 #[derive(Debug, Default)]
@@ -364,9 +382,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Claims up to `max` heads of ready keys' lines across the partitions
     /// `slots` (named by the queue's claim as due at the server's `now`),
     /// each with its key's lock for `lease`. The partitions' index entries
-    /// are raised before the claims and lowered after them only to what
-    /// each claim saw, each in one command: a push that came in between
-    /// lowers its partition's entry itself, after its own script.
+    /// are raised [`CLAIMING_MS`] ahead before the claims and settled after
+    /// them, in one round trip: lowered to what each claim saw; where
+    /// nothing waits, left raised while a message is at work (the end of
+    /// its turn marks the partition, but a turn whose reply was lost never
+    /// does: the raise expires instead), else looked at again after
+    /// [`RECHECK_MS`], or, with no message at all, out of the index; each
+    /// only if a push did not lower it meanwhile (`lua/index_settle.lua`).
     pub(crate) async fn claim(
         &self,
         slots: &[u16],
@@ -380,8 +402,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Ok(claimed);
         }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let raised = slots.iter().map(|slot| (now + RECHECK_MS, *slot));
-        let raise = self.index(&["XX"], raised);
+        let raised_to = now + CLAIMING_MS;
+        let raise = self.index(&["XX"], slots.iter().map(|slot| (raised_to, *slot)));
         // On one server the raise rides with the first claim (a pipeline
         // keeps their order); on a cluster the index is on another node.
         let mut first = match self.is_cluster().await? {
@@ -391,27 +413,28 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             false => Some(raise),
         };
-        let (mut lowered, mut failed) = (Vec::with_capacity(slots.len()), None);
+        let (mut lowered, mut idle, mut failed) = (Vec::new(), Vec::new(), None);
         for slot in slots {
             let left = max - claimed.turns.len();
             // A partition not visited (or not claimed) is due as it was.
-            let at = match (left, &failed) {
-                (0, _) | (_, Some(_)) => Some(now),
+            let seen = match (left, &failed) {
+                (0, _) | (_, Some(_)) => (Some(now), Holds::AtWork),
                 _ => match (self.claim_in(slot, (left, lease), first.take(), &mut claimed)).await {
-                    Ok(at) => at,
+                    Ok(seen) => seen,
                     Err(error) => {
                         failed = Some(error);
-                        Some(now)
+                        (Some(now), Holds::AtWork)
                     }
                 },
             };
-            lowered.extend(at.map(|at| (at.max(0), slot)));
-        }
-        if !lowered.is_empty() {
-            let lower = self.index(&["XX", "LT"], lowered);
-            if let Err(error) = lower.query_on::<(), _>(self.conn, attempted).await {
-                failed.get_or_insert(error);
+            match seen {
+                (Some(at), _) => lowered.push((at.max(0), slot)),
+                (None, Holds::AtWork) => {}
+                (None, holds) => idle.push((slot, holds == Holds::Nothing)),
             }
+        }
+        if let Err(error) = self.settle_index(lowered, idle, raised_to).await {
+            failed.get_or_insert(error);
         }
         match failed {
             Some(error) if claimed.turns.is_empty() => Err(error),
@@ -425,17 +448,50 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
     }
 
+    /// Settles the index entries of the partitions a claim visited, raised
+    /// to `raised_to`: `lowered` (score, slot) to what the claim saw, with
+    /// `XX LT`; the `idle` ones (slot, whether it held no message at all),
+    /// where nothing waits, by `lua/index_settle.lua`. One round trip.
+    async fn settle_index(
+        &self,
+        lowered: Vec<(i64, u16)>,
+        idle: Vec<(u16, bool)>,
+        raised_to: i64,
+    ) -> Result<()> {
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        let lower = (!lowered.is_empty()).then(|| self.index(&["XX", "LT"], lowered));
+        if idle.is_empty() {
+            return match lower {
+                Some(lower) => lower.query_on::<(), _>(self.conn, attempted).await,
+                None => Ok(()),
+            };
+        }
+        let mut cmd = evalsha(&INDEX_SETTLE, 1);
+        let recheck = raised_to - CLAIMING_MS + RECHECK_MS;
+        cmd.arg(&self.keys.partitions).arg(raised_to).arg(recheck);
+        for (slot, empty) in idle {
+            cmd.arg(slot).arg(if empty { "1" } else { "0" });
+        }
+        let mut conn = self.conn.clone();
+        let settled: redis::RedisResult<i64> = match lower {
+            Some(lower) => run_after(&INDEX_SETTLE, &lower, &cmd, &mut conn).await,
+            None => run(&INDEX_SETTLE, &cmd, &mut conn).await,
+        };
+        settled.map(drop).map_err(Error::redis(attempted()))
+    }
+
     /// Claims in one partition, and brings `claimed.next_at` forward to
     /// when it has a key or a delayed message due next (server ms); returns
-    /// what its index entry is to be lowered to (none: nothing waits there).
-    /// (`first` goes in the same round trip as its first script call.)
+    /// what its index entry is to be lowered to (none: nothing waits
+    /// there), and what it holds. (`first` goes in the same round trip as
+    /// its first script call.)
     async fn claim_in(
         &self,
         slot: u16,
         limits: (usize, Duration),
         first: Option<Cmd>,
         claimed: &mut Claimed,
-    ) -> Result<Option<i64>> {
+    ) -> Result<(Option<i64>, Holds)> {
         let partition = self.partition(slot);
         let mut candidates = lock(&self.state.candidates)
             .remove(&slot)
@@ -446,7 +502,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             candidates = std::mem::take(&mut reply.2);
             reply = (self.claim_keys(&partition, &candidates, limits, None)).await?;
         }
-        let (turns, next_at, named) = reply;
+        let (turns, next_at, named, holds) = reply;
         claimed.turns.extend(turns);
         // Keys named for the next call are due now: the worker claims
         // again at once rather than sleeping.
@@ -460,7 +516,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         if let Some(at) = lower_to {
             claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
         }
-        Ok(lower_to)
+        Ok((lower_to, holds))
     }
 
     /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
@@ -512,14 +568,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// One claim script call (after `first`, in the same round trip): the
-    /// turns, the next due time and the ready keys named for the next call.
+    /// turns, the next due time, the ready keys named for the next call,
+    /// and what the partition holds.
     async fn claim_keys(
         &self,
         partition: &Arc<Partition>,
         candidates: &[String],
         (max, lease): (usize, Duration),
         first: Option<Cmd>,
-    ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>)> {
+    ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>, Holds)> {
         let prefix = &self.keys.prefix;
         let mut cmd = partition.call(&CLAIM, 4 * candidates.len());
         for key in candidates {
@@ -541,8 +598,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Vec<String>,
             Vec<Taken>,
             Vec<(String, String, u64)>,
+            u8,
         );
-        let (claim, next_at, named, taken, blocked): Reply = match first {
+        let (claim, next_at, named, taken, blocked, holds): Reply = match first {
             Some(first) => (run_after(&CLAIM, &first, &cmd, &mut self.conn.clone()).await)
                 .map_err(Error::redis(attempted()))?,
             None => self.run(&CLAIM, &cmd, attempted).await?,
@@ -559,7 +617,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             self.record(log).await;
         }
-        Ok((turns, (next_at >= 0).then_some(next_at), named))
+        let holds = match holds {
+            0 => Holds::Nothing,
+            1 => Holds::AtWork,
+            _ => Holds::Waiting,
+        };
+        Ok((turns, (next_at >= 0).then_some(next_at), named, holds))
     }
 
     /// The turns a claim script took; each key is one of `candidates`,
@@ -671,7 +734,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled)> {
         let settled = match (status, next) {
-            (0, None) => Settled::Lost,
+            (0, None) => {
+                // Most often a resend whose first attempt ran (its reply
+                // lost): that one let the key go, and its mark of the
+                // partition never came. Marked here, at worst in vain.
+                let marked = self.mark_ready(held.partition.slot, attempted).await;
+                if let Err(error) = marked {
+                    tracing::warn!(%error, "could not mark a keyed partition ready");
+                }
+                Settled::Lost
+            }
             (1, None) => Settled::Done,
             (2, None) => {
                 // The key is ready for the next claim, whoever makes it.

@@ -36,6 +36,7 @@
 mod events;
 mod job;
 mod keyed;
+mod lease;
 pub use keyed::MAX_RUN;
 use keyed::{DeadSet, Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
@@ -1043,10 +1044,12 @@ where
                 out[*n] = acked;
             }
         }
+        // A keyed claim found gone may have been acknowledged by an earlier
+        // attempt whose reply was lost: the caller knows whether one was.
         for (n, job) in jobs.iter().enumerate().filter(|(_, j)| j.held.is_some()) {
             out[n] = match self.ack(*job).await? {
                 true => Acked::Done,
-                false => Acked::NotHeld,
+                false => Acked::Gone,
             };
         }
         Ok(out)
@@ -1230,47 +1233,6 @@ where
             .query_on(&self.conn, || format!("burying message `{}`", job.id))
             .await?;
         Ok(buried == 1)
-    }
-
-    /// Renews the leases of claimed messages to run `lease` from now, in one
-    /// round trip per [`MAX_BATCH`] messages. Returns, per message, whether
-    /// its claim was still held.
-    pub async fn extend<'a, J, I>(&self, jobs: I, lease: Duration) -> Result<Vec<bool>>
-    where
-        J: Claim + 'a,
-        I: IntoIterator<Item = &'a J>,
-    {
-        check_lease(lease)?;
-        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
-        let mut out = vec![false; jobs.len()];
-        // Bounded script calls: one call never keeps the server busy for long.
-        let attempted = || format!("extending leases in queue `{}`", self.name());
-        for (shard, plain) in by_shard(&jobs) {
-            let active = &self.shards.get(shard)?.active;
-            for batch in plain.chunks(MAX_BATCH) {
-                let members: Vec<String> = batch.iter().map(|(_, j)| j.member()).collect();
-                let held: Vec<i64> = scripts::EXTEND
-                    .key(active)
-                    .arg(millis(lease))
-                    .arg(&members)
-                    .query_on(&self.conn, attempted)
-                    .await?;
-                if held.len() != batch.len() {
-                    let detail = format_args!("{} values for {} leases", held.len(), batch.len());
-                    return Err(Error::reply(attempted(), detail));
-                }
-                for ((n, _), held) in batch.iter().zip(held) {
-                    out[*n] = held == 1;
-                }
-            }
-        }
-        let keyed = self.keyed();
-        for (n, job) in jobs.iter().enumerate() {
-            if let Some(held) = &job.held {
-                out[n] = keyed.extend(held, (&job.id, job.claim), lease).await?;
-            }
-        }
-        Ok(out)
     }
 
     /// Acknowledges a claimed message and, for a keyed one

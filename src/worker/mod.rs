@@ -34,6 +34,7 @@ mod run;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -332,14 +333,18 @@ where
             in_flight: Mutex::new(HashMap::new()),
             cancel: watch::Sender::new(false),
             hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
+            next_seq: AtomicU64::new(0),
             continued: Mutex::new(VecDeque::new()),
             continued_ready: tokio::sync::Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
         });
         // Aborted when run_until ends or is dropped: housekeeping must not
         // keep renewing the leases of messages nobody handles any more.
+        // Renewal has a task of its own: it must never wait for a recovery
+        // sweep, whose length grows with the queue (issue 36).
         let mut background = JoinSet::new();
-        background.spawn(housekeep(shared.clone()));
+        background.spawn(renew_leases(shared.clone()));
+        background.spawn(recover_expired(shared.clone()));
         shared.metrics.register(self.queue.name());
         if let Some(every) = shared.config.sample_every {
             let metrics = shared.metrics.clone();
@@ -355,7 +360,6 @@ where
             acks,
             tasks: JoinSet::new(),
             buffer: VecDeque::new(),
-            next_seq: 0,
             failures: 0,
             claims_denied: None,
             waits_denied: None,
@@ -405,9 +409,11 @@ struct Shared<T, C> {
     /// so the rest are not tried (they come back after their lease) and
     /// shutdown still ends.
     hand_back_stalled: std::sync::atomic::AtomicBool,
+    /// The sequence number of the next claim tracked in `in_flight`.
+    next_seq: AtomicU64,
     /// Keyed messages claimed by the ack of the one before them, under the
-    /// same lock: the loop starts them first.
-    continued: Mutex<VecDeque<Job<T>>>,
+    /// same lock, tracked (so renewed) already: the loop starts them first.
+    continued: Mutex<VecDeque<(u64, Job<T>)>>,
     /// Wakes the idle loop when a message is continued.
     continued_ready: tokio::sync::Notify,
     /// Set when the loop stops: acks no longer claim the next message.
@@ -429,22 +435,10 @@ struct InFlight {
     /// lost (a deferral in place of this very claim also ends it, and may
     /// have raced the renewal).
     refused: bool,
-}
-
-/// Tracks `job`'s claim in `in_flight` under the next sequence number,
-/// which it returns.
-fn track<T>(in_flight: &mut HashMap<u64, InFlight>, next_seq: &mut u64, job: &Job<T>) -> u64 {
-    let seq = *next_seq;
-    *next_seq += 1;
-    let token = job.claim_ref().to_token();
-    in_flight.insert(
-        seq,
-        InFlight {
-            token,
-            refused: false,
-        },
-    );
-    seq
+    /// The lease runs at least until then: the moment the call that set
+    /// it (the claim, the last renewal) was sent, plus the lease. The
+    /// server's deadline is later (it counts from when the call arrived).
+    leased_until: Instant,
 }
 
 /// What to write back for a handled message.
@@ -461,6 +455,25 @@ enum Settlement {
 }
 
 impl<T: Payload, C: Conn> Shared<T, C> {
+    /// Tracks `job`'s claim, leased until `leased_until`, under the next
+    /// sequence number, which it returns: from now on it is renewed.
+    fn track(
+        &self,
+        in_flight: &mut HashMap<u64, InFlight>,
+        job: &Job<T>,
+        leased_until: Instant,
+    ) -> u64 {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let token = job.claim_ref().to_token();
+        let flight = InFlight {
+            token,
+            refused: false,
+            leased_until,
+        };
+        in_flight.insert(seq, flight);
+        seq
+    }
+
     /// Acknowledges a keyed message and, when its key has a next message,
     /// claims it under the same lock and hands it to the loop: a busy key
     /// runs back to back, one script per message. Falls back to the
@@ -474,12 +487,17 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
         let lease = self.config.lease;
+        let sent = Instant::now();
         match self.queue.ack_and_next_with(&token, lease, run_on).await {
             Ok((true, next)) => {
                 self.metrics.count(Count::Done);
                 if let Some(next) = next {
                     self.metrics.add(Count::Claimed, 1);
-                    self.continued().push_back(next);
+                    // Renewed from now on, not once the loop takes it: the
+                    // script gave it a whole lease, which must not lapse
+                    // while it waits for the loop.
+                    let seq = self.track(&mut self.in_flight(), &next, sent + lease);
+                    self.continued().push_back((seq, next));
                     self.continued_ready.notify_one();
                 }
             }
@@ -495,7 +513,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
-    fn continued(&self) -> std::sync::MutexGuard<'_, VecDeque<Job<T>>> {
+    fn continued(&self) -> std::sync::MutexGuard<'_, VecDeque<(u64, Job<T>)>> {
         // Plain pushes and pops: poisoning cannot leave it inconsistent.
         self.continued.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -662,6 +680,75 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         self.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
         true
+    }
+
+    /// Whether a buffered job may start: a handler never starts on a lease
+    /// with less than half its length left, since the next renewal may be
+    /// a third of a lease away and its round trip must fit in what is
+    /// left. A job with less is renewed first, here; one whose claim that
+    /// renewal finds gone is dropped, counted. `Err` when the renewal
+    /// failed: the job stays tracked, for the caller to try again.
+    async fn leased_for_start(&self, seq: u64, token: &ClaimToken) -> Result<bool> {
+        let lease = self.config.lease;
+        let left = (self.in_flight().get(&seq))
+            .map(|f| f.leased_until.saturating_duration_since(Instant::now()));
+        if left.is_none_or(|left| left >= lease / 2) {
+            return Ok(true);
+        }
+        let sent = Instant::now();
+        let renewed = self.queue.renew(&[token], lease).await;
+        if let Some(error) = renewed.errors.into_iter().next() {
+            self.metrics.count(Count::RedisErrors);
+            return Err(error);
+        }
+        let mut in_flight = self.in_flight();
+        if renewed.held.first() == Some(&Some(true)) {
+            if let Some(flight) = in_flight.get_mut(&seq) {
+                flight.leased_until = flight.leased_until.max(sent + lease);
+            }
+            return Ok(true);
+        }
+        in_flight.remove(&seq);
+        self.metrics.count(Count::LostLeases);
+        tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
+        Ok(false)
+    }
+
+    /// Renews the leases of the claims in flight (the snapshot's: a claim
+    /// tracked later has a whole lease already). A call that fails leaves
+    /// its claims to the next tick; the others are renewed all the same.
+    async fn renew_in_flight(&self) {
+        let lease = self.config.lease;
+        let in_flight: Vec<(u64, ClaimToken)> = self
+            .in_flight()
+            .iter()
+            .filter(|(_, f)| !f.refused)
+            .map(|(seq, f)| (*seq, f.token.clone()))
+            .collect();
+        if in_flight.is_empty() {
+            return;
+        }
+        let sent = Instant::now();
+        let tokens: Vec<&ClaimToken> = in_flight.iter().map(|(_, token)| token).collect();
+        let renewed = self.queue.renew(&tokens, lease).await;
+        for error in &renewed.errors {
+            self.metrics.count(Count::RedisErrors);
+            tracing::warn!(%error, "could not renew leases; retrying at the next tick");
+        }
+        let mut flights = self.in_flight();
+        for ((seq, _), held) in in_flight.iter().zip(renewed.held) {
+            // Settled since the snapshot: not lost, nor is a claim the
+            // handler deferred in place (the handler's task decides when
+            // its call returns); so a refusal is only marked.
+            let Some(flight) = flights.get_mut(seq) else {
+                continue;
+            };
+            match held {
+                Some(true) => flight.leased_until = flight.leased_until.max(sent + lease),
+                Some(false) => flight.refused = true,
+                None => {}
+            }
+        }
     }
 
     /// Waits for running handlers up to the shutdown timeout; then cancels
@@ -881,45 +968,26 @@ async fn sample_depth<T: Payload, C: Conn>(
     }
 }
 
-/// Renews the leases of in-flight messages every third of the lease, and
-/// recovers expired leases of dead workers (in turn with the queue's other
-/// workers).
-async fn housekeep<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
-    let lease = shared.config.lease;
-    let mut ticks = tokio::time::interval(lease / 3);
+/// Renews the leases of in-flight messages every third of the lease.
+async fn renew_leases<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
+    let mut ticks = tokio::time::interval(shared.config.lease / 3);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        let in_flight: Vec<(u64, ClaimToken)> = shared
-            .in_flight()
-            .iter()
-            .filter(|(_, f)| !f.refused)
-            .map(|(seq, f)| (*seq, f.token.clone()))
-            .collect();
-        for batch in in_flight.chunks(MAX_BATCH) {
-            let tokens = batch.iter().map(|(_, token)| token);
-            match shared.queue.extend(tokens, lease).await {
-                Ok(held) => {
-                    for ((seq, _), held) in batch.iter().zip(held) {
-                        // Only marked: settled since the snapshot is not
-                        // lost, nor is a claim the handler deferred in place
-                        // (the handler's task decides when its call returns).
-                        if !held && let Some(flight) = shared.in_flight().get_mut(seq) {
-                            flight.refused = true;
-                        }
-                    }
-                }
-                Err(error) => {
-                    shared.metrics.count(Count::RedisErrors);
-                    tracing::warn!(%error, "could not renew leases");
-                }
-            }
-        }
-        // The queue's workers take turns: one sweep per tick between them.
-        match (shared.queue)
-            .recover_in_turn(shared.config.max_stalls, lease / 3)
-            .await
-        {
+        shared.renew_in_flight().await;
+    }
+}
+
+/// Recovers expired leases of dead workers every third of the lease, in
+/// turn with the queue's other workers: one sweep per tick between them.
+async fn recover_expired<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
+    let every = shared.config.lease / 3;
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let max_stalls = shared.config.max_stalls;
+        match shared.queue.recover_in_turn(max_stalls, every).await {
             Ok(recovered) => {
                 let n = recovered.requeued + recovered.buried;
                 shared.metrics.add(Count::Recovered, n as u64);

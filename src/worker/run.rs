@@ -40,7 +40,6 @@ pub(super) struct Run<T, C, K: Connector, S> {
     /// Claimed jobs waiting for a free handler slot: leased (and renewed)
     /// like running ones.
     pub(super) buffer: VecDeque<(u64, Job<T>)>,
-    pub(super) next_seq: u64,
     /// Redis errors in a row, for the pause after each.
     pub(super) failures: u32,
     /// Since when the server has refused this worker's user (NOPERM,
@@ -105,16 +104,23 @@ where
     }
 
     /// Puts the keyed messages that acks claimed at the front of the
-    /// buffer: their keys' locks are held for them.
+    /// buffer, their keys' locks being held for them; but after any job of
+    /// the same key buffered already, which came earlier in the key's line
+    /// (a key with permits has several at work).
     fn take_continued(&mut self) -> bool {
-        let mut continued = self.shared.continued();
+        let continued: Vec<_> = self.shared.continued().drain(..).collect();
         if continued.is_empty() {
             return false;
         }
-        let mut in_flight = self.shared.in_flight();
-        while let Some(job) = continued.pop_back() {
-            let seq = super::track(&mut in_flight, &mut self.next_seq, &job);
-            self.buffer.push_front((seq, job));
+        let mut front = 0;
+        for (seq, job) in continued {
+            let own = (self.buffer.iter())
+                .rposition(|(_, buffered)| job.key().is_some() && buffered.key() == job.key());
+            let at = own.map_or(front, |i| i + 1);
+            self.buffer.insert(at, (seq, job));
+            if at <= front {
+                front += 1;
+            }
         }
         true
     }
@@ -129,6 +135,7 @@ where
         shutdown: &mut (impl Future + Unpin),
     ) -> std::result::Result<(), Stop> {
         let shared = &self.shared;
+        let sent = Instant::now();
         let claimed = match shared.queue.claim(max, shared.config.lease).await {
             Ok(claimed) => claimed,
             Err(error) => return Err(self.after_error(error, true, shutdown).await),
@@ -142,9 +149,10 @@ where
         // A full batch: more may be due.
         self.maybe_due = claimed.jobs.len() == max;
         self.next_due = claimed.next_due.map(|d| claimed_at + d);
+        let leased_until = sent + shared.config.lease;
         let mut in_flight = shared.in_flight();
         for job in claimed.jobs {
-            let seq = super::track(&mut in_flight, &mut self.next_seq, &job);
+            let seq = shared.track(&mut in_flight, &job, leased_until);
             self.buffer.push_back((seq, job));
         }
         Ok(())
@@ -192,6 +200,14 @@ where
             let token = job.claim_ref().to_token();
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
+            }
+            match self.shared.leased_for_start(seq, &token).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(error) => {
+                    self.buffer.push_front((seq, job));
+                    return self.after_error(error, true, shutdown).await;
+                }
             }
             let (deferrals, max) = (job.deferrals(), self.shared.config.max_deferrals);
             if let Some(max) = max.filter(|max| deferrals > *max) {
@@ -326,10 +342,13 @@ where
             self.shared.in_flight().remove(&seq);
         }
         self.shared.drain(self.tasks).await;
-        // Continued by an ack that had started before the loop stopped.
+        // Continued by an ack that had started before the loop stopped:
+        // renewed until now, handed back unless the drain did already.
         let late: Vec<_> = self.shared.continued().drain(..).collect();
-        for job in late {
-            self.shared.release(&job.claim_ref().to_token()).await;
+        for (seq, job) in late {
+            if self.shared.in_flight().remove(&seq).is_some() {
+                self.shared.release(&job.claim_ref().to_token()).await;
+            }
         }
     }
 }

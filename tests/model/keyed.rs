@@ -1,11 +1,12 @@
 //! Keyed messages through every script that moves them (issue 23): pushed
 //! with their key (ids that repeat, delays), claimed with short and long
 //! leases, acknowledged (also with the key's next message claimed in the
-//! same script, as the worker does), retried, deferred, released, buried, extended and
-//! recovered when their lease ran out, while code outside the queue takes
-//! and releases the keys' locks; each step possibly resent (its reply lost,
-//! the same call made again) or made over a connection the server just
-//! dropped.
+//! same script, as the worker does, under a short or a long lease of its
+//! own: a chain whose lease runs out is recovered like any turn, issue
+//! 35), retried, deferred, released, buried, extended and recovered when
+//! their lease ran out, while code outside the queue takes and releases
+//! the keys' locks; each step possibly resent (its reply lost, the same
+//! call made again) or made over a connection the server just dropped.
 //!
 //! The model keeps each key's line. After every claim it checks that only
 //! heads of lines came out, of keys with room (nothing of theirs at work,
@@ -57,8 +58,12 @@ enum Op {
         short: bool,
     },
     Ack(usize),
-    /// `ack_and_next`: the key's next message claimed by the ack.
-    AckNext(usize),
+    /// `ack_and_next`: the key's next message claimed by the ack, leased
+    /// short or long.
+    AckNext {
+        job: usize,
+        short: bool,
+    },
     Retry {
         job: usize,
         later: bool,
@@ -84,7 +89,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (0..IDS, prop::bool::weighted(0.1)).prop_map(|(id, later)| Op::Push { id, later }),
         5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
         3 => job.clone().prop_map(Op::Ack),
-        3 => job.clone().prop_map(Op::AckNext),
+        3 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, short)| Op::AckNext { job, short }),
         2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
         1 => job.clone().prop_map(Op::Defer),
         1 => job.clone().prop_map(Op::Release),
@@ -340,11 +345,15 @@ impl World<'_> {
                     }
                 }
             }
-            Op::AckNext(j) => {
+            Op::AckNext {
+                job: j,
+                short: next_short,
+            } => {
                 let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
-                let (held, next) = self.retried(at, || q.ack_and_next(&job, LONG)).await?;
+                let lease = if next_short { SHORT } else { LONG };
+                let (held, next) = self.retried(at, || q.ack_and_next(&job, lease)).await?;
                 prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
                 if !held {
                     prop_assert!(next.is_none(), "{}: a next job for a lost claim", at);
@@ -355,7 +364,7 @@ impl World<'_> {
                 self.model.lines[self.key_index(&job)].retain(|i| *i != n);
                 self.model.messages.remove(&n);
                 let run = self.model.runs.remove(&n).unwrap_or(0);
-                self.continued(&job, (short, run), next, lost, at)?;
+                self.continued(&job, (short, run), (next, next_short), lost, at)?;
             }
             Op::Retry { job: j, later } => {
                 let Some((job, generation)) = self.job(j) else {
@@ -470,15 +479,16 @@ impl World<'_> {
     }
 
     /// Checks the next job an `ack_and_next` of `job` (its lease `short`
-    /// or not, `run` messages before it under its hold) claimed: the key's
-    /// head, under the same claim and lease end, whenever the key's lock is
-    /// still the queue's (a short lease may have run out, and other code
-    /// taken the lock) and the run is not at its end.
+    /// or not, `run` messages before it under its hold) claimed, leased
+    /// short when `next_short`: the key's head, under the same claim,
+    /// whenever the key's lock is still the queue's (a short lease may have
+    /// run out, and other code taken the lock) and the run is not at its
+    /// end.
     fn continued(
         &mut self,
         job: &Job<u64>,
         (short, run): (bool, u32),
-        next: Option<Job<u64>>,
+        (next, next_short): (Option<Job<u64>>, bool),
         lost: bool,
         at: &str,
     ) -> Result<(), TestCaseError> {
@@ -525,9 +535,10 @@ impl World<'_> {
             "{}: counts",
             at
         );
-        // A lock passed on as it is: the same lease end; a permit, or a
-        // key with a rate limit: a new one, leased `LONG`.
-        m.state = State::InLine(Some((next.claim(), short && !permits && !rated)));
+        // Every message a hand-over claims has the lease the ack gave it,
+        // its key's lock (or permit) renewed with it (issue 35: a chain
+        // must not live on its first message's lease).
+        m.state = State::InLine(Some((next.claim(), next_short)));
         if rated {
             prop_assert!(self.model.admitted.0 < RATE, "{}: over the rate", at);
             self.model.admitted.0 += 1;

@@ -16,7 +16,9 @@
 -- Returns {claim, when a key or a delayed message is due next (ms, -1 for
 -- none), {candidate keys}, {key, id, seq, permits (0: the lock), 1 if the
 -- key has a rate limit else 0, record, ...}, {key that other code keeps
--- full, the lock or set to watch, ms until its first lease ends, ...}}.
+-- full, the lock or set to watch, ms until its first lease ends, ...},
+-- what the partition holds: 0 no message at all, 1 a message at work,
+-- 2 messages, none at work}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
 promote(now, 1000)
@@ -110,4 +112,10 @@ local next_at = tonumber(
   redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
 local due = head_due(KEYS[SCHEDULE])
 if due and (next_at < 0 or due < next_at) then next_at = due end
-return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked}
+local holds = 2
+if redis.call('EXISTS', KEYS[DATA]) == 0 then
+  holds = 0
+elseif redis.call('ZCARD', KEYS[ACTIVE]) > 0 then
+  holds = 1
+end
+return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}

@@ -33,16 +33,17 @@
 -- and claim number.
 --
 -- The usual hand-over (a lock, no rate limit, no fence issued, nobody
--- waiting) passes the lock on as it is, token and expiry, and the next
--- message's lease ends when this one's would have: the lock and the lease
--- keep ending together (the claim and every renewal set both), with no
--- clock read and no write of the lock. A fenced lock gets a new token, so
--- that the next message's fence is its own.
+-- waiting) passes the lock on under its token. Every message a hand-over
+-- claims starts with a whole lease, `ARGV[10]` from now, and the lock is
+-- renewed with it: the worker renews a message only once it knows of it,
+-- and a chain of short messages may move on several times between a
+-- renewal's reading and its call, so a lease inherited from the first
+-- message of a chain would run out under the chain (issue 35). A fenced
+-- lock gets a new token, so that the next message's fence is its own.
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
-local deadline = redis.call('ZSCORE', KEYS[ACTIVE], at_work)
-if not deadline then return {0, '', false} end
+if not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return {0, '', false} end
 redis.call('ZREM', KEYS[ACTIVE], at_work)
 local acked = ''
 if op == 'ack' then
@@ -83,7 +84,8 @@ local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
   local next, next_seq = head_of(key)
   if next and redis.call('GET', KEYS[12]) == token then
-    return continue(next, next_seq, deadline, false)
+    redis.call('PEXPIRE', KEYS[12], ARGV[10])
+    return continue(next, next_seq, now_ms() + tonumber(ARGV[10]), false)
   end
 end
 
