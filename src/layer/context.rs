@@ -55,6 +55,17 @@ struct State {
     notify: Notify,
 }
 
+/// Issues fences with `locker` (see [`HeldLock::fence`]).
+pub(crate) fn fence_issuer<C>(locker: crate::Locker<C>) -> IssueFence
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    Arc::new(move |ticket| {
+        let locker = locker.clone();
+        Box::pin(async move { locker.fence_ticket(&ticket).await })
+    })
+}
+
 impl HeldLock {
     pub(crate) fn new(ticket: Arc<Ticket>, issue_fence: IssueFence) -> Self {
         Self(Arc::new(State {
@@ -66,8 +77,10 @@ impl HeldLock {
     }
 
     /// The lock held for the current call, when called (directly or through
-    /// futures it awaits) from a handler running under a `LockLayer`.
-    /// `None` elsewhere, and for messages whose key function returned `None`.
+    /// futures it awaits) from a handler running under a `LockLayer`, or
+    /// from a [`Worker`](crate::Worker)'s handler of a keyed message (the
+    /// key's lock it was claimed with). `None` elsewhere, and for messages
+    /// whose key function returned `None`.
     pub fn current() -> Option<HeldLock> {
         CURRENT.try_with(Clone::clone).ok()
     }
@@ -93,6 +106,12 @@ impl HeldLock {
     pub async fn fence(&self) -> crate::Result<u64> {
         match self.issued_fence() {
             Some(fence) => Ok(fence),
+            // A keyed message's lock may be the key's next message's by
+            // now, under the same token: only a lock still this call's
+            // may issue.
+            None if self.is_lost() => Err(crate::Error::NotHeld {
+                key: self.key().to_owned(),
+            }),
             None => (self.0.issue_fence)(self.0.ticket.clone()).await,
         }
     }
@@ -113,7 +132,11 @@ impl HeldLock {
     /// The lock is lost when Redis answers a renewal that it is not this
     /// call's any more, or when the lease's conservative expiry passes
     /// without a confirmed renewal (the README's "The LockLayer", renewal):
-    /// from that moment another process may hold the key. Lost is final.
+    /// from that moment another process may hold the key. A keyed
+    /// message's lock (held by the [`Worker`](crate::Worker)) also counts as
+    /// lost once the message's handler returned: a clone that outlives the
+    /// call (a spawned task's) must not act for the key's next message,
+    /// which may hold the lock under the same token. Lost is final.
     pub async fn lost(&self) {
         loop {
             let notified = self.0.notify.notified();
@@ -124,6 +147,11 @@ impl HeldLock {
             }
             notified.await;
         }
+    }
+
+    /// Whether this is the hold of `key`'s lock under `token`.
+    pub(crate) fn holds(&self, key: &str, token: crate::lock::Token) -> bool {
+        self.0.ticket.key() == key && self.0.ticket.token() == token.as_str()
     }
 
     pub(crate) fn mark_lost(&self) {

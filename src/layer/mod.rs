@@ -60,6 +60,7 @@ mod strategy;
 use std::sync::Arc;
 
 pub use self::context::HeldLock;
+pub(crate) use self::context::fence_issuer;
 pub use self::error::{ClaimLost, LockLost, TooManyDeferrals};
 pub use self::future::ResponseFuture;
 pub use self::rate::{RateLimit, RateLimitLayer, RateSlot};

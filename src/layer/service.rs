@@ -208,14 +208,8 @@ fn fence_issuer<C, F, D>(config: &LockLayer<C, F, D>) -> super::context::IssueFe
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let issue = config.issue_fence.get_or_init(|| {
-        let locker = config.locker.clone();
-        Arc::new(move |ticket| {
-            let locker = locker.clone();
-            Box::pin(async move { locker.fence_ticket(&ticket).await })
-        })
-    });
-    issue.clone()
+    let locker = || super::context::fence_issuer(config.locker.clone());
+    config.issue_fence.get_or_init(locker).clone()
 }
 
 /// The token of the lock on `key` (one of its `permits`), when the
@@ -237,7 +231,10 @@ where
 
 /// Calls the inner service for a keyed message the worker claimed with its
 /// key's lock: the lock is held already, renewed with the message's lease
-/// and let go by its settlement.
+/// and let go by its settlement. The worker's [`HeldLock`] for it (set
+/// around the call) is the one the handler sees, marked lost when a
+/// renewal finds the claim gone; `OnLost` applies to it as to the layer's
+/// own locks.
 async fn call_holding<S, C, F, D, Req>(
     config: Arc<LockLayer<C, F, D>>,
     inner: S,
@@ -251,9 +248,24 @@ where
     S::Error: Into<BoxError>,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let ticket = config.locker.held_ticket(key, token, permits);
-    let held = HeldLock::new(ticket, fence_issuer(&config));
-    held.scope(call_ready(inner, req, running)).await
+    let worker_held = HeldLock::current().filter(|held| held.holds(&key, token));
+    let held = worker_held.unwrap_or_else(|| {
+        let ticket = config.locker.held_ticket(key, token, permits);
+        HeldLock::new(ticket, fence_issuer(&config))
+    });
+    let call = held.clone().scope(call_ready(inner, req, running));
+    let result = match config.on_lost {
+        OnLost::Cancel => tokio::select! {
+            biased;
+            result = call => Some(result),
+            () = held.lost() => None,
+        },
+        OnLost::Report => Some(call.await),
+    };
+    match result {
+        Some(result) if !held.is_lost() => result,
+        completed => Err(lock_lost(&held, completed.is_some())),
+    }
 }
 
 /// Runs the call while renewing the lease; releases it afterwards, or

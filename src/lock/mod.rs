@@ -457,6 +457,12 @@ where
         self.with_config(|c| c.listener = Some(listener))
     }
 
+    /// A locker on `conn` under a queue's `prefix` (checked with the
+    /// queue's), for the locks of its keyed messages.
+    pub(crate) fn for_queue(conn: C, prefix: &str) -> Self {
+        Self::new(conn).with_config(|c| c.prefix = prefix.to_owned())
+    }
+
     fn with_config(self, edit: impl FnOnce(&mut LockerConfig)) -> Self {
         let mut config = LockerConfig {
             prefix: self.config.prefix.clone(),

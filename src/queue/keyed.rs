@@ -375,6 +375,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
         let (added, due): (i64, i64) = self.run(&TAKE_IN, &cmd, attempted).await?;
+        // The mark is what makes the copy found (the partition may be new
+        // to the index): tried again a few times before the deferral fails
+        // (then the original is retried, and may run beside the copy).
+        let mut pause = Duration::from_millis(50);
+        for _ in 0..3 {
+            match self.mark_ready(partition.slot, attempted).await {
+                Ok(()) => return Ok((added == 1, due)),
+                Err(error) => {
+                    tracing::warn!(%error, "could not mark a keyed partition ready; trying again")
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+        }
         self.mark_ready(partition.slot, attempted).await?;
         Ok((added == 1, due))
     }
@@ -738,16 +752,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 // Most often a resend whose first attempt ran (its reply
                 // lost): that one let the key go, and its mark of the
                 // partition never came. Marked here, at worst in vain.
-                let marked = self.mark_ready(held.partition.slot, attempted).await;
-                if let Err(error) = marked {
-                    tracing::warn!(%error, "could not mark a keyed partition ready");
-                }
+                self.mark_after(held.partition.slot).await;
                 Settled::Lost
             }
             (1, None) => Settled::Done,
             (2, None) => {
                 // The key is ready for the next claim, whoever makes it.
-                self.mark_ready(held.partition.slot, attempted).await?;
+                self.mark_after(held.partition.slot).await;
                 Settled::Done
             }
             (3, Some((id, seq, record, renewed))) => {
@@ -803,6 +814,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         if let Err(error) = run::<()>(&EVENTS, &cmd, &mut self.conn.clone()).await {
             tracing::warn!(queue = %self.keys.name, %error, "could not record the events or completed messages of keyed messages; the messages are unaffected");
+        }
+    }
+
+    /// Marks a partition as having a ready key after a script changed it
+    /// already: a failure is logged, not returned, for the change stands
+    /// and its caller must not take it for a failed one (a resend would be
+    /// refused, and counted as a lost lease). Unmarked, the partition waits
+    /// for its index entry's next look: 2 s at most after a claim found a
+    /// message at work there (see [`CLAIMING_MS`]).
+    async fn mark_after(&self, slot: u16) {
+        let attempted = || format!("marking a partition of queue `{}` ready", self.keys.name);
+        if let Err(error) = self.mark_ready(slot, attempted).await {
+            tracing::warn!(queue = %self.keys.name, %error, "could not mark a keyed partition ready after a change; the index's next look finds it");
         }
     }
 
@@ -975,8 +999,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         pairs: Vec<(String, u32)>,
         keys: Vec<String>,
     ) -> Result<()> {
-        let attempted = || format!("re-driving dead letters of queue `{}`", self.keys.name);
-        self.mark_ready(slot, attempted).await?;
+        self.mark_after(slot).await;
         let mut log = Log::default();
         for ((id, attempt), key) in pairs.iter().zip(&keys) {
             log.event(EventKind::Redriven, key, (id, *attempt));
@@ -1008,7 +1031,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             if ended.is_empty() {
                 continue;
             }
-            self.mark_ready(slot, attempted).await?;
+            self.mark_after(slot).await;
             let mut log = Log::default();
             for (key, id, attempt, error) in &ended {
                 match error.as_str() {

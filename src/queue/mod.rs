@@ -679,6 +679,11 @@ where
         &self.keys.name
     }
 
+    /// The prefix of the queue's keys (and of its keyed messages' locks).
+    pub(crate) fn prefix_str(&self) -> &str {
+        &self.keys.prefix
+    }
+
     /// The connection this queue uses.
     pub fn connection(&self) -> &C {
         &self.conn
@@ -1195,7 +1200,7 @@ where
             .query_on(&self.conn, attempted)
             .await?;
         if due >= 0 {
-            self.mark_shard(usize::from(job.shard), due).await?;
+            self.mark_shard_after(usize::from(job.shard), due).await;
         }
         Ok((due >= 0).then(|| from_unix_ms(due)))
     }
@@ -1298,7 +1303,7 @@ where
         for (shard, k) in shards.keys.iter().enumerate() {
             let recovered = self.recover_shard(k, max_stalls).await?;
             if recovered.requeued > 0 {
-                self.mark_shard(shard, 0).await?;
+                self.mark_shard_after(shard, 0).await;
             }
             total.requeued += recovered.requeued;
             total.buried += recovered.buried;
@@ -1601,7 +1606,7 @@ where
             .await?;
         match (&set.partition, requeued > 0) {
             (Some((slot, _)), true) => self.keyed().redriven(*slot, redriven, keys).await?,
-            (None, true) => self.mark_shard(set.shard, 0).await?,
+            (None, true) => self.mark_shard_after(set.shard, 0).await,
             _ => {}
         }
         Ok((requeued, examined, started))

@@ -201,6 +201,16 @@ where
         self.mark_shards(&[(i, due)]).await
     }
 
+    /// [`mark_shard`](Self::mark_shard) after a script gave the shard its
+    /// work: a failure is logged, not returned (the change stands, and a
+    /// resend would be refused); the shard is looked at again within
+    /// `RECHECK_MS` at the latest.
+    pub(crate) async fn mark_shard_after(&self, i: usize, due: i64) {
+        if let Err(error) = self.mark_shard(i, due).await {
+            tracing::warn!(queue = %self.name(), shard = i, %error, "could not mark a shard after a change; the index's next look finds it");
+        }
+    }
+
     /// Tells the queue's workers that each shard `i` has work from its
     /// `due`: the index entries of those other than shard 0 (whose scripts
     /// ring themselves) are lowered to it and the bell rings, in one round

@@ -52,6 +52,7 @@ pub use self::metrics::{Metrics, MetricsSnapshot};
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
+use crate::layer::HeldLock;
 use crate::outcome::Outcome;
 use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, Slot};
 
@@ -334,6 +335,10 @@ where
             cancel: watch::Sender::new(false),
             hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
             next_seq: AtomicU64::new(0),
+            locker: crate::Locker::for_queue(
+                self.queue.connection().clone(),
+                self.queue.prefix_str(),
+            ),
             continued: Mutex::new(VecDeque::new()),
             continued_ready: tokio::sync::Notify::new(),
             stopping: std::sync::atomic::AtomicBool::new(false),
@@ -411,6 +416,9 @@ struct Shared<T, C> {
     hand_back_stalled: std::sync::atomic::AtomicBool,
     /// The sequence number of the next claim tracked in `in_flight`.
     next_seq: AtomicU64,
+    /// The locks of keyed messages, as the handler sees them
+    /// ([`HeldLock`]): their fences are issued through it.
+    locker: crate::Locker<C>,
     /// Keyed messages claimed by the ack of the one before them, under the
     /// same lock, tracked (so renewed) already: the loop starts them first.
     continued: Mutex<VecDeque<(u64, Job<T>)>>,
@@ -439,6 +447,9 @@ struct InFlight {
     /// it (the claim, the last renewal) was sent, plus the lease. The
     /// server's deadline is later (it counts from when the call arrived).
     leased_until: Instant,
+    /// A keyed message's lock as its handler sees it, once started: marked
+    /// lost when a renewal finds the claim gone, and when the call returns.
+    held: Option<HeldLock>,
 }
 
 /// What to write back for a handled message.
@@ -469,6 +480,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             token,
             refused: false,
             leased_until,
+            held: None,
         };
         in_flight.insert(seq, flight);
         seq
@@ -570,13 +582,30 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     /// Acknowledges messages, each with whether it counts as done. A message
     /// gone after an attempt whose reply was lost was completed by that
     /// attempt; one gone otherwise, or under another claim, is a lost lease.
+    ///
+    /// Keyed messages are written each on its own (one script each, all at
+    /// once), so that one that fails is resent alone: a resent batch would
+    /// find the others gone and count them lost.
     async fn ack(&self, batch: &[(ClaimToken, bool)]) {
+        let (keyed, plain): (Vec<_>, Vec<_>) =
+            (batch.iter()).partition(|(token, _)| token.held_lock().is_some());
+        let keyed = keyed.into_iter().map(|ack| self.ack_together(vec![ack]));
+        let plain = async {
+            if !plain.is_empty() {
+                self.ack_together(plain).await;
+            }
+        };
+        futures_util::future::join(plain, futures_util::future::join_all(keyed)).await;
+    }
+
+    /// Acknowledges `batch` in one call, resent whole when it fails.
+    async fn ack_together(&self, batch: Vec<&(ClaimToken, bool)>) {
         let what = || format!("acknowledge {} message(s)", batch.len());
         let write = || self.queue.ack_claims(batch.iter().map(|(token, _)| token));
         let Some((acked, resent)) = self.persist(what, write).await else {
             return;
         };
-        for ((token, done), acked) in batch.iter().zip(acked) {
+        for ((token, done), acked) in batch.into_iter().zip(acked) {
             match acked {
                 Acked::Done => {}
                 Acked::Gone if resent => {
@@ -682,6 +711,21 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         true
     }
 
+    /// The lock a keyed job's handler holds, as [`HeldLock::current`] shows
+    /// it during the call; tracked with the job's claim so that a renewal
+    /// that finds the claim gone marks it lost. `None` for other jobs.
+    fn held_lock(&self, seq: u64, token: &ClaimToken) -> Option<HeldLock> {
+        let (key, lock_token, permits) = token.held_lock()?;
+        let permits = (permits > 0).then_some(permits);
+        let ticket = self.locker.held_ticket(key.to_owned(), lock_token, permits);
+        let issuer = crate::layer::fence_issuer(self.locker.clone());
+        let held = HeldLock::new(ticket, issuer);
+        if let Some(flight) = self.in_flight().get_mut(&seq) {
+            flight.held = Some(held.clone());
+        }
+        Some(held)
+    }
+
     /// Whether a buffered job may start: a handler never starts on a lease
     /// with less than half its length left, since the next renewal may be
     /// a third of a lease away and its round trip must fit in what is
@@ -745,7 +789,12 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             };
             match held {
                 Some(true) => flight.leased_until = flight.leased_until.max(sent + lease),
-                Some(false) => flight.refused = true,
+                Some(false) => {
+                    flight.refused = true;
+                    if let Some(held) = &flight.held {
+                        held.mark_lost();
+                    }
+                }
                 None => {}
             }
         }
@@ -826,8 +875,13 @@ async fn handle<T: Payload, C: Conn, R, E>(
     }
     // Settling starts: stop renewing the lease. A renewal that found the
     // claim gone while the handler ran left a mark; what it means depends
-    // on the outcome.
-    let refused = shared.in_flight().remove(&seq).is_some_and(|f| f.refused);
+    // on the outcome. A keyed message's lock is not the call's any more:
+    // its clones (a task the handler spawned) must not act for the next.
+    let flight = shared.in_flight().remove(&seq);
+    if let Some(held) = flight.as_ref().and_then(|f| f.held.as_ref()) {
+        held.mark_lost();
+    }
+    let refused = flight.is_some_and(|f| f.refused);
     let settlement = settlement_of(&shared, &token, &running, outcome);
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any

@@ -272,6 +272,7 @@ where
             instruments.due_lag.record(lag.as_secs_f64());
         }
         let started = Instant::now();
+        let held = self.shared.held_lock(seq, &token);
         // `call` itself may panic (code before a service_fn's async block, a
         // key function): that fails this message, not the worker.
         let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -279,7 +280,16 @@ where
         }));
         match call {
             Ok(call) => {
-                let call = (running.scope(call), started, running);
+                // A keyed job's handler holds its key's lock: it sees it
+                // as `HeldLock::current()`, fences included.
+                let call = running.scope(call);
+                let call = async move {
+                    match held {
+                        Some(held) => held.scope(call).await,
+                        None => call.await,
+                    }
+                };
+                let call = (call, started, running);
                 let handled = handle(
                     self.shared.clone(),
                     self.acks.clone(),
