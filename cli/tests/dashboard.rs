@@ -703,3 +703,28 @@ async fn the_login_cookie_is_a_random_session_not_the_token() {
     assert_eq!(board.get_with_cookie("/", "lockgate_token=s3cret").0, 401);
     assert_eq!(board.get_with_cookie("/", "lockgate_session=s3cret").0, 401);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_from_another_origin_is_refused() {
+    let server = RedisServer::start().unwrap();
+    let q = orders(&server).await;
+    let board = Dashboard::start(&server, &[]);
+    let token = csrf(&board.get("/queue/orders").1);
+    let own = format!("127.0.0.1:{}", board.port());
+    let remove = |origin: &str| {
+        let headers = [("Origin", origin)];
+        let form = format!("csrf={token}&id=o-1");
+        board.send("POST", "/queue/orders/remove", Some(&own), &headers, &form)
+    };
+    // With the right token and Host, from a browser that sends `Origin`
+    // but not `Sec-Fetch-Site`: another site, another port on this
+    // machine, an opaque origin.
+    let other_port = format!("http://localhost:{}", board.port() ^ 1);
+    for origin in ["http://attacker.example", &other_port, "null", "file://"] {
+        assert_eq!(remove(origin).status, 403, "Origin {origin}");
+    }
+    assert_eq!(counts(&q).await.0, 2);
+    // From its own pages, it acts.
+    assert_eq!(remove(&format!("http://{own}")).status, 303);
+    assert_eq!(counts(&q).await.0, 1);
+}
