@@ -5,9 +5,17 @@
 //! or an error text from Redis renders as text), one small script of our
 //! own that refreshes the live parts, a stylesheet; both embedded, so the
 //! binary is all it takes. Reads go through lockgate's public API. Mutations
-//! are POSTs carrying a per-process CSRF token; GETs change nothing. On a
-//! non-loopback address a token is required, asked for once (`/login`) and
-//! kept in an HttpOnly cookie.
+//! are POSTs carrying a per-process CSRF token; GETs change nothing. A
+//! request sent to a name that is not the dashboard's is refused first of
+//! all (DNS rebinding: `hosts`). On a non-loopback address a token is
+//! required, asked for once (`/login`), which opens a session kept in an
+//! HttpOnly cookie (`sessions`).
+
+mod hosts;
+mod sessions;
+
+pub(crate) use hosts::Authority;
+pub(crate) use sessions::Sessions;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -39,6 +47,11 @@ const FOLD: usize = 400;
 const BUCKET_SECS: u64 = 10;
 const BUCKETS: u64 = 30;
 
+/// How long a login lasts.
+pub(crate) const SESSION_LIFETIME: Duration = Duration::from_secs(12 * 60 * 60);
+/// The cookie that holds a login's session id.
+const SESSION_COOKIE: &str = "lockgate_session";
+
 const SCRIPT: &str = include_str!("dashboard/app.js");
 const STYLE: &str = include_str!("dashboard/style.css");
 
@@ -49,8 +62,15 @@ pub(crate) struct Dashboard<C> {
     /// On a cluster, a connection to each master, for the listings.
     pub(crate) nodes: Vec<ConnectionManager>,
     pub(crate) prefix: String,
-    /// Required (as the `lockgate_token` cookie) when set.
+    /// Where to listen; once listening, the address bound (a port 0 is
+    /// known only then), which the `Host` rule compares with.
+    pub(crate) bind: SocketAddr,
+    /// Names the dashboard answers to besides its own (`--allowed-host`).
+    pub(crate) allowed_hosts: Vec<Authority>,
+    /// Required (once, at `/login`) when set.
     pub(crate) token: Option<String>,
+    /// The logins made with the token.
+    pub(crate) sessions: Sessions,
     /// The per-process CSRF token every form carries.
     pub(crate) csrf: String,
     /// Discovered queue names, and when.
@@ -59,11 +79,14 @@ pub(crate) struct Dashboard<C> {
 
 type Shared<C> = Arc<Dashboard<C>>;
 
-/// Serves the dashboard on `bind` until Ctrl-C.
-pub(crate) async fn serve<C>(dashboard: Dashboard<C>, bind: SocketAddr) -> std::io::Result<()>
+/// Serves the dashboard on its `bind` address until Ctrl-C.
+pub(crate) async fn serve<C>(mut dashboard: Dashboard<C>) -> std::io::Result<()>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    let listener = tokio::net::TcpListener::bind(dashboard.bind).await?;
+    dashboard.bind = listener.local_addr()?;
+    crate::say!("lockgate dashboard on http://{}/", dashboard.bind);
     let shared = Arc::new(dashboard);
     let app = Router::new()
         .route("/", get(overview::<C>))
@@ -85,8 +108,6 @@ where
         )
         .layer(middleware::from_fn_with_state(shared.clone(), guard::<C>))
         .with_state(shared);
-    let listener = tokio::net::TcpListener::bind(bind).await?;
-    crate::say!("lockgate dashboard on http://{}/", listener.local_addr()?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
@@ -105,28 +126,19 @@ fn asset(body: &'static str, kind: &'static str) -> Response {
         .into_response()
 }
 
-/// Security headers on every answer; the token, when one is required.
+/// Every request passes here first. A request sent to a name that is not
+/// the dashboard's is refused before anything else: before the login and
+/// the assets, and before any Redis call. Then the login, when a token is
+/// required. Every answer, refusals too, gets the security headers.
 async fn guard<C>(State(d): State<Shared<C>>, request: Request, next: Next) -> Response
 where
     C: Send + Sync + 'static,
 {
-    let path = request.uri().path().to_owned();
-    let open = path == "/login" || path.starts_with("/assets/");
-    if let (Some(token), false) = (&d.token, open) {
-        let sent = cookie(request.headers(), "lockgate_token");
-        if !sent.is_some_and(|sent| same(sent.as_bytes(), token.as_bytes())) {
-            let page = layout(
-                "Token required",
-                html! {
-                    h1 { "Token required" }
-                    p { "This dashboard asks for its token. Open "
-                        code { "/login?token=<token>" } " once; a cookie keeps it." }
-                },
-            );
-            return (StatusCode::UNAUTHORIZED, page).into_response();
-        }
-    }
-    let mut response = next.run(request).await;
+    let mut response = match d.refused_host(&request) {
+        Some(host) => misdirected(&host, d.bind),
+        None if !d.logged_in(&request) => token_required(&d.sessions),
+        None => next.run(request).await,
+    };
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_SECURITY_POLICY,
@@ -138,11 +150,81 @@ where
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
+    // No referrer beyond the dashboard. Not `no-referrer`: under it a
+    // browser sends `Origin: null` with the dashboard's own form POSTs,
+    // which `allowed` refuses.
     headers.insert(
         header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
+        HeaderValue::from_static("same-origin"),
     );
     response
+}
+
+impl<C> Dashboard<C> {
+    /// The name a request was sent to, quoted, when it is not one of the
+    /// dashboard's (`hosts::host_allowed`); `None` when it is. Both names
+    /// a request may give are checked: its `Host` header, and the target's
+    /// authority when the request line is in absolute form (a client that
+    /// means the dashboard gives its name in both). HTTP/1.1 requires
+    /// exactly one `Host`: none, or several, is refused too.
+    fn refused_host(&self, request: &Request) -> Option<String> {
+        let mut values = request.headers().get_all(header::HOST).iter();
+        let host = match (values.next(), values.next()) {
+            (Some(host), None) => String::from_utf8_lossy(host.as_bytes()).into_owned(),
+            (None, _) => return Some("(none)".into()),
+            (Some(_), Some(_)) => return Some("(several)".into()),
+        };
+        let target = request.uri().authority().map(|a| a.as_str().to_owned());
+        [Some(host), target]
+            .into_iter()
+            .flatten()
+            .find(|name| !hosts::host_allowed(name, self.bind, &self.allowed_hosts))
+            .map(|name| format!("{name:?}"))
+    }
+
+    /// Whether a request may go on: no token is required, it is the login
+    /// or an asset, or it carries a live session.
+    fn logged_in(&self, request: &Request) -> bool {
+        let path = request.uri().path();
+        let open = path == "/login" || path.starts_with("/assets/");
+        self.token.is_none()
+            || open
+            || cookie(request.headers(), SESSION_COOKIE).is_some_and(|id| self.sessions.valid(id))
+    }
+}
+
+/// 421 Misdirected Request: the request was meant for another name. Plain
+/// text, so that the name it repeats cannot be markup.
+fn misdirected(host: &str, bind: SocketAddr) -> Response {
+    let port = bind.port();
+    let body = format!(
+        "Refused: this request was sent to Host {host}, not to a name of this dashboard.\n\
+         It answers to localhost:{port}, 127.0.0.1:{port} and [::1]:{port}, to its own \
+         address, and to the names it is given with --allowed-host NAME (or \
+         LOCKGATE_DASHBOARD_ALLOWED_HOSTS=NAME,NAME). If browsers reach it by this name \
+         (a DNS name, a reverse proxy), start it with --allowed-host and that name.\n"
+    );
+    (
+        StatusCode::MISDIRECTED_REQUEST,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+/// 401: the page that asks for the token.
+fn token_required(sessions: &Sessions) -> Response {
+    let hours = sessions.lifetime().as_secs() / 3600;
+    let page = layout(
+        "Token required",
+        html! {
+            h1 { "Token required" }
+            p { "This dashboard asks for its token. Open "
+                code { "/login?token=<token>" } " once; a cookie keeps you logged in for "
+                (hours) " hours." }
+        },
+    );
+    (StatusCode::UNAUTHORIZED, page).into_response()
 }
 
 /// Constant-time comparison of two secrets.
@@ -169,7 +251,13 @@ struct LoginQuery {
 async fn login<C>(State(d): State<Shared<C>>, Query(q): Query<LoginQuery>) -> Response {
     match &d.token {
         Some(token) if same(q.token.as_bytes(), token.as_bytes()) => {
-            let cookie = format!("lockgate_token={token}; HttpOnly; SameSite=Strict; Path=/");
+            // A session id, never the token itself: a cookie that leaks
+            // opens one session, which ends by itself.
+            let cookie = format!(
+                "{SESSION_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
+                d.sessions.open(),
+                d.sessions.lifetime().as_secs()
+            );
             let mut response = Redirect::to("/").into_response();
             if let Ok(value) = HeaderValue::from_str(&cookie) {
                 response.headers_mut().insert(header::SET_COOKIE, value);
@@ -690,13 +778,24 @@ struct ActionForm {
     confirm: Option<String>,
 }
 
-/// Whether a POST may act: the page's CSRF token, and not from another site.
+/// Whether a POST may act: the page's CSRF token, and not from another site
+/// as the browser tells: `Sec-Fetch-Site`, and `Origin` (sent on POSTs also
+/// by browsers without the former), which must name the dashboard as a
+/// `Host` must. An opaque `Origin: null` is refused: the dashboard's own
+/// forms never send it.
 fn allowed<C>(d: &Dashboard<C>, headers: &HeaderMap, form: &ActionForm) -> bool {
     let cross_site = headers
         .get("sec-fetch-site")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v == "cross-site");
-    !cross_site && same(form.csrf.as_bytes(), d.csrf.as_bytes())
+    let foreign_origin = headers.get(header::ORIGIN).is_some_and(|origin| {
+        let authority = origin.to_str().ok().and_then(|o| {
+            o.strip_prefix("http://")
+                .or_else(|| o.strip_prefix("https://"))
+        });
+        !authority.is_some_and(|a| hosts::host_allowed(a, d.bind, &d.allowed_hosts))
+    });
+    !cross_site && !foreign_origin && same(form.csrf.as_bytes(), d.csrf.as_bytes())
 }
 
 fn forbidden() -> Response {

@@ -161,13 +161,26 @@ enum Command {
     /// Serves a web dashboard: queues, dead letters, locks, live rates.
     Dashboard {
         /// Where to listen. Loopback by default; any other address needs
-        /// `--token`.
+        /// `--token`, and every address (0.0.0.0, ::) `--allowed-host` too.
         #[arg(long, default_value = "127.0.0.1:7070")]
         bind: std::net::SocketAddr,
         /// A secret the browser must present (once, at `/login?token=…`)
         /// before it sees anything or changes anything.
         #[arg(long, env = "LOCKGATE_DASHBOARD_TOKEN", hide_env_values = true)]
         token: Option<String>,
+        /// A name browsers reach the dashboard by (a DNS name, a reverse
+        /// proxy's), besides localhost, 127.0.0.1 and [::1] on its port and
+        /// its own address: requests sent to any other name are refused.
+        /// NAME takes any port, NAME:PORT that port. Repeatable; the
+        /// variable takes them comma-separated.
+        #[arg(
+            long = "allowed-host",
+            value_name = "NAME",
+            env = "LOCKGATE_DASHBOARD_ALLOWED_HOSTS",
+            value_delimiter = ',',
+            value_parser = allowed_host
+        )]
+        allowed_hosts: Vec<dashboard::Authority>,
     },
 }
 
@@ -206,6 +219,31 @@ fn non_empty(text: &str) -> Result<String, String> {
     Ok(text.to_owned())
 }
 
+/// A name for `--allowed-host`: `NAME` or `NAME:PORT`, no scheme or path.
+fn allowed_host(text: &str) -> Result<dashboard::Authority, String> {
+    text.trim().parse()
+}
+
+/// Why `lockgate dashboard` may not listen on `bind` as asked, as its usage
+/// error says it; `None` when it may. Beyond loopback anyone on the network
+/// reaches it: it needs its token. On every address (0.0.0.0, ::) it
+/// cannot tell which names are its own (its addresses can change, and a
+/// rebound name reaches it on any of them): it needs them spelled out.
+fn dashboard_lacks(bind: std::net::SocketAddr, token: bool, names: bool) -> Option<String> {
+    let mut lacks = Vec::new();
+    if !bind.ip().is_loopback() && !token {
+        lacks.push(format!(
+            "the dashboard listens on {bind}, beyond this machine: give it --token (or LOCKGATE_DASHBOARD_TOKEN)"
+        ));
+    }
+    if bind.ip().is_unspecified() && !names {
+        lacks.push(format!(
+            "the dashboard listens on every address of this machine ({bind}): give it --allowed-host NAME for each name browsers reach it by (or LOCKGATE_DASHBOARD_ALLOWED_HOSTS=NAME,NAME); requests sent to other names are refused"
+        ));
+    }
+    (!lacks.is_empty()).then(|| lacks.join("\n"))
+}
+
 /// A duration above zero (`500ms`, `2s`).
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match humantime::parse_duration(text) {
@@ -238,15 +276,21 @@ fn not_found(what: impl Into<String>) -> Failure {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Dashboard { bind, token: None } = &cli.command
-        && !bind.ip().is_loopback()
+    if let Command::Dashboard {
+        bind,
+        token,
+        allowed_hosts,
+    } = &cli.command
+        // An empty token is none: the dashboard would run without one.
+        && let Some(lacks) = dashboard_lacks(
+            *bind,
+            token.as_ref().is_some_and(|t| !t.is_empty()),
+            !allowed_hosts.is_empty(),
+        )
     {
         use clap::CommandFactory;
         Cli::command()
-            .error(
-                clap::error::ErrorKind::MissingRequiredArgument,
-                format!("the dashboard listens on {bind}, beyond this machine: give it --token (or LOCKGATE_DASHBOARD_TOKEN)"),
-            )
+            .error(clap::error::ErrorKind::MissingRequiredArgument, lacks)
             .exit();
     }
     // rediss:// runs on rustls, with ring's cryptography. (Fails only if a
@@ -442,7 +486,11 @@ where
             Ok(())
         }
         Command::Bench { .. } => unreachable!("run by run_bench or run_cluster_bench"),
-        Command::Dashboard { bind, token } => ops.dashboard(bind, token).await,
+        Command::Dashboard {
+            bind,
+            token,
+            allowed_hosts,
+        } => ops.dashboard(bind, token, allowed_hosts).await,
     }
 }
 

@@ -243,6 +243,7 @@ where
         &self,
         bind: std::net::SocketAddr,
         token: Option<String>,
+        allowed_hosts: Vec<dashboard::Authority>,
     ) -> Result<(), Failure> {
         let csrf: String = (0..32)
             .map(|_| char::from_digit(rand::random_range(0..16), 16).unwrap_or('0'))
@@ -251,11 +252,14 @@ where
             conn: self.conn.clone(),
             nodes: self.node_connections().await?,
             prefix: self.prefix.clone(),
+            bind,
+            allowed_hosts,
             token: token.filter(|t| !t.is_empty()),
+            sessions: dashboard::Sessions::new(dashboard::SESSION_LIFETIME),
             csrf,
             names: std::sync::Mutex::new(None),
         };
-        Ok(dashboard::serve(board, bind).await?)
+        Ok(dashboard::serve(board).await?)
     }
 }
 

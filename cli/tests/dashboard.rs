@@ -318,3 +318,413 @@ async fn a_sharded_queue_shows_one_view_and_each_shard() {
         assert!(page.contains(needle), "{needle} missing: {page}");
     }
 }
+
+// ---------------------------------------------------------------------------
+// The Host rule (issue 34): a page on another site can point its own name at
+// 127.0.0.1 after it loaded (DNS rebinding); the operator's browser then
+// treats the dashboard as that site, reads its form token and posts with
+// `Sec-Fetch-Site: same-origin`. Only the `Host` header tells such a request
+// apart, so every request under a name that is not the dashboard's is
+// refused before it reaches Redis.
+
+/// A queue `orders` with two waiting messages and one dead letter, and
+/// nothing else: no lock whose lease would renew in the background while a
+/// test counts the server's commands.
+async fn orders(server: &RedisServer) -> Queue<serde_json::Value> {
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn, "orders").unwrap();
+    for id in ["o-1", "o-2"] {
+        q.push_with(json!({ "id": id }), PushOptions::new().id(id))
+            .await
+            .unwrap();
+    }
+    let options = PushOptions::new().id("d-1").priority(9);
+    q.push_with(json!({ "id": "d-1" }), options).await.unwrap();
+    let claimed = q.claim(1, std::time::Duration::from_secs(30)).await;
+    let job = claimed.unwrap().jobs.remove(0);
+    assert_eq!(job.id(), "d-1");
+    q.bury(&job, "card declined").await.unwrap();
+    q
+}
+
+/// Due, later, active and dead: what a purge, requeue or remove changes.
+async fn counts(q: &Queue<serde_json::Value>) -> (u64, u64, u64, u64) {
+    let s = q.stats().await.unwrap();
+    (s.due, s.later, s.active, s.dead)
+}
+
+/// Resets the server's per-command counters (`CONFIG RESETSTAT`).
+fn reset_counts(server: &RedisServer) {
+    let _: () = server.query(redis::cmd("CONFIG").arg("RESETSTAT")).unwrap();
+}
+
+/// The commands the server ran since [`reset_counts`], with their calls,
+/// less the test's own: `CONFIG`, `INFO`, and what a fresh connection sends
+/// (`CLIENT SETINFO`, `HELLO`).
+fn commands_since_reset(server: &RedisServer) -> Vec<(String, u64)> {
+    let info: String = server
+        .query(redis::cmd("INFO").arg("commandstats"))
+        .unwrap();
+    let ours = |name: &str| {
+        ["config", "info", "client", "hello"]
+            .iter()
+            .any(|own| name == *own || name.starts_with(&format!("{own}|")))
+    };
+    info.lines()
+        .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
+        .filter(|(name, _)| !ours(name))
+        .map(|(name, fields)| {
+            let calls = fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            (name.to_owned(), calls)
+        })
+        .collect()
+}
+
+/// `Host` headers a browser may send to the dashboard on 127.0.0.1:`port`
+/// that are not its names: a rebinding site's name (with its port, without,
+/// in capitals, dressed up as localhost or as the IP), IP literals of other
+/// addresses, the right names with the wrong port (no port is port 80), an
+/// empty one, and none at all.
+fn foreign_hosts(port: u16) -> Vec<Option<String>> {
+    let other = if port == 7085 { 7086 } else { 7085 };
+    let hosts = [
+        format!("attacker.example:{port}"),
+        "attacker.example".to_owned(),
+        format!("ATTACKER.EXAMPLE:{port}"),
+        format!("localhost.attacker.example:{port}"),
+        format!("127.0.0.1.attacker.example:{port}"),
+        format!("10.9.8.7:{port}"),
+        "10.9.8.7".to_owned(),
+        format!("127.0.0.2:{port}"),
+        format!("[::2]:{port}"),
+        format!("0.0.0.0:{port}"),
+        format!("127.0.0.1:{other}"),
+        format!("localhost:{other}"),
+        format!("[::1]:{other}"),
+        "localhost".to_owned(),
+        "127.0.0.1".to_owned(),
+        format!("127.0.0.1:{port}.attacker.example"),
+        format!("attacker.example@127.0.0.1:{port}"),
+        String::new(),
+    ];
+    hosts.into_iter().map(Some).chain([None]).collect()
+}
+
+/// Every kind of request the dashboard answers, as (method, path, form):
+/// its pages and fragments, an asset, the login, and the three actions
+/// with the page's real form token, a purge confirmed.
+fn every_request(csrf: &str) -> Vec<(&'static str, &'static str, String)> {
+    vec![
+        ("GET", "/", String::new()),
+        ("GET", "/fragment/overview", String::new()),
+        ("GET", "/queue/orders", String::new()),
+        ("GET", "/fragment/queue/orders", String::new()),
+        ("GET", "/locks", String::new()),
+        ("GET", "/assets/app.js", String::new()),
+        ("GET", "/login?token=s3cret", String::new()),
+        (
+            "POST",
+            "/queue/orders/purge",
+            format!("csrf={csrf}&confirm=orders"),
+        ),
+        (
+            "POST",
+            "/queue/orders/requeue",
+            format!("csrf={csrf}&all=1"),
+        ),
+        (
+            "POST",
+            "/queue/orders/remove",
+            format!("csrf={csrf}&id=o-1"),
+        ),
+    ]
+}
+
+/// Sends [`every_request`] under each of `hosts`, as the operator's browser
+/// sends them to a rebound name (same-origin, with `cookie` when given),
+/// and once more with each foreign name in the request line itself
+/// (absolute form) beside the dashboard's own `Host`. Each must be refused
+/// (421 or 403) without the form token or a cookie in the answer.
+fn assert_refused(board: &Dashboard, hosts: &[Option<String>], cookie: Option<&str>, csrf: &str) {
+    let own = format!("127.0.0.1:{}", board.port());
+    for host in hosts {
+        for (method, path, form) in every_request(csrf) {
+            let origin = format!("http://{}", host.as_deref().unwrap_or(&own));
+            let mut headers = vec![("Sec-Fetch-Site", "same-origin")];
+            if method == "POST" {
+                headers.push(("Origin", &origin));
+            }
+            if let Some(cookie) = cookie {
+                headers.push(("Cookie", cookie));
+            }
+            let mut tries = vec![(path.to_owned(), host.as_deref())];
+            // (Only names an HTTP parser takes in a URL: others never
+            // reach the dashboard that way.)
+            let well_formed = |h: &&str| {
+                !h.is_empty()
+                    && !h.contains('@')
+                    && h.rsplit_once(':')
+                        .is_none_or(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+            };
+            if let Some(name) = host.as_deref().filter(well_formed) {
+                tries.push((format!("http://{name}{path}"), Some(own.as_str())));
+            }
+            for (target, host) in tries {
+                let answer = board.send(method, &target, host, &headers, &form);
+                assert!(
+                    matches!(answer.status, 421 | 403),
+                    "{method} {target} with Host {host:?} was not refused: {} {}",
+                    answer.status,
+                    answer.body
+                );
+                assert!(
+                    !answer.body.contains(csrf),
+                    "the form token went to Host {host:?}"
+                );
+                assert!(answer.header("set-cookie").is_none(), "{answer:?}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_host_is_refused_before_any_redis_call() {
+    let server = RedisServer::start().unwrap();
+    let q = orders(&server).await;
+    let board = Dashboard::start(&server, &[]);
+    let (status, page) = board.get("/queue/orders");
+    assert_eq!(status, 200);
+    let token = csrf(&page);
+    let before = counts(&q).await;
+
+    // The issue's requests, word for word: the page with its form token,
+    // then the purge.
+    let port = board.port();
+    let rebound = format!("attacker.example:{port}");
+    let origin = format!("http://{rebound}");
+    let page = board.send("GET", "/queue/orders", Some(&rebound), &[], "");
+    assert_eq!(page.status, 421, "{}", page.body);
+    assert!(
+        page.body.contains(&rebound) && page.body.contains("--allowed-host"),
+        "the refusal names the Host and how to allow it: {}",
+        page.body
+    );
+    let purge = board.send(
+        "POST",
+        "/queue/orders/purge",
+        Some(&rebound),
+        &[("Origin", &origin), ("Sec-Fetch-Site", "same-origin")],
+        &format!("csrf={token}&confirm=orders"),
+    );
+    assert_eq!(purge.status, 421, "{}", purge.body);
+
+    // Every request under every foreign name, and not one Redis command.
+    reset_counts(&server);
+    assert_refused(&board, &foreign_hosts(port), None, &token);
+    let ran = commands_since_reset(&server);
+    assert!(
+        ran.is_empty(),
+        "Redis was called for a foreign Host: {ran:?}"
+    );
+    assert_eq!(counts(&q).await, before, "the queue changed");
+
+    // The count does see the dashboard's calls: under its own name, the
+    // same page reaches Redis.
+    reset_counts(&server);
+    let own = format!("127.0.0.1:{port}");
+    assert_eq!(
+        board
+            .send("GET", "/queue/orders", Some(&own), &[], "")
+            .status,
+        200
+    );
+    assert!(!commands_since_reset(&server).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_host_is_refused_even_after_login() {
+    let server = RedisServer::start().unwrap();
+    let q = orders(&server).await;
+    let board = Dashboard::start(&server, &["--token", "s3cret"]);
+    let cookie = board.login("s3cret");
+    let (status, page) = board.get_with_cookie("/queue/orders", &cookie);
+    assert_eq!(status, 200);
+    let token = csrf(&page);
+    let before = counts(&q).await;
+
+    reset_counts(&server);
+    let hosts = foreign_hosts(board.port());
+    // With the operator's login cookie, as the browser sends it to a name
+    // rebound to the dashboard; and without it, where the login is open.
+    assert_refused(&board, &hosts, Some(&cookie), &token);
+    assert_refused(&board, &hosts, None, &token);
+    let ran = commands_since_reset(&server);
+    assert!(
+        ran.is_empty(),
+        "Redis was called for a foreign Host: {ran:?}"
+    );
+    assert_eq!(counts(&q).await, before, "the queue changed");
+    // The login still works under the dashboard's own name.
+    assert_eq!(board.get_with_cookie("/queue/orders", &cookie).0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn its_own_names_and_the_allowed_ones_are_served() {
+    let server = RedisServer::start().unwrap();
+    orders(&server).await;
+    let by_flag = Dashboard::start(
+        &server,
+        &[
+            "--allowed-host",
+            "dash.example.com",
+            "--allowed-host",
+            "Proxy.example:8443",
+        ],
+    );
+    let by_env = Dashboard::start_with_env(
+        &server,
+        &[],
+        &[(
+            "LOCKGATE_DASHBOARD_ALLOWED_HOSTS",
+            "dash.example.com,proxy.example:8443",
+        )],
+    );
+    for board in [&by_flag, &by_env] {
+        let port = board.port();
+        for host in [
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("LocalHost:{port}"),
+            format!("[::1]:{port}"),
+            // A reverse proxy passes on the name the browser used, with
+            // or without a port: an allowed name without one takes any.
+            "dash.example.com".to_owned(),
+            "dash.example.com:443".to_owned(),
+            format!("DASH.example.COM:{port}"),
+            "proxy.example:8443".to_owned(),
+        ] {
+            let answer = board.send("GET", "/queue/orders", Some(&host), &[], "");
+            assert_eq!(answer.status, 200, "Host {host}: {}", answer.body);
+        }
+        for host in [
+            "proxy.example",
+            "proxy.example:443",
+            "dash.example.com.attacker.example",
+            "attacker.example",
+        ] {
+            let answer = board.send("GET", "/queue/orders", Some(host), &[], "");
+            assert_eq!(answer.status, 421, "Host {host}: {}", answer.body);
+        }
+    }
+}
+
+#[tokio::test]
+async fn on_every_address_the_names_it_is_reached_by_are_required() {
+    let server = RedisServer::start().unwrap();
+    // The usage error (exit 2) and what it says; a dashboard that starts
+    // instead is stopped after a few seconds and fails the test.
+    let start = |args: &[&str]| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lockgate"))
+            .args(["--url", &server.url(), "dashboard"])
+            .args(args)
+            .env_remove("LOCKGATE_DASHBOARD_TOKEN")
+            .env_remove("LOCKGATE_DASHBOARD_ALLOWED_HOSTS")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("`lockgate dashboard {}` started", args.join(" "));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        child.wait_with_output().unwrap()
+    };
+    let out = start(&["--bind", "0.0.0.0:0", "--token", "s3cret"]);
+    assert_eq!(out.status.code(), Some(2));
+    let error = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        error.contains("--allowed-host") && error.contains("LOCKGATE_DASHBOARD_ALLOWED_HOSTS"),
+        "{error}"
+    );
+    assert!(!error.contains("--token"), "the token was given: {error}");
+    // Neither: both are asked for.
+    let out = start(&["--bind", "[::]:0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let error = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        error.contains("--allowed-host") && error.contains("--token"),
+        "{error}"
+    );
+    // A URL or a path is not a host name.
+    for bad in ["http://dash.example.com", "dash.example.com/", "", "a b"] {
+        let out = start(&["--allowed-host", bad]);
+        assert_eq!(out.status.code(), Some(2), "--allowed-host {bad:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_login_cookie_is_a_random_session_not_the_token() {
+    let server = RedisServer::start().unwrap();
+    orders(&server).await;
+    let board = Dashboard::start(&server, &["--token", "s3cret"]);
+    let first = board.set_cookie("s3cret");
+    let second = board.set_cookie("s3cret");
+    for cookie in [&first, &second] {
+        assert!(
+            !cookie.contains("s3cret"),
+            "the token is in the cookie: {cookie}"
+        );
+        assert!(cookie.starts_with("lockgate_session="), "{cookie}");
+        assert!(
+            cookie.contains("Max-Age=43200"),
+            "sessions expire: {cookie}"
+        );
+    }
+    let session = |c: &str| c.split(';').next().unwrap().to_owned();
+    assert_ne!(
+        session(&first),
+        session(&second),
+        "each login its own session"
+    );
+    assert_eq!(board.get_with_cookie("/", &session(&first)).0, 200);
+    assert_eq!(board.get_with_cookie("/", &session(&second)).0, 200);
+    // A made-up session, and the old cookie holding the token, are refused.
+    let made_up = format!("lockgate_session={}", "ab".repeat(32));
+    assert_eq!(board.get_with_cookie("/", &made_up).0, 401);
+    assert_eq!(board.get_with_cookie("/", "lockgate_token=s3cret").0, 401);
+    assert_eq!(board.get_with_cookie("/", "lockgate_session=s3cret").0, 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_from_another_origin_is_refused() {
+    let server = RedisServer::start().unwrap();
+    let q = orders(&server).await;
+    let board = Dashboard::start(&server, &[]);
+    let token = csrf(&board.get("/queue/orders").1);
+    let own = format!("127.0.0.1:{}", board.port());
+    let remove = |origin: &str| {
+        let headers = [("Origin", origin)];
+        let form = format!("csrf={token}&id=o-1");
+        board.send("POST", "/queue/orders/remove", Some(&own), &headers, &form)
+    };
+    // With the right token and Host, from a browser that sends `Origin`
+    // but not `Sec-Fetch-Site`: another site, another port on this
+    // machine, an opaque origin.
+    let other_port = format!("http://localhost:{}", board.port() ^ 1);
+    for origin in ["http://attacker.example", &other_port, "null", "file://"] {
+        assert_eq!(remove(origin).status, 403, "Origin {origin}");
+    }
+    assert_eq!(counts(&q).await.0, 2);
+    // From its own pages, it acts.
+    assert_eq!(remove(&format!("http://{own}")).status, 303);
+    assert_eq!(counts(&q).await.0, 1);
+}

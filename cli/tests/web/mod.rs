@@ -1,7 +1,7 @@
 //! A `lockgate dashboard` process for tests, and a small HTTP client.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 
 use lockgate::testing::RedisServer;
@@ -18,10 +18,19 @@ impl Dashboard {
     /// Starts `lockgate --url <server> dashboard --bind 127.0.0.1:0 <args>`
     /// and waits for the address it prints.
     pub fn start(server: &RedisServer, args: &[&str]) -> Self {
+        Self::start_with_env(server, args, &[])
+    }
+
+    /// [`start`](Self::start) with these environment variables set (the
+    /// dashboard's own are removed first, so the caller's shell does not
+    /// leak into a test).
+    pub fn start_with_env(server: &RedisServer, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lockgate"))
             .args(["--url", &server.url(), "dashboard", "--bind", "127.0.0.1:0"])
             .args(args)
             .env_remove("LOCKGATE_DASHBOARD_TOKEN")
+            .env_remove("LOCKGATE_DASHBOARD_ALLOWED_HOSTS")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -125,6 +134,12 @@ impl Dashboard {
 
     /// Logs in with `token`; returns the cookie to send.
     pub fn login(&self, token: &str) -> String {
+        let cookie = self.set_cookie(token);
+        cookie.split(';').next().unwrap().to_owned()
+    }
+
+    /// Logs in with `token`; returns the whole `Set-Cookie` header.
+    pub fn set_cookie(&self, token: &str) -> String {
         let response = self
             .raw
             .get(&format!("{}/login?token={token}", self.base))
@@ -141,7 +156,87 @@ impl Dashboard {
             cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"),
             "{cookie}"
         );
-        cookie.split(';').next().unwrap().to_owned()
+        cookie.to_owned()
+    }
+
+    /// The port the dashboard listens on.
+    pub fn port(&self) -> u16 {
+        self.base.rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// Sends one request over a fresh connection, written byte for byte as
+    /// given (HTTP clients set `Host` from the URL; an attacker's browser
+    /// sends the attacker's name): `target` as the request line has it,
+    /// `host` as the `Host` header (none when `None`), then `headers`, and
+    /// `body` as a form.
+    pub fn send(
+        &self,
+        method: &str,
+        target: &str,
+        host: Option<&str>,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Answer {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.port())).unwrap();
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let mut request = format!("{method} {target} HTTP/1.1\r\n");
+        if let Some(host) = host {
+            request += &format!("Host: {host}\r\n");
+        }
+        for (name, value) in headers {
+            request += &format!("{name}: {value}\r\n");
+        }
+        if method == "POST" {
+            request += "Content-Type: application/x-www-form-urlencoded\r\n";
+        }
+        request += &format!(
+            "Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).unwrap();
+        Answer::parse(&String::from_utf8_lossy(&answer))
+    }
+}
+
+/// An HTTP answer as it came off the wire.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    /// Header names lowercased, values as sent.
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Answer {
+    fn parse(text: &str) -> Self {
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text, ""));
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|line| line.split_whitespace().nth(1))
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {text:?}"));
+        let headers = lines
+            .filter_map(|line| line.split_once(':'))
+            .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_owned()))
+            .collect();
+        Answer {
+            status,
+            headers,
+            body: body.to_owned(),
+        }
+    }
+
+    /// The first value of header `name` (lowercase).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
