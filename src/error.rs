@@ -92,6 +92,22 @@ pub enum Error {
         key: String,
     },
 
+    /// A key stayed busy for the whole wait of [`Locker::lock`](crate::Locker::lock)
+    /// (or [`with_lock`](crate::Locker::with_lock)): its holder's lease
+    /// still runs for [`Contended::retry_after`](crate::Contended::retry_after).
+    /// Retryable.
+    #[error(transparent)]
+    Contended(crate::Contended),
+
+    /// The lock of [`Locker::with_lock`](crate::Locker::with_lock) was lost
+    /// while its work ran (a renewal found it expired or taken): the work's
+    /// writes may have raced the next holder's.
+    #[error("lost lock `{key}` while its work ran")]
+    LockLost {
+        /// The user's key.
+        key: String,
+    },
+
     /// A message could not be serialized into JSON.
     #[error("could not encode message: {0}")]
     Encode(#[source] serde_json::Error),
@@ -123,7 +139,7 @@ impl Error {
                         )
                     )
             }
-            Error::NotReplicated { .. } => true,
+            Error::NotReplicated { .. } | Error::Contended(_) => true,
             _ => false,
         }
     }

@@ -46,7 +46,7 @@ pub mod worker;
 pub use backoff::Backoff;
 pub use error::{Error, Result};
 pub use keys::delete_prefix;
-pub use layer::{HeldLock, LockLayer, OnConflict, OnLost, Permits};
+pub use layer::{HeldLock, LockGuard, LockLayer, OnConflict, OnLost, Permits};
 pub use lock::{Acquisition, Contended, Lease, Locker, ReleaseListener};
 pub use outcome::Outcome;
 pub use queue::{Job, PushOptions, Queue};

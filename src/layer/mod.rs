@@ -52,6 +52,7 @@ mod contend;
 mod context;
 pub mod error;
 mod future;
+mod guard;
 mod local;
 mod rate;
 mod service;
@@ -63,6 +64,7 @@ pub use self::context::HeldLock;
 pub(crate) use self::context::fence_issuer;
 pub use self::error::{ClaimLost, LockLost, TooManyDeferrals};
 pub use self::future::ResponseFuture;
+pub use self::guard::LockGuard;
 pub use self::rate::{RateLimit, RateLimitLayer, RateSlot};
 pub use self::service::Lock;
 pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
@@ -197,6 +199,31 @@ display_keys!(
 );
 
 /// Wraps a service so that each call holds the lock of its request's key.
+///
+/// # A closure handler in a spawned task
+///
+/// A closure whose `async` block's output is inferred, called through the
+/// layer inside `tokio::spawn`, does not compile ("implementation of
+/// `From` is not general enough"): inside the spawned future the compiler
+/// loses the `'static` of the block's `BoxError` and cannot prove the
+/// layer's `S::Error: Into<BoxError>` for every lifetime. Every tower
+/// middleware that boxes errors has that bound (tower's own `Timeout`
+/// fails the same way); it is a limitation of rustc, not of the layer.
+///
+/// ```compile_fail
+/// # async fn demo(locker: lockgate::Locker<redis::aio::ConnectionManager>) {
+/// use lockgate::{BoxError, LockLayer};
+/// use tower::{ServiceBuilder, ServiceExt};
+/// let svc = ServiceBuilder::new()
+///     .layer(LockLayer::new(locker, |key: &String| key.clone()))
+///     .service_fn(|_: String| async { Ok::<_, BoxError>(()) });
+/// tokio::spawn(async move { svc.oneshot("k".to_string()).await });
+/// # }
+/// ```
+///
+/// Name the handler (`async fn handle(req: Req) -> Result<R, BoxError>`,
+/// then `.service_fn(handle)`), or call it with `svc.ready().await?.call(req)`
+/// in the spawned task: both compile (`tests/spawned_closure.rs`).
 ///
 /// Cloning the layer is cheap: clones share the [`Locker`] (and its
 /// connection), the key function, the strategy, and (under `retry`) the

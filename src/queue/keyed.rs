@@ -240,6 +240,10 @@ pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 /// hint.
 pub(crate) const RECHECK_MS: i64 = 30_000;
 
+/// Existence checks a sweep for unindexed partitions sends at once
+/// ([`Keyed::heal_index`]).
+const HEAL_BATCH: usize = 1024;
+
 /// How long a claim hides the partitions it visits from other claims: their
 /// index entries are raised this far ahead before its scripts and settled
 /// after them. A claim that never comes back (its reply timed out, the
@@ -1006,6 +1010,48 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         self.record(log).await;
         Ok(())
+    }
+
+    /// Puts back in the index every partition that holds messages but is
+    /// missing from it: a producer that ran the push script and never got
+    /// to its index step (it died, its connection dropped, the server
+    /// failed over in between) left it there unseen. The partitions are the
+    /// truth, the index a hint. A partition's place is known from its slot
+    /// alone (its tag), so the sweep asks each of the 16,384 whether its
+    /// data exists: a cost that does not grow with the keys, sent in
+    /// batches of [`HEAL_BATCH`] commands at once. Returns how many it put
+    /// back (due now; the bell rings).
+    pub(crate) async fn heal_index(&self) -> Result<usize> {
+        let attempted = || {
+            format!(
+                "looking for unindexed partitions of queue `{}`",
+                self.keys.name
+            )
+        };
+        let indexed: HashSet<u16> = self.slots().await?.into_iter().collect();
+        let mut missing = Vec::new();
+        let slots: Vec<u16> = (0..SLOTS).filter(|slot| !indexed.contains(slot)).collect();
+        for batch in slots.chunks(HEAL_BATCH) {
+            let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
+                let data = self.partition(*slot).keys[DATA].clone();
+                let mut conn = self.conn.clone();
+                async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
+            }))
+            .await
+            .map_err(Error::redis(attempted()))?;
+            missing.extend(
+                batch
+                    .iter()
+                    .zip(found)
+                    .filter(|(_, found)| *found)
+                    .map(|(s, _)| *s),
+            );
+        }
+        if !missing.is_empty() {
+            tracing::warn!(queue = %self.keys.name, partitions = missing.len(), "keyed partitions with messages were missing from the index (a producer stopped between its push and its mark); put back");
+            self.mark_all_ready(&missing, attempted).await?;
+        }
+        Ok(missing.len())
     }
 
     /// Every partition in the index.

@@ -72,6 +72,10 @@ use scripts::Query;
 /// every script call short, so the server is never blocked for long.
 pub const MAX_BATCH: usize = 1000;
 
+/// The least time between two sweeps for keyed partitions missing from the
+/// index (see `Queue::heal_in_turn`): each asks all 16,384 slots.
+const HEAL_EVERY_MS: u64 = 5_000;
+
 /// A Redis delay queue of `T` messages.
 ///
 /// Cloning is cheap and shares the connection. `C` is any redis-rs async
@@ -1340,10 +1344,34 @@ where
         turn.arg(1).arg("NX").arg("PX").arg((every * 9 / 10).max(1));
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         let taken: Option<String> = turn.query_on(&self.conn, attempted).await?;
-        match taken {
-            Some(_) => self.recover(max_stalls).await,
-            None => Ok(Recovered::default()),
+        let Some(_) = taken else {
+            return Ok(Recovered::default());
+        };
+        let recovered = self.recover(max_stalls).await?;
+        self.heal_in_turn(every).await?;
+        Ok(recovered)
+    }
+
+    /// Sweeps for keyed partitions missing from the index
+    /// (`Keyed::heal_index`), unless a handle of the queue did in the last
+    /// [`HEAL_EVERY_MS`] (or `every` ms, when longer): a message a producer
+    /// pushed without its index step is found within about that.
+    async fn heal_in_turn(&self, every: u64) -> Result<()> {
+        let period = every.max(HEAL_EVERY_MS);
+        let mut turn = redis::cmd("SET");
+        turn.arg(format!("{}:healing", self.keys.base));
+        turn.arg(1).arg("NX").arg("PX").arg(period * 9 / 10);
+        let attempted = || {
+            format!(
+                "looking for unindexed partitions of queue `{}`",
+                self.name()
+            )
+        };
+        let taken: Option<String> = turn.query_on(&self.conn, attempted).await?;
+        if taken.is_some() {
+            self.keyed().heal_index().await?;
         }
+        Ok(())
     }
 
     /// Recovers the messages without a key of the shard of keys `k`.

@@ -18,6 +18,7 @@
 mod support;
 
 mod keyed;
+mod keyed_push;
 mod line;
 mod lock;
 mod push;

@@ -3,7 +3,7 @@ describes it: load scripts/push_keyed.lua and call it with EVALSHA on the
 partition of each key's lock slot, then mark the partition in the queue's
 index and ring the queue's doorbell. Standard library only.
 
-usage: keyed_producer.py <port> <queue> <path to push_keyed.lua>
+usage: keyed_producer.py <port> <queue> <path to push_keyed.lua> [--no-index]
 stdin: JSON list of [key, id, when, payload] or [key, id, when, payload,
 limits] (payload any JSON value; limits the script's: "2" for 2 permits,
 "/<limit>/<period us>/<burst>/<window us>" for a rate, or both)
@@ -12,7 +12,7 @@ stdout: JSON list with, per message, [added, due_ms] or {"error": text}
 import json
 import sys
 
-from producer import Redis, Script, answer
+from producer import Redis, RedisError, Script
 
 SLOTS = 16384
 
@@ -57,25 +57,51 @@ class KeyedProducer:
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
 
-    def push(self, key, msg_id, when, payload, limits=""):
-        """Returns [added, due_ms]. `limits`: "" (as they are), the key's
-        permits, and/or "/<rate>" (see scripts/push_keyed.lua)."""
-        slot = crc16(hash_tag(key).encode()) % SLOTS
+    def partition(self, key):
+        """The slot of `key`'s lock and its partition's 11 keys."""
+        slot = crc16(hash_tag(key).encode("utf-8")) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
-        keys = [base + ":" + name for name in self.NAMES]
-        argv = [key, str(limits), msg_id, when, json.dumps(payload)]
-        reply = self.script.run(keys, argv)
-        # After the script: the partition may have work, and idle workers wake.
-        self.redis.call("ZADD", self.index, "LT", 0, slot)
-        self.redis.call("LPUSH", self.bell, 1)
-        self.redis.call("LTRIM", self.bell, 0, 0)
-        return reply
+        return slot, [base + ":" + name for name in self.NAMES]
+
+    def push_all(self, messages, index=True):
+        """Pushes `messages` ([key, id, when, payload] or [key, id, when,
+        payload, limits]), one script call per partition, in order within
+        each; returns per message [added, due_ms] or {"error": text} (a
+        refused call refuses all its messages). `index=False` leaves out
+        step 4, as a producer that stopped after its script would."""
+        calls = {}
+        for n, message in enumerate(messages):
+            key, msg_id, when, payload = message[:4]
+            limits = message[4] if len(message) > 4 else ""
+            slot, keys = self.partition(key)
+            call = calls.setdefault(slot, {"keys": keys, "argv": [], "at": []})
+            call["argv"] += [key, str(limits), msg_id, when, json.dumps(payload)]
+            call["at"].append(n)
+        results = [None] * len(messages)
+        for slot, call in calls.items():
+            try:
+                reply = self.script.run(call["keys"], call["argv"])
+            except RedisError as e:
+                for n in call["at"]:
+                    results[n] = {"error": str(e)}
+                continue
+            # One flat list, two entries per message: added, due ms.
+            for n, i in zip(call["at"], range(0, len(reply), 2)):
+                results[n] = [reply[i], reply[i + 1]]
+            if index:
+                # Step 4, required: the index is how workers find the
+                # partition, and the bell wakes them.
+                self.redis.call("ZADD", self.index, "LT", 0, slot)
+                self.redis.call("LPUSH", self.bell, 1)
+                self.redis.call("LTRIM", self.bell, 0, 0)
+        return results
 
 
 def main():
     port, queue, script_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    index = "--no-index" not in sys.argv[4:]
     producer = KeyedProducer(Redis(port), queue, script_path)
-    answer(lambda message: producer.push(*message))
+    json.dump(producer.push_all(json.load(sys.stdin), index), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,30 @@ local function now_ms()
   return (server_time())
 end
 
+-- Whether `s` is UTF-8: every reader of the queue takes ids (and keys)
+-- for strings.
+local function is_utf8(s)
+  if not string.find(s, '[\128-\255]') then return true end
+  local i = 1
+  while i <= #s do
+    local c, len = string.byte(s, i), 1
+    if c >= 0xF0 then len = 4 elseif c >= 0xE0 then len = 3 elseif c >= 0xC2 then len = 2
+    elseif c >= 0x80 then return false end
+    -- The second byte's range rules out overlong forms, surrogates and
+    -- code points beyond U+10FFFF.
+    local low, high = 0x80, 0xBF
+    if c == 0xE0 then low = 0xA0 elseif c == 0xED then high = 0x9F
+    elseif c == 0xF0 then low = 0x90 elseif c == 0xF4 then high = 0x8F
+    elseif c > 0xF4 then return false end
+    for j = i + 1, i + len - 1 do
+      local b = string.byte(s, j)
+      if not b or b < low or b > high then return false end
+      low, high = 0x80, 0xBF
+    end
+    i = i + len
+  end
+  return true
+end
 -- Parses a due time: a delay in whole ms from `now` ("0" is now; a
 -- negative delay is due now too), or "@<unix ms>" for an absolute time (no
 -- sign: a negative due time would read as the "not scheduled" marker -1).
