@@ -512,3 +512,59 @@ async fn a_job_deferred_by_an_inner_layer_comes_back() {
     assert!(handled[0].1 >= 2, "{handled:?}");
     assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 0));
 }
+
+/// Issue 39: `run_until_idle` returns once the queue is drained: every
+/// message due handled (a retried one and a busy key's chain included),
+/// the delayed one left for later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_until_idle_returns_once_the_queue_is_drained() {
+    let server = support::server();
+    let queue: Queue<Msg> = Queue::new(support::manager(&server).await, "idle").unwrap();
+    for n in 0..40 {
+        let key = format!("k{}", n % 4);
+        let options = lockgate::PushOptions::new().key(key.clone());
+        queue.push_with(Msg { n, key }, options).await.unwrap();
+    }
+    for n in 40..60 {
+        queue
+            .push(Msg {
+                n,
+                key: String::new(),
+            })
+            .await
+            .unwrap();
+    }
+    let later = Msg {
+        n: 99,
+        key: String::new(),
+    };
+    queue.push_after(later, support::secs(60)).await.unwrap();
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let seen = seen.clone();
+        async move {
+            // Message 41 fails its first attempt: retried at once.
+            if job.n == 41 && job.attempt() == 1 {
+                return Err::<(), BoxError>("once".into());
+            }
+            seen.lock().unwrap().push(job.n);
+            Ok(())
+        }
+    });
+    let backoff = lockgate::Backoff::exponential(support::ms(1), support::ms(1)).unwrap();
+    let worker = Worker::new(server.client(), queue.clone(), service).retry_backoff(backoff);
+    tokio::time::timeout(support::secs(20), worker.run_until_idle())
+        .await
+        .expect("drained")
+        .unwrap();
+    let mut handled = handled.lock().unwrap().clone();
+    handled.sort_unstable();
+    assert_eq!(handled, (0..60).collect::<Vec<_>>());
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.active, stats.later),
+        (0, 0, 1),
+        "{stats:?}"
+    );
+}

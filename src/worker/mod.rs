@@ -325,6 +325,22 @@ where
     /// error when the service fails in `poll_ready`, which in tower means it
     /// can serve no more requests.
     pub async fn run_until(self, shutdown: impl Future) -> Result<()> {
+        self.run(shutdown, false).await
+    }
+
+    /// Runs until the queue is drained, then shuts down as
+    /// [`run_until`](Self::run_until) does: until a claim finds nothing
+    /// due and every message this worker claimed is settled (BullMQ's
+    /// `drained`). Messages delayed into the future stay where they are.
+    /// For tests, scripts and batch jobs; another worker's messages in
+    /// flight are not waited for.
+    pub async fn run_until_idle(self) -> Result<()> {
+        self.run(std::future::pending::<()>(), true).await
+    }
+
+    /// The loop of [`run_until`](Self::run_until); `until_idle`: also stop
+    /// once the queue is drained.
+    async fn run(self, shutdown: impl Future, until_idle: bool) -> Result<()> {
         warn_on_eviction(&self.queue).await;
         let shared = Arc::new(Shared {
             slots: Arc::new(Semaphore::new(self.config.concurrency)),
@@ -370,6 +386,8 @@ where
             waits_denied: None,
             maybe_due: true,
             next_due: None,
+            until_idle,
+            last_look: false,
         };
         tokio::pin!(shutdown);
         let result = loop {

@@ -51,6 +51,12 @@ pub(super) struct Run<T, C, K: Connector, S> {
     /// empty of due messages since the last wake-up).
     pub(super) maybe_due: bool,
     pub(super) next_due: Option<Instant>,
+    /// Whether the loop ends once nothing is due and nothing it claimed is
+    /// in flight (`Worker::run_until_idle`).
+    pub(super) until_idle: bool,
+    /// Under `until_idle`, whether the last claim came after everything
+    /// settled (a settlement may make more due: a retry, a key's next).
+    pub(super) last_look: bool,
 }
 
 impl<T: Payload, C: Conn, K, S> Run<T, C, K, S>
@@ -148,6 +154,7 @@ where
         (self.failures, self.claims_denied) = (0, None);
         // A full batch: more may be due.
         self.maybe_due = claimed.jobs.len() == max;
+        self.last_look &= claimed.jobs.is_empty();
         self.next_due = claimed.next_due.map(|d| claimed_at + d);
         let leased_until = sent + shared.config.lease;
         let mut in_flight = shared.in_flight();
@@ -323,14 +330,27 @@ where
     /// doorbell rings. The cap is a safety net for a ring taken by a worker
     /// that was busy when it came.
     async fn idle(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        let drained = self.until_idle && self.tasks.is_empty();
+        if drained && self.shared.in_flight().is_empty() && self.shared.continued().is_empty() {
+            if self.last_look {
+                return Some(Ok(()));
+            }
+            // One more claim, after everything settled, says it for sure.
+            (self.last_look, self.maybe_due) = (true, true);
+            return None;
+        }
         let now = Instant::now();
         let deadline = self
             .next_due
             .map_or(now + BLOCK, |due| due.min(now + BLOCK));
+        // Waiting to drain, a handler's end is worth a look: it may have
+        // been the last (its key's next message comes as `continued`).
+        let watch_tasks = self.until_idle && !self.tasks.is_empty();
         let woken = tokio::select! {
             biased;
             _ = &mut *shutdown => return Some(Ok(())),
             () = self.shared.continued_ready.notified() => return None,
+            _ = self.tasks.join_next(), if watch_tasks => return None,
             woken = self.waiter.wait(Some(deadline)) => woken,
         };
         self.maybe_due = true;
