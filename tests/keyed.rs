@@ -1666,3 +1666,27 @@ async fn a_claim_that_left_partitions_with_work_unvisited_says_more_is_due_now()
         total += claimed.jobs.len();
     }
 }
+
+/// Issue 35, item 8: a key woken by a release is marked ready from 0 in its
+/// partition (`unblock`); the oldest due age read that as 1970, 56 years.
+#[tokio::test]
+async fn a_key_woken_by_a_release_is_not_due_since_1970() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    queue
+        .push_with("m".to_owned(), PushOptions::new().key("k"))
+        .await
+        .unwrap();
+    let ready: Vec<String> = support::raw(&conn, &["KEYS", "lockgate:{*}:q:ready"]).await;
+    assert_eq!(ready.len(), 1, "{ready:?}");
+    let _: () = support::raw(&conn, &["ZADD", &ready[0], "XX", "0", "k"]).await;
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(stats.due, 1);
+    let age = stats.oldest_due_age.expect("a message is due");
+    assert!(age < secs(5), "oldest due age {age:?}");
+    let keys = queue.key_stats(10).await.unwrap();
+    assert_eq!(keys.keys, 1);
+    let head = keys.backlogs[0].oldest_waiting.expect("its head's wait");
+    assert!(head < secs(5), "its head waited {head:?}");
+}

@@ -923,21 +923,25 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let (mut total, mut oldest) = ([0; 4], None::<i64>);
         for slot in self.slots().await? {
             let k = &self.partition(slot).keys;
-            type Counts = (u64, u64, u64, u64, Vec<(String, i64)>);
-            let (lines, later, held, dead, ready): Counts = redis::pipe()
+            type Counts = (u64, u64, u64, u64, Vec<(String, i64)>, u64);
+            let (lines, later, held, dead, ready, woken): Counts = redis::pipe()
                 .zcard(&k[LINES])
                 .zcard(&k[SCHEDULE])
                 .zcard(&k[ACTIVE])
                 .zcard(&k[DEAD])
-                .zrangebyscore_limit_withscores(&k[READY], 0, now, 0, 1)
+                // Above 0, which marks a key woken by a release (see
+                // `unblock`): ready since now, not since 1970.
+                .zrangebyscore_limit_withscores(&k[READY], "(0", now, 0, 1)
+                .zcount(&k[READY], 0, 0)
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
             for (total, n) in total.iter_mut().zip([lines, later, held, dead]) {
                 *total += n;
             }
-            if let Some((_, since)) = ready.first() {
-                oldest = Some(oldest.map_or(*since, |o| o.min(*since)));
+            let since = ready.first().map(|(_, since)| *since);
+            if let Some(since) = since.or((woken > 0).then_some(now)) {
+                oldest = Some(oldest.map_or(since, |o| o.min(since)));
             }
         }
         Ok((total, oldest))
@@ -946,14 +950,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// The keys with messages in line or at work in every partition of the
     /// index, with how many of each and how long the first in line has
     /// waited since its push; at most `most` of each active and ready set.
-    pub(crate) async fn loads(&self, most: usize) -> Result<Vec<super::KeyLoad>> {
+    /// Also how many keys the partitions hold in line or at work.
+    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<super::KeyLoad>, usize)> {
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
-        let mut loads = Vec::new();
+        let (mut loads, mut count) = (Vec::new(), 0);
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            let (now, keys): (i64, Vec<(String, u64, u64, i64)>) =
+            let (now, keys_here, keys): (i64, usize, Vec<(String, u64, u64, i64)>) =
                 self.run(&KEY_LOADS, &cmd, attempted).await?;
+            count += keys_here;
             for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
                 loads.push(super::KeyLoad {
@@ -964,7 +970,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 });
             }
         }
-        Ok(loads)
+        Ok((loads, count))
     }
 
     /// Deletes every partition in the index (one `UNLINK` each: a

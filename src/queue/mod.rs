@@ -259,7 +259,7 @@ pub struct PushOptions {
 pub const MAX_KEPT: usize = 100_000_000;
 
 /// The most keys [`Queue::key_stats`] reads of each partition's keys at
-/// work, and of its keys in line.
+/// work, and of its keys in line, whatever `top` asks.
 pub const MAX_KEYS_READ: usize = 10_000;
 
 /// The highest priority a message can have ([`PushOptions::priority`]).
@@ -540,7 +540,8 @@ pub struct KeyStats {
     pub busy: Vec<KeyLoad>,
     /// Keys with messages in line, longest line first, then oldest head.
     pub backlogs: Vec<KeyLoad>,
-    /// How many keys with messages in line or at work were read.
+    /// How many keys have messages in line, or a lock at work (a key
+    /// with permits whose line is empty is not counted).
     pub keys: usize,
 }
 
@@ -1492,10 +1493,12 @@ where
 
     /// The `top` keyed messages' keys with the most messages at work, and
     /// the `top` with the longest lines. One script per partition, each
-    /// reading at most [`MAX_KEYS_READ`] keys of each kind: for dashboards,
-    /// not for a hot path.
+    /// reading at most `top` keys of each kind (at most
+    /// [`MAX_KEYS_READ`]): its work is bounded by `top`, not by the keys,
+    /// so the picks are the longest among those read, not always over all
+    /// keys. For dashboards, not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
-        let loads = self.keyed().loads(MAX_KEYS_READ).await?;
+        let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
             let mut picked: Vec<KeyLoad> = loads.iter().filter(|l| keep(l)).cloned().collect();
             picked.sort_by_key(|l| std::cmp::Reverse(order(l)));
@@ -1511,7 +1514,7 @@ where
                 |l| l.waiting > 0,
                 |l| (l.waiting, 0, l.oldest_waiting.unwrap_or_default()),
             ),
-            keys: loads.len(),
+            keys,
         })
     }
 

@@ -21,7 +21,10 @@
 -- 2 messages, none at work}.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
-promote(now, 1000)
+-- As many due messages join their lines as the claim may take: the work
+-- is bounded by the claim's own batch; the rest, still due, keep the
+-- partition due (`head_due` below) for the next claim.
+promote(now, max)
 local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
 
 -- Moves the head `id` of `key`'s line to the active set, under this claim.

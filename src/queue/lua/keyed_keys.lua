@@ -1,8 +1,12 @@
 -- Reads a partition's keys for a view (see keyed.lua), changing nothing:
 -- each key with messages in line or at work, how many of each, and when the
--- first in its line was pushed. KEYS[1..11]: the partition
+-- first in its line was pushed (its seq: the push time in thousandths of a
+-- ms, so no record is read). KEYS[1..11]: the partition
 -- ARGV[1]: the most keys to read from each of the active and ready sets
--- Returns {now ms, {{key, in line, at work, its head's push ms (-1: none)}, ...}}.
+-- (the caller's top: the work is bounded by it, not by the keys)
+-- Returns {now ms, how many keys are ready or at work with a lock (the
+-- ready set's size), {{key, in line, at work, its head's push ms (-1:
+-- none)}, ...}}.
 local now = now_ms()
 local most = tonumber(ARGV[1])
 local seen, out = {}, {}
@@ -26,8 +30,7 @@ end
 for _, key in ipairs(redis.call('ZRANGE', KEYS[READY], 0, most - 1)) do
   local e = entry(key)
   e[2] = redis.call('ZLEXCOUNT', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1')
-  local id = head_of(key)
-  local record = id and redis.call('HGET', KEYS[DATA], id)
-  e[4] = tonumber(record and string.match(record, '^(%d+):') or '') or -1
+  local id, seq = head_of(key)
+  e[4] = id and math.floor(tonumber(seq) / 1000) or -1
 end
-return {now, out}
+return {now, redis.call('ZCARD', KEYS[READY]), out}
