@@ -538,14 +538,24 @@ async fn survive_sigkills<C>(
         *victim = spawn_worker(urls);
     }
     let last_kill = Instant::now();
+    // In pages: 60,000 lines in one reply can outlast a response timeout.
     let log = || async {
-        redis::cmd("LRANGE")
-            .arg(LOG)
-            .arg(0)
-            .arg(-1)
-            .query_async::<Vec<String>>(&mut conn.clone())
-            .await
-            .unwrap()
+        let mut lines = Vec::new();
+        loop {
+            let from = lines.len();
+            let page: Vec<String> = redis::cmd("LRANGE")
+                .arg(LOG)
+                .arg(from)
+                .arg(from + 9_999)
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+            let last = page.len() < 10_000;
+            lines.extend(page);
+            if last {
+                return lines;
+            }
+        }
     };
     eventually("every message handled", secs(90), async || {
         // Two lines a message: read them all only once there may be enough.
@@ -578,8 +588,10 @@ async fn survive_sigkills<C>(
         );
     }
     // No 60-second safety net: the last kill's leases (600 ms) run out, and
-    // the rest is handling time.
-    assert!(drained < secs(30), "done {drained:?} after the last kill");
+    // the rest is handling time (a few ms a message per key, on a loaded
+    // machine).
+    let bound = secs(20 + u64::from(total) / 1000);
+    assert!(drained < bound, "done {drained:?} after the last kill");
     assert_eq!(queue.stats().await.unwrap().dead, 0);
 }
 
@@ -604,13 +616,26 @@ async fn workers_killed_with_sigkill_lose_nothing_and_keep_each_key_alone_and_in
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    survive_sigkills(&queue, &conn, &server.url(), (3_000, 4)).await;
+}
+
+/// Issue 35, item 3: the same over 30,000 messages. Run alone (`.ci/run`
+/// runs the ignored `thirty_thousand` tests one at a time, after the
+/// suite): beside the parallel suite on 2 cores it measures the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "30,000 messages: run alone by .ci/run (`-- --ignored thirty_thousand`)"]
+async fn thirty_thousand_keyed_messages_survive_sigkills_each_key_alone_and_in_order() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
     survive_sigkills(&queue, &conn, &server.url(), (30_000, 4)).await;
 }
 
 /// Issue 35: the same workload without kills, 30,000 messages over 10
 /// keys: not one message handled twice, no two handlers of a key at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker_processes_run_each_keyed_message_once_and_each_key_alone() {
+#[ignore = "30,000 messages: run alone by .ci/run (`-- --ignored thirty_thousand`)"]
+async fn thirty_thousand_keyed_messages_in_worker_processes_run_once_each_key_alone() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
