@@ -9,7 +9,7 @@
 //! lost-lock signal, fences and the release are the layer's, tested once.
 //!
 //! ```no_run
-//! # async fn demo(locker: lockgate::Locker) -> lockgate::Result<()> {
+//! # async fn demo(locker: lockgate::Locker<redis::aio::ConnectionManager>) -> lockgate::Result<()> {
 //! use std::time::Duration;
 //!
 //! let guard = locker.lock("account-42", Duration::from_secs(5)).await?;

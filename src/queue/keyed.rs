@@ -61,6 +61,7 @@ static TAKE_IN: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_take_in.l
 static PEEK: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
 static REMOVE: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
 static INDEX_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_settle.lua")));
+static INDEX_HEAL: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_heal.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
@@ -240,9 +241,12 @@ pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 /// hint.
 pub(crate) const RECHECK_MS: i64 = 30_000;
 
-/// Existence checks a sweep for unindexed partitions sends at once
-/// ([`Keyed::heal_index`]).
+/// Keys one script call of a sweep for unindexed partitions looks at, on
+/// one server ([`Keyed::heal_index`]).
 const HEAL_BATCH: usize = 1024;
+
+/// `EXISTS` a sweep for unindexed partitions sends at once on a cluster.
+const HEAL_AT_ONCE: usize = 64;
 
 /// How long a claim hides the partitions it visits from other claims: their
 /// index entries are raised this far ahead before its scripts and settled
@@ -467,35 +471,32 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Settles the index entries of the partitions a claim visited, raised
-    /// to `raised_to`: `lowered` (score, slot) to what the claim saw, with
-    /// `XX LT`; the `idle` ones (slot, whether it held no message at all),
-    /// where nothing waits, by `lua/index_settle.lua`. One round trip.
+    /// to `raised_to`: `lowered` (score, slot) to what the claim saw; the
+    /// `idle` ones (slot, whether it held no message at all), where
+    /// nothing waits, as `lua/index_settle.lua` says. One script call (no
+    /// pipeline: on a cluster, a script alone is the plainest request).
     async fn settle_index(
         &self,
         lowered: Vec<(i64, u16)>,
         idle: Vec<(u16, bool)>,
         raised_to: i64,
     ) -> Result<()> {
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let lower = (!lowered.is_empty()).then(|| self.index(&["XX", "LT"], lowered));
-        if idle.is_empty() {
-            return match lower {
-                Some(lower) => lower.query_on::<(), _>(self.conn, attempted).await,
-                None => Ok(()),
-            };
+        if lowered.is_empty() && idle.is_empty() {
+            return Ok(());
         }
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let mut cmd = evalsha(&INDEX_SETTLE, 1);
         let recheck = raised_to - CLAIMING_MS + RECHECK_MS;
         cmd.arg(&self.keys.partitions).arg(raised_to).arg(recheck);
-        for (slot, empty) in idle {
-            cmd.arg(slot).arg(if empty { "1" } else { "0" });
+        for (at, slot) in lowered {
+            cmd.arg(slot).arg(at);
         }
-        let mut conn = self.conn.clone();
-        let settled: redis::RedisResult<i64> = match lower {
-            Some(lower) => run_after(&INDEX_SETTLE, &lower, &cmd, &mut conn).await,
-            None => run(&INDEX_SETTLE, &cmd, &mut conn).await,
-        };
-        settled.map(drop).map_err(Error::redis(attempted()))
+        for (slot, empty) in idle {
+            cmd.arg(slot).arg(if empty { "empty" } else { "idle" });
+        }
+        self.run::<i64>(&INDEX_SETTLE, &cmd, attempted)
+            .await
+            .map(drop)
     }
 
     /// Claims in one partition, and brings `claimed.next_at` forward to
@@ -1024,40 +1025,54 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// failed over in between) left it there unseen. The partitions are the
     /// truth, the index a hint. A partition's place is known from its slot
     /// alone (its tag), so the sweep asks each of the 16,384 whether its
-    /// data exists: a cost that does not grow with the keys, sent in
-    /// batches of [`HEAL_BATCH`] commands at once. Returns how many it put
-    /// back (due now; the bell rings).
+    /// data exists, a cost that does not grow with the keys: on one server
+    /// in 16 script calls of [`HEAL_BATCH`] keys, on a cluster (where one
+    /// script sees one slot) one `EXISTS` per slot, [`HEAL_AT_ONCE`] at a
+    /// time. Returns how many it put back (due now; the bell rings).
     pub(crate) async fn heal_index(&self) -> Result<usize> {
-        let attempted = || {
-            format!(
-                "looking for unindexed partitions of queue `{}`",
-                self.keys.name
-            )
-        };
+        let attempted = || format!("looking for unindexed partitions of {}", self.keys.name);
         let indexed: HashSet<u16> = self.slots().await?.into_iter().collect();
-        let mut missing = Vec::new();
         let slots: Vec<u16> = (0..SLOTS).filter(|slot| !indexed.contains(slot)).collect();
-        for batch in slots.chunks(HEAL_BATCH) {
-            let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
-                let data = self.partition(*slot).keys[DATA].clone();
-                let mut conn = self.conn.clone();
-                async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
-            }))
-            .await
-            .map_err(Error::redis(attempted()))?;
-            missing.extend(
-                batch
-                    .iter()
-                    .zip(found)
-                    .filter(|(_, found)| *found)
-                    .map(|(s, _)| *s),
-            );
+        let cluster = self.is_cluster().await?;
+        let mut missing = Vec::new();
+        for batch in slots.chunks(if cluster { HEAL_AT_ONCE } else { HEAL_BATCH }) {
+            let found = match cluster {
+                true => self.existing_one_by_one(batch).await,
+                false => self.existing_at_once(batch).await,
+            };
+            missing.extend(found.map_err(Error::redis(attempted()))?);
         }
         if !missing.is_empty() {
             tracing::warn!(queue = %self.keys.name, partitions = missing.len(), "keyed partitions with messages were missing from the index (a producer stopped between its push and its mark); put back");
             self.mark_all_ready(&missing, attempted).await?;
         }
         Ok(missing.len())
+    }
+
+    /// The slots of `batch` whose partition holds messages, in one script
+    /// call (one server only).
+    async fn existing_at_once(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
+        let mut cmd = evalsha(&INDEX_HEAL, batch.len());
+        for slot in batch {
+            cmd.arg(&self.partition(*slot).keys[DATA]);
+        }
+        let found: Vec<usize> = run(&INDEX_HEAL, &cmd, &mut self.conn.clone()).await?;
+        Ok(found
+            .into_iter()
+            .filter_map(|i| batch.get(i.wrapping_sub(1)).copied())
+            .collect())
+    }
+
+    /// The same, one `EXISTS` per slot, sent together (a cluster).
+    async fn existing_one_by_one(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
+        let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
+            let data = self.partition(*slot).keys[DATA].clone();
+            let mut conn = self.conn.clone();
+            async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
+        }))
+        .await?;
+        let found = batch.iter().zip(found).filter(|(_, found)| *found);
+        Ok(found.map(|(slot, _)| *slot).collect())
     }
 
     /// Every partition in the index.

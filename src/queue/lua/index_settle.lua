@@ -1,21 +1,28 @@
--- Settles the index entries of partitions (or shards) a claim found
--- nothing ready in, each only if its entry is still the one the claim
--- raised it to: a push since then lowered it (to 0), and that mark must
--- stay. Standalone (no prelude): it touches the index alone.
+-- Settles the index entries of the partitions a claim visited, raised
+-- before it to ARGV[1] (see keyed.rs, `Keyed::claim`), in one call.
+-- Standalone (no prelude): it touches the index alone.
 -- KEYS[1]: the queue's index of partitions (zset member -> from when to look)
 -- ARGV[1]: the score the claim raised its entries to
--- ARGV[2]: when to look again at a partition that still holds messages
--- ARGV[3..]: per partition, its member and "1" when it held no message at
---   all (then it leaves the index: nothing is there to claim, recover,
---   count or list, and a push puts it back), else "0" (then it is looked
---   at again at ARGV[2])
+-- ARGV[2]: when to look again at a partition where nothing waits (ms)
+-- ARGV[3..]: per partition, its member and what the claim saw there:
+--   "<ms>": something is due then: the entry is lowered to it (`XX LT`: a
+--     push that lowered it further since keeps its mark);
+--   "idle": nothing waits, but messages are there (dead letters, say):
+--     looked at again at ARGV[2];
+--   "empty": no message at all: it leaves the index (nothing to claim,
+--     recover, count or list there; a push puts it back).
+-- "idle" and "empty" apply only while the entry is still the one the
+-- claim raised it to: a push since then lowered it, and that mark stays.
 -- Returns how many entries left the index.
 local raised = tonumber(ARGV[1])
 local forgotten = 0
 for i = 3, #ARGV, 2 do
-  local member = ARGV[i]
-  if tonumber(redis.call('ZSCORE', KEYS[1], member)) == raised then
-    if ARGV[i + 1] == '1' then
+  local member, seen = ARGV[i], ARGV[i + 1]
+  local at = tonumber(seen)
+  if at then
+    redis.call('ZADD', KEYS[1], 'XX', 'LT', at, member)
+  elseif tonumber(redis.call('ZSCORE', KEYS[1], member)) == raised then
+    if seen == 'empty' then
       forgotten = forgotten + redis.call('ZREM', KEYS[1], member)
     else
       redis.call('ZADD', KEYS[1], 'XX', ARGV[2], member)
