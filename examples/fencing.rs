@@ -23,8 +23,10 @@
 //! cargo run --example fencing --features test-util
 //! ```
 //!
-//! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started.
+//! Redis is a throwaway `redis-server` started here, unless `REDIS_URL`
+//! names one; there, every key goes under a prefix made for the run, which
+//! the run deletes at the end (`lockgate::testing::ExampleRedis`): nothing
+//! else on a server the example did not start is touched.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -115,14 +117,11 @@ async fn stall_and_write_late(
 
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
-    let (client, server) = lockgate::testing::local_or_throwaway()?;
-    let address = client.get_connection_info().addr().to_string();
-    match server {
-        Some(_) => println!("using a throwaway redis-server at {address}"),
-        None => println!("using the Redis at {address}"),
-    }
+    let redis = lockgate::testing::ExampleRedis::from_env("fencing")?;
+    println!("using {redis}");
+    let address = redis.client().get_connection_info().addr().to_string();
     let config = ConnectionManagerConfig::new().set_number_of_retries(2);
-    let conn = ConnectionManager::new_with_config(client, config)
+    let conn = ConnectionManager::new_with_config(redis.client(), config)
         .await
         .map_err(|e| format!("could not connect to Redis at {address}: {e}"))?;
     let store = Arc::new(Store::default());
@@ -131,9 +130,10 @@ async fn run() -> Result<(), BoxError> {
     // B's side: deposits go through a LockLayer.
     let service = ServiceBuilder::new()
         .layer(
-            LockLayer::new(Locker::new(conn.clone()).ttl(ttl)?, |d: &Deposit| {
-                d.account.clone()
-            })
+            LockLayer::new(
+                Locker::new(conn.clone()).prefix(redis.prefix())?.ttl(ttl)?,
+                |d: &Deposit| d.account.clone(),
+            )
             .on_conflict(OnConflict::retry(
                 Backoff::exponential(ms(10), ms(50))?
                     .unlimited_attempts()
@@ -161,7 +161,7 @@ async fn run() -> Result<(), BoxError> {
         });
 
     // A: takes the lock directly and then stalls past its TTL.
-    let locker = Locker::new(conn.clone()).ttl(ttl)?;
+    let locker = Locker::new(conn.clone()).prefix(redis.prefix())?.ttl(ttl)?;
     let (b_done_tx, b_done_rx) = oneshot::channel::<()>();
     let a = tokio::spawn(stall_and_write_late(locker, store.clone(), ttl, b_done_rx));
 
@@ -181,5 +181,6 @@ async fn run() -> Result<(), BoxError> {
     }
     a.await??;
     println!("final balance in the store: {}", store.read());
+    redis.clean_up().await?; // this run's keys, on a server of yours
     Ok(())
 }

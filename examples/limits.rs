@@ -16,9 +16,10 @@
 //! cargo run --example limits --features test-util
 //! ```
 //!
-//! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started. The
-//! example touches the queue's keys (`lockgate:{limits-jobs}` and the
+//! Redis is a throwaway `redis-server` started here, unless `REDIS_URL`
+//! names one; there, every key goes under a prefix made for the run
+//! instead of `lockgate`, which the run deletes at the end
+//! (`lockgate::testing::ExampleRedis`). The example touches the queue's keys (`lockgate:{limits-jobs}` and the
 //! tenants' lines, `lockgate:{<t>}:limits-jobs:*`), the tenants' permits
 //! (`lockgate:permits:{<tenant>}`), `lockgate:rate:{acme}` and
 //! `lockgate:rate:{solo}`.
@@ -73,18 +74,17 @@ async fn main() {
 }
 
 async fn run() -> Result<(), BoxError> {
-    let (client, _server) = lockgate::testing::local_or_throwaway()?;
-    match &_server {
-        Some(server) => println!("started a throwaway redis-server on port {}", server.port()),
-        None => println!("using Redis at {}", client.get_connection_info().addr()),
-    }
+    let redis = lockgate::testing::ExampleRedis::from_env("limits")?;
+    println!("using {redis}");
+    let client = redis.client();
     let conn = client.get_connection_manager().await?;
     let listener = ReleaseListener::connect(client.clone()).await?;
-    let queue: Queue<Report> = Queue::new(conn.clone(), "limits-jobs")?;
-    queue.purge().await?; // a clean start for the example's own queue
+    let queue: Queue<Report> = Queue::new(conn.clone(), "limits-jobs")?.prefix(redis.prefix())?;
 
     let ms = Duration::from_millis;
-    let locker = Locker::new(conn).ttl(Duration::from_secs(5))?;
+    let locker = Locker::new(conn)
+        .prefix(redis.prefix())?
+        .ttl(Duration::from_secs(5))?;
     let rate = RateLimitLayer::new(locker.clone(), tenant, Rate::new(4, ms(500))?).on_conflict(
         OnConflict::defer(queue.clone(), DeferDelay::until_allowed()),
     );
@@ -129,6 +129,13 @@ async fn run() -> Result<(), BoxError> {
     worker.run_until(done).await?;
 
     let m = metrics.snapshot();
+    report(&log, &m)?;
+    redis.clean_up().await?; // this run's keys, on a server of yours
+    Ok(())
+}
+
+/// Prints the summary; fails unless every report ran.
+fn report(log: &Log, m: &lockgate::worker::MetricsSnapshot) -> Result<(), BoxError> {
     let seen = log.lock().map_err(|_| "log poisoned")?;
     println!(
         "\nsummary: {} handled, {} deferrals (over the rate or out of permits), {} dead",

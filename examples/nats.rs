@@ -17,18 +17,20 @@
 //! cargo run --example nats --features test-util
 //! ```
 //!
-//! NATS comes from `NATS_URL` when set, else from `127.0.0.1:4222` when a
-//! server listens there, else a throwaway `nats-server -js` is started;
-//! Redis likewise from `REDIS_URL`, `127.0.0.1:6379` or a throwaway
-//! `redis-server`. `ORDERS=n` publishes n orders first (default 12), then
+//! NATS comes from `NATS_URL` when set, else a throwaway `nats-server -js`
+//! is started; Redis likewise from `REDIS_URL` or a throwaway
+//! `redis-server` (a server that merely answers on a well-known port is
+//! never used). `ORDERS=n` publishes n orders first (default 12), then
 //! exits once this process has handled that many; `ORDERS=0` publishes
 //! nothing and consumes until it is stopped: run several of those beside a
 //! producer of your own. Every handled order prints
 //! `handled <order> <account> <start µs> <end µs>` (unix time).
 //!
 //! The example uses the stream `LOCKGATE_EXAMPLE` (its durable consumer
-//! `lockgate-example`) and the keys under `lockgate:{nats-orders}`; with
-//! `ORDERS` above 0 it empties both first.
+//! `lockgate-example`) and the keys under `lockgate:{nats-orders}`, the
+//! same in every process, so that several consumers share them. It never
+//! purges them (a server it did not start may hold orders of another run,
+//! which it then handles too).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -80,7 +82,7 @@ async fn main() {
 /// process of this pipeline shares (each message goes to one of them).
 async fn jetstream_consumer(
     nats_url: &str,
-) -> Result<(jetstream::Context, stream::Stream, PullConsumer), BoxError> {
+) -> Result<(jetstream::Context, PullConsumer), BoxError> {
     let js = jetstream::new(async_nats::connect(nats_url).await?);
     // A busy server may let a JetStream request time out (processes of the
     // pipeline starting together create the same stream and consumer): try
@@ -105,7 +107,7 @@ async fn jetstream_consumer(
         )
     })
     .await?;
-    Ok((js, stream, consumer))
+    Ok((js, consumer))
 }
 
 async fn run() -> Result<(), BoxError> {
@@ -114,22 +116,18 @@ async fn run() -> Result<(), BoxError> {
         Ok(n) => n.parse().map_err(|e| format!("ORDERS={n}: {e}"))?,
         Err(_) => 12,
     };
-    let (nats_url, _nats) = lockgate::testing::nats_or_throwaway()?;
-    let (client, _redis) = lockgate::testing::local_or_throwaway()?;
+    let (nats_url, _nats) = lockgate::testing::nats_url_or_throwaway()?;
+    let (client, _redis) = lockgate::testing::redis_url_or_throwaway()?;
     println!(
         "NATS at {nats_url}, Redis at {}",
         client.get_connection_info().addr()
     );
 
-    let (js, stream, consumer) = jetstream_consumer(&nats_url).await?;
+    let (js, consumer) = jetstream_consumer(&nats_url).await?;
 
     // lockgate: the queue orders wait in, a lock per account.
     let conn = client.get_connection_manager().await?;
     let queue: Queue<Order> = Queue::new(conn.clone(), QUEUE)?;
-    if orders > 0 {
-        stream.purge().await?; // a clean start for the example's own stream
-        queue.purge().await?; // and queue
-    }
     let listener = ReleaseListener::connect(client.clone()).await?;
     let locker = Locker::new(conn).ttl(Duration::from_secs(5))?;
     // Wait up to ~10 ms for the account, then join the account's line.

@@ -13,10 +13,12 @@
 //! cargo run --example pipeline --features test-util
 //! ```
 //!
-//! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started. The
-//! example only touches keys under `lockgate:{pipeline-deferred}` and
-//! `lockgate:lock:`.
+//! Redis is a throwaway `redis-server` started here, unless `REDIS_URL`
+//! names one. The example only touches keys under
+//! `lockgate:{pipeline-deferred}` and `lockgate:lock:`; on the server
+//! `REDIS_URL` names, under a prefix made for the run instead of
+//! `lockgate`, which the run deletes at the end
+//! (`lockgate::testing::ExampleRedis`).
 
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
@@ -58,25 +60,25 @@ async fn main() {
 
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
-    let (client, server) = lockgate::testing::local_or_throwaway()?;
-    match &server {
-        Some(server) => println!("started a throwaway redis-server on port {}", server.port()),
-        None => println!("using Redis at {}", client.get_connection_info().addr()),
-    }
+    let redis = lockgate::testing::ExampleRedis::from_env("pipeline")?;
+    println!("using {redis}");
+    let client = redis.client();
     let conn = client.get_connection_manager().await?;
-    let queue: Queue<Msg> = Queue::new(conn.clone(), "pipeline-deferred")?;
-    queue.purge().await?; // a clean start for the example's own queue
+    let queue: Queue<Msg> =
+        Queue::new(conn.clone(), "pipeline-deferred")?.prefix(redis.prefix())?;
     let started = Instant::now();
     let at = move || started.elapsed().as_millis();
 
     // Someone else holds the hot device for 400 ms.
-    let releasing = hold(conn.clone(), started).await?;
+    let releasing = hold(conn.clone(), redis.prefix(), started).await?;
 
     // One lock configuration for both entry points: retry ~30 ms, then defer
     // for 400 ms into the queue the worker consumes.
     let strategy = OnConflict::retry(Backoff::exponential(ms(10), ms(20))?.max_attempts(3))
         .then_defer(queue.clone(), ms(400));
-    let locker = Locker::new(conn).ttl(Duration::from_secs(2))?;
+    let locker = Locker::new(conn)
+        .prefix(redis.prefix())?
+        .ttl(Duration::from_secs(2))?;
     let lock = LockLayer::new(locker, |m: &Msg| m.device.clone()).on_conflict(strategy);
     let handled: Handled = Default::default();
     let handler = {
@@ -135,7 +137,9 @@ async fn run() -> Result<(), BoxError> {
     releasing.await??;
 
     let handled = handled.lock().map(|h| h.clone()).unwrap_or_default();
-    report(&msgs, &deferred, &handled, metrics.snapshot())
+    report(&msgs, &deferred, &handled, metrics.snapshot())?;
+    redis.clean_up().await?; // this run's keys, on a server of yours
+    Ok(())
 }
 
 /// The consumer loop: the messages arrive one every 30 ms, and `call_all`
@@ -180,10 +184,13 @@ where
 /// lets go in a task of its own (awaited at the end).
 async fn hold(
     conn: ConnectionManager,
+    prefix: &str,
     started: Instant,
 ) -> Result<JoinHandle<lockgate::Result<bool>>, BoxError> {
     let at = move || started.elapsed().as_millis();
-    let holder = Locker::new(conn).ttl(Duration::from_secs(2))?;
+    let holder = Locker::new(conn)
+        .prefix(prefix)?
+        .ttl(Duration::from_secs(2))?;
     let lease = match holder.acquire(HOT).await? {
         Acquisition::Acquired(lease) => lease,
         Acquisition::Contended(busy) => {

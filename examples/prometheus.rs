@@ -12,11 +12,12 @@
 //! ```
 //!
 //! `METRICS_ADDR` sets the address to serve on (default `127.0.0.1:9464`),
-//! `RUN_FOR_MS` how long the example runs (default 3000). Redis comes from
-//! `REDIS_URL` when set, else from `127.0.0.1:6379` when a server answers
-//! there, else a throwaway `redis-server` is started. The example only
-//! touches keys under `lockgate:{prometheus-orders}` and
-//! `lockgate:lock:{account-*}`.
+//! `RUN_FOR_MS` how long the example runs (default 3000). Redis is a
+//! throwaway `redis-server` started here, unless `REDIS_URL` names one. The
+//! example only touches keys under `lockgate:{prometheus-orders}` and
+//! `lockgate:lock:{account-*}`; on the server `REDIS_URL` names, under a
+//! prefix made for the run instead of `lockgate`, which the run deletes at
+//! the end (`lockgate::testing::ExampleRedis`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -59,17 +60,17 @@ async fn run() -> Result<(), BoxError> {
         .install()?;
     println!("serving metrics at http://{addr}/metrics");
 
-    let (client, _server) = lockgate::testing::local_or_throwaway()?;
-    match &_server {
-        Some(server) => println!("started a throwaway redis-server on port {}", server.port()),
-        None => println!("using Redis at {}", client.get_connection_info().addr()),
-    }
+    let redis = lockgate::testing::ExampleRedis::from_env("prometheus")?;
+    println!("using {redis}");
+    let client = redis.client();
     let conn = client.get_connection_manager().await?;
-    let queue: Queue<Order> = Queue::new(conn.clone(), "prometheus-orders")?;
-    queue.purge().await?; // a clean start for the example's own queue
+    let queue: Queue<Order> =
+        Queue::new(conn.clone(), "prometheus-orders")?.prefix(redis.prefix())?;
 
     let ms = Duration::from_millis;
-    let locker = Locker::new(conn).ttl(Duration::from_secs(5))?;
+    let locker = Locker::new(conn)
+        .prefix(redis.prefix())?
+        .ttl(Duration::from_secs(5))?;
     let layer = LockLayer::new(locker, account).on_conflict(
         OnConflict::retry(Backoff::exponential(ms(2), ms(10))?.max_elapsed(ms(30)))
             .then_defer(queue.clone(), ms(50)),
@@ -120,7 +121,7 @@ async fn run() -> Result<(), BoxError> {
             println!("  {line}");
         }
     }
-    queue.purge().await?;
+    redis.clean_up().await?; // this run's keys, on a server of yours
     Ok(())
 }
 

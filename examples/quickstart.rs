@@ -13,11 +13,19 @@
 //! cargo run --example quickstart --features test-util
 //! ```
 //!
-//! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started. The
-//! example touches the queue's keys (`lockgate:{quickstart-orders}` and
-//! the lines of its accounts, `lockgate:{<t>}:quickstart-orders:*`) and the
-//! accounts' locks (`lockgate:lock:{<account>}`).
+//! Redis is a throwaway `redis-server` started here, unless `REDIS_URL`
+//! names one (a Redis that merely answers on `127.0.0.1:6379` is never
+//! used). On a throwaway server the keys are the defaults: the queue's
+//! (`lockgate:{quickstart-orders}` and the lines of its accounts,
+//! `lockgate:{<t>}:quickstart-orders:*`) and the accounts' locks
+//! (`lockgate:lock:{<account>}`). On the server `REDIS_URL` names, every
+//! key goes under a prefix made for this run instead of `lockgate`, and the
+//! run deletes them at the end: nothing else there is read, changed,
+//! purged or flushed.
+//!
+//! When your code owns the queue, pushing each order with its account as
+//! the key (`PushOptions::key`) does the same with no `LockLayer` at all:
+//! `examples/keyed.rs`.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,15 +54,16 @@ async fn main() {
 }
 
 async fn run() -> Result<(), BoxError> {
-    let (client, _server) = lockgate::testing::local_or_throwaway()?;
-    match &_server {
-        Some(server) => println!("started a throwaway redis-server on port {}", server.port()),
-        None => println!("using Redis at {}", client.get_connection_info().addr()),
-    }
+    // Never a server found running: see the module doc.
+    let redis = lockgate::testing::ExampleRedis::from_env("quickstart")?;
+    println!("using {redis}");
+    let client = redis.client();
     let conn = client.get_connection_manager().await?;
 
-    let queue: Queue<Order> = Queue::new(conn.clone(), "quickstart-orders")?;
-    queue.purge().await?; // a clean start for the example's own queue
+    // A fresh server (or a fresh prefix) holds nothing: no purge needed,
+    // and none is ever done on a server the example did not start.
+    let queue: Queue<Order> =
+        Queue::new(conn.clone(), "quickstart-orders")?.prefix(redis.prefix())?;
 
     // The lock: one per account, 2 s TTL (renewed while a handler runs long).
     // A locker made from the client wakes its waiters when the lock they
@@ -62,6 +71,7 @@ async fn run() -> Result<(), BoxError> {
     // opened on the first wait).
     let locker = Locker::connect(client.clone())
         .await?
+        .prefix(redis.prefix())?
         .ttl(Duration::from_secs(2))?;
     let ms = Duration::from_millis;
     // Wait up to ~50 ms for the account, then join the account's line.
@@ -122,6 +132,7 @@ async fn run() -> Result<(), BoxError> {
         "queue afterwards: {} due, {} later, {} active, {} dead",
         stats.due, stats.later, stats.active, stats.dead
     );
+    redis.clean_up().await?; // this run's keys, on a server of yours
     Ok(())
 }
 

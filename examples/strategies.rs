@@ -17,8 +17,10 @@
 //! REDIS_URL=redis://my-redis:6379/ cargo run --example strategies --features test-util
 //! ```
 //!
-//! Redis comes from `REDIS_URL` when set, else from `127.0.0.1:6379` when a
-//! server answers there, else a throwaway `redis-server` is started.
+//! Redis is a throwaway `redis-server` started here, unless `REDIS_URL`
+//! names one; there, every key goes under a prefix made for the run, which
+//! the run deletes at the end (`lockgate::testing::ExampleRedis`): nothing
+//! else on a server the example did not start is touched.
 
 use std::time::{Duration, SystemTime};
 
@@ -61,8 +63,13 @@ async fn handle(m: Message) -> Result<String, BoxError> {
 
 /// The holder: takes `hot` with a 400 ms TTL and lets go after 300 ms, in
 /// a task of its own (awaited at the end).
-async fn hold(conn: ConnectionManager) -> Result<JoinHandle<lockgate::Result<bool>>, BoxError> {
-    let holder = Locker::new(conn).ttl(Duration::from_millis(400))?;
+async fn hold(
+    conn: ConnectionManager,
+    prefix: &str,
+) -> Result<JoinHandle<lockgate::Result<bool>>, BoxError> {
+    let holder = Locker::new(conn)
+        .prefix(prefix)?
+        .ttl(Duration::from_millis(400))?;
     let lease = match holder.acquire(KEY).await? {
         Acquisition::Acquired(lease) => lease,
         Acquisition::Contended(busy) => {
@@ -126,25 +133,24 @@ async fn main() {
 
 async fn run() -> Result<(), BoxError> {
     let ms = Duration::from_millis;
-    // Keep `server` alive until the end: a throwaway server dies with it.
-    let (client, server) = lockgate::testing::local_or_throwaway()?;
+    // Keep `redis` alive until the end: a throwaway server dies with it.
+    let redis = lockgate::testing::ExampleRedis::from_env("strategies")?;
+    println!("using {redis}");
+    let client = redis.client();
     let address = client.get_connection_info().addr().to_string();
-    match server {
-        Some(_) => println!("using a throwaway redis-server at {address}"),
-        None => println!("using the Redis at {address}"),
-    }
     let config = ConnectionManagerConfig::new().set_number_of_retries(2);
     let conn = ConnectionManager::new_with_config(client.clone(), config)
         .await
         .map_err(|e| format!("could not connect to Redis at {address}: {e}"))?;
 
-    let queue: Queue<Message> = Queue::new(conn.clone(), QUEUE)?;
-    queue.purge().await?; // a clean slate on a shared Redis
+    let queue: Queue<Message> = Queue::new(conn.clone(), QUEUE)?.prefix(redis.prefix())?;
 
-    let releasing = hold(conn.clone()).await?;
+    let releasing = hold(conn.clone(), redis.prefix()).await?;
 
     // Three layers over one locker, differing only in their strategy.
-    let locker = Locker::new(conn.clone()).ttl(Duration::from_secs(5))?;
+    let locker = Locker::new(conn.clone())
+        .prefix(redis.prefix())?
+        .ttl(Duration::from_secs(5))?;
     let fail = ServiceBuilder::new()
         .layer(LockLayer::new(locker.clone(), key_of).on_conflict(OnConflict::fail()))
         .service_fn(handle);
@@ -208,6 +214,6 @@ async fn run() -> Result<(), BoxError> {
     if metrics.snapshot().done != 1 {
         return Err("the worker did not bring the deferred message back".into());
     }
-    queue.purge().await?;
+    redis.clean_up().await?; // this run's keys, on a server of yours
     Ok(())
 }

@@ -10,6 +10,10 @@ use crate::error::{Error, Result};
 /// `0..=min(max, base * 2^n)` ("full jitter"), so that contenders spread out
 /// instead of retrying in lock step. A backoff stops after `max_attempts`
 /// tries in all, or once `max_elapsed` has passed, whichever comes first.
+/// **As built by [`exponential`](Self::exponential), it stops after 10
+/// tries** (the first included); change that with
+/// [`max_attempts`](Self::max_attempts) or lift it with
+/// [`unlimited_attempts`](Self::unlimited_attempts).
 ///
 /// ```
 /// use std::time::Duration;
@@ -34,8 +38,25 @@ pub struct Backoff {
 }
 
 impl Backoff {
-    /// Waits capped at `base`, doubling per try up to `max`, with at most 10
-    /// tries. Errors when `base` is zero or `max < base`.
+    /// Waits capped at `base`, doubling per try up to `max`, and **at most
+    /// 10 tries in all** (the first included: 9 waits), so that a key held
+    /// for good cannot hold its contenders forever. Set another limit with
+    /// [`max_attempts`](Self::max_attempts), or none with
+    /// [`unlimited_attempts`](Self::unlimited_attempts) (then bound the
+    /// total with [`max_elapsed`](Self::max_elapsed)). Errors when `base`
+    /// is zero or `max < base`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use lockgate::Backoff;
+    ///
+    /// let ms = Duration::from_millis;
+    /// let backoff = Backoff::exponential(ms(10), ms(500))?;
+    /// assert!(backoff.next(9, Duration::ZERO).is_some()); // a 10th try
+    /// assert_eq!(backoff.next(10, Duration::ZERO), None); // no 11th
+    /// assert!(backoff.unlimited_attempts().next(1000, Duration::ZERO).is_some());
+    /// # Ok::<_, lockgate::Error>(())
+    /// ```
     pub fn exponential(base: Duration, max: Duration) -> Result<Self> {
         if base.is_zero() {
             return Err(Error::config("backoff base must be greater than zero"));

@@ -37,9 +37,13 @@ mod outcome;
 pub mod queue;
 mod script;
 pub mod telemetry;
+// Inlined, so that `cargo doc -p lockgate --no-deps` (and docs.rs) show the
+// module's pages; a plain re-export of another crate would be one line
+// linking to documentation that `--no-deps` does not build.
 /// Throwaway `redis-server`, Redis Cluster and `nats-server` processes for
 /// tests, benches and examples (the `lockgate-testing` crate).
 #[cfg(feature = "test-util")]
+#[doc(inline)]
 pub use lockgate_testing as testing;
 pub mod worker;
 

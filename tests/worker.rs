@@ -389,6 +389,73 @@ async fn a_deferral_behind_a_buffer_is_a_copy_and_the_worker_counts_it() {
     );
 }
 
+/// The other placement (the README's "Composing"): tower's `Buffer` inside
+/// the LockLayer. The layer's `call` is the worker's, so the claim reaches it
+/// and a deferral reschedules the claimed job in place (no copy); the
+/// handler's `call` runs on the buffer's task, where `HeldLock::current()`
+/// is not set, but the future it returns runs in the layer's call, where it
+/// is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_inside_the_lock_layer_defers_in_place_and_the_future_sees_the_lock() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "buffered-inside").unwrap();
+    let locker = Locker::new(conn.clone()).ttl(secs(30)).unwrap();
+    let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    // (message, lock seen in `call`, lock seen in the future)
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let log = handled.clone();
+    let service = ServiceBuilder::new()
+        .map_request(|job: Job<Msg>| job.into_payload())
+        .layer(
+            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+                .on_conflict(OnConflict::defer(queue.clone(), ms(200))),
+        )
+        .buffer(8)
+        .service_fn(move |m: Msg| {
+            let in_call = lockgate::HeldLock::current().is_some();
+            let log = log.clone();
+            async move {
+                let in_future = lockgate::HeldLock::current().is_some();
+                log.lock().unwrap().push((m.n, in_call, in_future));
+                Ok::<_, BoxError>(())
+            }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(stop_rx));
+    let pushed = queue
+        .push(Msg {
+            n: 7,
+            key: "busy".into(),
+        })
+        .await
+        .unwrap();
+    eventually("the deferral", secs(10), || async {
+        done_if(metrics.snapshot().deferred >= 1, metrics.snapshot())
+    })
+    .await;
+    assert!(locker.release(&holder).await.unwrap());
+    eventually("the handler", secs(10), || async {
+        let s = stats(&queue).await;
+        done_if(
+            handled.lock().unwrap().len() == 1 && s.due + s.later + s.active == 0,
+            s,
+        )
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    run.await.unwrap().unwrap();
+    assert_eq!(*handled.lock().unwrap(), vec![(7, false, true)]);
+    let snapshot = metrics.snapshot();
+    assert_eq!((snapshot.copied, snapshot.dead), (0, 0), "{snapshot:?}");
+    assert!(
+        !queue.remove(&pushed.id).await.unwrap(),
+        "the job deferred in place was handled and acknowledged"
+    );
+}
+
 /// A backlog reaches every idle worker: one push rings once and wakes one
 /// worker, whose claim passes the wake-up on while due messages remain. Six
 /// handlers over three workers with two slots each must all run at once

@@ -50,7 +50,10 @@ impl OnConflict<Fail> {
     }
 
     /// Sleep with jittered exponential backoff and try again, as long as
-    /// `backoff` allows; then fail with [`Contended`].
+    /// `backoff` allows; then fail with [`Contended`]. A backoff made by
+    /// [`Backoff::exponential`] allows **10 tries in all** unless told
+    /// otherwise ([`Backoff::max_attempts`], [`Backoff::max_elapsed`],
+    /// [`Backoff::unlimited_attempts`]).
     pub fn retry(backoff: Backoff) -> Self {
         Self {
             retry: Some(backoff),

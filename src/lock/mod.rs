@@ -436,7 +436,8 @@ where
         self.config.listener.as_ref()?.get()
     }
 
-    /// Sets the TTL of acquired locks. Errors on a TTL under one millisecond.
+    /// Sets the TTL of acquired locks. Errors on a TTL under one millisecond
+    /// or over 10 years ([`MAX_TTL`]).
     pub fn ttl(self, ttl: Duration) -> Result<Self> {
         check_ttl(ttl)?;
         if let Some(durability) = self.config.durability {

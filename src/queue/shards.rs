@@ -2,14 +2,16 @@
 //! Cluster"). Shard 0 is the queue's own keys, `<prefix>:{<queue>}:…`, so a
 //! queue of one shard is the plain queue; shard `i` of `n` keeps the same
 //! keys under `<prefix>:{<t>}#<i>:<queue>:…`, where `<t>` is the tag of the
-//! slot `(CRC16(queue) + i × 16384 / n) mod 16384`: slots evenly apart,
+//! slot `(CRC16(tag(queue)) mod 16384 + i × 16384 / n) mod 16384` (`tag`:
+//! the queue name escaped as inside its keys' braces): slots evenly apart,
 //! which a cluster whose masters hold contiguous ranges places on different
 //! masters. (`#` after the tag, where every other layout has `:`, keeps a
 //! shard's keys apart from any keyed partition in the same slot.) A message
-//! without a key lives in shard `CRC16(id) mod n`; keyed messages stay in
-//! their keys' partitions. The queue's own slot keeps what spans the
-//! shards: the index of partitions, where shard `i` is member `16384 + i`
-//! (from when it may have work), the bell, and the record of `n`.
+//! without a key lives in shard `(CRC16(id) mod 16384) mod n`, its id's
+//! slot modulo `n`; keyed messages stay in their keys' partitions. The
+//! queue's own slot keeps what spans the shards: the index of partitions,
+//! where shard `i` is member `16384 + i` (from when it may have work), the
+//! bell, and the record of `n`.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -53,6 +53,12 @@
 //! start servers that serve TLS alone, with a certificate made at start.
 //! [`NatsServer`] starts a `nats-server -js`, for broker pipelines.
 //!
+//! Examples find Redis through [`ExampleRedis`] (or
+//! [`redis_url_or_throwaway`]): the server `REDIS_URL` names, with a key
+//! prefix made for the run, else a throwaway server; never a server that
+//! merely answers on `127.0.0.1:6379`, and nothing is ever purged or
+//! flushed on a server they did not start.
+//!
 //! The `redis-server` binary is taken from `LOCKGATE_REDIS_SERVER` when set,
 //! else from `PATH`. When it is missing, [`RedisServer::start`] fails with
 //! [`StartError::NotInstalled`], whose message says how to install it.
@@ -67,17 +73,20 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod example;
 mod nats;
 mod replica;
 #[cfg(feature = "tls")]
 mod tls;
 
+pub use example::{ExampleRedis, nats_url_or_throwaway, redis_url_or_throwaway};
 pub use nats::NatsServer;
 pub use replica::ReplicaPair;
 #[cfg(feature = "tls")]
 pub use tls::certificates;
 
-/// The error of [`local_or_throwaway`] and [`nats_or_throwaway`].
+/// The error of [`redis_url_or_throwaway`], [`nats_url_or_throwaway`] and
+/// [`ExampleRedis`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How long a fresh server may take to answer `PING`.
@@ -961,22 +970,6 @@ where
         .collect())
 }
 
-/// Where an example or a manual try should find Redis.
-///
-/// `REDIS_URL` when it is set (and not empty); else `redis://127.0.0.1:6379` when a server
-/// answers there; else a throwaway server started through [`RedisServer`]
-/// (returned too, so it lives as long as the caller keeps it).
-pub fn local_or_throwaway() -> Result<(redis::Client, Option<RedisServer>), BoxError> {
-    if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
-        return Ok((redis::Client::open(url)?, None));
-    }
-    if ping(6379) {
-        return Ok((redis::Client::open("redis://127.0.0.1:6379/")?, None));
-    }
-    let server = RedisServer::start()?;
-    Ok((server.client(), Some(server)))
-}
-
 /// Runs `start` on a port that was free a moment ago, up to five times:
 /// another process may grab the port between the probe and the server's
 /// bind, and a server that did not come up (`NotReady`) gets another port.
@@ -1030,36 +1023,4 @@ fn server_pid(port: u16) -> Option<u32> {
         }
     }
     None
-}
-
-/// Where an example should find NATS, as [`local_or_throwaway`] does for
-/// Redis: `NATS_URL` when it is set (and not empty); else
-/// `nats://127.0.0.1:4222` when a server listens there; else a throwaway
-/// [`NatsServer`] (returned too, so it lives as long as the caller keeps it).
-pub fn nats_or_throwaway() -> Result<(String, Option<NatsServer>), BoxError> {
-    if let Some(url) = std::env::var("NATS_URL").ok().filter(|u| !u.is_empty()) {
-        return Ok((url, None));
-    }
-    if TcpStream::connect_timeout(
-        &(Ipv4Addr::LOCALHOST, 4222).into(),
-        Duration::from_millis(500),
-    )
-    .is_ok()
-    {
-        return Ok(("nats://127.0.0.1:4222".into(), None));
-    }
-    let server = NatsServer::start()?;
-    Ok((server.url(), Some(server)))
-}
-
-/// Whether a Redis server answers `PING` on a loopback port.
-fn ping(port: u16) -> bool {
-    let Ok(mut stream) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-    let mut reply = [0u8; 7];
-    stream.write_all(b"PING\r\n").is_ok()
-        && stream.read_exact(&mut reply).is_ok()
-        && &reply == b"+PONG\r\n"
 }
