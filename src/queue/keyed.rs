@@ -958,8 +958,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            let (now, keys_here, keys): (i64, usize, Vec<(String, u64, u64, i64)>) =
-                self.run(&KEY_LOADS, &cmd, attempted).await?;
+            type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
+            let (now, keys_here, keys): Loads = self.run(&KEY_LOADS, &cmd, attempted).await?;
             count += keys_here;
             for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
