@@ -86,6 +86,8 @@ struct World<'a> {
     leases: BTreeMap<usize, Lease>,
     /// The highest fence seen: never rolled back with the model.
     last_fence: Option<u64>,
+    /// How many times expired leases were added (their tokens' names).
+    expired: usize,
 }
 
 /// Runs `call` until it is not refused for a dropped connection.
@@ -195,9 +197,10 @@ impl World<'_> {
         let mut zadd = redis::cmd("ZADD");
         zadd.arg(self.locker.permits_key(&self.key));
         let minute_ago = crate::server_us(&mut self.conn).await? / 1000 - 60_000;
+        self.expired += 1;
         for i in 0..n {
             zadd.arg(minute_ago + i as i64)
-                .arg(format!("expired-{minute_ago}-{i}"));
+                .arg(format!("expired-{}-{i}", self.expired));
         }
         // Asked again while the connection is being re-opened.
         for _ in 0..100 {
@@ -305,6 +308,7 @@ async fn run_history(
         saved: Model::default(),
         leases: BTreeMap::new(),
         last_fence: None,
+        expired: 0,
     };
     for (step, op) in history.iter().enumerate() {
         world.run(*op, &format!("step {step}: {op:?}")).await?;
