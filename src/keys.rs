@@ -152,7 +152,7 @@ pub(crate) async fn scan_tagged(
 }
 
 /// Deletes every key whose name starts with `<prefix>:` (`SCAN`, then
-/// `DEL` in batches), and returns how many went: for throwaway prefixes
+/// `UNLINK` in batches: freed off the main thread), and returns how many went: for throwaway prefixes
 /// such as a benchmark's. Never point it at a prefix in use: it deletes
 /// locks and messages alike. On a Redis Cluster, call it with a connection
 /// to each master in turn.
@@ -172,7 +172,7 @@ pub async fn delete_prefix(
         // slots in one.
         let mut pipe = redis::pipe();
         for key in batch {
-            pipe.del(key);
+            pipe.unlink(key);
         }
         let n: Vec<usize> =
             (pipe.query_async(&mut conn).await).map_err(|e| Error::redis(attempted())(e))?;

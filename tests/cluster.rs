@@ -456,7 +456,7 @@ async fn exercise_queue(cluster: &RedisCluster, queue: Queue<Msg, ClusterConnect
     );
 
     // Dead letters: listed with their error, re-driven one by one or all.
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, jobs[5].id());
     assert_eq!(dead[0].error.as_deref(), Some("fatal"));
@@ -472,7 +472,10 @@ async fn exercise_queue(cluster: &RedisCluster, queue: Queue<Msg, ClusterConnect
     for job in &both {
         assert!(queue.bury(job, "again").await.unwrap());
     }
-    assert_eq!(queue.dead_letters(0, 100).await.unwrap().len(), 2);
+    assert_eq!(
+        queue.dead_letters(None, 100).await.unwrap().letters.len(),
+        2
+    );
     assert_eq!(queue.requeue_all_dead().await.unwrap(), 2);
 
     // Remove a scheduled message; a claimed one is left to its worker.

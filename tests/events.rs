@@ -372,6 +372,74 @@ async fn with_events_off_nothing_is_written() {
     }
 }
 
+/// Issue 38: the activity of a busy queue counts every message of the
+/// window, the newest included. (It read the *first* 1,000 events entries
+/// since the window's start, so on a busy queue the newest buckets showed
+/// nothing.) 1,100 acknowledgements, each its own entry, after the entries
+/// of the pushes and claims.
+#[tokio::test]
+async fn activity_counts_the_newest_messages_of_a_busy_queue() {
+    let server = server();
+    let queue: Queue<u32> = Queue::new(manager(&server).await, "busy")
+        .unwrap()
+        .record_events(100_000)
+        .unwrap();
+    queue.push_many(0..1100u32).await.unwrap();
+    let mut jobs = Vec::new();
+    while jobs.len() < 1100 {
+        jobs.extend(queue.claim(1000, secs(60)).await.unwrap().jobs);
+    }
+    for job in &jobs {
+        assert!(queue.ack(job).await.unwrap());
+    }
+    let activity = queue.activity(secs(60), 6).await.unwrap();
+    assert_eq!(activity.done.iter().sum::<u64>(), 1100, "{activity:?}");
+    assert_eq!(
+        activity.done[5], 1100,
+        "all in the newest bucket: {activity:?}"
+    );
+    assert_eq!(activity.failed, [0; 6]);
+}
+
+/// Each second's counts go to the bucket it ends in: the current second to
+/// the newest bucket, a second 25 s ago to the bucket of 30 to 40 s ago
+/// counted from the window's start; a slot last written an hour ago reads
+/// as zero. (The counts are the README's `activity` hash, written here
+/// directly at known seconds.)
+#[tokio::test]
+async fn activity_puts_each_second_in_its_bucket() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<u32> = Queue::new(conn.clone(), "seconds")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    // The queue records events: its stream exists.
+    queue.push(1).await.unwrap();
+    let (now, _): (u64, u64) = redis::cmd("TIME")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let slot = |second: u64| (second % 3600).to_string();
+    let counts = [
+        (slot(now), format!("{now} 7 1")),
+        (slot(now - 25), format!("{} 3 2", now - 25)),
+        // Another turn of the ring: an hour before its second.
+        (slot(now - 45), format!("{} 100 100", now - 45 - 3600)),
+    ];
+    for (field, value) in counts {
+        let _: i64 = support::raw(
+            &conn,
+            &["HSET", "lockgate:{seconds}:activity", &field, &value],
+        )
+        .await;
+    }
+    let activity = queue.activity(secs(60), 6).await.unwrap();
+    assert!(activity.recorded);
+    assert_eq!(activity.done, [0, 0, 0, 3, 0, 7]);
+    assert_eq!(activity.failed, [0, 0, 0, 2, 0, 1]);
+}
+
 #[tokio::test]
 async fn activity_counts_what_a_queue_did_in_one_round_trip() {
     let server = server();

@@ -748,7 +748,7 @@ async fn keyed_dead_letters_are_listed_and_re_driven_to_the_end_of_their_line() 
     push_lines(&queue).await;
     let jobs = claim_ids(&queue, secs(10)).await;
     assert!(queue.bury(&jobs[0], "no such account").await.unwrap());
-    let dead = queue.dead_letters(0, 10).await.unwrap();
+    let dead = queue.dead_letters(None, 10).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, "a1");
     assert_eq!(dead[0].error.as_deref(), Some("no such account"));
@@ -757,7 +757,14 @@ async fn keyed_dead_letters_are_listed_and_re_driven_to_the_end_of_their_line() 
         !queue.requeue_dead("a1").await.unwrap(),
         "not dead any more"
     );
-    assert!(queue.dead_letters(0, 10).await.unwrap().is_empty());
+    assert!(
+        queue
+            .dead_letters(None, 10)
+            .await
+            .unwrap()
+            .letters
+            .is_empty()
+    );
     // Back in a's line, behind a2 and a3, with fresh counts.
     let mut order = Vec::new();
     loop {
@@ -1375,17 +1382,29 @@ async fn keyed_dead_letters_stay_with_a_queue_whose_name_ends_in_data() {
         push_lines(&queue).await;
         let jobs = claim_ids(&queue, secs(10)).await;
         assert!(queue.bury(&jobs[0], "no such account").await.unwrap());
-        let dead = queue.dead_letters(0, 10).await.unwrap();
+        let dead = queue.dead_letters(None, 10).await.unwrap().letters;
         let ids: Vec<&str> = dead.iter().map(|letter| letter.id.as_str()).collect();
         assert_eq!(ids, ["a1"], "{name}'s own dead letter");
         assert!(queue.requeue_dead("a1").await.unwrap(), "{name}");
         assert!(
-            queue.dead_letters(0, 10).await.unwrap().is_empty(),
+            queue
+                .dead_letters(None, 10)
+                .await
+                .unwrap()
+                .letters
+                .is_empty(),
             "{name}"
         );
         queue.purge().await.unwrap();
     }
-    assert!(other.dead_letters(0, 10).await.unwrap().is_empty());
+    assert!(
+        other
+            .dead_letters(None, 10)
+            .await
+            .unwrap()
+            .letters
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -1400,7 +1419,7 @@ async fn keyed_dead_letters_keep_to_the_queue_s_retention() {
             assert!(queue.bury(&job, "no").await.unwrap());
         }
     }
-    let dead = queue.dead_letters(0, 10).await.unwrap();
+    let dead = queue.dead_letters(None, 10).await.unwrap().letters;
     assert_eq!(
         dead.len(),
         2,
@@ -1447,7 +1466,14 @@ async fn peek_lists_keyed_messages_with_their_keys_and_remove_deletes_them() {
     assert!(queue.remove("c1").await.unwrap(), "delayed");
     assert!(queue.bury(&jobs[1], "no").await.unwrap());
     assert!(queue.remove("b1").await.unwrap(), "dead");
-    assert!(queue.dead_letters(0, 10).await.unwrap().is_empty());
+    assert!(
+        queue
+            .dead_letters(None, 10)
+            .await
+            .unwrap()
+            .letters
+            .is_empty()
+    );
     assert!(queue.ack(&jobs[0]).await.unwrap());
     // a3 is next in a's line, b2 in b's; nothing else is left.
     let next = claim_ids(&queue, secs(10)).await;

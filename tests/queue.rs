@@ -466,7 +466,7 @@ async fn an_expired_lease_is_redelivered_and_the_stale_holder_is_refused() {
     assert!(!q.bury(&stale, "x").await.unwrap());
     assert_eq!(q.extend([&stale], LONG).await.unwrap(), [false]);
     assert_counts(stats(&q).await, 0, 0, 1, 0);
-    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
+    assert!(q.dead_letters(None, 100).await.unwrap().letters.is_empty());
     assert_eq!(
         raw::<Option<String>>(
             q.connection(),
@@ -586,7 +586,7 @@ async fn retry_counts_failures_records_errors_and_respects_its_delay() {
         Some("boom 3")
     );
     assert!(q.bury(&job, "boom 4, giving up").await.unwrap());
-    let dead = q.dead_letters(0, 100).await.unwrap();
+    let dead = q.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, id);
     // Three retries and the final failure that buried it.
@@ -658,7 +658,7 @@ async fn recover_buries_after_max_stalls() {
     assert_counts(stats(&q).await, 0, 0, 0, 1);
     assert!(!q.ack(&job).await.unwrap());
 
-    let dead = q.dead_letters(0, 100).await.unwrap();
+    let dead = q.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     let letter = &dead[0];
     assert_eq!(letter.id, id);
@@ -705,7 +705,7 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_counts(s, 0, 1, 1, 2);
     assert_eq!(s.oldest_due_age, None);
 
-    let dead = q.dead_letters(0, 100).await.unwrap();
+    let dead = q.dead_letters(None, 100).await.unwrap().letters;
     let listed: Vec<(&str, u32, Option<&str>)> = dead
         .iter()
         .map(|d| (d.id.as_str(), d.failures, d.error.as_deref()))
@@ -721,9 +721,10 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(0));
     assert_eq!(dead[1].decode::<Email>().unwrap(), email(1));
     assert!(dead[0].buried_at <= dead[1].buried_at);
-    assert_eq!(q.dead_letters(0, 1).await.unwrap(), dead[..1]);
-    assert_eq!(q.dead_letters(1, 1).await.unwrap(), dead[1..]);
-    assert!(q.dead_letters(5, 10).await.unwrap().is_empty());
+    let first = q.dead_letters(None, 1).await.unwrap();
+    assert_eq!(first.letters, dead[..1]);
+    let second = q.dead_letters(first.next.as_ref(), 1).await.unwrap();
+    assert_eq!((second.letters.as_slice(), second.next), (&dead[1..], None));
 
     // Re-drive one: due now, attempts reset.
     assert!(q.requeue_dead("a").await.unwrap());
@@ -748,7 +749,7 @@ async fn dead_letters_are_listed_and_requeued_and_stats_follow() {
     assert_eq!((b.id(), b.attempt()), ("b", 1));
     assert!(q.ack(&b).await.unwrap());
     assert!(q.ack(&jobs[2]).await.unwrap());
-    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
+    assert!(q.dead_letters(None, 100).await.unwrap().letters.is_empty());
     assert_counts(stats(&q).await, 0, 1, 0, 0);
 }
 
@@ -789,13 +790,15 @@ async fn bulk_operations_cross_batch_boundaries() {
     assert_eq!((r.requeued, r.buried), (0, MESSAGES as usize));
     assert_counts(stats(&q).await, 0, 0, 0, MESSAGES);
     let mut listed = 0;
+    let mut after = None;
     loop {
         let page = q
-            .dead_letters(listed, lockgate::queue::MAX_BATCH)
+            .dead_letters(after.as_ref(), lockgate::queue::MAX_BATCH)
             .await
             .unwrap();
-        listed += page.len();
-        if page.len() < lockgate::queue::MAX_BATCH {
+        listed += page.letters.len();
+        after = page.next;
+        if after.is_none() {
             break;
         }
     }
@@ -889,7 +892,7 @@ async fn caller_ids_deduplicate_in_every_state() {
         .await
         .unwrap();
     assert_eq!((again.created, again.due), (false, None));
-    let dead = q.dead_letters(0, 100).await.unwrap();
+    let dead = q.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].decode::<Email>().unwrap(), email(1));
     assert_counts(stats(&q).await, 0, 0, 1, 1);
@@ -964,7 +967,7 @@ async fn remove_and_purge() {
     let job = claim_one(&q, LONG).await;
     assert!(q.bury(&job, "bad").await.unwrap());
     assert!(q.remove("d").await.unwrap());
-    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
+    assert!(q.dead_letters(None, 100).await.unwrap().letters.is_empty());
     assert_eq!(stats(&q).await, Stats::default());
     assert_eq!(raw::<u64>(&conn, &["HLEN", &key("rm", "errors")]).await, 0);
 
@@ -1042,9 +1045,10 @@ async fn malformed_records_are_buried_and_the_rest_is_delivered() {
     assert_counts(stats(&q).await, 0, 0, 2, 3);
 
     let dead: BTreeMap<String, _> = q
-        .dead_letters(0, 100)
+        .dead_letters(None, 100)
         .await
         .unwrap()
+        .letters
         .into_iter()
         .map(|d| (d.id.clone(), d))
         .collect();
@@ -1467,7 +1471,7 @@ async fn claims_from_before_a_purge_cannot_touch_new_messages() {
     assert!(!q.bury(&old, "too late").await.unwrap());
     sleep(ms(60)).await;
     assert_eq!(q.recover(1).await.unwrap(), Default::default());
-    assert!(q.dead_letters(0, 100).await.unwrap().is_empty());
+    assert!(q.dead_letters(None, 100).await.unwrap().letters.is_empty());
     let job = claim_one(&q, LONG).await;
     assert_eq!(*job, 2);
 }

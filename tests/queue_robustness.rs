@@ -142,7 +142,7 @@ async fn a_message_that_kills_its_worker_every_time_is_buried_after_max_stalls()
     }
     let s = stats(&q).await;
     assert_eq!((s.due, s.active, s.dead), (0, 0, 1));
-    let dead = q.dead_letters(0, 10).await.unwrap();
+    let dead = q.dead_letters(None, 10).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     let letter = &dead[0];
     assert_eq!(letter.id, id);
@@ -406,9 +406,12 @@ async fn dead_letters_are_paged() {
             assert!(q.bury(job, "x").await.unwrap());
         }
     }
-    let first = q.dead_letters(0, max).await.unwrap();
+    let page = q.dead_letters(None, max).await.unwrap();
+    let first = page.letters;
     assert_eq!(first.len(), max);
-    let second = q.dead_letters(max, max).await.unwrap();
+    let page = q.dead_letters(page.next.as_ref(), max).await.unwrap();
+    assert_eq!(page.next, None, "the last page");
+    let second = page.letters;
     assert_eq!(second.len(), 5);
     let mut all: Vec<u64> = first
         .iter()
@@ -417,10 +420,9 @@ async fn dead_letters_are_paged() {
         .collect();
     all.sort_unstable();
     assert_eq!(all, (0..(max as u64 + 5)).collect::<Vec<_>>());
-    assert!(q.dead_letters(max + 5, 10).await.unwrap().is_empty());
-    assert!(q.dead_letters(0, 0).await.unwrap().is_empty());
+    assert!(q.dead_letters(None, 0).await.unwrap().letters.is_empty());
     assert!(
-        q.dead_letters(0, max + 1).await.is_err(),
+        q.dead_letters(None, max + 1).await.is_err(),
         "more than MAX_BATCH"
     );
 }
@@ -476,7 +478,7 @@ async fn dead_letter_retention_trims_by_count_and_age() {
     for job in q.claim(10, LONG).await.unwrap().jobs {
         assert!(q.bury(&job, "x").await.unwrap());
     }
-    let dead = q.dead_letters(0, 10).await.unwrap();
+    let dead = q.dead_letters(None, 10).await.unwrap().letters;
     let kept: Vec<u64> = dead.iter().map(|d| d.decode().unwrap()).collect();
     assert_eq!(kept, [2, 3, 4], "the newest three are kept");
     let records: i64 = raw(&conn, &["HLEN", &key("retain", "data")]).await;
@@ -498,7 +500,7 @@ async fn dead_letter_retention_trims_by_count_and_age() {
     claim_one(&q, ms(10)).await;
     sleep(ms(40)).await;
     assert_eq!(q.recover(1).await.unwrap().buried, 1);
-    let dead = q.dead_letters(0, 10).await.unwrap();
+    let dead = q.dead_letters(None, 10).await.unwrap().letters;
     let kept: Vec<u64> = dead.iter().map(|d| d.decode().unwrap()).collect();
     assert_eq!(kept, [9], "letters older than the retention age are gone");
     let records: i64 = raw(&conn, &["HLEN", &key("retain-age", "data")]).await;
@@ -549,7 +551,7 @@ async fn the_worker_buries_after_max_stalls() {
     let _ = stop_tx.send(());
     run.await.unwrap().unwrap();
     assert!(!handled.load(Ordering::SeqCst), "a dead letter was handled");
-    let letter = q.dead_letters(0, 1).await.unwrap().remove(0);
+    let letter = q.dead_letters(None, 1).await.unwrap().letters.remove(0);
     assert_eq!((letter.failures, letter.stalls), (0, 3));
     assert!(
         letter

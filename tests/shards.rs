@@ -241,7 +241,10 @@ async fn retries_dead_letters_and_recovery_work_in_every_shard() {
     for job in &jobs {
         assert!(queue.bury(job, "poison").await.unwrap());
     }
-    assert_eq!(queue.dead_letters(0, 100).await.unwrap().len(), 30);
+    assert_eq!(
+        queue.dead_letters(None, 100).await.unwrap().letters.len(),
+        30
+    );
     assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 30));
     assert!(queue.requeue_dead("r3").await.unwrap());
     assert_eq!(queue.requeue_all_dead().await.unwrap(), 29);

@@ -667,3 +667,90 @@ async fn a_killed_process_s_waiters_for_permits_do_not_hold_them_up() {
         "the permit waited {idle:?} for dead waiters (the hand-off time is 500 ms)"
     );
 }
+
+/// A line with more waiters of dead processes in front than a release
+/// looks at (`LINE_LOOK` in line.lua, 64; issue 38: a release used to look
+/// at up to 16 processes' first 1,000 waiters each, 20 ms and more on a
+/// long line): the release drops 64 of them, hands the key to nobody and
+/// wakes every waiter, so the live waiter behind them takes it; the rest of
+/// the dead waiters stay for later releases.
+async fn a_long_dead_line_wakes_the_live_waiter(permits: u32) {
+    let server = server();
+    let conn = manager(&server).await;
+    let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
+    let (lease, line) = match permits {
+        1 => (
+            acquired(&holder, "k").await,
+            format!("{}:waiters", holder.lock_key("k")),
+        ),
+        n => {
+            let lease = holder.acquire_permit("k", n).await.unwrap().lease();
+            for _ in 1..n {
+                assert!(
+                    holder
+                        .acquire_permit("k", n)
+                        .await
+                        .unwrap()
+                        .lease()
+                        .is_some()
+                );
+            }
+            (
+                lease.unwrap(),
+                format!("{}:waiters", holder.permits_key("k")),
+            )
+        }
+    };
+    // 200 waiters of 20 dead processes, in front.
+    let mut zadd = redis::cmd("ZADD");
+    zadd.arg(&line);
+    for i in 0..200 {
+        let token = format!("dead{:04}{i:024}", i % 20);
+        let member = match permits {
+            1 => token,
+            n => format!("{token}/{n}"),
+        };
+        zadd.arg(i + 1).arg(member);
+    }
+    let _: i64 = zadd.query_async(&mut conn.clone()).await.unwrap();
+    let listener = ReleaseListener::connect(server.client()).await.unwrap();
+    let layer = waiting_layer(
+        manager(&server).await,
+        secs(30),
+        polling_backoff(),
+        listener,
+    );
+    let layer = match permits {
+        1 => layer,
+        n => layer.permits(n).unwrap(),
+    };
+    let svc = layer.layer(service_fn(|_k: String| async { Ok::<_, BoxError>("ran") }));
+    let call = tokio::spawn(svc.oneshot("k".to_owned()));
+    support::eventually("the live waiter stands behind them", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n == 201, n)
+    })
+    .await;
+    assert!(holder.release(&lease).await.unwrap());
+    let outcome = timeout(BOUNDED, call).await.unwrap().unwrap().unwrap();
+    assert_eq!(outcome, Outcome::Done("ran"));
+    // 64 dropped, and the live waiter left the line. Its own release then
+    // looks again for permits (a permit's release always looks down its
+    // line; a lock's only when a waiter marked it): 64 more.
+    let left = if permits == 1 { 200 - 64 } else { 200 - 2 * 64 };
+    support::eventually("the dead waiters looked at left", BOUNDED, async || {
+        let n = line_len(&conn, &line).await;
+        support::done_if(n == left, n)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_s_line_of_many_dead_waiters_costs_a_release_64_of_them() {
+    a_long_dead_line_wakes_the_live_waiter(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_line_of_many_dead_waiters_costs_a_release_64_of_them() {
+    a_long_dead_line_wakes_the_live_waiter(2).await;
+}

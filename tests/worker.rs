@@ -169,7 +169,7 @@ async fn deferring_a_mapped_payload_reschedules_the_running_job_in_place() {
     }
     stop_tx.send(()).unwrap();
     run.await.unwrap().unwrap();
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(
         dead[0].id, pushed.id,
@@ -313,7 +313,7 @@ async fn deferring_behind_an_async_middleware_reschedules_the_running_job_in_pla
     .await;
     stop_tx.send(()).unwrap();
     run.await.unwrap().unwrap();
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(
         dead[0].id, pushed.id,
@@ -507,7 +507,7 @@ async fn a_backlog_wakes_every_idle_worker() {
         stats(&queue).await.dead,
         0,
         "{:?}",
-        queue.dead_letters(0, 100).await
+        queue.dead_letters(None, 100).await
     );
 }
 

@@ -85,7 +85,7 @@ async fn deferral_by_claim_keeps_id_count_and_foreign_bytes() {
 
     let ids: Vec<String> = raw(&conn, &["HKEYS", "lockgate:{py}:data"]).await;
     assert_eq!(ids.len(), 2, "no copies under new ids: {ids:?}");
-    let mut dead = queue.dead_letters(0, 100).await.unwrap();
+    let mut dead = queue.dead_letters(None, 100).await.unwrap().letters;
     dead.sort_by(|x, y| x.id.cmp(&y.id));
     for (letter, (id, payload)) in dead.iter().zip(payloads) {
         assert_eq!(letter.id, id, "the producer's id is kept");

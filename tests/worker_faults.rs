@@ -163,7 +163,7 @@ async fn failing_handler_is_retried_then_dead_lettered_with_its_error() {
     assert_eq!(snapshot.done, 0, "{snapshot:?}");
     assert_eq!(counts(&stats(&queue).await), (0, 0, 0, 1));
 
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let letter = &dead[0];
     assert_eq!(letter.id, pushed.id);
@@ -203,7 +203,7 @@ async fn dead_letter_counts_every_failed_attempt() {
     })
     .await;
     stop(stop_tx, run).await;
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].failures, 3, "three attempts failed: {:?}", dead[0]);
 }
@@ -267,7 +267,7 @@ async fn panicking_handler_is_dead_lettered_and_the_worker_survives() {
         (2, 1, 1),
         "{snapshot:?}"
     );
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].decode::<u32>().unwrap(), 13);
     let error = dead[0].error.as_deref().unwrap_or_default();
@@ -917,7 +917,7 @@ async fn message_whose_lock_stays_busy_is_dead_lettered_after_max_deferrals() {
         (0, 0, 1),
         "{snapshot:?}"
     );
-    let dead = queue.dead_letters(0, 100).await.unwrap();
+    let dead = queue.dead_letters(None, 100).await.unwrap().letters;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let letter = &dead[0];
     assert_eq!(letter.id, pushed.id);

@@ -28,7 +28,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use lockgate::queue::{DeadLetter, KeyLoad, Peeked, Stats};
+use lockgate::queue::{DeadCursor, DeadLetter, KeyLoad, Peeked, Stats};
 use lockgate::{Locker, Queue};
 use maud::{DOCTYPE, Markup, html};
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -505,9 +505,24 @@ fn encode(segment: &str) -> String {
 
 #[derive(Deserialize, Default)]
 struct QueueQuery {
-    #[serde(default)]
-    offset: usize,
+    /// The dead-letter page shown: the one after this cursor (`<buried
+    /// ms>-<id>`); the first page without it.
+    after: Option<String>,
     notice: Option<String>,
+}
+
+impl QueueQuery {
+    /// The dead-letter page's cursor (a malformed one shows the first page).
+    fn cursor(&self) -> Option<DeadCursor> {
+        self.after.as_deref().and_then(|after| after.parse().ok())
+    }
+}
+
+/// The query that shows the dead-letter page after `cursor`.
+fn after_query(cursor: Option<&DeadCursor>) -> String {
+    cursor.map_or(String::new(), |c| {
+        format!("?after={}", encode(&c.to_string()))
+    })
 }
 
 async fn queue_page<C>(
@@ -518,7 +533,8 @@ async fn queue_page<C>(
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let body = match queue_body(&d, &name, q.offset).await {
+    let cursor = q.cursor();
+    let body = match queue_body(&d, &name, cursor.as_ref()).await {
         Ok(Some(body)) => body,
         Ok(None) => {
             let page = layout(
@@ -529,7 +545,12 @@ where
         }
         Err(e) => return unreachable(&e),
     };
-    let path = format!("/fragment/queue/{}?offset={}", encode(&name), q.offset);
+    // The refresh reads the page shown, and only it.
+    let path = format!(
+        "/fragment/queue/{}{}",
+        encode(&name),
+        after_query(cursor.as_ref())
+    );
     layout(
         &name,
         html! {
@@ -550,7 +571,7 @@ async fn queue_fragment<C>(
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    match queue_body(&d, &name, q.offset).await {
+    match queue_body(&d, &name, q.cursor().as_ref()).await {
         Ok(Some(body)) => body.into_response(),
         Ok(None) => (StatusCode::NOT_FOUND, html! { p { "The queue is gone." } }).into_response(),
         Err(e) => (
@@ -565,7 +586,7 @@ where
 async fn queue_body<C>(
     d: &Dashboard<C>,
     name: &str,
-    offset: usize,
+    after: Option<&DeadCursor>,
 ) -> lockgate::Result<Option<Markup>>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -580,7 +601,7 @@ where
     };
     let keys = queue.key_stats(PEEK).await?;
     let peek = queue.peek(PEEK).await?;
-    let dead = queue.dead_letters(offset, PAGE).await?;
+    let dead = queue.dead_letters(after, PAGE).await?;
     let now = SystemTime::now();
     Ok(Some(html! {
         table.stats { tr {
@@ -622,17 +643,17 @@ where
         h2 { "Active" }
         (message_table(&peek.active, "lease ends", now, None))
         h2 id="dead" { "Dead letters" }
-        @if dead.is_empty() && offset == 0 {
+        @if dead.letters.is_empty() && after.is_none() {
             p.muted { "None." }
         } @else {
-            (dead_table(d, name, &dead))
+            (dead_table(d, name, &dead.letters))
             p.pager {
-                @if offset > 0 {
-                    a href=(format!("/queue/{}?offset={}#dead", encode(name), offset.saturating_sub(PAGE))) { "← newer page" }
+                @if after.is_some() {
+                    a.first href=(format!("/queue/{}#dead", encode(name))) { "← first page" }
                 }
-                " " (offset + 1) "–" (offset + dead.len()) " of " (stats.dead) " "
-                @if dead.len() == PAGE {
-                    a href=(format!("/queue/{}?offset={}#dead", encode(name), offset + PAGE)) { "older page →" }
+                " " (dead.letters.len()) " shown of " (stats.dead) ", oldest first "
+                @if let Some(next) = &dead.next {
+                    a.next href=(format!("/queue/{}{}#dead", encode(name), after_query(Some(next)))) { "next page →" }
                 }
             }
         }

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
-use lockgate::queue::{DeadLetter, KeyLoad, KeyStats, Stats};
+use lockgate::queue::{DeadCursor, DeadLetter, KeyLoad, KeyStats, Stats};
 use lockgate::{BoxError, Locker};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::Serialize;
@@ -73,9 +73,10 @@ enum Command {
         /// At most this many (1 to 1000).
         #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=1000))]
         limit: u16,
-        /// Start after this many (the `next` cursor of the page before).
-        #[arg(long, default_value_t = 0)]
-        after: usize,
+        /// Start after this cursor, `<buried ms>-<id>`: the `next` of the
+        /// page before (the first page without it).
+        #[arg(long)]
+        after: Option<DeadCursor>,
     },
     /// Re-drives dead letters: due now, with their counts reset.
     Requeue {
@@ -449,14 +450,12 @@ where
             limit,
             after,
         } => {
-            let limit = usize::from(limit);
-            let dead = ops
+            let page = ops
                 .existing(&queue)
                 .await?
-                .dead_letters(after, limit)
+                .dead_letters(after.as_ref(), usize::from(limit))
                 .await?;
-            let next = (dead.len() == limit).then_some(after + limit);
-            ops.out.dead(&dead, next);
+            ops.out.dead(&page.letters, page.next.as_ref());
             Ok(())
         }
         Command::Requeue { queue, id, all } => ops.requeue(&queue, id, all).await,
@@ -820,7 +819,7 @@ impl Output {
         }
     }
 
-    fn dead(&self, dead: &[DeadLetter], next: Option<usize>) {
+    fn dead(&self, dead: &[DeadLetter], next: Option<&DeadCursor>) {
         if self.json {
             let letters: Vec<Value> = dead
                 .iter()
@@ -840,6 +839,7 @@ impl Output {
                     })
                 })
                 .collect();
+            let next = next.map(DeadCursor::to_string);
             return self.print(&json!({ "dead": letters, "next": next }));
         }
         if dead.is_empty() {

@@ -223,10 +223,28 @@ async fn finds_queues_among_other_keys_and_speaks_json() {
     let page = json(&server, &["dead", "emails", "--limit", "2"]);
     assert_eq!(page["dead"].as_array().unwrap().len(), 2);
     assert_eq!(page["dead"][0]["error"], "bounced");
-    assert_eq!(page["next"], 2);
-    let rest = json(&server, &["dead", "emails", "--limit", "2", "--after", "2"]);
+    // The cursor: the second letter's burial ms and id.
+    let second = &page["dead"][1];
+    let cursor = format!(
+        "{}-{}",
+        second["buried_at_ms"],
+        second["id"].as_str().unwrap()
+    );
+    assert_eq!(page["next"], cursor.as_str());
+    // Re-driving a letter of the page read does not shift the next one.
+    let first = page["dead"][0]["id"].as_str().unwrap();
+    assert!(q.requeue_dead(first).await.unwrap());
+    let rest = json(
+        &server,
+        &["dead", "emails", "--limit", "2", "--after", &cursor],
+    );
     assert_eq!(rest["dead"].as_array().unwrap().len(), 1);
+    assert_eq!(rest["dead"][0]["id"], claimed.jobs[2].id());
     assert!(rest["next"].is_null());
+    let text = stdout(&lockgate(&server, &["dead", "emails", "--limit", "1"]));
+    assert!(text.contains("more: --after "), "{text}");
+    let bad = lockgate(&server, &["dead", "emails", "--after", "12"]);
+    assert!(!bad.status.success(), "a cursor without an id");
 
     // Pushes at a time, and purges only when told.
     let at = json(

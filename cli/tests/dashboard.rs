@@ -269,6 +269,63 @@ async fn a_page_that_cannot_reach_redis_says_so_and_recovers() {
     }
 }
 
+/// Dead letters are paged by cursor (issue 38): the next page's link
+/// carries the last letter's place, that page and its refresh read from
+/// there, and re-driving a letter of an earlier page does not shift it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_paged_by_cursor_and_refreshed_page_by_page() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    let q: Queue<serde_json::Value> = Queue::new(conn, "letters").unwrap();
+    for i in 0..30 {
+        let id = format!("dead-{i:02}");
+        q.push_with(json!({ "n": i }), PushOptions::new().id(&id))
+            .await
+            .unwrap();
+        let job = q.claim(1, std::time::Duration::from_secs(30)).await;
+        q.bury(&job.unwrap().jobs[0], "failed").await.unwrap();
+    }
+    let board = Dashboard::start(&server, &[]);
+    // Whether the dead-letter table shows exactly the letters `ids`.
+    let shows = |page: &str, ids: &[usize]| {
+        let table = &page[page.find(r#"id="dead""#).expect("the dead letters")..];
+        (0..30).all(|i| table.contains(&format!(">dead-{i:02}<")) == ids.contains(&i))
+    };
+    let range = |r: std::ops::Range<usize>| r.collect::<Vec<_>>();
+
+    let (status, first) = board.get("/queue/letters");
+    assert_eq!(status, 200);
+    assert!(shows(&first, &range(0..25)), "the first page: {first}");
+    assert!(!first.contains("first page"));
+    let link = r#"<a class="next" href="/queue/letters?after="#;
+    let start = first.find(link).expect("a next page link") + link.len();
+    let after = &first[start..start + first[start..].find("#dead").unwrap()];
+    assert!(
+        after.ends_with("-dead-24"),
+        "the last letter's place: {after}"
+    );
+
+    // A letter of the first page re-driven: the second page stays.
+    assert!(q.requeue_dead("dead-03").await.unwrap());
+    let (status, second) = board.get(&format!("/queue/letters?after={after}"));
+    assert_eq!(status, 200);
+    assert!(shows(&second, &range(25..30)), "the second page: {second}");
+    assert!(second.contains("first page") && !second.contains(r#"class="next""#));
+    let refresh = format!(r#"data-refresh="/fragment/queue/letters?after={after}""#);
+    assert!(
+        second.contains(&refresh),
+        "the refresh reads this page: {second}"
+    );
+    let (status, fragment) = board.get(&format!("/fragment/queue/letters?after={after}"));
+    assert_eq!(status, 200);
+    assert!(shows(&fragment, &range(25..30)), "{fragment}");
+    // A malformed cursor shows the first page.
+    let (status, page) = board.get("/queue/letters?after=nonsense");
+    assert_eq!(status, 200);
+    let first_now: Vec<usize> = (0..26).filter(|&i| i != 3).collect();
+    assert!(shows(&page, &first_now), "{page}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keyed_queue_shows_its_busy_keys_and_longest_lines() {
     let server = RedisServer::start().unwrap();

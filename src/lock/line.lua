@@ -5,7 +5,7 @@
 -- and to a presence channel beside it, `<channel>#<tag>` (the tag starts
 -- every token the process makes). A process that died has its connection
 -- closed by its kernel, and Redis drops its subscriptions at once: its
--- waiters are skipped, all together.
+-- waiters are skipped, and leave the line as a release looks at them.
 
 -- Whether the process of the line member `member` (a token, or
 -- "<token>/<limit>") still listens on `channel`. `publish`: "PUBLISH" on a
@@ -17,27 +17,32 @@ local function listens(channel, member, publish)
   return tonumber(counts[2]) > 0
 end
 
--- Removes from `line` every member of the process `member` belongs to (the
--- first 1,000 members are looked at: lines are short).
-local function drop_process(line, member)
+-- The most waiters one release looks at. Waiters of dead processes among
+-- them leave the line as they are looked at (one presence check per
+-- process); those further back stay until they come to the front (or the
+-- line expires), so a long line of dead waiters costs each release
+-- LINE_LOOK waiters at most, and shrinks by as many. Past LINE_LOOK dead
+-- waiters, a release hands the key to nobody and wakes every waiter.
+local LINE_LOOK = 64
+
+-- Whether the process of `member` listens on `channel`, asked once per
+-- process: `alive` keeps the answers by process tag.
+local function lives(alive, channel, member, publish)
   local tag = string.sub(member, 1, 8)
-  for _, other in ipairs(redis.call('ZRANGE', line, 0, 999)) do
-    if string.sub(other, 1, 8) == tag then
-      redis.call('ZREM', line, other)
-    end
-  end
+  if alive[tag] == nil then alive[tag] = listens(channel, member, publish) end
+  return alive[tag]
 end
 
 -- Pops the first waiter of `line` whose process listens on `channel`,
--- dropping the waiters of dead processes before it (at most 16 processes);
--- nil when none is left.
+-- dropping the waiters of dead processes before it (at most LINE_LOOK
+-- waiters are looked at); nil when none is found.
 local function pop_live(line, channel, publish)
-  for _ = 1, 16 do
+  local alive = {}
+  for _ = 1, LINE_LOOK do
     local first = redis.call('ZPOPMIN', line)[1]
-    if not first or listens(channel, first, publish) then
+    if not first or lives(alive, channel, first, publish) then
       return first
     end
-    drop_process(line, first)
   end
   return nil
 end

@@ -906,9 +906,11 @@ where
     /// is above every earlier one. Returns whether a lock was held.
     pub async fn force_unlock(&self, key: &str) -> Result<bool> {
         let lock_key = self.lock_key(key);
+        // UNLINK: a line can be long (waiters of dead processes stay until a
+        // release looks at them), and DEL frees it while the server waits.
         let (deleted, _): (u32, u32) = redis::pipe()
             .del(&lock_key)
-            .del(format!("{lock_key}{WAITERS}"))
+            .unlink(format!("{lock_key}{WAITERS}"))
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(format_args!("deleting lock `{key}`")))?;

@@ -51,7 +51,15 @@ pub(crate) fn push_source() -> String {
 
 // The keyed scripts, each hashed once per process.
 static PUSH: Lazy = LazyLock::new(|| Script::new(&push_source()));
-static EVENTS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_events.lua")));
+// (With the activity counts' functions: it counts keyed messages done and
+// failed, see `lua/activity.lua`.)
+static EVENTS: Lazy = LazyLock::new(|| {
+    let counting = super::scripts::ACTIVITY_LUA;
+    script(&format!(
+        "{counting}\n{}",
+        include_str!("lua/keyed_events.lua")
+    ))
+});
 static CLAIM: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
 static DONE: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
 static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
@@ -797,10 +805,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         if events.is_none() && log.completed.is_empty() {
             return;
         }
-        let mut cmd = evalsha(&EVENTS, 2);
+        let mut cmd = evalsha(&EVENTS, 3);
         let (count, age) = self.recording.completed.unwrap_or_default().args();
         cmd.arg(&self.keys.events)
             .arg(&self.keys.completed)
+            .arg(&self.keys.activity)
             .arg(events.map_or(String::new(), |cap| cap.to_string()))
             .arg(count)
             .arg(age)

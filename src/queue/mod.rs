@@ -33,12 +33,13 @@
 //! polling; the [`Worker`](crate::Worker) drives a tower service from a
 //! queue. More: the README's "The queue".
 
+mod dead;
 mod events;
 mod job;
 mod keyed;
 mod lease;
 pub use keyed::MAX_RUN;
-use keyed::{DeadSet, Held, Keyed, KeyedState, Outcome, Settled};
+use keyed::{Held, Keyed, KeyedState, Outcome, Settled};
 mod running;
 pub(crate) mod scripts;
 mod shards;
@@ -57,6 +58,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+pub use self::dead::{DeadCursor, DeadPage};
 pub use self::events::{Event, EventKind, EventsFrom};
 pub use self::job::{DeadLetter, Job};
 pub(crate) use self::running::{Handoff, RunningJob, Slot, provide_message_id, take_message_id};
@@ -192,6 +194,9 @@ pub(crate) struct QueueKeys {
     pub(crate) claims: String,
     pub(crate) bell: String,
     pub(crate) events: String,
+    /// Per-second counts of messages done and failed, while events are
+    /// recorded (`lua/activity.lua`).
+    pub(crate) activity: String,
     pub(crate) completed: String,
     /// The index of the keyed partitions and shards (see `keyed.rs`,
     /// `shards.rs`).
@@ -223,6 +228,7 @@ impl QueueKeys {
             claims: format!("{base}:claims"),
             bell: format!("{base}:bell"),
             events: format!("{base}:events"),
+            activity: format!("{base}:activity"),
             completed: format!("{base}:completed"),
             partitions: format!("{base}:partitions"),
             shards: format!("{base}:shards"),
@@ -580,7 +586,7 @@ pub(crate) enum Acked {
 /// `<prefix>:{<name>}:` (the same ones `Queue::exists` looks at: the claim
 /// counter and the doorbell outlive a purge). `partitions` indexes the
 /// keyed messages' partitions, which live under their own hash tags.
-const QUEUE_KEYS: [&str; 9] = [
+const QUEUE_KEYS: [&str; 10] = [
     "partitions",
     "data",
     "schedule",
@@ -590,6 +596,7 @@ const QUEUE_KEYS: [&str; 9] = [
     "errors",
     "completed",
     "events",
+    "activity",
 ];
 
 /// The names of the queues under `prefix` (`"lockgate"` by default) that
@@ -1081,6 +1088,7 @@ where
         let completed = self.recording.completed.unwrap_or_default().args();
         let keep = kind == "done" && self.recording.completed.is_some();
         call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
+            .key(&k.activity)
             .arg(self.events_arg())
             .arg(if keep { "1" } else { "" })
             .arg(completed.0)
@@ -1195,7 +1203,7 @@ where
         let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
         let due: i64 = scripts::RESCHEDULE
             .key(&[&k.data, &k.schedule, &k.active, &k.errors])
-            .key(&[&k.bell, &k.prioritized, &k.events])
+            .key(&[&k.bell, &k.prioritized, &k.events, &k.activity])
             .arg(job.member())
             .arg(&job.id)
             .arg(millis(delay))
@@ -1233,6 +1241,7 @@ where
         let k = self.shard_of(job)?;
         let buried: i64 = scripts::BURY
             .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
+            .key(&k.activity)
             .arg(job.member())
             .arg(&job.id)
             .arg(error)
@@ -1384,6 +1393,7 @@ where
             let (requeued, buried, examined): (usize, usize, usize) = scripts::RECOVER
                 .key(&[&k.data, &k.schedule, &k.active, &k.dead])
                 .key(&[&k.errors, &k.bell, &k.prioritized, &k.events])
+                .key(&k.activity)
                 .arg(max_stalls.max(1))
                 .arg(MAX_BATCH)
                 .arg(&max_count)
@@ -1445,7 +1455,10 @@ where
             let mut call = scripts::STATS.prepare_invoke();
             call.key(&[&k.schedule, &k.active, &k.dead, &k.prioritized]);
             if let Some((window, width, n)) = buckets {
-                call.key(&k.events).arg(window).arg(width).arg(n);
+                call.key(&[&k.events, &k.activity])
+                    .arg(window)
+                    .arg(width)
+                    .arg(n);
             }
             replies.push(call.query_on(&self.conn, attempted).await?);
         }
@@ -1519,8 +1532,13 @@ where
     }
 
     /// The queue's stats and, per bucket of `window / buckets` (oldest
-    /// first), the messages done and failed, counted from the last 1000
-    /// entries of its [lifecycle events](Self::record_events). For dashboards.
+    /// first, the last one ending now), the messages done and failed
+    /// (retried or dead). Counted per second of the server's clock while
+    /// the queue's handles [record events](Self::record_events), kept for
+    /// the last hour (older seconds read as zero): a bucket narrower than a
+    /// second holds whole seconds. One script per shard, which reads one
+    /// count per second of the window, never the events themselves. For
+    /// dashboards.
     pub async fn activity(&self, window: Duration, buckets: u32) -> Result<Activity> {
         let buckets = buckets.clamp(1, 1000);
         let width = (millis(window) / u64::from(buckets)).max(1);
@@ -1539,121 +1557,6 @@ where
             done: reply[8..8 + n].iter().copied().map(count).collect(),
             failed: reply[8 + n..].iter().copied().map(count).collect(),
         })
-    }
-
-    /// Lists a page of dead letters, oldest first: up to `limit` from
-    /// position `offset`; a page shorter than `limit` is the last. Letters
-    /// re-driven or trimmed meanwhile shift positions. Errors when `limit`
-    /// exceeds [`MAX_BATCH`].
-    pub async fn dead_letters(&self, offset: usize, limit: usize) -> Result<Vec<DeadLetter>> {
-        check_count("a dead-letter page", limit, 0..=MAX_BATCH)?;
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        // Each set's first offset + limit, merged by burial time (partitions
-        // of keyed messages have dead letters of their own).
-        let stop = offset.saturating_add(limit - 1);
-        let mut out = Vec::new();
-        for set in self.dead_sets().await? {
-            out.extend(self.dead_in(&set, stop).await?);
-        }
-        out.sort_by_key(|letter| letter.buried_at);
-        Ok(out.into_iter().skip(offset).take(limit).collect())
-    }
-
-    /// The first `stop + 1` dead letters of one set, oldest first.
-    async fn dead_in(&self, set: &DeadSet, stop: usize) -> Result<Vec<DeadLetter>> {
-        let attempted = || format!("listing dead letters of queue `{}`", self.name());
-        type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
-        let reply: Letters = scripts::DEAD
-            .key(&named(&set.base, ["data", "dead", "errors"]))
-            .arg(0)
-            .arg(stop)
-            .query_on(&self.conn, attempted)
-            .await?;
-        Ok(reply.into_iter().map(DeadLetter::new).collect())
-    }
-
-    /// Re-drives one dead letter: due now, attempts, deferrals and stalls
-    /// reset. Returns whether it was dead.
-    pub async fn requeue_dead(&self, id: &str) -> Result<bool> {
-        if id.is_empty() {
-            return Err(Error::InvalidKey("message id must not be empty".into()));
-        }
-        for set in self.dead_sets().await? {
-            if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-
-    /// Re-drives the dead letters buried up to the moment this call started
-    /// (by the server's clock), in batches of [`MAX_BATCH`]; returns how
-    /// many. Letters buried again while it runs (a poison message that fails
-    /// at once) are left dead, so the call ends.
-    pub async fn requeue_all_dead(&self) -> Result<usize> {
-        let mut total = 0;
-        for set in self.dead_sets().await? {
-            let mut cutoff = None;
-            loop {
-                let (requeued, examined, started) =
-                    self.requeue_dead_batch(&set, "", cutoff).await?;
-                cutoff = Some(started);
-                total += requeued;
-                if examined < MAX_BATCH {
-                    break;
-                }
-            }
-        }
-        Ok(total)
-    }
-
-    async fn requeue_dead_batch(
-        &self,
-        set: &DeadSet,
-        id: &str,
-        cutoff: Option<i64>,
-    ) -> Result<(usize, usize, i64)> {
-        let events = match set.partition {
-            None => self.events_arg(),
-            Some(_) => String::new(),
-        };
-        let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
-        let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
-        script
-            .key(&named(&set.base, ["data", "schedule", "dead", "errors"]))
-            .key(&named(&set.base, ["bell", "prioritized", "events"]));
-        if let Some((_, keyof)) = &set.partition {
-            script.key(keyof);
-        }
-        type Redriven = (usize, usize, i64, Vec<(String, u32)>, Vec<String>);
-        let (requeued, examined, started, redriven, keys): Redriven = script
-            .arg(id)
-            .arg(MAX_BATCH)
-            .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
-            .arg(events)
-            .query_on(&self.conn, attempted)
-            .await?;
-        match (&set.partition, requeued > 0) {
-            (Some((slot, _)), true) => self.keyed().redriven(*slot, redriven, keys).await?,
-            (None, true) => self.mark_shard_after(set.shard, 0).await,
-            _ => {}
-        }
-        Ok((requeued, examined, started))
-    }
-
-    /// Every shard's dead-letter keys, then every keyed partition's.
-    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let shards = self.layout().await?.keys.iter().enumerate();
-        let shards = shards.map(|(shard, k)| DeadSet {
-            base: k.base.clone(),
-            partition: None,
-            shard,
-        });
-        let mut sets: Vec<DeadSet> = shards.collect();
-        sets.extend(self.keyed().dead_sets().await?);
-        Ok(sets)
     }
 
     /// Dead-letter retention: keep at most `max_count` dead letters (the

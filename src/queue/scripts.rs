@@ -12,14 +12,14 @@ pub(crate) type Lazy = LazyLock<Script>;
 
 pub(crate) static PUSH: Lazy = LazyLock::new(|| load(include_str!("lua/push.lua")));
 pub(crate) static CLAIM: Lazy = LazyLock::new(|| load(include_str!("lua/claim.lua")));
-pub(crate) static ACK_MANY: Lazy = LazyLock::new(|| load(include_str!("lua/ack_many.lua")));
-pub(crate) static RESCHEDULE: Lazy = LazyLock::new(|| load(include_str!("lua/reschedule.lua")));
-pub(crate) static BURY: Lazy = LazyLock::new(|| load(include_str!("lua/bury.lua")));
+pub(crate) static ACK_MANY: Lazy = LazyLock::new(|| counting(include_str!("lua/ack_many.lua")));
+pub(crate) static RESCHEDULE: Lazy = LazyLock::new(|| counting(include_str!("lua/reschedule.lua")));
+pub(crate) static BURY: Lazy = LazyLock::new(|| counting(include_str!("lua/bury.lua")));
 pub(crate) static EXTEND: Lazy = LazyLock::new(|| load(include_str!("lua/extend.lua")));
-pub(crate) static RECOVER: Lazy = LazyLock::new(|| load(include_str!("lua/recover.lua")));
+pub(crate) static RECOVER: Lazy = LazyLock::new(|| counting(include_str!("lua/recover.lua")));
 pub(crate) static REQUEUE_DEAD: Lazy = LazyLock::new(|| load(include_str!("lua/requeue_dead.lua")));
 pub(crate) static REMOVE: Lazy = LazyLock::new(|| load(include_str!("lua/remove.lua")));
-pub(crate) static STATS: Lazy = LazyLock::new(|| load(include_str!("lua/stats.lua")));
+pub(crate) static STATS: Lazy = LazyLock::new(|| counting(include_str!("lua/stats.lua")));
 pub(crate) static DEAD: Lazy = LazyLock::new(|| load(include_str!("lua/dead.lua")));
 pub(crate) static PEEK: Lazy = LazyLock::new(|| load(include_str!("lua/peek.lua")));
 
@@ -30,6 +30,16 @@ pub(crate) fn with_prelude(body: &str) -> String {
 
 fn load(body: &str) -> Script {
     Script::new(&with_prelude(body))
+}
+
+/// The activity counts' functions (`lua/activity.lua`), for the scripts
+/// that count messages done or failed, and the one that reads the counts.
+pub(crate) const ACTIVITY_LUA: &str = include_str!("lua/activity.lua");
+
+/// A script that counts activity: the prelude, the activity functions, the
+/// script.
+fn counting(body: &str) -> Script {
+    Script::new(&with_prelude(&format!("{ACTIVITY_LUA}\n{body}")))
 }
 
 /// A script call or a command, sent on a clone of a queue's connection.

@@ -2,7 +2,12 @@
 //! lock, or one of its permits) while waiters (each a `LockLayer` that
 //! retries, woken by a release listener) queue for it. The model says who
 //! holds the key and who stands in line in which order; a release hands
-//! the key to the first in line, and nobody gets past the line.
+//! the key to the first in line, and nobody gets past the line. Waiters of
+//! dead processes (no presence on the key's channel) stand in line too: a
+//! release drops those before the first live waiter, and hands the key to
+//! it. (A release looks at `LINE_LOOK`, 64, waiters at most; the histories
+//! keep fewer dead ones in line, and `tests/wake.rs` covers a longer line of
+//! them.)
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -35,7 +40,15 @@ enum Op {
     Wait(usize),
     /// Waiter `w`'s handler returns: its layer gives the key back.
     Finish(usize),
+    /// A dead process's `n` waiters join the end of the line (skipped
+    /// when more than [`MOST_DEAD`] dead waiters would stand in line).
+    DeadJoin(usize),
 }
+
+/// The most dead waiters in line in a history: fewer than the 64 waiters a
+/// release looks at (`LINE_LOOK` in line.lua), so that a release finds the
+/// first live waiter behind them.
+const MOST_DEAD: usize = 63;
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -43,6 +56,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..HOLDERS).prop_map(Op::Release),
         3 => (0..WAITERS).prop_map(Op::Wait),
         3 => (0..WAITERS).prop_map(Op::Finish),
+        1 => prop_oneof![Just(1usize), Just(3), Just(30)].prop_map(Op::DeadJoin),
     ]
 }
 
@@ -53,18 +67,48 @@ enum Who {
     Waiter(usize),
 }
 
+/// Who stands in line: a live waiter, or one of a dead process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InLine {
+    Live(usize),
+    Dead,
+}
+
 #[derive(Debug, Default)]
 struct Model {
     holders: BTreeSet<Who>,
-    line: VecDeque<usize>,
+    line: VecDeque<InLine>,
+    /// A lock only: marked as waited for (a waiter joined the line while
+    /// its holder held it, or it was handed on with a line behind), so its
+    /// release looks down the line. A permit's release always does.
+    marked: bool,
 }
 
 impl Model {
-    /// A slot was given back: the first in line takes it. Returns who.
-    fn freed(&mut self) -> Option<usize> {
-        let next = self.line.pop_front()?;
-        self.holders.insert(Who::Waiter(next));
-        Some(next)
+    /// A slot was given back (a lock's when `lock`): the first live waiter
+    /// in line takes it, the dead ones before it leave the line. Returns
+    /// who.
+    fn freed(&mut self, lock: bool) -> Option<usize> {
+        if lock && !std::mem::take(&mut self.marked) {
+            return None;
+        }
+        while let Some(first) = self.line.pop_front() {
+            if let InLine::Live(next) = first {
+                self.holders.insert(Who::Waiter(next));
+                self.marked = !self.line.is_empty();
+                return Some(next);
+            }
+        }
+        None
+    }
+
+    /// The live waiters in line.
+    fn live(&self) -> usize {
+        self.line.iter().filter(|w| **w != InLine::Dead).count()
+    }
+
+    fn dead(&self) -> usize {
+        self.line.len() - self.live()
     }
 }
 
@@ -83,6 +127,8 @@ struct World {
     model: Model,
     leases: BTreeMap<usize, Lease>,
     calls: BTreeMap<usize, Call>,
+    /// Dead processes whose waiters joined the line so far.
+    dead_processes: usize,
     /// Waiters whose handler started, as they start.
     started_tx: mpsc::UnboundedSender<usize>,
     started: mpsc::UnboundedReceiver<usize>,
@@ -115,6 +161,8 @@ impl World {
                 }
             }
             Op::Wait(w) => self.wait(w, at).await?,
+            Op::DeadJoin(n) if self.model.dead() + n <= MOST_DEAD => self.dead_join(n).await,
+            Op::DeadJoin(_) => {}
             Op::Finish(w) => {
                 if self.model.holders.remove(&Who::Waiter(w)) {
                     let mut call = self.calls.remove(&w).expect("a running call");
@@ -130,14 +178,9 @@ impl World {
                 }
             }
         }
-        // A line stands only while the key is full.
+        // A line of live waiters stands only while the key is full.
         let full = self.model.holders.len() == self.limit as usize;
-        prop_assert!(
-            self.model.line.is_empty() || full,
-            "{}: {:?}",
-            at,
-            self.model
-        );
+        prop_assert!(self.model.live() == 0 || full, "{}: {:?}", at, self.model);
         let held = match self.limit {
             1 => usize::from(self.locker.inspect(&self.key).await.unwrap().is_some()),
             _ => self.locker.permit_holders(&self.key).await.unwrap().len(),
@@ -193,7 +236,8 @@ impl World {
             self.model.holders.insert(Who::Waiter(w));
             return self.started_is(w, at).await;
         }
-        self.model.line.push_back(w);
+        self.model.line.push_back(InLine::Live(w));
+        self.model.marked = true;
         let line_key = self.line_key();
         let expected = self.model.line.len();
         let joined = tokio::time::timeout(BOUNDED, async {
@@ -242,9 +286,39 @@ impl World {
         tokio::spawn(layer.layer(handler).oneshot(key))
     }
 
-    /// A slot was given back: the first in line, if any, starts.
+    /// A dead process's `n` waiters join the end of the line: tokens of a
+    /// process tag nobody listens for (`dead` and 4 digits), after every
+    /// waiter in line.
+    async fn dead_join(&mut self, n: usize) {
+        let line_key = self.line_key();
+        self.dead_processes += 1;
+        let tag = format!("dead{:04}", self.dead_processes);
+        let now: (i64, i64) = support::raw(&self.conn, &["TIME"]).await;
+        let last: Vec<(String, f64)> = (redis::cmd("ZRANGE").arg(&line_key).arg(-1).arg(-1))
+            .arg("WITHSCORES")
+            .query_async(&mut self.conn.clone())
+            .await
+            .unwrap();
+        let after = last.first().map_or(0, |(_, score)| *score as i64 + 1);
+        let start = (now.0 * 1_000_000 + now.1).max(after);
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(&line_key);
+        for i in 0..n {
+            // A permit's waiter stands as `<token>/<limit>`.
+            let member = match self.limit {
+                1 => format!("{tag}{i:024}"),
+                limit => format!("{tag}{i:024}/{limit}"),
+            };
+            zadd.arg(start + i as i64).arg(member);
+        }
+        let _: i64 = zadd.query_async(&mut self.conn.clone()).await.unwrap();
+        self.model.line.extend(std::iter::repeat_n(InLine::Dead, n));
+    }
+
+    /// A slot was given back: the first live waiter in line, if any,
+    /// starts.
     async fn hand_off(&mut self, at: &str) -> Result<(), TestCaseError> {
-        match self.model.freed() {
+        match self.model.freed(self.limit == 1) {
             Some(next) => self.started_is(next, at).await,
             None => Ok(()),
         }
@@ -294,6 +368,7 @@ async fn run_history(
         model: Model::default(),
         leases: BTreeMap::new(),
         calls: BTreeMap::new(),
+        dead_processes: 0,
         started_tx,
         started,
     };

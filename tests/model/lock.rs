@@ -2,7 +2,10 @@
 //! several holders in any order; releases, renewals and fences resent (the
 //! reply lost, the same call made again), calls made over a connection the
 //! server just dropped, and the server restarted from an older snapshot.
-//! Fences must grow strictly across all of it, restarts included.
+//! Fences must grow strictly across all of it, restarts included. A key's
+//! permits set is also given leases that ran out long ago, more than one
+//! acquire removes (`PERMITS_TRIM` in permits.lua, 100): they count for
+//! nobody.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -28,6 +31,9 @@ enum Op {
     Release(usize),
     Extend(usize),
     Fence(usize),
+    /// Adds this many leases that ran out a minute ago to the permits set
+    /// (as holders that died leave them; nothing for a lock).
+    Expired(usize),
     /// `SAVE`: what a restart goes back to.
     Snapshot,
     /// SIGKILL and start again from the last snapshot of this history (or
@@ -42,6 +48,8 @@ fn step() -> impl Strategy<Value = (Op, Fault)> {
         4 => holder.clone().prop_map(Op::Release),
         2 => holder.clone().prop_map(Op::Extend),
         4 => holder.prop_map(Op::Fence),
+        // Fewer and more than one acquire removes (PERMITS_TRIM, 100).
+        1 => prop_oneof![Just(3usize), Just(150), Just(350)].prop_map(Op::Expired),
         1 => Just(Op::Snapshot),
         1 => Just(Op::Restart),
     ];
@@ -68,6 +76,7 @@ impl Model {
 /// One history's world.
 struct World<'a> {
     server: &'a RefCell<RedisServer>,
+    conn: ConnectionManager,
     locker: Locker<ConnectionManager>,
     key: String,
     limit: u32,
@@ -77,6 +86,8 @@ struct World<'a> {
     leases: BTreeMap<usize, Lease>,
     /// The highest fence seen: never rolled back with the model.
     last_fence: Option<u64>,
+    /// How many times expired leases were added (their tokens' names).
+    expired: usize,
 }
 
 /// Runs `call` until it is not refused for a dropped connection.
@@ -104,7 +115,8 @@ impl World<'_> {
         let calls = match (op, fault) {
             // An acquisition is not resent: a new attempt is a new caller
             // with a new token.
-            (Op::Acquire(_) | Op::Restart, _) | (_, Fault::None | Fault::Dropped) => 1,
+            (Op::Acquire(_) | Op::Restart | Op::Expired(_), _)
+            | (_, Fault::None | Fault::Dropped) => 1,
             (_, Fault::Resent) => 2,
         };
         for _ in 0..calls {
@@ -165,6 +177,8 @@ impl World<'_> {
                     self.fence(&lease, &at).await?;
                 }
             }
+            Op::Expired(n) if self.limit > 1 => self.add_expired(n).await?,
+            Op::Expired(_) => {}
             Op::Snapshot => {
                 self.server.borrow().snapshot().unwrap();
                 self.saved = self.model.clone();
@@ -175,6 +189,30 @@ impl World<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Adds `n` leases that ran out to the permits set: the model is
+    /// unchanged.
+    async fn add_expired(&mut self, n: usize) -> Result<(), TestCaseError> {
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(self.locker.permits_key(&self.key));
+        let minute_ago = crate::server_us(&mut self.conn).await? / 1000 - 60_000;
+        self.expired += 1;
+        for i in 0..n {
+            zadd.arg(minute_ago + i as i64)
+                .arg(format!("expired-{}-{i}", self.expired));
+        }
+        // Asked again while the connection is being re-opened.
+        for _ in 0..100 {
+            match zadd.query_async::<i64>(&mut self.conn).await {
+                Ok(added) => {
+                    prop_assert_eq!(added, n as i64);
+                    return Ok(());
+                }
+                Err(_) => tokio::time::sleep(ms(20)).await,
+            }
+        }
+        Err(TestCaseError::fail("expired leases could not be added"))
     }
 
     /// Asks for `lease`'s fence: issued once, then the lease's own, held or
@@ -262,6 +300,7 @@ async fn run_history(
 ) -> Result<(), TestCaseError> {
     let mut world = World {
         server,
+        conn: conn.clone(),
         locker: Locker::new(conn.clone()).ttl(TTL).unwrap(),
         key,
         limit,
@@ -269,6 +308,7 @@ async fn run_history(
         saved: Model::default(),
         leases: BTreeMap::new(),
         last_fence: None,
+        expired: 0,
     };
     for (step, op) in history.iter().enumerate() {
         world.run(*op, &format!("step {step}: {op:?}")).await?;

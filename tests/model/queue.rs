@@ -16,7 +16,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lockgate::queue::{MAX_BATCH, Recovered};
+use lockgate::queue::{DeadCursor, DeadLetter, MAX_BATCH, Recovered};
 use lockgate::testing::RedisServer;
 use lockgate::{Job, PushOptions, Queue};
 use proptest::prelude::*;
@@ -659,12 +659,45 @@ impl World<'_> {
         Ok(())
     }
 
+    /// Every dead letter, read in pages of 2 by cursor: each page goes on
+    /// in list order (burial time, then id) where the one before ended,
+    /// and the last says so.
+    async fn dead_letters(&self, at: &str) -> Result<Vec<DeadLetter>, TestCaseError> {
+        let fail = |e: lockgate::Error| TestCaseError::fail(format!("after {at}: {e}"));
+        let (mut all, mut after) = (Vec::new(), None);
+        loop {
+            let page = (self.queue.dead_letters(after.as_ref(), 2).await).map_err(fail)?;
+            prop_assert!(page.letters.len() <= 2, "after {}: {:?}", at, page);
+            let places = page.letters.iter().map(DeadCursor::after);
+            for place in after
+                .iter()
+                .cloned()
+                .chain(places)
+                .collect::<Vec<_>>()
+                .windows(2)
+            {
+                prop_assert!(
+                    place[0] < place[1],
+                    "after {}: out of order: {:?}",
+                    at,
+                    page
+                );
+            }
+            all.extend(page.letters);
+            match page.next {
+                Some(next) => after = Some(next),
+                None => return Ok(all),
+            }
+            prop_assert!(all.len() <= IDS, "after {}: pages without end", at);
+        }
+    }
+
     /// Compares what Redis holds with the model, and pins the due times it
     /// reports.
     async fn check(&mut self, at: &str) -> Result<(), TestCaseError> {
         let fail = |e: lockgate::Error| TestCaseError::fail(format!("after {at}: {e}"));
         let peek = self.queue.peek(MAX_BATCH).await.map_err(fail)?;
-        let dead = self.queue.dead_letters(0, MAX_BATCH).await.map_err(fail)?;
+        let dead = self.dead_letters(at).await?;
         let stats = self.queue.stats().await.map_err(fail)?;
         let now = self.now().await?;
         for w in &peek.waiting {

@@ -4,7 +4,9 @@
 //! allowed when fewer than `limit` admissions lie in `(x - period, x]` and
 //! fewer than `burst` in `(x - window, x]` (window = period × burst /
 //! limit), and admissions never go back in time; a refusal names the
-//! earliest such `x`.
+//! earliest such `x`. Stale entries (admissions of long ago, as a pause
+//! leaves them) are added to the log, more than one call removes
+//! (`RATE_TRIM` in rate.lua, 100): admissions go on as the model says.
 
 use std::cell::RefCell;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -28,6 +30,9 @@ enum Op {
     Admit,
     /// Lets time pass (ms).
     Sleep(u64),
+    /// Adds this many admissions of a minute ago to the log (stale: older
+    /// than the period), as after a pause.
+    Stale(usize),
     Snapshot,
     Restart,
 }
@@ -36,6 +41,8 @@ fn step() -> impl Strategy<Value = (Op, Fault)> {
     let op = prop_oneof![
         6 => Just(Op::Admit),
         3 => prop_oneof![Just(10u64), Just(45), Just(90)].prop_map(Op::Sleep),
+        // Fewer and more than one call removes (rate.lua's RATE_TRIM, 100).
+        1 => prop_oneof![Just(3usize), Just(150), Just(350)].prop_map(Op::Stale),
         1 => Just(Op::Snapshot),
         1 => Just(Op::Restart),
     ];
@@ -83,6 +90,7 @@ impl World<'_> {
     async fn run(&mut self, (op, fault): (Op, Fault), at: &str) -> Result<(), TestCaseError> {
         match op {
             Op::Sleep(n) => tokio::time::sleep(ms(n)).await,
+            Op::Stale(n) => self.add_stale(n).await?,
             Op::Snapshot => {
                 self.server.borrow().snapshot().unwrap();
                 self.saved = self.model.clone();
@@ -104,6 +112,29 @@ impl World<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Adds `n` stale admissions to the log: the model is unchanged.
+    async fn add_stale(&mut self, n: usize) -> Result<(), TestCaseError> {
+        let minute_ago = crate::server_us(&mut self.conn).await? - 60_000_000;
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(self.locker.rate_key(&self.key));
+        for i in 0..n {
+            let member = format!("stale-{minute_ago}-{i}");
+            zadd.arg(minute_ago + i as i64).arg(member);
+        }
+        // Asked again while the connection is being re-opened.
+        for _ in 0..100 {
+            let added: redis::RedisResult<i64> = zadd.query_async(&mut self.conn).await;
+            match added {
+                Ok(added) => {
+                    prop_assert_eq!(added, n as i64);
+                    return Ok(());
+                }
+                Err(_) => tokio::time::sleep(ms(20)).await,
+            }
+        }
+        Err(TestCaseError::fail("stale entries could not be added"))
     }
 
     /// One call, checked against the model at the server time it ran,

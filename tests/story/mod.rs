@@ -181,7 +181,11 @@ where
         (0, 0, 0, 1),
         "{stats:?}"
     );
-    let dead = queue.dead_letters(0, 10).await.expect("dead letters");
+    let dead = queue
+        .dead_letters(None, 10)
+        .await
+        .expect("dead letters")
+        .letters;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert!(queue.requeue_dead(&dead[0].id).await.expect("requeue"));
     assert_eq!(queue.completed(100).await.expect("completed").len(), 10);

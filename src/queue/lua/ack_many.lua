@@ -1,6 +1,6 @@
 -- Completes claimed messages: deletes each whose claim the caller still
 -- holds.
--- KEYS: data, active, errors, completed, events
+-- KEYS: data, active, errors, completed, events, activity
 -- ARGV: the events' cap ("" for none); "1" to keep them on the completed
 --   stream (Queue::keep_completed), then its most entries and most age in ms
 --   ("" for no limit); the events' kind ("done", or "deferred" for messages
@@ -43,5 +43,5 @@ end
 for i = 1, #kept, 2 do
   keep_completed(KEYS[4], ARGV[3], ARGV[4], now, kept[i], kept[i + 1])
 end
-if observed then emit(KEYS[5], ARGV[1], ARGV[5], now, nil, done) end
+if observed then emit_counted(KEYS[5], KEYS[6], ARGV[1], ARGV[5], now, nil, done) end
 return out

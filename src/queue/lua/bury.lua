@@ -1,6 +1,6 @@
 -- Moves a claimed message to the dead letters with its error, then applies
 -- the dead-letter retention (bounded work, see trim_dead).
--- KEYS: active, dead, errors, data, events
+-- KEYS: active, dead, errors, data, events, activity
 -- ARGV: active member "<id>:<claim>", id, error text, "1" to count this
 --   delivery as a failed attempt, then the dead letters' most count and most
 --   age in ms, and the events' cap (each "" for none)
@@ -21,5 +21,5 @@ redis.call('ZADD', KEYS[2], now, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 trim_dead(KEYS[2], KEYS[4], KEYS[3], now, ARGV[5], ARGV[6], 100)
 -- Last: a failing events write leaves the letter where it belongs.
-emit(KEYS[5], ARGV[7], 'dead', now, ARGV[3], {ARGV[2], attempt_of(record)})
+emit_counted(KEYS[5], KEYS[6], ARGV[7], 'dead', now, ARGV[3], {ARGV[2], attempt_of(record)})
 return 1

@@ -2,7 +2,8 @@
 -- completed messages): a keyed message's line lives in its key's hash slot
 -- and these streams in the queue's, so no one script reaches both on a
 -- Redis Cluster; the caller runs this one right after the keyed script.
--- KEYS[1]: events   KEYS[2]: completed   ARGV[1]: the events' cap ("": none)
+-- KEYS[1]: events   KEYS[2]: completed   KEYS[3]: activity (see activity.lua)
+-- ARGV[1]: the events' cap ("": none)
 -- ARGV[2], ARGV[3]: the completed stream's max count and max age in ms
 -- ARGV[4]: how many event entries follow, each: kind, key ("" for none),
 --   error ("" for none), n, then n pairs of id and attempt; then per
@@ -20,6 +21,7 @@ for _ = 1, tonumber(ARGV[4]) do
   if error ~= '' then append(fields, 'x', error) end
   for i = at + 4, at + 3 + 2 * n do fields[#fields + 1] = ARGV[i] end
   if cap ~= '' then redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', unpack(fields)) end
+  count_activity(KEYS[3], cap, kind, now, n)
   at = at + 4 + 2 * n
 end
 for i = at, #ARGV - 1, 2 do

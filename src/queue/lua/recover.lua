@@ -4,7 +4,7 @@
 -- those whose lease ran out ARGV[1] times (a message that kills its worker
 -- every time), then applies the dead-letter retention. Safe to run from any
 -- number of processes at once.
--- KEYS: data, schedule, active, dead, errors, bell, prioritized, events
+-- KEYS: data, schedule, active, dead, errors, bell, prioritized, events, activity
 -- ARGV: max stalls, how many at most in this call, the dead letters' most
 --   count and most age in ms, the events' cap (each "" for none)
 -- Returns {requeued, buried, examined}: a caller loops while examined is the
@@ -40,6 +40,6 @@ end
 -- workers call recover periodically, so old letters of a queue that stopped
 -- failing still go (an idle trim is one range query and one ZCARD).
 emit(KEYS[8], ARGV[5], 'recovered', now, nil, back)
-emit(KEYS[8], ARGV[5], 'dead', now, 'lease expired too many times', dead)
+emit_counted(KEYS[8], KEYS[9], ARGV[5], 'dead', now, 'lease expired too many times', dead)
 trim_dead(KEYS[4], KEYS[1], KEYS[5], now, ARGV[3], ARGV[4], 100 + buried)
 return {requeued, buried, #expired}

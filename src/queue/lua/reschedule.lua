@@ -1,7 +1,7 @@
 -- Retries (a failure), defers (lock contention) or releases (hands back at
 -- shutdown, counting nothing) a claimed message.
 -- KEYS: data, schedule, active, errors, bell, prioritized (a message keeps
---   its priority), events
+--   its priority), events, activity
 -- ARGV: active member "<id>:<claim>", id, delay ms from the server's now or
 --   "@<unix ms>", the counter to bump ("failure", "deferral" or "release"),
 --   error text ("" for none), the events' cap ("" for no events)
@@ -30,6 +30,6 @@ if ARGV[6] ~= '' then
   local kinds = {failure = 'retried', deferral = 'deferred', release = 'released'}
   local error = nil
   if ARGV[4] == 'failure' then error = ARGV[5] end
-  emit(KEYS[7], ARGV[6], kinds[ARGV[4]] or ARGV[4], now, error, {id, attempt})
+  emit_counted(KEYS[7], KEYS[8], ARGV[6], kinds[ARGV[4]] or ARGV[4], now, error, {id, attempt})
 end
 return due

@@ -1,6 +1,7 @@
 -- Counts, read at one instant of the server's clock.
 -- KEYS: schedule, active, dead, prioritized, and for Queue::activity events
---   with ARGV: the window in ms, the bucket width in ms, the number of buckets
+--   and activity, with ARGV: the window in ms, the bucket width in ms, the
+--   number of buckets (at most 1,000)
 -- Returns {due, later, active, dead, due time of the oldest due message or -1,
 -- now, due time of the next message not due yet or -1}, over the schedule and
 -- every priority.
@@ -40,27 +41,10 @@ local out = {due, later, redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[
 if KEYS[5] then
   -- Then: 1 if the queue records events, and per bucket of the window
   -- (oldest first) the messages done, then those that failed (retried or
-  -- dead), counted from the last 1000 entries at most.
+  -- dead), from the activity counts (KEYS[6], see activity.lua, prepended).
   local width, count = tonumber(ARGV[2]), tonumber(ARGV[3])
-  local since = now - tonumber(ARGV[1])
-  local done, failed = {}, {}
-  for i = 1, count do done[i], failed[i] = 0, 0 end
   out[#out + 1] = redis.call('EXISTS', KEYS[5])
-  local entries = redis.call('XRANGE', KEYS[5], string.format('%d', since), '+', 'COUNT', 1000)
-  for _, entry in ipairs(entries) do
-    local fields = entry[2]
-    -- `e <kind> [k <key>] t <ms> [x <error>] <id> <attempt> ...`
-    local keyed = fields[3] == 'k' and 2 or 0
-    local kind, at = fields[2], tonumber(fields[4 + keyed]) or since
-    local failure = kind == 'retried' or kind == 'dead'
-    local first = (failure and 7 or 5) + keyed
-    local n = math.floor((#fields - first + 1) / 2)
-    -- An event of this very millisecond belongs to the last bucket.
-    local b = math.min(math.floor((at - since) / width) + 1, count)
-    if b >= 1 then
-      if kind == 'done' then done[b] = done[b] + n elseif failure then failed[b] = failed[b] + n end
-    end
-  end
+  local done, failed = activity_buckets(KEYS[6], now - tonumber(ARGV[1]), now, width, count)
   for i = 1, count do out[#out + 1] = done[i] end
   for i = 1, count do out[#out + 1] = failed[i] end
 end

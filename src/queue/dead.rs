@@ -1,0 +1,235 @@
+//! Dead letters: listed a page at a time by cursor, re-driven one by one
+//! or all at once.
+//!
+//! A page starts after a [`DeadCursor`], the (burial time, id) of the last
+//! letter of the page before, and each dead set (a shard's, a keyed
+//! partition's) is read from there: `dead.lua` finds the cursor's place by
+//! rank (`O(log n)`) and reads the page's letters (`O(limit)`), however
+//! many letters lie before it. A page at offset 100,000 of a million read
+//! every letter before it and blocked the server half a second (issue 38).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::UNIX_EPOCH;
+
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::keyed::DeadSet;
+use super::scripts::{self, Query};
+use super::{MAX_BATCH, Queue, check_count, named};
+use crate::error::{Error, Result};
+use crate::queue::DeadLetter;
+
+/// Where a page of dead letters starts: after the letter buried at
+/// `buried_ms` with id `id`, in the order letters are listed (burial time,
+/// then id byte-wise). Printed and parsed as `<buried ms>-<id>` (what the
+/// CLI's `dead --after` and the dashboard's "next page" link carry).
+///
+/// A cursor stays valid while letters come and go: a page after it lists
+/// the letters that follow its place, whether or not its own letter is
+/// still dead.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DeadCursor {
+    /// The burial time, in ms since the epoch (the dead set's score).
+    buried_ms: i64,
+    /// The letter's id.
+    id: String,
+}
+
+impl DeadCursor {
+    /// The place right after `letter`.
+    pub fn after(letter: &DeadLetter) -> Self {
+        let buried_ms = (letter.buried_at.duration_since(UNIX_EPOCH))
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        Self {
+            buried_ms,
+            id: letter.id.clone(),
+        }
+    }
+
+    /// The place after the letter buried at `buried_ms` (ms since the
+    /// epoch) with id `id`.
+    pub fn new(buried_ms: i64, id: impl Into<String>) -> Self {
+        Self {
+            buried_ms,
+            id: id.into(),
+        }
+    }
+}
+
+impl fmt::Display for DeadCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.buried_ms, self.id)
+    }
+}
+
+impl FromStr for DeadCursor {
+    type Err = Error;
+
+    /// Parses `<buried ms>-<id>` (the id may hold `-` itself).
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = || {
+            Error::config(format_args!(
+                "a dead-letter cursor is `<buried ms>-<id>`, got `{text}`"
+            ))
+        };
+        let (ms, id) = text.split_once('-').ok_or_else(bad)?;
+        if ms.is_empty() || !ms.bytes().all(|b| b.is_ascii_digit()) || id.is_empty() {
+            return Err(bad());
+        }
+        Ok(Self::new(ms.parse().map_err(|_| bad())?, id))
+    }
+}
+
+/// A page of dead letters ([`Queue::dead_letters`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadPage {
+    /// The letters, oldest first (then by id).
+    pub letters: Vec<DeadLetter>,
+    /// Where the next page starts; `None` when this page is the last.
+    pub next: Option<DeadCursor>,
+}
+
+impl<T, C> Queue<T, C>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Lists a page of up to `limit` dead letters, oldest first (then by
+    /// id), starting after `after` (`None`: the first page). Pass the
+    /// page's [`next`](DeadPage::next) to read the one after it. A page
+    /// costs one script per dead set (each shard's, each keyed partition's),
+    /// each `O(log n + limit)` whatever the page's depth. Letters re-driven
+    /// or trimmed meanwhile do not shift later pages; a letter buried
+    /// meanwhile shows on the page of its place (after the pages read if
+    /// it is the newest). A `limit` of 0 reads nothing and gives `after`
+    /// back as `next`. Errors when `limit` exceeds [`MAX_BATCH`].
+    pub async fn dead_letters(&self, after: Option<&DeadCursor>, limit: usize) -> Result<DeadPage> {
+        check_count("a dead-letter page", limit, 0..=MAX_BATCH)?;
+        if limit == 0 {
+            let next = after.cloned();
+            return Ok(DeadPage {
+                letters: Vec::new(),
+                next,
+            });
+        }
+        // Each set's next `limit` letters and one more (whether a next page
+        // exists), merged in list order.
+        let mut letters = Vec::new();
+        for set in self.dead_sets().await? {
+            letters.extend(self.dead_in(&set, after, limit + 1).await?);
+        }
+        letters.sort_by_cached_key(DeadCursor::after);
+        let more = letters.len() > limit;
+        letters.truncate(limit);
+        let next = more
+            .then(|| letters.last().map(DeadCursor::after))
+            .flatten();
+        Ok(DeadPage { letters, next })
+    }
+
+    /// Up to `limit` dead letters of one set after `after`, in list order.
+    async fn dead_in(
+        &self,
+        set: &DeadSet,
+        after: Option<&DeadCursor>,
+        limit: usize,
+    ) -> Result<Vec<DeadLetter>> {
+        let attempted = || format!("listing dead letters of queue `{}`", self.name());
+        type Letters = Vec<(String, f64, Option<Vec<u8>>, Option<String>)>;
+        let (ms, id) = after.map_or((String::new(), ""), |c| (c.buried_ms.to_string(), &c.id));
+        let reply: Letters = scripts::DEAD
+            .key(&named(&set.base, ["data", "dead", "errors"]))
+            .arg(ms)
+            .arg(id)
+            .arg(limit)
+            .query_on(&self.conn, attempted)
+            .await?;
+        Ok(reply.into_iter().map(DeadLetter::new).collect())
+    }
+
+    /// Re-drives one dead letter: due now, attempts, deferrals and stalls
+    /// reset. Returns whether it was dead.
+    pub async fn requeue_dead(&self, id: &str) -> Result<bool> {
+        if id.is_empty() {
+            return Err(Error::InvalidKey("message id must not be empty".into()));
+        }
+        for set in self.dead_sets().await? {
+            if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Re-drives the dead letters buried up to the moment this call started
+    /// (by the server's clock), in batches of [`MAX_BATCH`]; returns how
+    /// many. Letters buried again while it runs (a poison message that fails
+    /// at once) are left dead, so the call ends.
+    pub async fn requeue_all_dead(&self) -> Result<usize> {
+        let mut total = 0;
+        for set in self.dead_sets().await? {
+            let mut cutoff = None;
+            loop {
+                let (requeued, examined, started) =
+                    self.requeue_dead_batch(&set, "", cutoff).await?;
+                cutoff = Some(started);
+                total += requeued;
+                if examined < MAX_BATCH {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    async fn requeue_dead_batch(
+        &self,
+        set: &DeadSet,
+        id: &str,
+        cutoff: Option<i64>,
+    ) -> Result<(usize, usize, i64)> {
+        let events = match set.partition {
+            None => self.events_arg(),
+            Some(_) => String::new(),
+        };
+        let attempted = || format!("re-driving dead letters of queue `{}`", self.name());
+        let mut script = scripts::REQUEUE_DEAD.prepare_invoke();
+        script
+            .key(&named(&set.base, ["data", "schedule", "dead", "errors"]))
+            .key(&named(&set.base, ["bell", "prioritized", "events"]));
+        if let Some((_, keyof)) = &set.partition {
+            script.key(keyof);
+        }
+        type Redriven = (usize, usize, i64, Vec<(String, u32)>, Vec<String>);
+        let (requeued, examined, started, redriven, keys): Redriven = script
+            .arg(id)
+            .arg(MAX_BATCH)
+            .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
+            .arg(events)
+            .query_on(&self.conn, attempted)
+            .await?;
+        match (&set.partition, requeued > 0) {
+            (Some((slot, _)), true) => self.keyed().redriven(*slot, redriven, keys).await?,
+            (None, true) => self.mark_shard_after(set.shard, 0).await,
+            _ => {}
+        }
+        Ok((requeued, examined, started))
+    }
+
+    /// Every shard's dead-letter keys, then every keyed partition's.
+    async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let shards = self.layout().await?.keys.iter().enumerate();
+        let shards = shards.map(|(shard, k)| DeadSet {
+            base: k.base.clone(),
+            partition: None,
+            shard,
+        });
+        let mut sets: Vec<DeadSet> = shards.collect();
+        sets.extend(self.keyed().dead_sets().await?);
+        Ok(sets)
+    }
+}
