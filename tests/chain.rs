@@ -189,3 +189,51 @@ async fn a_message_continued_by_an_ack_has_the_lease_the_ack_gives() {
     tokio::time::sleep(ms(200)).await;
     assert_eq!(queue.recover(3).await.unwrap().requeued, 1);
 }
+
+/// Issue 38, item 4: a worker with thousands of keyed messages in flight
+/// renews them all within its lease (the renewals go out together, not one
+/// round trip after another), so none runs twice beside a second worker
+/// that recovers expired leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_keyed_messages_in_flight_keep_their_leases() {
+    let server = server();
+    let queue: Queue<Msg> = Queue::new(manager(&server).await, "chain").unwrap();
+    let total = 3_000;
+    push_backlog(&queue, total, total).await;
+    let holds = Holds::default();
+    let (stop, stopped) = watch::channel(false);
+    let mut runs = Vec::new();
+    let mut metrics = Vec::new();
+    for _ in 0..2 {
+        let queue: Queue<Msg> = Queue::new(manager(&server).await, "chain").unwrap();
+        let holds = holds.clone();
+        let service = tower::service_fn(move |job: Job<Msg>| {
+            let holds = holds.clone();
+            async move {
+                let start = Instant::now();
+                // Three leases and more: renewed a dozen times.
+                tokio::time::sleep(secs(2)).await;
+                holds.record(&job.key, job.n, start, Instant::now());
+                Ok::<_, BoxError>(())
+            }
+        });
+        let worker = Worker::new(server.client(), queue, service)
+            .concurrency(total as usize)
+            .unwrap()
+            .lease(ms(600))
+            .unwrap();
+        metrics.push(worker.metrics());
+        let mut stopped = stopped.clone();
+        runs.push(tokio::spawn(worker.run_until(async move {
+            let _ = stopped.wait_for(|stop| *stop).await;
+        })));
+    }
+    until_handled(&holds, total as usize, secs(60)).await;
+    stop.send_replace(true);
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    holds.assert_each_once(total as usize);
+    let lost: u64 = metrics.iter().map(|m| m.snapshot().lost_leases).sum();
+    assert_eq!(lost, 0, "leases lost with thousands in flight");
+}
