@@ -20,7 +20,7 @@ use std::time::Duration;
 use lockgate::lock::permits::MAX_PERMITS;
 use lockgate::lock::rate::{Admission, Rate};
 use lockgate::queue::DeadCursor;
-use lockgate::{Locker, Queue};
+use lockgate::{Locker, PushOptions, Queue};
 use redis::AsyncConnectionConfig;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use support::{ms, secs};
@@ -626,24 +626,42 @@ fn every_script_s_work_is_bounded_by_its_arguments() {
     assert!(stale.is_empty(), "exceptions no longer found: {stale:?}");
 }
 
-/// A connection that counts its round trips (a pipeline is one).
-#[derive(Clone)]
+/// A connection that counts its round trips one after another (a pipeline
+/// is one; so are requests sent together, before any of them is answered).
+#[derive(Clone, Default)]
 struct Counting {
-    inner: ConnectionManager,
-    trips: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    inner: Option<ConnectionManager>,
+    in_flight: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    waves: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Counting {
-    fn count(&self) {
-        self.trips
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    fn new(inner: ConnectionManager) -> Self {
+        let inner = Some(inner);
+        Counting {
+            inner,
+            ..Counting::default()
+        }
     }
 
-    /// The round trips `op` makes.
+    fn inner(&mut self) -> &mut ConnectionManager {
+        self.inner.as_mut().expect("a connection")
+    }
+
+    /// A request goes out: it starts a round trip unless others are out.
+    fn start(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.in_flight.fetch_add(1, Relaxed) == 0 {
+            self.waves.fetch_add(1, Relaxed);
+        }
+        self.in_flight.clone()
+    }
+
+    /// The round trips, one after another, that `op` makes.
     async fn trips_of(&self, op: impl AsyncFnOnce()) -> usize {
-        let before = self.trips.load(std::sync::atomic::Ordering::Relaxed);
+        let before = self.waves.load(std::sync::atomic::Ordering::Relaxed);
         op().await;
-        self.trips.load(std::sync::atomic::Ordering::Relaxed) - before
+        self.waves.load(std::sync::atomic::Ordering::Relaxed) - before
     }
 }
 
@@ -652,8 +670,13 @@ impl redis::aio::ConnectionLike for Counting {
         &'a mut self,
         cmd: &'a redis::Cmd,
     ) -> redis::RedisFuture<'a, redis::Value> {
-        self.count();
-        self.inner.req_packed_command(cmd)
+        let out = self.start();
+        let reply = self.inner().req_packed_command(cmd);
+        Box::pin(async move {
+            let reply = reply.await;
+            out.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            reply
+        })
     }
 
     fn req_packed_commands<'a>(
@@ -662,12 +685,17 @@ impl redis::aio::ConnectionLike for Counting {
         offset: usize,
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        self.count();
-        self.inner.req_packed_commands(pipeline, offset, count)
+        let out = self.start();
+        let replies = self.inner().req_packed_commands(pipeline, offset, count);
+        Box::pin(async move {
+            let replies = replies.await;
+            out.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            replies
+        })
     }
 
     fn get_db(&self) -> i64 {
-        self.inner.get_db()
+        self.inner.as_ref().map_or(0, |inner| inner.get_db())
     }
 }
 
@@ -680,10 +708,7 @@ impl redis::aio::ConnectionLike for Counting {
 async fn hot_paths_make_as_many_round_trips_for_a_large_batch_as_for_a_small_one() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (server, _) = server().await;
-    let conn = Counting {
-        inner: patient(&server).await,
-        trips: Default::default(),
-    };
+    let conn = Counting::new(patient(&server).await);
     let q: Queue<u64, Counting> = Queue::new(conn.clone(), "batches")
         .unwrap()
         .record_events(100_000)
@@ -724,4 +749,45 @@ async fn hot_paths_make_as_many_round_trips_for_a_large_batch_as_for_a_small_one
         counts[1], counts[2],
         "round trips for batches of 10 and of 1,000"
     );
+}
+
+/// The same rule where a batch spreads: messages over as many keys as
+/// messages (a partition each, nearly), and over the shards of a sharded
+/// queue. Pushes and acknowledgements of 999 keyed messages, and a claim
+/// of 999 messages spread over 16 shards, make as many round trips one
+/// after another as for 10: their calls go out together.
+#[tokio::test]
+async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (server, _) = server().await;
+    let conn = Counting::new(patient(&server).await);
+    let keyed: Queue<u64, Counting> = Queue::new(conn.clone(), "keyed-batches").unwrap();
+    let sharded = Queue::<u64, Counting>::new(conn.clone(), "sharded-batches").unwrap();
+    let sharded = sharded.shards(16).unwrap();
+    let mut counts = Vec::new();
+    for n in [10u64, 10, 999] {
+        let messages = (0..n).map(|i| (i, PushOptions::new().key(format!("account-{i}"))));
+        let push = conn
+            .trips_of(async || drop(keyed.push_many_with(messages).await.unwrap()))
+            .await;
+        let mut jobs = Vec::new();
+        while (jobs.len() as u64) < n {
+            jobs.extend(keyed.claim(1000, secs(60)).await.unwrap().jobs);
+        }
+        let ack = conn
+            .trips_of(async || assert!(keyed.ack_many(&jobs).await.unwrap().iter().all(|a| *a)))
+            .await;
+        sharded.push_many(0..n).await.unwrap();
+        let mut jobs = Vec::new();
+        let claim = conn
+            .trips_of(async || jobs = sharded.claim(n as usize, secs(60)).await.unwrap().jobs)
+            .await;
+        assert_eq!(jobs.len() as u64, n, "a claim of all that is due");
+        let sharded_ack = conn
+            .trips_of(async || assert!(sharded.ack_many(&jobs).await.unwrap().iter().all(|a| *a)))
+            .await;
+        counts.push([push, ack, claim, sharded_ack]);
+    }
+    eprintln!("round trips (keyed push, keyed ack, sharded claim, sharded ack): {counts:?}");
+    assert_eq!(counts[1], counts[2], "round trips for 10 and for 999 messages");
 }

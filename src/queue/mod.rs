@@ -750,12 +750,31 @@ where
             let key = options.key.clone().map(|key| (key, options.limits_arg()));
             encoded.push((id.unwrap_or_else(job::new_id), when, payload, key));
         }
-        let shards = self.layout().await?;
-        let mut receipts = Vec::with_capacity(encoded.len());
+        let count = encoded.len();
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
             .into_iter()
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
+        let (plain, keyed) = futures_util::future::join(
+            self.push_plain(plain),
+            self.push_keyed(keyed),
+        )
+        .await;
+        let mut receipts = Vec::with_capacity(count);
+        receipts.extend(plain?);
+        receipts.extend(keyed?);
+        receipts.sort_unstable_by_key(|(n, _)| *n);
+        Ok(receipts.into_iter().map(|(_, pushed)| pushed).collect())
+    }
+
+    /// Pushes unkeyed messages (with their place in the caller's list), in
+    /// one script call per shard and [`MAX_BATCH`] messages, all at once,
+    /// then marks the shards pushed to (also when another push failed).
+    async fn push_plain(&self, plain: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
+        if plain.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shards = self.layout().await?;
         let mut by_shard = std::collections::BTreeMap::<usize, Vec<_>>::new();
         for message in plain {
             by_shard
@@ -763,34 +782,34 @@ where
                 .or_default()
                 .push(message);
         }
-        // The shards pushed to have work, also when a later push failed.
-        let (mut marks, mut failed) = (Vec::new(), None);
-        'push: for (shard, plain) in by_shard {
-            for batch in plain.chunks(MAX_BATCH) {
-                match self.push_batch(&shards.keys[shard], batch).await {
-                    Ok((pushed, due)) => {
-                        receipts.extend(pushed);
-                        marks.extend(due.map(|due| (shard, due)));
-                    }
-                    Err(error) => {
-                        failed = Some(error);
-                        break 'push;
-                    }
+        let batches: Vec<(usize, &[(usize, Encoded)])> = (by_shard.iter())
+            .flat_map(|(shard, plain)| plain.chunks(MAX_BATCH).map(move |batch| (*shard, batch)))
+            .collect();
+        let mut answers = Vec::with_capacity(batches.len());
+        for wave in batches.chunks(MAX_BATCH) {
+            let calls = wave.iter().map(|(shard, batch)| self.push_batch(&shards.keys[*shard], batch));
+            let pushed = futures_util::future::join_all(calls).await;
+            answers.extend(wave.iter().map(|(shard, _)| *shard).zip(pushed));
+        }
+        let (mut receipts, mut marks, mut failed) = (Vec::new(), Vec::new(), None);
+        for (shard, answer) in answers {
+            match answer {
+                Ok((pushed, due)) => {
+                    receipts.extend(pushed);
+                    marks.extend(due.map(|due| (shard, due)));
                 }
+                Err(error) => failed = failed.or(Some(error)),
             }
         }
         self.mark_shards(&marks).await?;
-        if let Some(error) = failed {
-            return Err(error);
-        }
-        receipts.extend(self.push_keyed(keyed).await?);
-        receipts.sort_unstable_by_key(|(n, _)| *n);
-        Ok(receipts.into_iter().map(|(_, pushed)| pushed).collect())
+        failed.map_or(Ok(receipts), Err)
     }
 
     /// Pushes keyed messages (with their place in the caller's list), in
     /// one script call per partition and [`MAX_BATCH`] messages, each call
-    /// in the messages' order.
+    /// in the messages' order; the calls go out together, at most
+    /// [`MAX_BATCH`] at a time, so that a batch over many keys costs about
+    /// a round trip, not one per partition.
     async fn push_keyed(&self, keyed: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
         let mut by_partition = std::collections::BTreeMap::<u16, Vec<_>>::new();
         for (n, (id, when, payload, key)) in &keyed {
@@ -805,32 +824,43 @@ where
             let slot = crate::keys::lock_slot(key);
             by_partition.entry(slot).or_default().push((*n, pushing));
         }
+        let batches: Vec<(u16, &[(usize, keyed::Pushing<'_>)])> = (by_partition.iter())
+            .flat_map(|(slot, all)| all.chunks(MAX_BATCH).map(move |batch| (*slot, batch)))
+            .collect();
+        let mut answers = Vec::with_capacity(batches.len());
+        for wave in batches.chunks(MAX_BATCH) {
+            let calls = wave.iter().map(|(_, batch)| self.push_partition(batch));
+            let pushed = futures_util::future::join_all(calls).await;
+            answers.extend(wave.iter().zip(pushed).map(|((slot, batch), p)| (*slot, *batch, p)));
+        }
         let mut receipts = Vec::with_capacity(keyed.len());
-        let mut pushed_to = Vec::new();
-        let mut failed = None;
-        'push: for (slot, all) in &by_partition {
-            for batch in all.chunks(MAX_BATCH) {
-                let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
-                let pushed = match self.keyed().push(&pushing).await {
-                    Ok(pushed) => pushed,
-                    Err(error) => {
-                        failed = Some(error);
-                        break 'push;
+        let (mut pushed_to, mut failed) = (Vec::new(), None);
+        for (slot, batch, pushed) in answers {
+            match pushed {
+                Ok(pushed) => {
+                    pushed_to.push(slot);
+                    for ((n, m), (created, due)) in batch.iter().zip(pushed) {
+                        receipts.push((*n, receipt(m.id, created, due)));
                     }
-                };
-                pushed_to.push(*slot);
-                for ((n, m), (created, due)) in batch.iter().zip(pushed) {
-                    receipts.push((*n, receipt(m.id, created, due)));
                 }
+                Err(error) => failed = failed.or(Some(error)),
             }
         }
-        // The partitions pushed to have work, also when a later push failed.
+        // The partitions pushed to have work, also when another push failed.
         let attempted = || format!("pushing keyed messages to queue `{}`", self.name());
+        pushed_to.sort_unstable();
         pushed_to.dedup();
         for slots in pushed_to.chunks(MAX_BATCH) {
             self.keyed().mark_all_ready(slots, attempted).await?;
         }
         failed.map_or(Ok(receipts), Err)
+    }
+
+    /// Pushes keyed messages of one partition (at most [`MAX_BATCH`]) in one
+    /// script call.
+    async fn push_partition(&self, batch: &[(usize, keyed::Pushing<'_>)]) -> Result<Vec<(bool, i64)>> {
+        let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
+        self.keyed().push(&pushing).await
     }
 
     /// Pushes unkeyed messages (at most [`MAX_BATCH`], with their place in
@@ -1048,28 +1078,33 @@ where
         I: IntoIterator<Item = &'a J>,
     {
         // The unkeyed ones in one script call per shard, each keyed one in
-        // its key's partition; the answers in the batch's order.
+        // its key's partition, all at once; the answers in the batch's
+        // order. A keyed one found gone may have been acknowledged by an
+        // earlier attempt whose reply was lost: the caller knows whether
+        // one was.
         let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
         check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
-        let mut out = vec![Acked::NotHeld; jobs.len()];
-        for (shard, batch) in by_shard(&jobs) {
+        let shards = by_shard(&jobs).into_iter().map(|(shard, batch)| async move {
             let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
-            let acked = self
-                .ack_batch(self.shards.get(shard)?, &plain, "done")
-                .await?;
-            for ((n, _), acked) in batch.iter().zip(acked) {
-                out[*n] = acked;
+            let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
+            Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
+        });
+        let keyed = jobs.iter().enumerate().filter(|(_, j)| j.held.is_some());
+        let keyed = keyed.map(|(n, job)| async move {
+            let acked = self.ack(*job).await?;
+            Ok(vec![(n, if acked { Acked::Done } else { Acked::Gone })])
+        });
+        use futures_util::future::{join, join_all};
+        let (shards, keyed) = join(join_all(shards), join_all(keyed)).await;
+        let mut out = vec![Acked::NotHeld; jobs.len()];
+        let mut failed = None;
+        for answers in shards.into_iter().chain(keyed) {
+            match answers {
+                Ok(answers) => answers.into_iter().for_each(|(n, acked)| out[n] = acked),
+                Err(error) => failed = failed.or(Some(error)),
             }
         }
-        // A keyed claim found gone may have been acknowledged by an earlier
-        // attempt whose reply was lost: the caller knows whether one was.
-        for (n, job) in jobs.iter().enumerate().filter(|(_, j)| j.held.is_some()) {
-            out[n] = match self.ack(*job).await? {
-                true => Acked::Done,
-                false => Acked::Gone,
-            };
-        }
-        Ok(out)
+        failed.map_or(Ok(out), Err)
     }
 
     /// Acknowledges unkeyed messages in one script call; `kind` names their

@@ -337,8 +337,12 @@ where
     }
 
     /// Claims from the shards `due`, from the one in `turn` on round the
-    /// ring, until `max` are claimed; returns the shards it visited. A
-    /// shard that fails is passed over, its error kept in `failed`.
+    /// ring, until `max` are claimed; returns the shards it visited. The
+    /// shard in turn, under a backlog, is asked first for all the room
+    /// alone (so that shards take turns); else, and for what room it left,
+    /// the room is shared among the shards, asked all at once, and again
+    /// among those that filled their share. A shard that fails is passed
+    /// over, its error kept in `failed`.
     async fn claim_round(
         &self,
         due: &[usize],
@@ -347,19 +351,40 @@ where
         (claimed, failed): (&mut Claimed<T>, &mut Option<Error>),
     ) -> Vec<usize> {
         let n = self.shards.len();
-        let mut order = due.to_vec();
-        order.sort_unstable_by_key(|i| (*i + n - turn.max(1)) % n);
+        let mut left = due.to_vec();
+        left.sort_unstable_by_key(|i| (*i + n - turn.max(1)) % n);
         let mut visited = Vec::new();
-        for i in order {
-            if claimed.jobs.len() == max {
-                break;
-            }
+        let mut first = true;
+        while claimed.jobs.len() < max && !left.is_empty() {
             let room = max - claimed.jobs.len();
-            if let Err(error) = self.claim_shard(i, (now, room, lease), claimed).await {
-                failed.get_or_insert(error);
+            let backlog = first && self.shards.backlog[left[0]].load(Ordering::Relaxed);
+            let wave = if backlog { 1 } else { left.len().min(room) };
+            first = false;
+            let shares = shares(room, wave);
+            let claims = (left.iter().zip(&shares))
+                .map(|(i, share)| self.claim_shard(*i, (now, *share, lease)));
+            let answers = futures_util::future::join_all(claims).await;
+            let mut more = Vec::new();
+            for ((i, share), answer) in left.iter().zip(shares).zip(answers) {
+                visited.push(*i);
+                match answer {
+                    // A shard that filled its share may have more.
+                    Ok(got) if got.jobs.len() == share => {
+                        more.push(*i);
+                        add(claimed, got);
+                    }
+                    Ok(got) => add(claimed, got),
+                    Err(error) => {
+                        failed.get_or_insert(error);
+                    }
+                }
             }
-            visited.push(i);
+            // Those not asked yet, then those that may have more.
+            more.splice(0..0, left.drain(wave..));
+            left = more;
         }
+        visited.sort_unstable();
+        visited.dedup();
         visited
     }
 
@@ -372,8 +397,7 @@ where
         &self,
         i: usize,
         (now, max, lease): (i64, usize, Duration),
-        claimed: &mut Claimed<T>,
-    ) -> Result<()> {
+    ) -> Result<Claimed<T>> {
         let k = &self.shards.keys[i];
         let attempted = || format!("claiming from shard {i} of queue `{}`", self.name());
         let cmd = self.claim_call(k, (max, lease), 0);
@@ -396,21 +420,23 @@ where
         .map_err(Error::redis(attempted()))?;
         let (from_shard, _, shard_now) = self.decode_claimed(reply, i, attempted).await?;
         let next_due = from_shard.next_due;
-        add(claimed, from_shard);
         let was_backlog = backlog.swap(next_due == Some(Duration::ZERO), Ordering::Relaxed);
         match next_due {
             // Nothing left: the raised entry stays (or, after a backlog,
             // the due one: the next visit raises it).
-            None => {
-                lock(&self.shards.due).retain(|due| *due != i);
-                Ok(())
-            }
-            Some(wait) if wait.is_zero() && was_backlog => Ok(()),
+            None => lock(&self.shards.due).retain(|due| *due != i),
+            Some(wait) if wait.is_zero() && was_backlog => {}
             Some(wait) => {
                 let at = shard_now + i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
-                self.lower(i, at, wait.is_zero()).await
+                // The claimed jobs are leased: they reach the caller even
+                // when the lowering fails (the entry is looked at again
+                // within `RECHECK_MS`).
+                if let Err(error) = self.lower(i, at, wait.is_zero()).await {
+                    tracing::warn!(queue = %self.name(), %error, "could not lower a shard's index entry after a claim");
+                }
             }
         }
+        Ok(from_shard)
     }
 
     /// Lowers shard `i`'s index entry to `at` (server ms) and, for a
@@ -429,6 +455,11 @@ where
             self.name()
         )))
     }
+}
+
+/// `room` split into `n` shares that differ by one at most, the larger first.
+fn shares(room: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|k| room / n + usize::from(k < room % n)).collect()
 }
 
 /// Adds what one claim script claimed to `claimed`.
