@@ -91,3 +91,48 @@ pub(crate) async fn run_then<T: FromRedisValue, U: FromRedisValue>(
         result => result,
     }
 }
+
+/// Whether a failed request may have run on the server all the same: only
+/// when no answer came (a timeout, a dropped connection, an I/O error). An
+/// error reply (`READONLY`, `LOADING`, `NOPERM`, `OOM`, ...) or a refused
+/// connection says it did not run.
+pub(crate) fn may_have_run(error: &redis::RedisError) -> bool {
+    (error.is_timeout() || error.is_io_error() || error.is_connection_dropped())
+        && !error.is_connection_refusal()
+}
+
+/// How long a call that is safe to resend (the claim scripts, with the
+/// record of their first run) is sent again while its replies are lost:
+/// half its `lease`, at most 2 s (four of redis-rs's default response
+/// timeouts). Its record is kept as long: records are made at the rate of
+/// claims and hand-overs, and must not pile up. A longer outage ends the
+/// resends; the messages come back after their lease, as before.
+pub(crate) fn resend_window(lease: std::time::Duration) -> std::time::Duration {
+    (lease / 2).min(std::time::Duration::from_secs(2))
+}
+
+/// Sends a call with `send`, again and unchanged while it fails without an
+/// answer (see [`may_have_run`]), with a short growing pause, for up to
+/// `window`: for a call whose script keeps a record of its first run, so
+/// that a resend answers what that run did (a claim's reply lost on the
+/// way must not leave its messages leased to nobody).
+pub(crate) async fn resending<T, F>(
+    window: std::time::Duration,
+    mut send: impl FnMut() -> F,
+) -> RedisResult<T>
+where
+    F: Future<Output = RedisResult<T>>,
+{
+    let give_up = tokio::time::Instant::now() + window;
+    let mut pause = std::time::Duration::from_millis(20);
+    loop {
+        match send().await {
+            Err(error) if may_have_run(&error) && tokio::time::Instant::now() + pause < give_up => {
+                tracing::debug!(%error, ?pause, "no answer to a call that is safe to resend; sending it again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_millis(250));
+            }
+            answer => return answer,
+        }
+    }
+}

@@ -789,5 +789,15 @@ async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones
         counts.push([push, ack, claim, sharded_ack]);
     }
     eprintln!("round trips (keyed push, keyed ack, sharded claim, sharded ack): {counts:?}");
-    assert_eq!(counts[1], counts[2], "round trips for 10 and for 999 messages");
+    let [ten, many] = [counts[1], counts[2]].map(|[push, ack, claim, acks]| {
+        // A sharded claim asks the shard in turn first, then the others
+        // at once, then those that had more than their share (how many
+        // rounds depends on how the ids fell): a few, not one per shard.
+        assert!(
+            claim <= 8,
+            "{claim} round trips for a sharded claim: {counts:?}"
+        );
+        [push, ack, acks]
+    });
+    assert_eq!(ten, many, "round trips for 10 and for 999 messages");
 }

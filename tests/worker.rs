@@ -635,3 +635,31 @@ async fn run_until_idle_returns_once_the_queue_is_drained() {
         "{stats:?}"
     );
 }
+
+/// The shutdown future of `run_until` reads the queue through the same,
+/// fresh handle the worker claims with (its first look at the queue's
+/// layout is shared): the worker and the future both go on, and the worker
+/// stops once the future sees the queue drained. It hung on `7f30639`:
+/// the loop polled the future once without a waker, the future began the
+/// first look, and the claim waited for it forever.
+#[tokio::test]
+async fn a_shutdown_future_that_reads_the_queue_does_not_stall_the_worker() {
+    let server = server();
+    let conn = manager(&server).await;
+    let producer: Queue<u32> = Queue::new(conn.clone(), "drain").unwrap();
+    producer.push_many([1, 2, 3]).await.unwrap();
+    let queue: Queue<u32> = Queue::new(conn.clone(), "drain").unwrap();
+    let service = tower::service_fn(|_: Job<u32>| async { Ok::<_, BoxError>(()) });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let drained = async {
+        loop {
+            let stats = queue.stats().await.unwrap();
+            if stats.due + stats.active == 0 {
+                break;
+            }
+            tokio::time::sleep(ms(20)).await;
+        }
+    };
+    let run = tokio::time::timeout(secs(10), worker.run_until(drained)).await;
+    assert!(run.is_ok(), "the worker and its shutdown future stalled");
+}

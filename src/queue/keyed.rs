@@ -130,6 +130,17 @@ impl Partition {
     }
 
     /// An `EVALSHA` of `script` over this partition and `more` keys.
+    /// A fresh key for one call's record (see `script::resending`), in
+    /// the partition's slot.
+    fn record(&self) -> String {
+        self.record_of(&Token::random())
+    }
+
+    /// The key of the record of the call that draws `token`.
+    fn record_of(&self, token: &Token) -> String {
+        format!("{}:{}", self.keys[5], token.as_str())
+    }
+
     fn call(&self, script: &Script, more: usize) -> Cmd {
         let mut cmd = evalsha(script, self.keys.len() + more);
         cmd.arg(&self.keys[..]);
@@ -602,7 +613,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         first: Option<Cmd>,
     ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>, Holds)> {
         let prefix = &self.keys.prefix;
-        let mut cmd = partition.call(&CLAIM, 4 * candidates.len());
+        let mut cmd = partition.call(&CLAIM, 4 * candidates.len() + 1);
         for key in candidates {
             let set = crate::lock::permits::permits_key(prefix, key);
             cmd.arg(keys::lock_key(prefix, key))
@@ -610,7 +621,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(format!("{set}:waiters"))
                 .arg(keys::rate_key(prefix, key));
         }
+        let window = crate::script::resend_window(lease);
+        cmd.arg(partition.record());
         cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
+        cmd.arg(millis(window));
         let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
         for (key, token) in candidates.iter().zip(&tokens) {
             cmd.arg(key).arg(token.as_str());
@@ -624,11 +638,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Vec<(String, String, u64)>,
             u8,
         );
-        let (claim, next_at, named, taken, blocked, holds): Reply = match first {
-            Some(first) => (run_after(&CLAIM, &first, &cmd, &mut self.conn.clone()).await)
-                .map_err(Error::redis(attempted()))?,
-            None => self.run(&CLAIM, &cmd, attempted).await?,
-        };
+        // Resent unchanged while no answer comes: the script's record of
+        // its first run answers a resend (see `lua/keyed_claim.lua`).
+        let reply: Reply = match &first {
+            Some(first) => {
+                let send =
+                    || async { run_after(&CLAIM, first, &cmd, &mut self.conn.clone()).await };
+                crate::script::resending(window, send).await
+            }
+            None => {
+                let send = || async { run(&CLAIM, &cmd, &mut self.conn.clone()).await };
+                crate::script::resending(window, send).await
+            }
+        }
+        .map_err(Error::redis(attempted()))?;
+        let (claim, next_at, named, taken, blocked, holds) = reply;
         for (key, watched, left) in blocked {
             self.watch_release(key, watched, Duration::from_millis(left));
         }
@@ -701,7 +725,41 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
             .map_err(Error::redis(attempted()))?;
-        let mut cmd = held.partition.call(&DONE, 4);
+        let next_token = Token::random();
+        let member = (id, claim, failures);
+        let (cmd, kind, error) =
+            self.done_call(held, member, outcome, (next, &next_token), publish);
+        // A hand-over is resent unchanged while no answer comes: the
+        // script's record answers a resend with the next message it
+        // claimed (see `lua/keyed_done.lua`).
+        let reply: DoneReply = match next {
+            Some(lease) => {
+                let send = || async { run(&DONE, &cmd, &mut self.conn.clone()).await };
+                let window = crate::script::resend_window(lease);
+                (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))?
+            }
+            None => self.run(&DONE, &cmd, attempted).await?,
+        };
+        let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
+        // Nothing to build on the hot path unless something is recorded.
+        if self.recording.events.is_some() || !acked.is_empty() {
+            let log = outcome_log(held, (id, failures), (kind, error), (acked, &settled));
+            self.record(log).await;
+        }
+        Ok(settled)
+    }
+
+    /// The done script's call (see [`done`](Self::done)), with the event
+    /// and the error it records.
+    fn done_call<'o>(
+        &self,
+        held: &Held,
+        (id, claim, failures): (&str, u64, u32),
+        outcome: Outcome<'o>,
+        (next, next_token): (Option<Duration>, &Token),
+        publish: &str,
+    ) -> (Cmd, EventKind, &'o str) {
+        let mut cmd = held.partition.call(&DONE, 5);
         let lock = held.lock_key(&self.keys.prefix);
         cmd.arg(&lock).arg(format!("{lock}:waiters"));
         match held.permits {
@@ -709,6 +767,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             _ => cmd.arg(format!("{lock}:fences")),
         };
         cmd.arg(keys::rate_key(&self.keys.prefix, &held.key));
+        cmd.arg(held.partition.record_of(next_token));
         let (op, kind, delay, error) = match outcome {
             Outcome::Ack => ("ack", EventKind::Done, None, ""),
             Outcome::Retry { delay, error } => ("retry", EventKind::Retried, Some(delay), error),
@@ -716,7 +775,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Outcome::Release => ("release", EventKind::Released, None, ""),
             Outcome::Bury { error } => ("bury", EventKind::Dead, None, error),
         };
-        let next_token = Token::random();
         let (dead_count, dead_age) = self.recording.dead.args();
         let flag = |on: bool| if on { "1" } else { "" };
         let ms = |d: Option<Duration>| d.map_or(String::new(), |d| millis(d).to_string());
@@ -737,15 +795,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(flag(held.rated))
             .arg(flag(self.recording.completed.is_some()))
             .arg(dead_count)
-            .arg(dead_age);
-        let reply: DoneReply = self.run(&DONE, &cmd, attempted).await?;
-        let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
-        // Nothing to build on the hot path unless something is recorded.
-        if self.recording.events.is_some() || !acked.is_empty() {
-            let log = outcome_log(held, (id, failures), (kind, error), (acked, &settled));
-            self.record(log).await;
-        }
-        Ok(settled)
+            .arg(dead_age)
+            .arg(ms(next.map(crate::script::resend_window)));
+        (cmd, kind, error)
     }
 
     /// What the done script answered: the acknowledged record (if asked),

@@ -755,11 +755,8 @@ where
             .into_iter()
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
-        let (plain, keyed) = futures_util::future::join(
-            self.push_plain(plain),
-            self.push_keyed(keyed),
-        )
-        .await;
+        let (plain, keyed) =
+            futures_util::future::join(self.push_plain(plain), self.push_keyed(keyed)).await;
         let mut receipts = Vec::with_capacity(count);
         receipts.extend(plain?);
         receipts.extend(keyed?);
@@ -768,8 +765,9 @@ where
     }
 
     /// Pushes unkeyed messages (with their place in the caller's list), in
-    /// one script call per shard and [`MAX_BATCH`] messages, all at once,
-    /// then marks the shards pushed to (also when another push failed).
+    /// one script call per shard and [`MAX_BATCH`] messages, together as
+    /// `waves` lets them, then marks the shards pushed to (also when
+    /// another push failed).
     async fn push_plain(&self, plain: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
         if plain.is_empty() {
             return Ok(Vec::new());
@@ -786,8 +784,10 @@ where
             .flat_map(|(shard, plain)| plain.chunks(MAX_BATCH).map(move |batch| (*shard, batch)))
             .collect();
         let mut answers = Vec::with_capacity(batches.len());
-        for wave in batches.chunks(MAX_BATCH) {
-            let calls = wave.iter().map(|(shard, batch)| self.push_batch(&shards.keys[*shard], batch));
+        for wave in waves(&batches) {
+            let calls = wave
+                .iter()
+                .map(|(shard, batch)| self.push_batch(&shards.keys[*shard], batch));
             let pushed = futures_util::future::join_all(calls).await;
             answers.extend(wave.iter().map(|(shard, _)| *shard).zip(pushed));
         }
@@ -807,9 +807,9 @@ where
 
     /// Pushes keyed messages (with their place in the caller's list), in
     /// one script call per partition and [`MAX_BATCH`] messages, each call
-    /// in the messages' order; the calls go out together, at most
-    /// [`MAX_BATCH`] at a time, so that a batch over many keys costs about
-    /// a round trip, not one per partition.
+    /// in the messages' order; the calls go out together, [`MAX_BATCH`]
+    /// messages at a time (see `waves`), so that a batch over many keys
+    /// costs about a round trip, not one per partition.
     async fn push_keyed(&self, keyed: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
         let mut by_partition = std::collections::BTreeMap::<u16, Vec<_>>::new();
         for (n, (id, when, payload, key)) in &keyed {
@@ -828,10 +828,14 @@ where
             .flat_map(|(slot, all)| all.chunks(MAX_BATCH).map(move |batch| (*slot, batch)))
             .collect();
         let mut answers = Vec::with_capacity(batches.len());
-        for wave in batches.chunks(MAX_BATCH) {
+        for wave in waves(&batches) {
             let calls = wave.iter().map(|(_, batch)| self.push_partition(batch));
             let pushed = futures_util::future::join_all(calls).await;
-            answers.extend(wave.iter().zip(pushed).map(|((slot, batch), p)| (*slot, *batch, p)));
+            answers.extend(
+                wave.iter()
+                    .zip(pushed)
+                    .map(|((slot, batch), p)| (*slot, *batch, p)),
+            );
         }
         let mut receipts = Vec::with_capacity(keyed.len());
         let (mut pushed_to, mut failed) = (Vec::new(), None);
@@ -858,7 +862,10 @@ where
 
     /// Pushes keyed messages of one partition (at most [`MAX_BATCH`]) in one
     /// script call.
-    async fn push_partition(&self, batch: &[(usize, keyed::Pushing<'_>)]) -> Result<Vec<(bool, i64)>> {
+    async fn push_partition(
+        &self,
+        batch: &[(usize, keyed::Pushing<'_>)],
+    ) -> Result<Vec<(bool, i64)>> {
         let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
         self.keyed().push(&pushing).await
     }
@@ -948,26 +955,36 @@ where
     ) -> Result<(Claimed<T>, Vec<u16>, i64)> {
         let attempted = || format!("claiming from queue `{}`", self.name());
         let cmd = self.claim_call(&self.keys, (max, lease), keyed::PARTITIONS_PER_CLAIM);
-        let reply = crate::script::run(&scripts::CLAIM, &cmd, &mut self.conn.clone()).await;
+        let window = crate::script::resend_window(lease);
+        let send =
+            || async { crate::script::run(&scripts::CLAIM, &cmd, &mut self.conn.clone()).await };
+        let reply = crate::script::resending(window, send).await;
         let reply: Vec<Value> = reply.map_err(Error::redis(attempted()))?;
         self.decode_claimed(reply, 0, attempted).await
     }
 
     /// The claim script's call on the shard of keys `k` (see
-    /// `lua/claim.lua`), naming up to `partitions` keyed partitions.
+    /// `lua/claim.lua`), naming up to `partitions` keyed partitions, with a
+    /// record of its own: safe to resend (see `script::resending`).
     fn claim_call(
         &self,
         k: &QueueKeys,
         (max, lease): (usize, Duration),
         partitions: usize,
     ) -> redis::Cmd {
-        let mut cmd = crate::script::evalsha(&scripts::CLAIM, 8);
+        let mut cmd = crate::script::evalsha(&scripts::CLAIM, 9);
         cmd.arg(&[&k.data, &k.schedule, &k.active, &k.claims])
             .arg(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
+            .arg(format!(
+                "{}:{}",
+                k.claims,
+                crate::lock::Token::random().as_str()
+            ))
             .arg(max)
             .arg(millis(lease))
             .arg(self.events_arg())
-            .arg(partitions);
+            .arg(partitions)
+            .arg(millis(crate::script::resend_window(lease)));
         cmd
     }
 
@@ -1084,11 +1101,13 @@ where
         // one was.
         let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
         check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
-        let shards = by_shard(&jobs).into_iter().map(|(shard, batch)| async move {
-            let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
-            let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
-            Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
-        });
+        let shards = by_shard(&jobs)
+            .into_iter()
+            .map(|(shard, batch)| async move {
+                let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
+                let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
+                Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
+            });
         let keyed = jobs.iter().enumerate().filter(|(_, j)| j.held.is_some());
         let keyed = keyed.map(|(n, job)| async move {
             let acked = self.ack(*job).await?;
@@ -1917,6 +1936,29 @@ fn token<J: Claim>(job: &J) -> &ClaimToken {
 }
 
 /// The messages without a key among `jobs`, with their place in it, by shard.
+/// Script calls (each a place and its batch) in waves of at most
+/// [`MAX_BATCH`] messages in all, in order: a wave goes out at once, so
+/// that many small calls cost a round trip, while large batches still go
+/// one after another, none waiting behind many others past a response
+/// timeout.
+fn waves<'b, P, B>(calls: &'b [(P, &[B])]) -> impl Iterator<Item = &'b [(P, &'b [B])]> {
+    let mut rest = calls;
+    std::iter::from_fn(move || {
+        let mut total = 0;
+        let end = (rest.iter())
+            .position(|(_, batch)| {
+                total += batch.len();
+                total > MAX_BATCH
+            })
+            .unwrap_or(rest.len())
+            .max(1)
+            .min(rest.len());
+        let (wave, after) = rest.split_at(end);
+        rest = after;
+        (!wave.is_empty()).then_some(wave)
+    })
+}
+
 fn by_shard<'a>(
     jobs: &[&'a ClaimToken],
 ) -> std::collections::BTreeMap<usize, Vec<(usize, &'a ClaimToken)>> {

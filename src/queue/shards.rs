@@ -327,10 +327,11 @@ where
         scores.arg(&k.partitions).arg(&members);
         // One round trip: both keys are in the queue's own slot.
         let attempted = || format!("claiming from queue `{}`", self.name());
-        let mut conn = self.conn.clone();
+        let window = crate::script::resend_window(lease);
+        let send =
+            || async { run_then(&scripts::CLAIM, &cmd, &scores, &mut self.conn.clone()).await };
         let (reply, scores): (Vec<Value>, Vec<Option<f64>>) =
-            (run_then(&scripts::CLAIM, &cmd, &scores, &mut conn).await)
-                .map_err(Error::redis(attempted()))?;
+            (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))?;
         let (claimed, entries, now) = self.decode_claimed(reply, 0, attempted).await?;
         self.shards.read_index(&scores, now);
         Ok((claimed, entries, now))
@@ -338,11 +339,11 @@ where
 
     /// Claims from the shards `due`, from the one in `turn` on round the
     /// ring, until `max` are claimed; returns the shards it visited. The
-    /// shard in turn, under a backlog, is asked first for all the room
-    /// alone (so that shards take turns); else, and for what room it left,
-    /// the room is shared among the shards, asked all at once, and again
-    /// among those that filled their share. A shard that fails is passed
-    /// over, its error kept in `failed`.
+    /// shard in turn is asked first, for all the room (under a backlog it
+    /// fills it: one call is one shard's batch, and the shards take turns);
+    /// what room it leaves is shared among the others, asked all at once,
+    /// and again among those that filled their share. A shard that fails
+    /// is passed over, its error kept in `failed`.
     async fn claim_round(
         &self,
         due: &[usize],
@@ -357,8 +358,7 @@ where
         let mut first = true;
         while claimed.jobs.len() < max && !left.is_empty() {
             let room = max - claimed.jobs.len();
-            let backlog = first && self.shards.backlog[left[0]].load(Ordering::Relaxed);
-            let wave = if backlog { 1 } else { left.len().min(room) };
+            let wave = if first { 1 } else { left.len().min(room) };
             first = false;
             let shares = shares(room, wave);
             let claims = (left.iter().zip(&shares))
@@ -408,13 +408,19 @@ where
         // The raise must reach the server before the script: one round trip
         // on one server, two on a cluster (the index and the shard are on
         // different nodes, whose order a pipeline does not keep).
-        let mut conn = self.conn.clone();
+        let window = crate::script::resend_window(lease);
+        let alone = || async { run(&scripts::CLAIM, &cmd, &mut self.conn.clone()).await };
         let reply: Vec<Value> = match (backlog.load(Ordering::Relaxed), self.is_cluster().await?) {
-            (true, _) => run(&scripts::CLAIM, &cmd, &mut conn).await,
-            (false, false) => run_after(&scripts::CLAIM, &raise, &cmd, &mut conn).await,
+            (true, _) => crate::script::resending(window, alone).await,
+            (false, false) => {
+                let after_raise = || async {
+                    run_after(&scripts::CLAIM, &raise, &cmd, &mut self.conn.clone()).await
+                };
+                crate::script::resending(window, after_raise).await
+            }
             (false, true) => {
                 raise.query_on::<(), _>(&self.conn, attempted).await?;
-                run(&scripts::CLAIM, &cmd, &mut conn).await
+                crate::script::resending(window, alone).await
             }
         }
         .map_err(Error::redis(attempted()))?;
@@ -459,7 +465,9 @@ where
 
 /// `room` split into `n` shares that differ by one at most, the larger first.
 fn shares(room: usize, n: usize) -> Vec<usize> {
-    (0..n).map(|k| room / n + usize::from(k < room % n)).collect()
+    (0..n)
+        .map(|k| room / n + usize::from(k < room % n))
+        .collect()
 }
 
 /// Adds what one claim script claimed to `claimed`.

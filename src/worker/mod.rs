@@ -389,18 +389,39 @@ where
             until_idle,
             last_look: false,
         };
-        tokio::pin!(shutdown);
-        let result = loop {
-            // Checked without waiting on every round, so that a steady
-            // backlog (which never waits) still notices a shutdown.
-            if (&mut shutdown).now_or_never().is_some() {
-                break Ok(());
-            }
-            if let Some(result) = run.round(&mut shutdown).await {
-                break result;
-            }
+        // The caller's `shutdown` is polled beside the loop, always with
+        // this task's waker, and only flags the stop: polled now and then
+        // by the loop instead, a future that shares something with a claim
+        // (a handle's first look at its queue, say) could wait on a claim
+        // that waits on it.
+        let (stop, stopped) = watch::channel(false);
+        let watch_shutdown = async move {
+            shutdown.await;
+            let _ = stop.send(true);
+            std::future::pending::<std::convert::Infallible>().await
         };
-        run.finish().await;
+        let mut stopped = std::pin::pin!(async move {
+            let mut stopped = stopped;
+            let _ = stopped.wait_for(|stop| *stop).await;
+        });
+        let work = async {
+            let result = loop {
+                // Checked without waiting on every round, so that a steady
+                // backlog (which never waits) still notices a shutdown.
+                if (&mut stopped).now_or_never().is_some() {
+                    break Ok(());
+                }
+                if let Some(result) = run.round(&mut stopped).await {
+                    break result;
+                }
+            };
+            run.finish().await;
+            result
+        };
+        let result = tokio::select! {
+            result = work => result,
+            never = watch_shutdown => match never {},
+        };
         // Every handler has finished: let the acker write what is queued.
         let _ = acker.await;
         drop(background);
@@ -967,10 +988,7 @@ where
 /// refused connection says the script did not run, so a later refusal is a
 /// real lost lease, not a reply lost on the way.
 fn may_have_run(error: &Error) -> bool {
-    error.redis_error().is_some_and(|e| {
-        (e.is_timeout() || e.is_io_error() || e.is_connection_dropped())
-            && !e.is_connection_refusal()
-    })
+    error.redis_error().is_some_and(crate::script::may_have_run)
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

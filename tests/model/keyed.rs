@@ -211,7 +211,8 @@ impl Model {
 
 struct World<'a> {
     server: &'a RefCell<RedisServer>,
-    queue: Queue<u64>,
+    queue: Queue<u64, crate::Twice>,
+    twice: crate::Twice,
     locker: Locker<ConnectionManager>,
     model: Model,
     /// Claimed jobs the worker holds, stale ones included.
@@ -257,9 +258,16 @@ impl World<'_> {
             (Fault::Resent, _) => 2,
             _ => 1,
         };
+        // A repeated claim or hand-over answers as one: what the first
+        // call took, from its record (`lua/keyed_claim.lua`, `keyed_done.lua`).
+        let repeated =
+            fault == Fault::Repeated && matches!(op, Op::Claim { .. } | Op::AckNext { .. });
         for call in 0..calls {
             let lost = fault == Fault::Resent && call == 0;
-            self.step(op, lost, at).await?;
+            let twice = self.twice.clone();
+            twice
+                .armed(repeated, async || self.step(op, lost, at).await)
+                .await?;
         }
         if let Op::Claim { .. } = op {
             self.claim_the_rest(at).await?;
@@ -695,10 +703,12 @@ async fn run_history(
     n: usize,
     history: &[(Op, Fault)],
 ) -> Result<(), TestCaseError> {
-    let queue = Queue::new(conn.clone(), format!("keyed-{n}")).expect("a queue");
+    let twice = crate::Twice::new(conn.clone());
+    let queue = Queue::new(twice.clone(), format!("keyed-{n}")).expect("a queue");
     let mut world = World {
         server,
         queue,
+        twice,
         locker: Locker::new(conn.clone()).ttl(LONG).expect("a TTL"),
         model: Model::default(),
         hands: Vec::new(),

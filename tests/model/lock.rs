@@ -116,7 +116,7 @@ impl World<'_> {
             // An acquisition is not resent: a new attempt is a new caller
             // with a new token.
             (Op::Acquire(_) | Op::Restart | Op::Expired(_), _)
-            | (_, Fault::None | Fault::Dropped) => 1,
+            | (_, Fault::None | Fault::Dropped | Fault::Repeated) => 1,
             (_, Fault::Resent) => 2,
         };
         for _ in 0..calls {

@@ -37,12 +37,91 @@ enum Fault {
     Resent,
     /// The server closes the client's connection just before the call.
     Dropped,
+    /// The reply of a call the library resends unchanged when no answer
+    /// comes (a claim, an acknowledgement's hand-over, see [`Twice`]) is
+    /// lost and the call sent again; a fault of no other call.
+    Repeated,
 }
 
-/// One step in ten resent, one in ten over a dropped connection.
+/// One step in ten resent, one in ten over a dropped connection, one in
+/// ten repeated.
 fn fault() -> impl proptest::strategy::Strategy<Value = Fault> {
     use proptest::prelude::*;
-    prop_oneof![8 => Just(Fault::None), 1 => Just(Fault::Resent), 1 => Just(Fault::Dropped)]
+    prop_oneof![
+        7 => Just(Fault::None),
+        1 => Just(Fault::Resent),
+        1 => Just(Fault::Dropped),
+        1 => Just(Fault::Repeated),
+    ]
+}
+
+/// A connection that, while armed, sends every call naming a call's record
+/// (a key with `:claims:` in it: the claim scripts, the keyed settlement)
+/// twice and answers the second reply: the first lost on the way, the call
+/// resent unchanged, as the library does when no answer comes.
+#[derive(Clone)]
+struct Twice {
+    inner: redis::aio::ConnectionManager,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Twice {
+    fn new(inner: redis::aio::ConnectionManager) -> Self {
+        let armed = Default::default();
+        Twice { inner, armed }
+    }
+
+    /// Runs `f` with the repeats armed when `on`.
+    async fn armed<T>(&self, on: bool, f: impl AsyncFnOnce() -> T) -> T {
+        self.armed.store(on, Ordering::Relaxed);
+        let out = f().await;
+        self.armed.store(false, Ordering::Relaxed);
+        out
+    }
+
+    fn repeats(&self, cmd: &redis::Cmd) -> bool {
+        let record = |arg: redis::Arg<&[u8]>| match arg {
+            redis::Arg::Simple(bytes) => bytes.windows(8).any(|w| w == b":claims:"),
+            _ => false,
+        };
+        self.armed.load(Ordering::Relaxed) && cmd.args_iter().any(record)
+    }
+}
+
+impl redis::aio::ConnectionLike for Twice {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            if self.repeats(cmd) {
+                let _lost = self.inner.req_packed_command(cmd).await;
+            }
+            self.inner.req_packed_command(cmd).await
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            if pipeline.cmd_iter().any(|cmd| self.repeats(cmd)) {
+                let _lost = (self.inner)
+                    .req_packed_commands(pipeline, offset, count)
+                    .await;
+            }
+            self.inner
+                .req_packed_commands(pipeline, offset, count)
+                .await
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
 }
 
 /// `cases` histories per property, unless `PROPTEST_CASES` says otherwise.

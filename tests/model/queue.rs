@@ -199,7 +199,8 @@ impl Model {
 struct World<'a> {
     server: &'a RefCell<RedisServer>,
     conn: ConnectionManager,
-    queue: Queue<u64>,
+    queue: Queue<u64, crate::Twice>,
+    twice: crate::Twice,
     model: Model,
     /// The model at the last snapshot of this history.
     saved: Model,
@@ -271,8 +272,12 @@ impl World<'_> {
             prop_assert!(killed.is_ok(), "{}: CLIENT KILL {:?}", at, killed);
         }
         let calls = if fault == Fault::Resent { 2 } else { 1 };
+        // A repeated claim answers as one: what the first call claimed,
+        // from its record (`lua/claim.lua`).
+        let repeated = fault == Fault::Repeated && matches!(op, Op::Claim { .. });
         for call in 0..calls {
-            let reply = self.call(op).await?;
+            let twice = self.twice.clone();
+            let reply = twice.armed(repeated, async || self.call(op).await).await?;
             let t1 = self.now().await?;
             // The first reply of a resent call is lost: its jobs never reach
             // the worker (they come back when their lease runs out).
@@ -788,11 +793,13 @@ async fn run_history(
     n: usize,
     history: &[(Op, Fault)],
 ) -> Result<(), TestCaseError> {
-    let queue = Queue::new(conn.clone(), format!("model-{n}")).expect("a queue");
+    let twice = crate::Twice::new(conn.clone());
+    let queue = Queue::new(twice.clone(), format!("model-{n}")).expect("a queue");
     let mut world = World {
         server,
         conn: conn.clone(),
         queue,
+        twice,
         model: Model::default(),
         saved: Model::default(),
         hands: Vec::new(),

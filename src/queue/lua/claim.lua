@@ -1,14 +1,20 @@
 -- Claims up to ARGV[1] due messages under a lease: those with a priority
 -- first, highest first, then the schedule's; in due order within each.
 -- KEYS: data, schedule, active, claims, bell, prioritized, events, the index
---   of keyed partitions (see keyed.lua)
+--   of keyed partitions (see keyed.lua), this call's record
 -- ARGV: how many at most (bounded by the caller), lease ms, the events' cap
---   ("" for none), how many due keyed partitions to name
+--   ("" for none), how many due keyed partitions to name, how long to keep
+--   the record (ms)
 -- Returns {claim, next due ms or -1 (partitions included), now, {due keyed
 -- partitions}, then per message id, due ms, record}. A scheduled id whose
 -- record is missing (removed by hand) is dropped. When due messages remain,
 -- the bell rings again: a ring wakes one idle worker and this passes it on,
 -- so a backlog reaches every idle worker, not just the first.
+-- The record (a list: claim, then per message id and due ms), named by the
+-- caller for this call alone, makes the call safe to resend: a caller
+-- whose reply was lost (a timeout, a dropped connection) sends it again,
+-- and the resend answers what the first call claimed and still holds,
+-- instead of leaving it leased to nobody until its lease runs out.
 local now, now_us = server_time()
 -- No lease is this member (leases end in :<claim>); its length makes a new
 -- set of leases a skiplist (see the end).
@@ -62,6 +68,17 @@ local function next_due()
   if later and (not head or tonumber(later) < head) then head = tonumber(later) end
   return head
 end
+-- A resend: what the first call claimed, where its lease still holds.
+local kept = redis.call('LRANGE', KEYS[9], 0, -1)
+if #kept > 0 then
+  local tag, out = kept[1], {kept[1], next_due() or -1, now, slots}
+  for i = 2, #kept, 2 do
+    local record = redis.call('ZSCORE', KEYS[3], kept[i] .. ':' .. tag)
+      and redis.call('HGET', KEYS[1], kept[i])
+    if record then append(out, kept[i], kept[i + 1], record) end
+  end
+  return out
+end
 if #ids == 0 then
   return {0, next_due() or -1, now, slots}
 end
@@ -104,5 +121,9 @@ if #leases > 0 then
   if new then redis.call('ZADD', KEYS[3], 0, SKIPLIST) end
   redis.call('ZADD', KEYS[3], unpack(leases))
   if new then redis.call('ZREM', KEYS[3], SKIPLIST) end
+  local record = {tag}
+  for i = 5, #out, 3 do append(record, out[i], out[i + 1]) end
+  redis.call('RPUSH', KEYS[9], unpack(record))
+  redis.call('PEXPIRE', KEYS[9], ARGV[5])
 end
 return out

@@ -1,10 +1,12 @@
 -- Claims the heads of ready keys' lines with the keys' locks or permits
 -- (see keyed.lua), after moving the messages that became due into their lines.
 -- KEYS[1..11]: the partition   KEYS[12..]: per candidate key, its lock, its
--- permits' set, the set's line of waiters and its rate limit log
+-- permits' set, the set's line of waiters and its rate limit log; last,
+-- this call's record
 -- ARGV[1]: lease in ms (the lock's or permit's too)   ARGV[2]: how many at most
 -- ARGV[3]: how many candidates to name for the next call
--- ARGV[4..]: per candidate, its key and a fresh token, in KEYS' order
+-- ARGV[4]: how long to keep the record (ms)
+-- ARGV[5..]: per candidate, its key and a fresh token, in KEYS' order
 -- A candidate is claimed when it is ready (a head in line, no delay to wait
 -- out, no message of a key with a lock at work), its key has room (its lock
 -- free, or fewer than its permits held, by the queue or other code alike)
@@ -19,8 +21,43 @@
 -- full, the lock or set to watch, ms until its first lease ends, ...},
 -- what the partition holds: 0 no message at all, 1 a message at work,
 -- 2 messages, none at work}.
+-- The record (a list: claim, then per turn key, id, seq, permits, rate
+-- flag), named by the caller for this call alone, makes the call safe to
+-- resend (see claim.lua): a resend answers the turns the first call took
+-- that still hold, and takes nothing more.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
+local RECORD = KEYS[#KEYS]
+
+-- The answer after the turns `claimed` (and the keys `blocked`): the keys
+-- to name next, when one is due next, what the partition holds.
+local function answer(tag, claimed, blocked)
+  local candidates = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, tonumber(ARGV[3]))
+  local next_at = tonumber(
+    redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
+  local due = head_due(KEYS[SCHEDULE])
+  if due and (next_at < 0 or due < next_at) then next_at = due end
+  local holds = 2
+  if redis.call('EXISTS', KEYS[DATA]) == 0 then
+    holds = 0
+  elseif redis.call('ZCARD', KEYS[ACTIVE]) > 0 then
+    holds = 1
+  end
+  return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
+end
+
+local kept = redis.call('LRANGE', RECORD, 0, -1)
+if #kept > 0 then
+  local taken = {}
+  for i = 2, #kept, 5 do
+    local key, id, seq = kept[i], kept[i + 1], kept[i + 2]
+    if redis.call('ZSCORE', KEYS[ACTIVE], line_member(key, seq, id) .. ':' .. kept[1]) then
+      append(taken, key, id, seq, tonumber(kept[i + 3]), tonumber(kept[i + 4]),
+        redis.call('HGET', KEYS[DATA], id) or '')
+    end
+  end
+  return answer(kept[1], taken, {})
+end
 -- As many due messages join their lines as the claim may take: the work
 -- is bounded by the claim's own batch; the rest, still due, keep the
 -- partition due (`head_due` below) for the next claim.
@@ -93,9 +130,9 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   end
 end
 
-for i = 1, (#KEYS - 11) / 4 do
+for i = 1, (#KEYS - 12) / 4 do
   if #claimed >= 6 * max then break end
-  local key, token, at = ARGV[2 + 2 * i], ARGV[3 + 2 * i], 8 + 4 * i
+  local key, token, at = ARGV[3 + 2 * i], ARGV[4 + 2 * i], 8 + 4 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
     local id, seq = head_of(key)
@@ -110,15 +147,12 @@ for i = 1, (#KEYS - 11) / 4 do
     end
   end
 end
-local candidates = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, tonumber(ARGV[3]))
-local next_at = tonumber(
-  redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
-local due = head_due(KEYS[SCHEDULE])
-if due and (next_at < 0 or due < next_at) then next_at = due end
-local holds = 2
-if redis.call('EXISTS', KEYS[DATA]) == 0 then
-  holds = 0
-elseif redis.call('ZCARD', KEYS[ACTIVE]) > 0 then
-  holds = 1
+if #claimed > 0 then
+  local record = {tag}
+  for i = 1, #claimed, 6 do
+    append(record, claimed[i], claimed[i + 1], claimed[i + 2], claimed[i + 3], claimed[i + 4])
+  end
+  redis.call('RPUSH', RECORD, unpack(record))
+  redis.call('PEXPIRE', RECORD, ARGV[4])
 end
-return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
+return answer(tag, claimed, blocked)

@@ -22,6 +22,13 @@
 -- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
+-- KEYS[16]: this call's record, kept ARGV[19] ms by an ack asking for the
+--   next message: "<status><acknowledged record>", or for status 3
+--   "3<next seq (16 digits)><renewed 0/1><#next id>:<next id><acknowledged
+--   record>". It makes the call safe to resend (see claim.lua): a resend,
+--   finding its claim gone, answers what the first call did (the next
+--   message it claimed, while that still holds), instead of a lost claim
+--   and a next message leased to nobody until its lease runs out.
 -- A retried or deferred message goes back first in line: a key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
@@ -43,7 +50,25 @@
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
-if not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return {0, '', false} end
+
+-- A resend: what the first call did, from its record; the next message
+-- it claimed while that still holds (else the ack alone).
+local function resent()
+  local kept = ARGV[10] ~= '' and redis.call('GET', KEYS[16])
+  if not kept then return {0, '', false} end
+  local status = tonumber(string.sub(kept, 1, 1))
+  if status ~= 3 then return {status, string.sub(kept, 2), false} end
+  local next_seq, renewed = string.sub(kept, 2, 17), tonumber(string.sub(kept, 18, 18))
+  local length, from = string.match(kept, '^(%d+):()', 19)
+  local next = string.sub(kept, from, from + tonumber(length) - 1)
+  local record = string.sub(kept, from + #next)
+  if not redis.call('ZSCORE', KEYS[ACTIVE], line_member(key, next_seq, next) .. ':' .. ARGV[5]) then
+    return {1, record, false}
+  end
+  return {3, record, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed}}
+end
+
+if not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return resent() end
 redis.call('ZREM', KEYS[ACTIVE], at_work)
 local acked = ''
 if op == 'ack' then
@@ -59,7 +84,9 @@ local function continue(next, next_seq, until_ms, renewed)
   redis.call('ZREM', KEYS[LINES], next_member)
   redis.call('ZADD', KEYS[ACTIVE], until_ms, next_member .. ':' .. ARGV[5])
   if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
-  return {3, acked, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed and 1 or 0}}
+  local flag = renewed and 1 or 0
+  redis.call('SET', KEYS[16], '3' .. next_seq .. flag .. #next .. ':' .. next .. acked, 'PX', ARGV[19])
+  return {3, acked, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', flag}}
 end
 
 -- Lets go of the key's lock, held by `token`: to the first live waiter in
@@ -146,6 +173,12 @@ else
   free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
   if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
 end
-if after_turn(key, from) then return {2, acked, false} end
+-- The turn's end, `status` 1 or 2; recorded for an ack that asked for the
+-- next message (see KEYS[16]).
+local function ended(status)
+  if hand_over then redis.call('SET', KEYS[16], status .. acked, 'PX', ARGV[19]) end
+  return {status, acked, false}
+end
+if after_turn(key, from) then return ended(2) end
 if limit == 0 then forget_limits(key) end
-return {1, acked, false}
+return ended(1)
