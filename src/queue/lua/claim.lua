@@ -10,11 +10,12 @@
 -- record is missing (removed by hand) is dropped. When due messages remain,
 -- the bell rings again: a ring wakes one idle worker and this passes it on,
 -- so a backlog reaches every idle worker, not just the first.
--- The record (a list: claim, then per message id and due ms), named by the
--- caller for this call alone, makes the call safe to resend: a caller
--- whose reply was lost (a timeout, a dropped connection) sends it again,
--- and the resend answers what the first call claimed and still holds,
--- instead of leaving it leased to nobody until its lease runs out.
+-- The record ("<claim>:<lease deadline>:<count>"), named by the caller for
+-- this call alone, makes the call safe to resend: a caller whose reply was
+-- lost (a timeout, a dropped connection) sends it again, and the resend
+-- answers what the first call claimed and still holds (found by the
+-- leases' deadline, see leases_of; each with its push time as its due
+-- time), instead of leaving it leased to nobody until its lease runs out.
 local now, now_us = server_time()
 -- No lease is this member (leases end in :<claim>); its length makes a new
 -- set of leases a skiplist (see the end).
@@ -69,13 +70,13 @@ local function next_due()
   return head
 end
 -- A resend: what the first call claimed, where its lease still holds.
-local kept = redis.call('LRANGE', KEYS[9], 0, -1)
-if #kept > 0 then
-  local tag, out = kept[1], {kept[1], next_due() or -1, now, slots}
-  for i = 2, #kept, 2 do
-    local record = redis.call('ZSCORE', KEYS[3], kept[i] .. ':' .. tag)
-      and redis.call('HGET', KEYS[1], kept[i])
-    if record then append(out, kept[i], kept[i + 1], record) end
+local kept = redis.call('GET', KEYS[9])
+if kept then
+  local tag, deadline, count = string.match(kept, '^(%d+):(%d+):(%d+)$')
+  local out = {tag, next_due() or -1, now, slots}
+  for _, id in ipairs(leases_of(KEYS[3], tag, deadline, tonumber(count))) do
+    local record = redis.call('HGET', KEYS[1], id)
+    if record then append(out, id, (parse(record)) or now, record) end
   end
   return out
 end
@@ -121,9 +122,6 @@ if #leases > 0 then
   if new then redis.call('ZADD', KEYS[3], 0, SKIPLIST) end
   redis.call('ZADD', KEYS[3], unpack(leases))
   if new then redis.call('ZREM', KEYS[3], SKIPLIST) end
-  local record = {tag}
-  for i = 5, #out, 3 do append(record, out[i], out[i + 1]) end
-  redis.call('RPUSH', KEYS[9], unpack(record))
-  redis.call('PEXPIRE', KEYS[9], ARGV[5])
+  redis.call('SET', KEYS[9], string.format('%s:%d:%d', tag, deadline, #leases / 2), 'PX', ARGV[5])
 end
 return out

@@ -21,10 +21,10 @@
 -- full, the lock or set to watch, ms until its first lease ends, ...},
 -- what the partition holds: 0 no message at all, 1 a message at work,
 -- 2 messages, none at work}.
--- The record (a list: claim, then per turn key, id, seq, permits, rate
--- flag), named by the caller for this call alone, makes the call safe to
--- resend (see claim.lua): a resend answers the turns the first call took
--- that still hold, and takes nothing more.
+-- The record ("<claim>:<lease deadline>:<count>"), named by the caller for
+-- this call alone, makes the call safe to resend (see claim.lua): a resend
+-- answers the turns the first call took that still hold, and takes
+-- nothing more.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
 local RECORD = KEYS[#KEYS]
@@ -46,17 +46,16 @@ local function answer(tag, claimed, blocked)
   return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
 end
 
-local kept = redis.call('LRANGE', RECORD, 0, -1)
-if #kept > 0 then
+local kept = redis.call('GET', RECORD)
+if kept then
+  local tag, deadline, count = string.match(kept, '^(%d+):(%d+):(%d+)$')
   local taken = {}
-  for i = 2, #kept, 5 do
-    local key, id, seq = kept[i], kept[i + 1], kept[i + 2]
-    if redis.call('ZSCORE', KEYS[ACTIVE], line_member(key, seq, id) .. ':' .. kept[1]) then
-      append(taken, key, id, seq, tonumber(kept[i + 3]), tonumber(kept[i + 4]),
-        redis.call('HGET', KEYS[DATA], id) or '')
-    end
+  for _, member in ipairs(leases_of(KEYS[ACTIVE], tag, deadline, tonumber(count))) do
+    local key, seq, id = string.match(member, '^([^%z]*)%z(%d+)%z(.*)$')
+    local limit, rate = limits_of(key)
+    append(taken, key, id, seq, limit, rate and 1 or 0, redis.call('HGET', KEYS[DATA], id) or '')
   end
-  return answer(kept[1], taken, {})
+  return answer(tag, taken, {})
 end
 -- As many due messages join their lines as the claim may take: the work
 -- is bounded by the claim's own batch; the rest, still due, keep the
@@ -148,11 +147,6 @@ for i = 1, (#KEYS - 12) / 4 do
   end
 end
 if #claimed > 0 then
-  local record = {tag}
-  for i = 1, #claimed, 6 do
-    append(record, claimed[i], claimed[i + 1], claimed[i + 2], claimed[i + 3], claimed[i + 4])
-  end
-  redis.call('RPUSH', RECORD, unpack(record))
-  redis.call('PEXPIRE', RECORD, ARGV[4])
+  redis.call('SET', RECORD, string.format('%s:%d:%d', tag, deadline, #claimed / 6), 'PX', ARGV[4])
 end
 return answer(tag, claimed, blocked)
