@@ -789,5 +789,8 @@ async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones
         counts.push([push, ack, claim, sharded_ack]);
     }
     eprintln!("round trips (keyed push, keyed ack, sharded claim, sharded ack): {counts:?}");
-    assert_eq!(counts[1], counts[2], "round trips for 10 and for 999 messages");
+    assert_eq!(
+        counts[1], counts[2],
+        "round trips for 10 and for 999 messages"
+    );
 }

@@ -459,7 +459,9 @@ where
 
 /// `room` split into `n` shares that differ by one at most, the larger first.
 fn shares(room: usize, n: usize) -> Vec<usize> {
-    (0..n).map(|k| room / n + usize::from(k < room % n)).collect()
+    (0..n)
+        .map(|k| room / n + usize::from(k < room % n))
+        .collect()
 }
 
 /// Adds what one claim script claimed to `claimed`.
