@@ -40,7 +40,6 @@ mod keyed;
 mod lease;
 pub use keyed::MAX_RUN;
 use keyed::{Held, Keyed, KeyedState, Outcome, Settled};
-mod running;
 pub(crate) mod scripts;
 mod shards;
 pub use shards::MAX_SHARDS;
@@ -61,7 +60,6 @@ use serde::de::DeserializeOwned;
 pub use self::dead::{DeadCursor, DeadPage};
 pub use self::events::{Event, EventKind, EventsFrom};
 pub use self::job::{DeadLetter, Job};
-pub(crate) use self::running::{Handoff, RunningJob, Slot, provide_message_id, take_message_id};
 pub(crate) use self::wait::BLOCK;
 pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
@@ -755,11 +753,8 @@ where
             .into_iter()
             .enumerate()
             .partition(|(_, (.., key))| key.is_some());
-        let (plain, keyed) = futures_util::future::join(
-            self.push_plain(plain),
-            self.push_keyed(keyed),
-        )
-        .await;
+        let (plain, keyed) =
+            futures_util::future::join(self.push_plain(plain), self.push_keyed(keyed)).await;
         let mut receipts = Vec::with_capacity(count);
         receipts.extend(plain?);
         receipts.extend(keyed?);
@@ -787,7 +782,9 @@ where
             .collect();
         let mut answers = Vec::with_capacity(batches.len());
         for wave in batches.chunks(MAX_BATCH) {
-            let calls = wave.iter().map(|(shard, batch)| self.push_batch(&shards.keys[*shard], batch));
+            let calls = wave
+                .iter()
+                .map(|(shard, batch)| self.push_batch(&shards.keys[*shard], batch));
             let pushed = futures_util::future::join_all(calls).await;
             answers.extend(wave.iter().map(|(shard, _)| *shard).zip(pushed));
         }
@@ -831,7 +828,11 @@ where
         for wave in batches.chunks(MAX_BATCH) {
             let calls = wave.iter().map(|(_, batch)| self.push_partition(batch));
             let pushed = futures_util::future::join_all(calls).await;
-            answers.extend(wave.iter().zip(pushed).map(|((slot, batch), p)| (*slot, *batch, p)));
+            answers.extend(
+                wave.iter()
+                    .zip(pushed)
+                    .map(|((slot, batch), p)| (*slot, *batch, p)),
+            );
         }
         let mut receipts = Vec::with_capacity(keyed.len());
         let (mut pushed_to, mut failed) = (Vec::new(), None);
@@ -858,7 +859,10 @@ where
 
     /// Pushes keyed messages of one partition (at most [`MAX_BATCH`]) in one
     /// script call.
-    async fn push_partition(&self, batch: &[(usize, keyed::Pushing<'_>)]) -> Result<Vec<(bool, i64)>> {
+    async fn push_partition(
+        &self,
+        batch: &[(usize, keyed::Pushing<'_>)],
+    ) -> Result<Vec<(bool, i64)>> {
         let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
         self.keyed().push(&pushing).await
     }
@@ -1084,11 +1088,13 @@ where
         // one was.
         let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
         check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
-        let shards = by_shard(&jobs).into_iter().map(|(shard, batch)| async move {
-            let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
-            let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
-            Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
-        });
+        let shards = by_shard(&jobs)
+            .into_iter()
+            .map(|(shard, batch)| async move {
+                let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
+                let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
+                Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
+            });
         let keyed = jobs.iter().enumerate().filter(|(_, j)| j.held.is_some());
         let keyed = keyed.map(|(n, job)| async move {
             let acked = self.ack(*job).await?;
