@@ -147,9 +147,12 @@ async fn run() -> Result<(), BoxError> {
     let pipeline = ServiceBuilder::new()
         .layer(lock.clone())
         .service_fn(handler.clone());
+    // The worker's stack locks the claimed `Job` itself (the same layer,
+    // re-keyed), so that an order it finds busy again is rescheduled in
+    // place, and hands the handler the payload below it.
     let worker_service = ServiceBuilder::new()
+        .layer(lock.key_fn(|job: &Job<Order>| job.account.clone()))
         .map_request(Job::into_payload)
-        .layer(lock)
         .service_fn(handler);
 
     if orders > 0 {

@@ -86,22 +86,21 @@ async fn run() -> Result<(), BoxError> {
         move |m: Msg| handle(m, handled.clone(), started)
     };
 
-    // One LockLayer over `Msg` serves both: the worker's stack unwraps the
-    // claimed `Job<Msg>` with `map_request` in front of it. A message the
-    // worker finds busy again is rescheduled in place (the worker makes the
-    // job it runs known to the layer): same id, its deferrals counted, so
-    // `max_deferrals` applies. (A second LockLayer over `Job<Msg>` works
-    // too, but the two would not share this process's per-key queue.)
+    // One LockLayer serves both: over `Msg` for the stream, and re-keyed
+    // over the claimed `Job<Msg>` for the worker (sharing this process's
+    // per-key queue), the job unwrapped with `map_request` below it. A
+    // message the worker finds busy again is the `Job` itself, rescheduled
+    // in place: same id, its deferrals counted, so `max_deferrals` applies.
     let pipeline = ServiceBuilder::new()
         .layer(lock.clone())
         .service_fn(handler.clone());
     let worker_service = ServiceBuilder::new()
+        .layer(lock.key_fn(|job: &Job<Msg>| job.device.clone()))
         .map_request(move |job: Job<Msg>| {
             let (seq, id) = (job.seq, job.id());
             println!("{:>4} ms  [worker]  brings back msg {seq} ({id})", at());
             job.into_payload()
         })
-        .layer(lock)
         .service_fn(handler);
 
     // The source: eight readings, one every 30 ms, half of them for the hot

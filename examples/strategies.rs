@@ -10,7 +10,7 @@
 //!   queue, due when the holder's lock runs out, and frees the caller.
 //!
 //! Finally a `Worker` on the queue brings the deferred message back through
-//! the `defer` service once it is due.
+//! the `defer` layer once it is due.
 //!
 //! ```text
 //! cargo run --example strategies --features test-util
@@ -161,13 +161,12 @@ async fn run() -> Result<(), BoxError> {
             )),
         )
         .service_fn(handle);
+    let defer_layer = LockLayer::new(locker.clone(), key_of).on_conflict(OnConflict::defer(
+        queue.clone(),
+        DeferDelay::holder_ttl(ms(50)),
+    ));
     let defer = ServiceBuilder::new()
-        .layer(
-            LockLayer::new(locker.clone(), key_of).on_conflict(OnConflict::defer(
-                queue.clone(),
-                DeferDelay::holder_ttl(ms(50)),
-            )),
-        )
+        .layer(defer_layer.clone())
         .service_fn(handle);
 
     let started = Instant::now();
@@ -190,14 +189,18 @@ async fn run() -> Result<(), BoxError> {
     releasing.await??;
 
     // A worker on the queue brings deferred messages back through the same
-    // `defer` service (unwrapping the claimed `Job`); it stops after the
-    // first message it handles, or after 5 s.
+    // `defer` layer, over the claimed `Job` (so that a key found busy again
+    // reschedules the job in place), and the same handler (unwrapping the
+    // `Job` below the layer); it stops after the first message it handles,
+    // or after 5 s.
     let (handled_tx, mut handled_rx) = mpsc::unbounded_channel();
-    let service = defer
+    let service = ServiceBuilder::new()
+        .layer(defer_layer.key_fn(|job: &Job<Message>| job.key.clone()))
         .map_request(|job: Job<Message>| {
             println!("[worker] claimed {} ({:?})", job.id(), job.text);
             job.into_payload()
         })
+        .service_fn(handle)
         .map_response(move |outcome| {
             if let Outcome::Done(reply) = &outcome {
                 println!("[worker] {reply}");

@@ -181,6 +181,46 @@ async fn a_lock_layer_over_a_keyed_message_uses_the_lock_claimed_with_it() {
     }
 }
 
+/// The claimed lock is found wherever the layer on it sits in the keyed
+/// message's handler: behind a layer on another key, over the payload
+/// (`into_payload` above it). Neither contends with its own worker: no
+/// message fails, and the handler sees the claimed lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_layer_inside_another_uses_the_lock_claimed_with_the_message() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 20, 2).await;
+    let locker = Locker::new(conn.clone());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let service = tower::ServiceBuilder::new()
+        .layer(LockLayer::new(locker.clone(), |job: &Job<Msg>| {
+            format!("other-{}", job.n)
+        }))
+        .map_request(|job: Job<Msg>| job.into_payload())
+        .layer(LockLayer::new(locker, |msg: &Msg| msg.key.clone()))
+        .service_fn(move |msg: Msg| {
+            let held = HeldLock::current().map(|held| held.key().to_owned());
+            log.lock().unwrap().push((msg.key, held));
+            async { Ok::<_, BoxError>(()) }
+        });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(4)
+        .unwrap();
+    let metrics = worker.metrics();
+    let running = Running::start(worker);
+    until_len(&seen, 20).await;
+    running.stop().await;
+    let seen = seen.lock().unwrap();
+    assert!(
+        seen.iter().all(|(key, held)| held.as_ref() == Some(key)),
+        "{seen:?}"
+    );
+    let snapshot = metrics.snapshot();
+    assert_eq!((snapshot.done, snapshot.retried), (20, 0), "{snapshot:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_locked_elsewhere_waits_unclaimed_and_runs_when_released() {
     let server = server();

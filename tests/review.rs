@@ -742,7 +742,6 @@ async fn held_lock_lost_fires_for_a_keyed_message_whose_lock_is_taken() {
 /// message is pushed under an id of its own and the running job is
 /// acknowledged, not deferred.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 36 item 7, open: same shape as deferring_behind_an_async_middleware_reschedules_the_running_job_in_place"]
 async fn a_handlers_forwarded_payload_is_a_new_message() {
     let server = server();
     let conn = manager(&server).await;

@@ -127,23 +127,23 @@ async fn delayed_messages_are_never_early() {
     }
 }
 
-/// A LockLayer over the plain payload (the worker's jobs mapped with
-/// `into_payload` before it) still defers the worker's job in place: same
-/// id, deferrals counted, so `max_deferrals` ends a key that never frees
-/// instead of copying the message forever.
+/// A LockLayer over the worker's `Job`, with a handler of the plain payload
+/// (the job mapped with `into_payload` below the layer), defers the job in
+/// place: same id, deferrals counted, so `max_deferrals` ends a key that
+/// never frees instead of copying the message forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deferring_a_mapped_payload_reschedules_the_running_job_in_place() {
+async fn a_lock_layer_over_the_job_defers_it_in_place_for_a_payload_handler() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "mapped").unwrap();
     let locker = Locker::new(conn).ttl(secs(30)).unwrap();
     let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
     let service = ServiceBuilder::new()
-        .map_request(|job: Job<Msg>| job.into_payload())
         .layer(
-            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(10)).max_deferrals(3)),
         )
+        .map_request(|job: Job<Msg>| job.into_payload())
         .service_fn(|_: Msg| async { Ok::<_, BoxError>(()) });
     let worker = Worker::new(server.client(), queue.clone(), service)
         .max_attempts(1)
@@ -262,11 +262,10 @@ async fn a_nested_deferral_does_not_take_over_the_running_job() {
 }
 
 /// A middleware that calls its inner service from its own future (here an
-/// `async` wrapper around a `map_request` to the payload): the LockLayer
-/// inside still defers the worker's job in place. Same id, deferrals counted
-/// up to `max_deferrals`, and the stored JSON kept as another producer wrote
-/// it (a field `Msg` does not know survives). Fails if the claim reaches
-/// the layer only during the wrapper's synchronous `call`.
+/// `async` wrapper): the LockLayer over the `Job` inside still defers the
+/// worker's job in place, since the claim travels in the request. Same id,
+/// deferrals counted up to `max_deferrals`, and the stored JSON kept as
+/// another producer wrote it (a field `Msg` does not know survives).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deferring_behind_an_async_middleware_reschedules_the_running_job_in_place() {
     let server = server();
@@ -275,11 +274,11 @@ async fn deferring_behind_an_async_middleware_reschedules_the_running_job_in_pla
     let locker = Locker::new(conn.clone()).ttl(secs(30)).unwrap();
     let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
     let inner = ServiceBuilder::new()
-        .map_request(|job: Job<Msg>| job.into_payload())
         .layer(
-            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(10)).max_deferrals(3)),
         )
+        .map_request(|job: Job<Msg>| job.into_payload())
         .service_fn(|_: Msg| async { Ok::<_, BoxError>(()) });
     // A logging wrapper as users write them: the inner call is made inside
     // the wrapper's future, not in its `call`.
@@ -326,32 +325,33 @@ async fn deferring_behind_an_async_middleware_reschedules_the_running_job_in_pla
         "the stored JSON was rewritten: {stored}"
     );
     assert_eq!(metrics.snapshot().deferred, 3);
-    assert_eq!(metrics.snapshot().copied, 0);
     assert!(locker.release(&holder).await.unwrap());
 }
 
-/// Behind tower's `Buffer` the LockLayer runs on the buffer's task, where
-/// the worker's claim cannot reach: a deferral pushes a copy under a new id.
-/// The worker says so (`copied`, and a warning) and acknowledges the
-/// original; nothing is lost and nothing is handled twice.
+/// Behind tower's `Buffer` the LockLayer runs on the buffer's task: the
+/// claim travels in the request (the `Job` itself), so a deferral there
+/// reschedules the worker's job in place. Same id, its deferral counted, no
+/// copy; it comes back once the key is free and is handled once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deferral_behind_a_buffer_is_a_copy_and_the_worker_counts_it() {
+async fn a_job_behind_a_buffer_is_deferred_in_place() {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "buffered").unwrap();
     let locker = Locker::new(conn.clone()).ttl(secs(30)).unwrap();
     let holder = locker.acquire("busy").await.unwrap().lease().unwrap();
+    // (message id, deferrals) of each handled job.
     let handled = Arc::new(Mutex::new(Vec::new()));
     let log = handled.clone();
     let service = ServiceBuilder::new()
         .buffer(8)
-        .map_request(|job: Job<Msg>| job.into_payload())
         .layer(
-            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(200))),
         )
-        .service_fn(move |m: Msg| {
-            log.lock().unwrap().push(m.n);
+        .service_fn(move |job: Job<Msg>| {
+            log.lock()
+                .unwrap()
+                .push((job.id().to_owned(), job.deferrals()));
             async { Ok::<_, BoxError>(()) }
         });
     let worker = Worker::new(server.client(), queue.clone(), service);
@@ -365,12 +365,14 @@ async fn a_deferral_behind_a_buffer_is_a_copy_and_the_worker_counts_it() {
         })
         .await
         .unwrap();
-    eventually("the copy is counted", secs(10), || async {
-        done_if(metrics.snapshot().copied >= 1, metrics.snapshot())
+    eventually("the deferral", secs(10), || async {
+        done_if(metrics.snapshot().deferred >= 1, metrics.snapshot())
     })
     .await;
+    let ids: Vec<String> = support::raw(&conn, &["HKEYS", "lockgate:{buffered}:data"]).await;
+    assert_eq!(ids, vec![pushed.id.clone()], "rescheduled, not copied");
     assert!(locker.release(&holder).await.unwrap());
-    eventually("the copy is handled", secs(10), || async {
+    eventually("the job is handled", secs(10), || async {
         let s = stats(&queue).await;
         done_if(
             handled.lock().unwrap().len() == 1 && s.due + s.later + s.active == 0,
@@ -380,21 +382,25 @@ async fn a_deferral_behind_a_buffer_is_a_copy_and_the_worker_counts_it() {
     .await;
     stop_tx.send(()).unwrap();
     run.await.unwrap().unwrap();
-    assert_eq!(*handled.lock().unwrap(), vec![7], "handled once");
+    assert_eq!(*handled.lock().unwrap(), vec![(pushed.id.clone(), 1)]);
     let snapshot = metrics.snapshot();
-    assert_eq!((snapshot.copied, snapshot.dead), (1, 0), "{snapshot:?}");
-    assert!(
-        !queue.remove(&pushed.id).await.unwrap(),
-        "the original was acknowledged"
+    assert_eq!(
+        (
+            snapshot.deferred,
+            snapshot.done,
+            snapshot.dead,
+            snapshot.lost_leases
+        ),
+        (1, 1, 0, 0),
+        "{snapshot:?}"
     );
 }
 
 /// The other placement (the README's "Composing"): tower's `Buffer` inside
-/// the LockLayer. The layer's `call` is the worker's, so the claim reaches it
-/// and a deferral reschedules the claimed job in place (no copy); the
-/// handler's `call` runs on the buffer's task, where `HeldLock::current()`
-/// is not set, but the future it returns runs in the layer's call, where it
-/// is.
+/// the LockLayer over the `Job`. A deferral reschedules the claimed job in
+/// place (no copy); the handler's `call` runs on the buffer's task, where
+/// `HeldLock::current()` is not set, but the future it returns runs in the
+/// layer's call, where it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_inside_the_lock_layer_defers_in_place_and_the_future_sees_the_lock() {
     let server = server();
@@ -406,11 +412,11 @@ async fn a_buffer_inside_the_lock_layer_defers_in_place_and_the_future_sees_the_
     let handled = Arc::new(Mutex::new(Vec::new()));
     let log = handled.clone();
     let service = ServiceBuilder::new()
-        .map_request(|job: Job<Msg>| job.into_payload())
         .layer(
-            LockLayer::new(locker.clone(), |m: &Msg| m.key.clone())
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.key.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(200))),
         )
+        .map_request(|job: Job<Msg>| job.into_payload())
         .buffer(8)
         .service_fn(move |m: Msg| {
             let in_call = lockgate::HeldLock::current().is_some();
@@ -449,7 +455,7 @@ async fn a_buffer_inside_the_lock_layer_defers_in_place_and_the_future_sees_the_
     run.await.unwrap().unwrap();
     assert_eq!(*handled.lock().unwrap(), vec![(7, false, true)]);
     let snapshot = metrics.snapshot();
-    assert_eq!((snapshot.copied, snapshot.dead), (0, 0), "{snapshot:?}");
+    assert_eq!((snapshot.deferred, snapshot.dead), (1, 0), "{snapshot:?}");
     assert!(
         !queue.remove(&pushed.id).await.unwrap(),
         "the job deferred in place was handled and acknowledged"

@@ -39,10 +39,11 @@ async fn impatient_connection(
         .expect("connection to the test server")
 }
 
-/// Item 11: a job mapped to its payload before a `LockLayer` that defers into
-/// the same queue is rescheduled in place by its claim, whatever the bytes a
-/// producer wrote: same id, its deferral count grows (so `max_deferrals`
-/// fires), and the stored payload keeps its bytes and unknown fields.
+/// Item 11: a job under a `LockLayer` that defers into the same queue (and
+/// mapped to its payload below it) is rescheduled in place by its claim,
+/// whatever the bytes a producer wrote: same id, its deferral count grows
+/// (so `max_deferrals` fires), and the stored payload keeps its bytes and
+/// unknown fields.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deferral_by_claim_keeps_id_count_and_foreign_bytes() {
     let server = server();
@@ -64,11 +65,11 @@ async fn deferral_by_claim_keeps_id_count_and_foreign_bytes() {
     let _held = acquired(&locker, "x").await;
 
     let service = ServiceBuilder::new()
-        .map_request(|job: Job<Msg>| job.into_payload())
         .layer(
-            LockLayer::new(locker.clone(), |m: &Msg| m.b.clone())
+            LockLayer::new(locker.clone(), |job: &Job<Msg>| job.b.clone())
                 .on_conflict(OnConflict::defer(queue.clone(), ms(5)).max_deferrals(3)),
         )
+        .map_request(|job: Job<Msg>| job.into_payload())
         .service_fn(|_: Msg| async { Ok::<_, BoxError>(()) });
     let worker = Worker::new(server.client(), queue.clone(), service)
         .max_attempts(1)

@@ -53,6 +53,12 @@ struct State {
     lost: AtomicBool,
     /// Wakes [`HeldLock::lost`] waiters.
     notify: Notify,
+    /// Whether this is a [`Worker`](crate::Worker)'s hold of the lock its
+    /// running keyed message was claimed with.
+    claim: bool,
+    /// The claim hold of the handler this lock was taken in, if any: a
+    /// `LockLayer` further in on that lock finds it through this one.
+    within_claim: Option<HeldLock>,
 }
 
 /// Issues fences with `locker` (see [`HeldLock::fence`]).
@@ -67,13 +73,44 @@ where
 }
 
 impl HeldLock {
+    /// A `LockLayer`'s hold of `ticket`'s lock, taken within the claim hold
+    /// current here, if any.
     pub(crate) fn new(ticket: Arc<Ticket>, issue_fence: IssueFence) -> Self {
+        Self::with(ticket, issue_fence, false, Self::claim_hold())
+    }
+
+    /// A worker's hold of the lock a keyed message was claimed with (see
+    /// [`claim_hold`](Self::claim_hold)).
+    pub(crate) fn of_claim(ticket: Arc<Ticket>, issue_fence: IssueFence) -> Self {
+        Self::with(ticket, issue_fence, true, None)
+    }
+
+    fn with(
+        ticket: Arc<Ticket>,
+        issue_fence: IssueFence,
+        claim: bool,
+        within_claim: Option<HeldLock>,
+    ) -> Self {
         Self(Arc::new(State {
             ticket,
             issue_fence,
             lost: AtomicBool::new(false),
             notify: Notify::new(),
+            claim,
+            within_claim,
         }))
+    }
+
+    /// The worker's hold of the lock its running keyed message was claimed
+    /// with, when called from that message's handler (through any number of
+    /// `LockLayer`s on other keys): a `LockLayer` on that very lock calls
+    /// through under it instead of contending with its own worker.
+    pub(crate) fn claim_hold() -> Option<HeldLock> {
+        let current = Self::current()?;
+        match current.0.claim {
+            true => Some(current),
+            false => current.0.within_claim.clone(),
+        }
     }
 
     /// The lock held for the current call, when called (directly or through
@@ -149,9 +186,9 @@ impl HeldLock {
         }
     }
 
-    /// Whether this is the hold of `key`'s lock under `token`.
-    pub(crate) fn holds(&self, key: &str, token: crate::lock::Token) -> bool {
-        self.0.ticket.key() == key && self.0.ticket.token() == token.as_str()
+    /// The Redis key of the lock (or permits set) held.
+    pub(crate) fn lock_key(&self) -> &str {
+        self.0.ticket.lock_key()
     }
 
     pub(crate) fn mark_lost(&self) {

@@ -54,6 +54,7 @@ pub mod error;
 mod future;
 mod guard;
 mod local;
+mod message_id;
 mod rate;
 mod service;
 mod strategy;
@@ -94,7 +95,7 @@ pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
 /// [`Queue::push_with`]: crate::Queue::push_with
 /// [`Outcome::Deferred`]: crate::Outcome::Deferred
 pub fn with_message_id<R>(id: impl Into<String>, call: impl FnOnce() -> R) -> R {
-    crate::queue::provide_message_id(id.into(), call)
+    message_id::provide(Some(id.into()), call)
 }
 use crate::lock::Locker;
 
@@ -380,6 +381,27 @@ impl<C, F, D> LockLayer<C, F, D> {
     pub fn permits(mut self, permits: u32) -> crate::Result<Self> {
         self.permits = Some(crate::lock::permits::check_permits(permits)?);
         Ok(self)
+    }
+
+    /// This layer with another key function, for requests of another type:
+    /// the same locker, strategy and settings, sharing with this layer's
+    /// clones this process's per-key FIFO and the instruments. One layer
+    /// then serves a pipeline's messages (`|m: &Msg| ..`) and, re-keyed
+    /// over the [`Job`](crate::Job) (`|job: &Job<Msg>| ..`), the
+    /// [`Worker`](crate::Worker) that brings deferred ones back, whose jobs
+    /// it defers in place (see [`OnConflict::defer`]).
+    pub fn key_fn<G>(self, key_fn: G) -> LockLayer<C, G, D> {
+        LockLayer {
+            locker: self.locker,
+            key_fn: Arc::new(key_fn),
+            on_conflict: self.on_conflict,
+            on_lost: self.on_lost,
+            local: self.local,
+            wake: self.wake,
+            issue_fence: self.issue_fence,
+            permits: self.permits,
+            instruments: self.instruments,
+        }
     }
 }
 

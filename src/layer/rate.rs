@@ -8,15 +8,14 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 use tower::Service;
 
-use super::LockKey;
 use super::future::ResponseFuture;
 use super::service::call_ready;
 use super::strategy::{Fail, GiveUp, OnConflict};
+use super::{LockKey, message_id};
 use crate::BoxError;
 use crate::lock::rate::{Decision, Rate, server_time};
 use crate::lock::{Locker, Token};
 use crate::outcome::Outcome;
-use crate::queue::Handoff;
 
 tokio::task_local! {
     static CURRENT: RateSlot;
@@ -205,13 +204,13 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let key = (self.config.key_fn)(&req).into_lock_key();
         let config = self.config.clone();
-        // The worker's running job, as for the LockLayer: to defer it in
-        // place, or to hand it on to the layers inside once admitted.
-        let running = Handoff::take();
+        // The message's id, as for the LockLayer: to push it under, or to
+        // hand on to the layers inside once admitted.
+        let id = message_id::take();
         ResponseFuture::new(Box::pin(async move {
             match key {
-                None => call_ready(inner, req, running).await,
-                Some(key) => admitted_call(config, inner, key, req, running).await,
+                None => call_ready(inner, req, id).await,
+                Some(key) => admitted_call(config, inner, key, req, id).await,
             }
         }))
     }
@@ -223,7 +222,7 @@ async fn admitted_call<S, C, F, D, Req>(
     mut inner: S,
     key: String,
     req: Req,
-    running: Handoff,
+    id: Option<String>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -239,13 +238,9 @@ where
         ))
         .into());
     }
-    // A message deferred until its slot reserves it under its own id, and
-    // finds it when it comes back.
-    let reserves = running
-        .job
-        .as_ref()
-        .filter(|job| then.defers_in_place_until_allowed(job))
-        .map(|job| job.token.id().to_owned());
+    // A job deferred in place until its slot reserves it under its own id,
+    // and finds it when it comes back.
+    let reserves = then.reserves_slot(&req).map(str::to_owned);
     let token = Token::random();
     let member = reserves.as_deref().unwrap_or(token.as_str());
     let started = Instant::now();
@@ -281,7 +276,7 @@ where
         };
         tracing::debug!(%key, tries, ?wait, "over the rate; giving up");
         let busy = crate::Contended::new(key, wait);
-        let give_up = running.provide(|| then.give_up(req, busy));
+        let give_up = message_id::provide(id, || then.give_up(req, busy));
         let (id, due) = Box::pin(give_up).await?;
         return Ok(Outcome::Deferred { id, due });
     };
@@ -289,7 +284,7 @@ where
         key,
         at: server_time(at),
     };
-    let call = running.provide(|| inner.call(req));
+    let call = message_id::provide(id, || inner.call(req));
     let done = CURRENT.scope(slot, call).await;
     done.map(Outcome::Done).map_err(Into::into)
 }

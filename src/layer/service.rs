@@ -14,11 +14,10 @@ use super::context::HeldLock;
 use super::error::LockLost;
 use super::future::ResponseFuture;
 use super::strategy::GiveUp;
-use super::{LockKey, LockLayer, OnLost};
+use super::{LockKey, LockLayer, OnLost, message_id};
 use crate::BoxError;
 use crate::lock::{Lease, Locker, Released, Ticket};
 use crate::outcome::Outcome;
-use crate::queue::Handoff;
 use crate::telemetry::LockInstruments;
 use futures_util::future::BoxFuture;
 
@@ -97,18 +96,18 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let key = (self.config.key_fn)(&req).into_lock_key_and_permits();
         let config = self.config.clone();
-        // A worker's running job belongs to the first lock layer its request
-        // passes, taken here in `call` (see `RunningJob`): calls a handler
-        // makes from its future through other layers must not be mistaken
-        // for it. A layer that needs no lock for this request hands it on to
-        // the layers it wraps, and only to them.
-        let running = Handoff::take();
+        // The id a consumer gave the message (`with_message_id`) belongs to
+        // the first layer its request passes, taken here in `call`: calls a
+        // handler makes from its future must not push under it. A layer
+        // that does not defer hands it on to the layers it wraps, and only
+        // to them.
+        let id = message_id::take();
         ResponseFuture::new(Box::pin(async move {
             match key {
-                None => call_ready(inner, req, running).await,
+                None => call_ready(inner, req, id).await,
                 Some((key, permits)) => {
                     let permits = permits.or(config.permits);
-                    locked_call(config, inner, key, permits, req, running).await
+                    locked_call(config, inner, key, permits, req, id).await
                 }
             }
         }))
@@ -116,17 +115,17 @@ where
 }
 
 /// Calls an already ready service for a message that needs no lock,
-/// handing `running` on to the layers it wraps.
+/// handing the message's `id` on to the layers it wraps.
 pub(super) async fn call_ready<S, Req>(
     mut inner: S,
     req: Req,
-    running: Handoff,
+    id: Option<String>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req>,
     S::Error: Into<BoxError>,
 {
-    let call = running.provide(|| inner.call(req));
+    let call = message_id::provide(id, || inner.call(req));
     call.await.map(Outcome::Done).map_err(Into::into)
 }
 
@@ -137,7 +136,7 @@ async fn locked_call<S, C, F, D, Req>(
     key: String,
     permits: Option<u32>,
     req: Req,
-    running: Handoff,
+    id: Option<String>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
@@ -146,8 +145,8 @@ where
     D: GiveUp<Req>,
 {
     let locker = &config.locker;
-    if let Some(token) = claimed_with_lock(&running, locker, &key, permits) {
-        return call_holding(config, inner, (key, permits), token, req, running).await;
+    if let Some(held) = claimed_with_lock(locker, &key, permits) {
+        return call_holding(&config, inner, held, req, id).await;
     }
     let instruments = config.instruments.get_or_init(LockInstruments::register);
     let ticket = match permits {
@@ -159,7 +158,7 @@ where
     // Held to the end of the call: the next local caller waits for it.
     let _turn = match contention.local_turn(&config.local).await? {
         Ok(turn) => turn,
-        Err(busy) => return give_up(&config, instruments, req, running, busy).await,
+        Err(busy) => return give_up(&config, instruments, req, id, busy).await,
     };
     let lease = loop {
         let busy = match contention.try_once().await? {
@@ -173,16 +172,16 @@ where
                 let retry_after = busy.retry_after();
                 tracing::debug!(key = %busy.key(), ?retry_after, "lock busy; giving up");
                 contention.leave();
-                return give_up(&config, instruments, req, running, busy).await;
+                return give_up(&config, instruments, req, id, busy).await;
             }
         }
     };
     let guard = contention.acquired(instruments);
     tracing::debug!(key = %lease.ticket().key(), "lock acquired");
     let held = HeldLock::new(lease.ticket().clone(), fence_issuer(&config));
-    // The running job, if this layer took it and did not need it, goes on to
-    // the layers inside: one of them may defer the job in place.
-    let call = held.clone().scope(call_ready(inner, req, running));
+    // The message's id, if this layer took it and did not need it, goes on
+    // to the layers inside: one of them may defer the message.
+    let call = held.clone().scope(call_ready(inner, req, id));
     hold(&config, call, lease, held, guard, &instruments.lost).await
 }
 
@@ -192,13 +191,13 @@ async fn give_up<C, F, D, Req, R>(
     config: &LockLayer<C, F, D>,
     instruments: &LockInstruments,
     req: Req,
-    running: Handoff,
+    id: Option<String>,
     busy: crate::Contended,
 ) -> Result<Outcome<R>, BoxError>
 where
     D: GiveUp<Req>,
 {
-    let give_up = running.provide(|| config.on_conflict.then.give_up(req, busy));
+    let give_up = message_id::provide(id, || config.on_conflict.then.give_up(req, busy));
     let (id, due) = instruments.gave_up(Box::pin(give_up).await)?;
     Ok(Outcome::Deferred { id, due })
 }
@@ -212,48 +211,35 @@ where
     config.issue_fence.get_or_init(locker).clone()
 }
 
-/// The token of the lock on `key` (one of its `permits`), when the
-/// worker's running job is a keyed message claimed with that very lock.
-fn claimed_with_lock<C>(
-    running: &Handoff,
-    locker: &crate::Locker<C>,
-    key: &str,
-    permits: Option<u32>,
-) -> Option<crate::lock::Token>
+/// The worker's hold of the lock on `key` (one of its `permits`), when this
+/// call runs in the handler of a keyed message claimed with that very lock
+/// (see [`HeldLock::claim_hold`]).
+fn claimed_with_lock<C>(locker: &Locker<C>, key: &str, permits: Option<u32>) -> Option<HeldLock>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let job = running.job.as_ref()?;
-    let (held, token, limit) = job.token.held_lock()?;
-    let same = held == key && (limit > 0).then_some(limit) == permits;
-    (same && job.queue.prefix == locker.key_prefix()).then_some(token)
+    let held = HeldLock::claim_hold()?;
+    let same = held.key() == key && held.permits() == permits;
+    (same && held.lock_key() == locker.held_key(key, permits)).then_some(held)
 }
 
-/// Calls the inner service for a keyed message the worker claimed with its
-/// key's lock: the lock is held already, renewed with the message's lease
-/// and let go by its settlement. The worker's [`HeldLock`] for it (set
-/// around the call) is the one the handler sees, marked lost when a
-/// renewal finds the claim gone; `OnLost` applies to it as to the layer's
-/// own locks.
+/// Calls the inner service under the lock a worker claimed a keyed message
+/// with: the lock is held already, renewed with the message's lease and let
+/// go by its settlement. The worker's [`HeldLock`] for it is the one the
+/// handler sees, marked lost when a renewal finds the claim gone; `OnLost`
+/// applies to it as to the layer's own locks.
 async fn call_holding<S, C, F, D, Req>(
-    config: Arc<LockLayer<C, F, D>>,
+    config: &LockLayer<C, F, D>,
     inner: S,
-    (key, permits): (String, Option<u32>),
-    token: crate::lock::Token,
+    held: HeldLock,
     req: Req,
-    running: Handoff,
+    id: Option<String>,
 ) -> Result<Outcome<S::Response>, BoxError>
 where
     S: Service<Req> + Send + 'static,
     S::Error: Into<BoxError>,
-    C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let worker_held = HeldLock::current().filter(|held| held.holds(&key, token));
-    let held = worker_held.unwrap_or_else(|| {
-        let ticket = config.locker.held_ticket(key, token, permits);
-        HeldLock::new(ticket, fence_issuer(&config))
-    });
-    let call = held.clone().scope(call_ready(inner, req, running));
+    let call = held.clone().scope(call_ready(inner, req, id));
     let result = match config.on_lost {
         OnLost::Cancel => tokio::select! {
             biased;

@@ -7,12 +7,11 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use self::sealed::Sealed as _;
 use super::error::{ClaimLost, TooManyDeferrals};
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::lock::Contended;
-use crate::queue::{Claim, ClaimToken, Job, PushOptions, Queue, RunningJob};
+use crate::queue::{Claim, ClaimToken, Job, PushOptions, Queue};
 
 /// The conflict strategy: optionally retry with backoff, then fail or defer.
 ///
@@ -88,12 +87,14 @@ impl OnConflict<Fail> {
     /// [`Outcome::Deferred`](crate::Outcome::Deferred). A [`Worker`](crate::Worker)
     /// on that queue, running the same service, brings it back.
     ///
-    /// A [`Job`] claimed from `queue`, or the request of a job a `Worker` on
-    /// `queue` is running, is rescheduled in place: one script, same id,
-    /// same stored bytes, counting a deferral, not a failed attempt. Any
-    /// other request is pushed as a new message, which needs
-    /// `Req: Serialize`. See the README's "The worker" (how in-place
-    /// deferral finds the job).
+    /// A request that is a [`Job`] claimed from `queue` (a layer over the
+    /// worker's `Job<T>`, key function `|job: &Job<T>| ..`) is rescheduled
+    /// in place: one script, same id, same stored bytes, counting a
+    /// deferral, not a failed attempt. A `Job` of another queue is pushed
+    /// into `queue` as a new message (its worker acknowledges the original);
+    /// any other request, a payload `T` among them, is pushed as a new
+    /// message. See the README's "The worker" (how in-place deferral finds
+    /// the job).
     pub fn defer<T, C>(
         queue: Queue<T, C>,
         delay: impl Into<DeferDelay>,
@@ -167,10 +168,10 @@ pub enum DeferDelay {
 impl DeferDelay {
     /// Until the key allows the call, exactly: for a
     /// [`RateLimitLayer`](crate::layer::RateLimitLayer), when the next slot
-    /// opens, and the slot is reserved for the message (if a
-    /// [`Worker`](crate::Worker) on the queue runs it, else it is pushed
-    /// anew); for a lock or permits, when the holder's lease ends (at least
-    /// 1 ms).
+    /// opens, and the slot is reserved for the message (if the request is
+    /// a [`Job`] claimed from the queue, rescheduled in place; anything else
+    /// is pushed anew); for a lock or permits, when the holder's lease ends
+    /// (at least 1 ms).
     pub fn until_allowed() -> Self {
         DeferDelay::UntilAllowed
     }
@@ -223,33 +224,40 @@ impl From<Duration> for DeferDelay {
 }
 
 pub(crate) mod sealed {
-    use crate::queue::RunningJob;
+    use crate::queue::Job;
 
-    /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only.
-    pub trait Sealed {
+    /// Keeps [`GiveUp`](super::GiveUp) implemented by lockgate only, and
+    /// says what a strategy does with a request of type `Req`, by its type.
+    pub trait Sealed<Req> {
         /// Whether giving up defers the message into its key's line at
         /// once (`DeferDelay::until_released`).
         fn until_released(&self) -> bool {
             false
         }
 
-        /// Whether giving up reschedules `running` in place, exactly when
-        /// the key allows it (`DeferDelay::UntilAllowed` into the job's own
-        /// queue): then a rate limit reserves the slot for it.
-        #[allow(private_interfaces)]
-        fn defers_in_place_until_allowed(&self, _running: &RunningJob) -> bool {
-            false
+        /// The id of `req`, when giving up reschedules it in place exactly
+        /// when the key allows it (`DeferDelay::UntilAllowed`, and `req` a
+        /// job claimed from the deferral's queue): then a rate limit
+        /// reserves the slot for it, under that id.
+        fn reserves_slot<'r>(&self, _req: &'r Req) -> Option<&'r str> {
+            None
         }
     }
-    impl Sealed for super::Fail {}
-    impl<T, C> Sealed for super::Defer<T, C> {
+    impl<Req> Sealed<Req> for super::Fail {}
+    impl<T, C> Sealed<T> for super::Defer<T, C> {
         fn until_released(&self) -> bool {
-            self.delay == super::DeferDelay::UntilReleased
+            self.joins_line()
+        }
+    }
+    // Beside `Sealed<T>`: no type is both `T` and `Job<T>`.
+    impl<T, C> Sealed<Job<T>> for super::Defer<T, C> {
+        fn until_released(&self) -> bool {
+            self.joins_line()
         }
 
-        #[allow(private_interfaces)]
-        fn defers_in_place_until_allowed(&self, running: &RunningJob) -> bool {
-            self.delay == super::DeferDelay::UntilAllowed && &running.queue == self.queue.keys()
+        fn reserves_slot<'r>(&self, job: &'r Job<T>) -> Option<&'r str> {
+            let until_allowed = self.delay == super::DeferDelay::UntilAllowed;
+            (until_allowed && self.in_place(job)).then(|| job.id())
         }
     }
 }
@@ -258,11 +266,13 @@ pub(crate) mod sealed {
 pub(crate) type Deferral = (String, SystemTime);
 
 /// The last step of a conflict strategy, for requests of type `Req`:
-/// [`Fail`] for any request, [`Defer`] for a `T` or a claimed [`Job<T>`].
+/// [`Fail`] for any request, [`Defer`] for a `T` (pushed as a new message)
+/// or a claimed [`Job<T>`] (rescheduled in place when claimed from the
+/// deferral's queue). Which one applies is decided by the request's type.
 ///
 /// Sealed: it appears in bounds (`D: GiveUp<Req>`) but is implemented only
 /// by lockgate's own strategies.
-pub trait GiveUp<Req>: sealed::Sealed + Send + Sync + 'static {
+pub trait GiveUp<Req>: sealed::Sealed<Req> + Send + Sync + 'static {
     /// Called with the request once retries are used up.
     fn give_up(&self, req: Req, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>>;
 }
@@ -284,22 +294,14 @@ where
 {
     fn give_up(&self, req: T, busy: Contended) -> BoxFuture<'static, Result<Deferral, BoxError>> {
         let defer = self.clone();
-        // The job a Worker is running, handed to this layer by its claim
-        // (see `RunningJob`): when it was claimed from this very queue, this
-        // request is its payload (mapped before this layer), and the job is
-        // deferred in place: same id, counts and stored bytes. Identity is
-        // the claim, never the payload's bytes, which another producer may
-        // have written differently. Anything else is pushed as a new message.
-        let running = RunningJob::take().filter(|job| &job.queue == self.queue.keys());
-        // The id a consumer gave the message (`with_message_id`), for a new
-        // message: a redelivered copy finds it and is not pushed twice.
-        let id = crate::queue::take_message_id();
+        // A `T` is never a claimed job, whoever called: it is pushed as a
+        // new message (a job is deferred in place only by a layer over the
+        // `Job<T>` itself). Under the id a consumer gave it
+        // (`with_message_id`), if any: a redelivered copy finds it and is
+        // not pushed twice.
+        let id = super::message_id::take();
         Box::pin(async move {
             let delay = defer.delay.resolve(&busy);
-            if let Some(job) = running {
-                let deferred = defer.in_place(&job.token, job.deferrals, &busy, delay);
-                return deferred.await;
-            }
             let mut options = defer.push_options(&busy, delay);
             if let Some(id) = id {
                 options = options.id(id);
@@ -325,21 +327,37 @@ where
         let defer = self.clone();
         Box::pin(async move {
             let delay = defer.delay.resolve(&busy);
-            if job.queue_keys() != defer.queue.keys() {
+            if !defer.in_place(&job) {
                 // Claimed from another queue: copy it into the deferral queue.
                 // The worker that claimed it acknowledges the original when it
                 // sees a deferral under another id. Outside a key's line it
                 // keeps its priority.
                 let mut options = defer.push_options(&busy, delay);
-                if !defer.until_released() {
+                if !defer.joins_line() {
                     options = options.priority(job.priority());
                 }
                 let pushed = defer.queue.push_with(job.into_payload(), options).await?;
                 return Ok((pushed.id, pushed.due.unwrap_or_else(SystemTime::now)));
             }
             let token = job.claim_ref().to_token();
-            defer.in_place(&token, job.deferrals(), &busy, delay).await
+            defer
+                .reschedule(&token, job.deferrals(), &busy, delay)
+                .await
         })
+    }
+}
+
+impl<T, C> Defer<T, C> {
+    /// Whether giving up moves the message into its key's line
+    /// (`DeferDelay::until_released`).
+    fn joins_line(&self) -> bool {
+        self.delay == DeferDelay::UntilReleased
+    }
+
+    /// Whether `job` is deferred in place: it was claimed from this
+    /// deferral's queue.
+    fn in_place(&self, job: &Job<T>) -> bool {
+        job.queue_keys() == self.queue.keys()
     }
 }
 
@@ -352,7 +370,7 @@ where
     /// into its key's line (`DeferDelay::until_released`).
     fn push_options(&self, busy: &Contended, delay: Duration) -> PushOptions {
         let options = PushOptions::new().after(delay);
-        match (self.until_released(), busy.permits()) {
+        match (self.joins_line(), busy.permits()) {
             (false, _) => options,
             (true, None) => options.key(busy.key()),
             (true, Some(n)) => options.key(busy.key()).permits(n),
@@ -361,7 +379,7 @@ where
 
     /// Defers a claimed job in place, within its deferral cap: rescheduled
     /// after `delay` (one script), or moved into its key's line.
-    async fn in_place(
+    async fn reschedule(
         &self,
         token: &ClaimToken,
         deferrals: u32,
@@ -379,7 +397,7 @@ where
         let queue = &self.queue;
         // A job claimed with its key's lock keeps its place in its own line; an
         // unkeyed one a `LockLayer` found busy moves into its key's line.
-        let deferred = match (self.until_released(), token.held_lock()) {
+        let deferred = match (self.joins_line(), token.held_lock()) {
             (true, None) => {
                 let limits = busy.permits().map_or(String::new(), |n| n.to_string());
                 let key = (busy.key(), limits.as_str());

@@ -674,10 +674,6 @@ where
         })
     }
 
-    pub(crate) fn key_prefix(&self) -> &str {
-        &self.config.prefix
-    }
-
     /// The TTL given to acquired locks.
     pub fn lease_ttl(&self) -> Duration {
         self.config.ttl
@@ -722,14 +718,19 @@ where
         token: Token,
         permits: Option<u32>,
     ) -> Arc<Ticket> {
-        let kind = if permits.is_some() { "permits" } else { "lock" };
         Arc::new(Ticket {
-            lock_key: keys::tagged_key(&self.config.prefix, kind, &key),
+            lock_key: self.held_key(&key, permits),
             key,
             token,
             fence: OnceLock::new(),
             permits,
         })
+    }
+
+    /// The Redis key of the lock on `key`, or of its permits set.
+    pub(crate) fn held_key(&self, key: &str, permits: Option<u32>) -> String {
+        let kind = if permits.is_some() { "permits" } else { "lock" };
+        keys::tagged_key(&self.config.prefix, kind, key)
     }
 
     /// A new attempt at the same lock as `ticket`, with a new token.

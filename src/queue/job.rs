@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use serde::de::DeserializeOwned;
 
 use super::keyed::Held;
-use super::{Claim, ClaimRef, ClaimToken, QueueKeys, Slot, from_unix_ms};
+use super::{Claim, ClaimRef, ClaimToken, QueueKeys, from_unix_ms};
 
 /// A message claimed from a [`Queue`](super::Queue), with what is known about
 /// its delivery. Dereferences to the payload.
@@ -23,10 +23,6 @@ pub struct Job<T> {
     due_at: SystemTime,
     /// The queue it was claimed from.
     queue: Arc<QueueKeys>,
-    /// Where the worker running it offers its claim (see `RunningJob`):
-    /// told when the payload is taken out, which makes that payload the
-    /// job's own for a `LockLayer` that meets it later.
-    offered: Option<Slot>,
 }
 
 /// A record's header fields and payload:
@@ -117,7 +113,6 @@ impl<T: DeserializeOwned> Job<T> {
             enqueued_at: from_unix_ms(r.enqueued),
             due_at: from_unix_ms(due_ms),
             queue: queue.clone(),
-            offered: None,
         };
         // Only a malformed record's payload is the whole of it.
         if r.payload.len() == record.len() {
@@ -149,19 +144,12 @@ impl<T> Job<T> {
         &mut self.payload
     }
 
-    /// The payload, by value. Under a [`Worker`](crate::Worker), a
-    /// `LockLayer` that meets this payload may defer the job in place (see
-    /// the README, "How in-place deferral finds the job").
+    /// The payload, by value, without the claim: a plain message from here
+    /// on. A `LockLayer` deferring it pushes it as a new message; to defer
+    /// the job in place, put the layer over the `Job` and take the payload
+    /// out below it (see the README, "How in-place deferral finds the job").
     pub fn into_payload(self) -> T {
-        if let Some(slot) = &self.offered {
-            slot.hand_over_payload();
-        }
         self.payload
-    }
-
-    /// Offers the job's claim to the `LockLayer` its payload reaches.
-    pub(crate) fn offer(&mut self, slot: Slot) {
-        self.offered = Some(slot);
     }
 
     /// Which attempt this delivery is: 1 for the first, 2 after one failed
@@ -229,7 +217,6 @@ impl<T> Job<T> {
             enqueued_at: self.enqueued_at,
             due_at: self.due_at,
             queue: self.queue,
-            offered: self.offered,
         }
     }
 }

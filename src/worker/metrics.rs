@@ -25,7 +25,6 @@ pub(crate) enum Count {
     Done,
     Retried,
     Deferred,
-    Copied,
     Dead,
     LostLeases,
     Unconfirmed,
@@ -43,13 +42,11 @@ pub struct MetricsSnapshot {
     pub done: u64,
     /// Failed messages scheduled for another attempt.
     pub retried: u64,
-    /// Messages deferred because their lock was busy.
+    /// Messages deferred because their lock was busy: rescheduled in place
+    /// (a `LockLayer` over the `Job`), or pushed as a new message (a layer
+    /// over the payload, or deferring into another queue) and the original
+    /// acknowledged.
     pub deferred: u64,
-    /// Deferred messages pushed as a copy under a new id (counts starting
-    /// again) because no `LockLayer` on the worker's task took the claim (it
-    /// ran behind tower's `Buffer`, say). Counted in `deferred` too; zero in
-    /// a pipeline that defers in place.
-    pub copied: u64,
     /// Messages moved to the dead letters (failed for the last time, too
     /// many deferrals, or undecodable).
     pub dead: u64,
@@ -78,7 +75,6 @@ impl Metrics {
             done: c(Count::Done),
             retried: c(Count::Retried),
             deferred: c(Count::Deferred),
-            copied: c(Count::Copied),
             dead: c(Count::Dead),
             lost_leases: c(Count::LostLeases),
             unconfirmed: c(Count::Unconfirmed),
@@ -116,7 +112,7 @@ impl Metrics {
             Count::LostLeases => &i.lost_leases,
             Count::Recovered => &i.recovered,
             Count::RedisErrors => &i.redis_errors,
-            Count::Copied | Count::Unconfirmed => return,
+            Count::Unconfirmed => return,
         };
         instrument.increment(n);
     }

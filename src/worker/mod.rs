@@ -54,7 +54,7 @@ use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::layer::HeldLock;
 use crate::outcome::Outcome;
-use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue, Slot};
+use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue};
 
 /// What the worker's tasks need of a payload type: its bounds, named once.
 trait Payload: Serialize + DeserializeOwned + Send + Sync + 'static {}
@@ -758,7 +758,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         let permits = (permits > 0).then_some(permits);
         let ticket = self.locker.held_ticket(key.to_owned(), lock_token, permits);
         let issuer = crate::layer::fence_issuer(self.locker.clone());
-        let held = HeldLock::new(ticket, issuer);
+        let held = HeldLock::of_claim(ticket, issuer);
         if let Some(flight) = self.in_flight().get_mut(&seq) {
             flight.held = Some(held.clone());
         }
@@ -866,7 +866,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
 }
 
 /// Acknowledgements waiting to be written, and whether each counts as done
-/// (not so for a message deferred by copying it into another queue).
+/// (not so for a message deferred by pushing it as a new message).
 type AckQueue = mpsc::UnboundedSender<(ClaimToken, bool)>;
 
 /// Writes acknowledgements in batches: everything queued while the previous
@@ -888,10 +888,9 @@ async fn handle<T: Payload, C: Conn, R, E>(
     acks: AckQueue,
     seq: u64,
     token: ClaimToken,
-    (call, started, running): (
+    (call, started): (
         impl Future<Output = std::result::Result<R, E>> + Send,
         Instant,
-        Slot,
     ),
     _permit: OwnedSemaphorePermit,
 ) where
@@ -921,7 +920,7 @@ async fn handle<T: Payload, C: Conn, R, E>(
         held.mark_lost();
     }
     let refused = flight.is_some_and(|f| f.refused);
-    let settlement = settlement_of(&shared, &token, &running, outcome);
+    let settlement = settlement_of(&shared, &token, outcome);
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any
         // settlement would be refused: count the loss once, write nothing.
@@ -944,7 +943,6 @@ async fn handle<T: Payload, C: Conn, R, E>(
 fn settlement_of<T, C, R, E>(
     shared: &Shared<T, C>,
     token: &ClaimToken,
-    running: &Slot,
     outcome: std::thread::Result<std::result::Result<R, E>>,
 ) -> Option<Settlement>
 where
@@ -960,16 +958,10 @@ where
                 shared.metrics.count(Count::Deferred);
                 None
             }
-            // Copied into another queue: acknowledge the original.
-            Some(copy) => {
+            // Pushed as a new message (a `LockLayer` over the payload, or
+            // into another queue): acknowledge the original.
+            Some(_) => {
                 shared.metrics.count(Count::Deferred);
-                if running.take_back().is_some() {
-                    // No layer on this task took the claim: the deferral ran
-                    // elsewhere (behind a `Buffer`, say) and pushed a copy,
-                    // maybe into this very queue (see `RunningJob`).
-                    shared.metrics.count(Count::Copied);
-                    tracing::warn!(id = %token.id(), %copy, "deferred as a copy under a new id: no LockLayer on the worker's task took its claim (is it behind a Buffer?); the original is acknowledged and the copy's counts start again");
-                }
                 Some(Settlement::Ack(false))
             }
             None => Some(Settlement::Ack(true)),

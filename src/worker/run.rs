@@ -21,7 +21,7 @@ use super::{
 use crate::BoxError;
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
-use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, RunningJob, Slot, Waiter};
+use crate::queue::{BLOCK, Claim, ClaimToken, Connector, Job, MAX_BATCH, Waiter};
 
 /// What ends the loop: `Some` with how `run_until` returns.
 pub(super) type Stop = Option<Result<()>>;
@@ -246,13 +246,7 @@ where
     }
 
     /// Calls the service with `job` and spawns the call's handling.
-    fn start(
-        &mut self,
-        seq: u64,
-        mut job: Job<T>,
-        token: ClaimToken,
-        permit: OwnedSemaphorePermit,
-    ) {
+    fn start(&mut self, seq: u64, job: Job<T>, token: ClaimToken, permit: OwnedSemaphorePermit) {
         // Field names of OpenTelemetry's messaging conventions, so an
         // OpenTelemetry subscriber shows them as they are.
         let queue = self.shared.queue.name();
@@ -266,11 +260,6 @@ where
             "messaging.message.id" = %token.id(),
             "messaging.lockgate.attempt" = token.attempt(),
         );
-        // The job's claim is offered to the first LockLayer called during
-        // this call or its future (see `RunningJob`), so that a deferral of
-        // its request reschedules it in place.
-        let running = Slot::new(Some(RunningJob::of(&job)));
-        job.offer(running.clone());
         if let Some(instruments) = self.shared.metrics.instruments() {
             // Due time by the server's clock, start by this host's.
             let lag = std::time::SystemTime::now()
@@ -282,27 +271,23 @@ where
         let held = self.shared.held_lock(seq, &token);
         // `call` itself may panic (code before a service_fn's async block, a
         // key function): that fails this message, not the worker.
-        let call = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            running.provide(|| self.service.call(job))
-        }));
+        let call = std::panic::catch_unwind(AssertUnwindSafe(|| self.service.call(job)));
         match call {
             Ok(call) => {
                 // A keyed job's handler holds its key's lock: it sees it
                 // as `HeldLock::current()`, fences included.
-                let call = running.scope(call);
                 let call = async move {
                     match held {
                         Some(held) => held.scope(call).await,
                         None => call.await,
                     }
                 };
-                let call = (call, started, running);
                 let handled = handle(
                     self.shared.clone(),
                     self.acks.clone(),
                     seq,
                     token,
-                    call,
+                    (call, started),
                     permit,
                 );
                 self.tasks.spawn(handled.instrument(span));
