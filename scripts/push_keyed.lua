@@ -254,6 +254,26 @@ local function next_claim(claims, now_us)
   return tag
 end
 
+-- What the claim `tag` leased until `deadline` (every lease of a claim call
+-- has the same deadline): its `count` members of the active set `active`,
+-- without the ":<claim>" suffix, looked up by that score a page at a time
+-- (other claims of the same ms share it). For a claim call resent after
+-- its reply was lost, from the record the first run left (claim.lua).
+local function leases_of(active, tag, deadline, count)
+  local found, suffix, from = {}, ':' .. tag, 0
+  while #found < count do
+    local page = redis.call('ZRANGEBYSCORE', active, deadline, deadline, 'LIMIT', from, 1000)
+    for _, member in ipairs(page) do
+      if string.sub(member, -#suffix) == suffix then
+        found[#found + 1] = string.sub(member, 1, -#suffix - 1)
+      end
+    end
+    if #page < 1000 then break end
+    from = from + 1000
+  end
+  return found
+end
+
 -- Splits an active-set member "<id>:<claim>" into its id.
 local function member_id(member)
   return string.match(member, '^(.*):%d+$')
