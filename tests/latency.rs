@@ -777,7 +777,10 @@ async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones
         let ack = conn
             .trips_of(async || assert!(keyed.ack_many(&jobs).await.unwrap().iter().all(|a| *a)))
             .await;
-        sharded.push_many(0..n).await.unwrap();
+        // Ids of its own (the generated ones are random): the same spread
+        // over the shards on every run.
+        let ids = (0..n).map(|i| (i, PushOptions::new().id(format!("m{i}"))));
+        sharded.push_many_with(ids).await.unwrap();
         let mut jobs = Vec::new();
         let claim = conn
             .trips_of(async || jobs = sharded.claim(n as usize, secs(60)).await.unwrap().jobs)
@@ -792,9 +795,10 @@ async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones
     let [ten, many] = [counts[1], counts[2]].map(|[push, ack, claim, acks]| {
         // A sharded claim asks the shard in turn first, then the others
         // at once, then those that had more than their share (how many
-        // rounds depends on how the ids fell): a few, not one per shard.
+        // rounds depends on how the ids fell, and on which replies come
+        // first): a few, not one or two per shard (16 to 32 before).
         assert!(
-            claim <= 8,
+            claim <= 12,
             "{claim} round trips for a sharded claim: {counts:?}"
         );
         [push, ack, acks]
