@@ -342,23 +342,7 @@ where
     /// once the queue is drained.
     async fn run(self, shutdown: impl Future, until_idle: bool) -> Result<()> {
         warn_on_eviction(&self.queue).await;
-        let shared = Arc::new(Shared {
-            slots: Arc::new(Semaphore::new(self.config.concurrency)),
-            queue: self.queue.clone(),
-            config: self.config,
-            metrics: self.metrics,
-            in_flight: Mutex::new(HashMap::new()),
-            cancel: watch::Sender::new(false),
-            hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
-            next_seq: AtomicU64::new(0),
-            locker: crate::Locker::for_queue(
-                self.queue.connection().clone(),
-                self.queue.prefix_str(),
-            ),
-            continued: Mutex::new(VecDeque::new()),
-            continued_ready: tokio::sync::Notify::new(),
-            stopping: std::sync::atomic::AtomicBool::new(false),
-        });
+        let shared = Arc::new(Shared::new(self.queue.clone(), self.config, self.metrics));
         // Aborted when run_until ends or is dropped: housekeeping must not
         // keep renewing the leases of messages nobody handles any more.
         // Renewal has a task of its own: it must never wait for a recovery
@@ -505,6 +489,25 @@ enum Settlement {
 }
 
 impl<T: Payload, C: Conn> Shared<T, C> {
+    /// The state of a worker on `queue` that has not started yet.
+    fn new(queue: Queue<T, C>, config: Config, metrics: Metrics) -> Self {
+        let locker = crate::Locker::for_queue(queue.connection().clone(), queue.prefix_str());
+        Shared {
+            slots: Arc::new(Semaphore::new(config.concurrency)),
+            queue,
+            config,
+            metrics,
+            in_flight: Mutex::new(HashMap::new()),
+            cancel: watch::Sender::new(false),
+            hand_back_stalled: std::sync::atomic::AtomicBool::new(false),
+            next_seq: AtomicU64::new(0),
+            locker,
+            continued: Mutex::new(VecDeque::new()),
+            continued_ready: tokio::sync::Notify::new(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     /// Tracks `job`'s claim, leased until `leased_until`, under the next
     /// sequence number, which it returns: from now on it is renewed.
     fn track(
