@@ -327,7 +327,8 @@ end
 -- `<p>:{<t>}:<q>` in the hash slot of its lock (<t>: the slot's tag, see
 -- src/queue/keyed.rs), so one script sees the lock and the line. Every
 -- keyed script takes the partition's keys first, in this order:
--- KEYS[1] data: hash id -> record (the queue's record format)
+-- KEYS[1] data: hash id -> record (the queue's record format); a keyed
+--   message's id here is its stored id (see stored_id), as everywhere below
 -- KEYS[2] schedule: zset id -> due ms (delayed messages and re-driven dead
 --   letters, until they are due and join their key's line)
 -- KEYS[3] active: zset "<line member>:<claim>" -> lease deadline
@@ -352,6 +353,16 @@ end
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local AT_WORK = -1
+
+-- A keyed message's id as its partition stores it (the field of `data`,
+-- the member of `schedule`, `dead` and `keyof`, the last part of its line
+-- member): "<key>\0<id>". An id is unique within its key: the same id
+-- under another key is another message, whichever partition that key's
+-- lock hashes to. Only the push scripts make one; every other script
+-- takes it from its caller or its line as it is.
+local function stored_id(key, id)
+  return key .. '\0' .. id
+end
 
 local function line_member(key, seq, id)
   return key .. '\0' .. seq .. '\0' .. id
@@ -503,7 +514,8 @@ local function owns(value, token)
 end
 
 -- Adds keyed messages to a partition (see keyed.lua); an id that exists
--- already is left as it is (de-duplication, as push.lua).
+-- already under the same key is left as it is (de-duplication, as
+-- push.lua); under another key it is another message.
 -- KEYS[1..11]: the partition   ARGV: quintuples (key, limits, id, when,
 -- payload): key non-empty without NUL; limits "" (the key's as they are),
 -- or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
@@ -568,7 +580,7 @@ for i = 1, #ARGV, 5 do
 end
 local out = {}
 for i = 1, #ARGV, 5 do
-  local key, id, due = ARGV[i], ARGV[i + 2], dues[i]
+  local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])
   if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
     place(key, id, due, now)

@@ -134,3 +134,47 @@ async fn letters_buried_in_one_millisecond_are_paged_by_id() {
     let page = q.dead_letters(Some(&past), 10).await.unwrap();
     assert!(page.letters.is_empty() && page.next.is_none());
 }
+
+/// Keyed letters with the same ids (with a backslash) under two keys of
+/// one partition, buried two at a time: paged each once, and each
+/// page's cursor the same place once printed and parsed (a keyed letter's
+/// cursor holds its key, a NUL and its id; printed with `\0` and `\\`).
+#[tokio::test]
+async fn keyed_letters_with_one_id_under_two_keys_are_paged_each_once() {
+    let server = server();
+    let q: Queue<u64> = Queue::new(manager(&server).await, "keyed").unwrap();
+    let slot = |k: &str| crc16::State::<crc16::XMODEM>::calculate(k.as_bytes()) % 16_384;
+    let near = (0..)
+        .map(|i| format!("b{i}"))
+        .find(|k| slot(k) == slot("a"));
+    let keys = ["a".to_owned(), near.unwrap()];
+    // Each key's line is claimed one message at a time: 6 rounds of 2.
+    for i in 0..6u64 {
+        for key in &keys {
+            let options = PushOptions::new().id(format!("m\\{i}")).key(key);
+            q.push_with(i, options).await.unwrap();
+        }
+    }
+    for _ in 0..6 {
+        let jobs = q.claim(10, secs(30)).await.unwrap().jobs;
+        assert_eq!(jobs.len(), 2);
+        for job in &jobs {
+            assert!(q.bury(job, "failed").await.unwrap());
+        }
+    }
+    let mut after = None;
+    let mut seen = BTreeSet::new();
+    loop {
+        let page = q.dead_letters(after.as_ref(), 5).await.unwrap();
+        for letter in &page.letters {
+            let key = letter.key.clone().expect("a keyed letter's key");
+            assert!(seen.insert((key, letter.id.clone())), "{letter:?} twice");
+        }
+        let Some(next) = page.next else { break };
+        let text = next.to_string();
+        assert!(!text.contains('\0'), "{text:?}");
+        assert_eq!(text.parse::<DeadCursor>().unwrap(), next);
+        after = Some(text.parse().unwrap());
+    }
+    assert_eq!(seen.len(), 12, "{seen:?}");
+}

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use lockgate::lock::rate::{Admission, Rate};
@@ -1824,4 +1824,124 @@ async fn a_key_woken_by_a_release_is_not_due_since_1970() {
     assert_eq!(keys.keys, 1);
     let head = keys.backlogs[0].oldest_waiting.expect("its head's wait");
     assert!(head < secs(5), "its head waited {head:?}");
+}
+
+/// The hash slot of `key`'s lock (CRC16-XMODEM, as Redis Cluster; plain
+/// keys are their own tag).
+fn slot_of(key: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(key.as_bytes()) % 16_384
+}
+
+/// A key whose lock shares `key`'s hash slot (so its messages live in the
+/// same partition), and one whose lock does not.
+fn near_and_far(key: &str) -> (String, String) {
+    let slot = slot_of(key);
+    let near = (0..)
+        .map(|i| format!("near{i}"))
+        .find(|k| slot_of(k) == slot);
+    let far = (0..)
+        .map(|i| format!("far{i}"))
+        .find(|k| slot_of(k) != slot);
+    (near.unwrap(), far.unwrap())
+}
+
+/// Issue 37, item 2: a keyed message's id is unique within its key. The
+/// same id under another key is another message, whether the two keys'
+/// locks share a hash slot (one partition) or not; under the same key it
+/// is the message there already.
+#[tokio::test]
+async fn an_id_is_unique_within_its_key_whatever_slots_the_keys_hash_to() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "ids").unwrap();
+    let (near, far) = near_and_far("a");
+    let push = |key: &str, payload: &str| {
+        let options = PushOptions::new().id("m").key(key);
+        queue.push_with(payload.to_owned(), options)
+    };
+    for key in ["a", &near, &far] {
+        let pushed = push(key, key).await.unwrap();
+        assert!(pushed.created, "id m under key {key}: a message of its own");
+    }
+    let again = push("a", "again").await.unwrap();
+    assert!(!again.created, "id m under key a again: the one there");
+    let jobs = queue.claim(10, secs(10)).await.unwrap().jobs;
+    let claimed: BTreeMap<String, (String, String)> = jobs
+        .iter()
+        .map(|j| {
+            (
+                j.key().unwrap().to_owned(),
+                (j.id().to_owned(), j.payload().clone()),
+            )
+        })
+        .collect();
+    let expected: BTreeMap<String, (String, String)> = ["a", &near, &far]
+        .into_iter()
+        .map(|k| (k.to_owned(), ("m".to_owned(), k.to_owned())))
+        .collect();
+    assert_eq!(claimed, expected);
+    for job in &jobs {
+        assert!(
+            queue.ack(job).await.unwrap(),
+            "{:?} acknowledged",
+            job.key()
+        );
+    }
+    support::queue_drained(&queue).await;
+}
+
+/// The operators' calls by id act on every message of that id, under
+/// whichever key: removal, the dead letters (each naming its key) and
+/// their re-drive, for two keys in one partition.
+#[tokio::test]
+async fn removal_and_dead_letters_of_one_id_under_two_keys_of_one_slot() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "ids").unwrap();
+    let (near, _) = near_and_far("a");
+    for key in ["a", &near] {
+        let options = PushOptions::new().id("later").key(key).after(secs(3600));
+        assert!(
+            queue
+                .push_with(key.to_owned(), options)
+                .await
+                .unwrap()
+                .created
+        );
+    }
+    assert!(queue.remove("later").await.unwrap());
+    assert!(
+        !queue.remove("later").await.unwrap(),
+        "both removed at once"
+    );
+    for key in ["a", &near] {
+        let options = PushOptions::new().id("d").key(key);
+        assert!(
+            queue
+                .push_with(key.to_owned(), options)
+                .await
+                .unwrap()
+                .created
+        );
+    }
+    let jobs = queue.claim(10, secs(10)).await.unwrap().jobs;
+    assert_eq!(jobs.len(), 2);
+    for job in &jobs {
+        assert!(queue.bury(job, "poison").await.unwrap());
+    }
+    let page = queue.dead_letters(None, 10).await.unwrap();
+    let mut dead: Vec<(String, Option<String>)> = page
+        .letters
+        .iter()
+        .map(|l| (l.id.clone(), l.key.clone()))
+        .collect();
+    dead.sort();
+    let mut expected = vec![
+        ("d".to_owned(), Some("a".to_owned())),
+        ("d".to_owned(), Some(near.clone())),
+    ];
+    expected.sort();
+    assert_eq!(dead, expected);
+    assert!(queue.requeue_dead("d").await.unwrap());
+    let jobs = queue.claim(10, secs(10)).await.unwrap().jobs;
+    let keys: BTreeSet<&str> = jobs.iter().filter_map(|j| j.key()).collect();
+    assert_eq!(keys, BTreeSet::from(["a", near.as_str()]), "both re-driven");
 }

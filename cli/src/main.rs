@@ -830,6 +830,7 @@ impl Output {
                         });
                     json!({
                         "id": d.id,
+                        "key": d.key,
                         "buried_at_ms": unix_ms(d.buried_at),
                         "error": d.error,
                         "failures": d.failures,
@@ -846,9 +847,11 @@ impl Output {
             return say!("no dead letters");
         }
         for d in dead {
+            let key = d.key.as_ref().map(|k| format!("  key {k}"));
             say!(
-                "{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
+                "{}{}  failures {}  deferrals {}  stalls {}  error: {}\n    {}",
                 d.id,
+                key.unwrap_or_default(),
                 d.failures,
                 d.deferrals,
                 d.stalls,

@@ -24,8 +24,10 @@ use crate::queue::DeadLetter;
 
 /// Where a page of dead letters starts: after the letter buried at
 /// `buried_ms` with id `id`, in the order letters are listed (burial time,
-/// then id byte-wise). Printed and parsed as `<buried ms>-<id>` (what the
-/// CLI's `dead --after` and the dashboard's "next page" link carry).
+/// then id byte-wise, a keyed letter's id being `<key>\0<id>`). Printed
+/// and parsed as `<buried ms>-<id>` (what the CLI's `dead --after` and the
+/// dashboard's "next page" link carry), with `\` written `\\` and NUL
+/// `\0`.
 ///
 /// A cursor stays valid while letters come and go: a page after it lists
 /// the letters that follow its place, whether or not its own letter is
@@ -34,7 +36,7 @@ use crate::queue::DeadLetter;
 pub struct DeadCursor {
     /// The burial time, in ms since the epoch (the dead set's score).
     buried_ms: i64,
-    /// The letter's id.
+    /// The letter's id (a keyed letter's: `<key>\0<id>`).
     id: String,
 }
 
@@ -45,12 +47,12 @@ impl DeadCursor {
             .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
         Self {
             buried_ms,
-            id: letter.id.clone(),
+            id: letter.stored.clone(),
         }
     }
 
     /// The place after the letter buried at `buried_ms` (ms since the
-    /// epoch) with id `id`.
+    /// epoch) with id `id` (a keyed letter's: `<key>\0<id>`).
     pub fn new(buried_ms: i64, id: impl Into<String>) -> Self {
         Self {
             buried_ms,
@@ -61,23 +63,44 @@ impl DeadCursor {
 
 impl fmt::Display for DeadCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.buried_ms, self.id)
+        write!(f, "{}-", self.buried_ms)?;
+        for c in self.id.chars() {
+            match c {
+                '\\' => f.write_str("\\\\")?,
+                '\0' => f.write_str("\\0")?,
+                c => fmt::Write::write_char(f, c)?,
+            }
+        }
+        Ok(())
     }
 }
 
 impl FromStr for DeadCursor {
     type Err = Error;
 
-    /// Parses `<buried ms>-<id>` (the id may hold `-` itself).
+    /// Parses `<buried ms>-<id>` (the id may hold `-` itself; `\\` and
+    /// `\0` stand for a backslash and a NUL).
     fn from_str(text: &str) -> Result<Self> {
         let bad = || {
             Error::config(format_args!(
                 "a dead-letter cursor is `<buried ms>-<id>`, got `{text}`"
             ))
         };
-        let (ms, id) = text.split_once('-').ok_or_else(bad)?;
-        if ms.is_empty() || !ms.bytes().all(|b| b.is_ascii_digit()) || id.is_empty() {
+        let (ms, escaped) = text.split_once('-').ok_or_else(bad)?;
+        if ms.is_empty() || !ms.bytes().all(|b| b.is_ascii_digit()) || escaped.is_empty() {
             return Err(bad());
+        }
+        let mut id = String::with_capacity(escaped.len());
+        let mut chars = escaped.chars();
+        while let Some(c) = chars.next() {
+            id.push(match c {
+                '\\' => match chars.next() {
+                    Some('\\') => '\\',
+                    Some('0') => '\0',
+                    _ => return Err(bad()),
+                },
+                c => c,
+            });
         }
         Ok(Self::new(ms.parse().map_err(|_| bad())?, id))
     }
@@ -148,21 +171,36 @@ where
             .arg(limit)
             .query_on(&self.conn, attempted)
             .await?;
-        Ok(reply.into_iter().map(DeadLetter::new).collect())
+        let keyed = set.partition.is_some();
+        Ok(reply
+            .into_iter()
+            .map(|letter| DeadLetter::new(keyed, letter))
+            .collect())
     }
 
-    /// Re-drives one dead letter: due now, attempts, deferrals and stalls
-    /// reset. Returns whether it was dead.
+    /// Re-drives the dead letters with id `id`: the one without a key, and
+    /// those of keyed messages under any key (a keyed message's id is
+    /// unique within its key; each keyed partition's dead set is scanned
+    /// for the id). Each comes back due now, attempts, deferrals and stalls
+    /// reset. Returns whether one was dead.
     pub async fn requeue_dead(&self, id: &str) -> Result<bool> {
         if id.is_empty() {
             return Err(Error::InvalidKey("message id must not be empty".into()));
         }
+        let mut found = false;
         for set in self.dead_sets().await? {
-            if self.requeue_dead_batch(&set, id, None).await?.0 == 1 {
-                return Ok(true);
+            let stored = match set.partition {
+                None => vec![id.to_owned()],
+                Some(_) => {
+                    let [dead] = named(&set.base, ["dead"]);
+                    self.keyed().scan_for(&dead, "ZSCAN", id).await?
+                }
+            };
+            for stored in stored {
+                found |= self.requeue_dead_batch(&set, &stored, None).await?.0 == 1;
             }
         }
-        Ok(false)
+        Ok(found)
     }
 
     /// Re-drives the dead letters buried up to the moment this call started

@@ -264,6 +264,12 @@ impl<T> DerefMut for Job<T> {
 pub struct DeadLetter {
     /// The message id.
     pub id: String,
+    /// Its key, for a message pushed with one ([`PushOptions::key`](super::PushOptions::key)):
+    /// a keyed message's id is unique within its key.
+    pub key: Option<String>,
+    /// The member of its dead set: the id, or for a keyed message
+    /// `<key>\0<id>` (where a page's cursor stands).
+    pub(crate) stored: String,
     /// When it was buried (server clock).
     pub buried_at: SystemTime,
     /// The last error recorded for it.
@@ -280,14 +286,24 @@ pub struct DeadLetter {
 }
 
 impl DeadLetter {
-    /// A letter as `dead.lua` lists it: id, burial score (ms), record, error.
+    /// A letter as `dead.lua` lists it: stored id, burial score (ms),
+    /// record, error; `keyed` for a keyed partition's dead set, whose
+    /// members are `<key>\0<id>`.
     pub(crate) fn new(
-        (id, buried_ms, record, error): (String, f64, Option<Vec<u8>>, Option<String>),
+        keyed: bool,
+        (stored, buried_ms, record, error): (String, f64, Option<Vec<u8>>, Option<String>),
     ) -> Self {
         let record = record.unwrap_or_default();
         let r = split_or_raw(&record);
+        let split = keyed.then(|| super::keyed::split_stored(&stored)).flatten();
+        let (key, id) = match split {
+            Some((key, id)) => (Some(key.to_owned()), id.to_owned()),
+            None => (None, stored.clone()),
+        };
         Self {
             id,
+            key,
+            stored,
             buried_at: from_unix_ms(buried_ms as i64),
             error,
             failures: r.failures,

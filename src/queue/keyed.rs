@@ -335,6 +335,27 @@ impl Log {
     }
 }
 
+/// A keyed message's id as its partition stores it, `<key>\0<id>`: an
+/// id is unique within its key (see `stored_id` in `lua/keyed.lua`).
+pub(crate) fn stored_id(key: &str, id: &str) -> String {
+    format!("{key}\0{id}")
+}
+
+/// The message's own id in `stored`, the stored id of a message of `key`.
+fn own_id(key: &str, stored: &str) -> String {
+    let id = stored
+        .strip_prefix(key)
+        .and_then(|rest| rest.strip_prefix('\0'));
+    id.unwrap_or(stored).to_owned()
+}
+
+/// A stored id's key and own id (see [`stored_id`]); `None` for an id
+/// stored without its key (a message left by a version before ids were
+/// per key).
+pub(crate) fn split_stored(stored: &str) -> Option<(&str, &str)> {
+    stored.split_once('\0')
+}
+
 /// The attempt a record's next delivery is (its failures plus one).
 fn attempt_of(record: &[u8]) -> u32 {
     super::job::split_record(record).map_or(1, |r| r.failures.saturating_add(1))
@@ -686,7 +707,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut turns = Vec::with_capacity(taken.len());
         for (key, id, seq, permits, rated, record) in taken {
             let found = candidates.iter().position(|k| k.as_bytes() == key);
-            let (Some(i), Some(id), Some(seq)) = (found, text(id), text(seq)) else {
+            let (Some(i), Some(stored), Some(seq)) = (found, text(id), text(seq)) else {
                 // Cannot happen with lockgate's script; if it does, the
                 // entry comes back after its lease.
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
@@ -702,8 +723,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 seq,
             };
             turns.push(Turn {
+                id: own_id(&candidates[i], &stored),
                 held: Arc::new(held),
-                id,
                 claim,
                 record,
             });
@@ -780,7 +801,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let ms = |d: Option<Duration>| d.map_or(String::new(), |d| millis(d).to_string());
         cmd.arg(op)
             .arg(&held.key)
-            .arg(id)
+            .arg(stored_id(&held.key, id))
             .arg(&held.seq)
             .arg(claim)
             .arg(held.token.as_str())
@@ -823,7 +844,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 self.mark_after(held.partition.slot).await;
                 Settled::Done
             }
-            (3, Some((id, seq, record, renewed))) => {
+            (3, Some((stored, seq, record, renewed))) => {
                 let held = Held {
                     key: held.key.clone(),
                     // The lock passed on as it was, or under the new token.
@@ -834,8 +855,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                     ..**held
                 };
                 Settled::Next(Turn {
+                    id: own_id(&held.key, &stored),
                     held: Arc::new(held),
-                    id,
                     claim,
                     record,
                 })
@@ -963,7 +984,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         lease: Duration,
     ) -> Result<bool> {
         let mut cmd = held.partition.call(&EXTEND, 1);
-        let member = format!("{}\0{}\0{id}:{claim}", held.key, held.seq);
+        let member = format!(
+            "{}\0{}\0{}:{claim}",
+            held.key,
+            held.seq,
+            stored_id(&held.key, id)
+        );
         cmd.arg(held.lock_key(&self.keys.prefix))
             .arg(&member)
             .arg(held.token.as_str())
@@ -1070,8 +1096,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     ) -> Result<()> {
         self.mark_after(slot).await;
         let mut log = Log::default();
-        for ((id, attempt), key) in pairs.iter().zip(&keys) {
-            log.event(EventKind::Redriven, key, (id, *attempt));
+        for ((stored, attempt), key) in pairs.iter().zip(&keys) {
+            log.event(EventKind::Redriven, key, (&own_id(key, stored), *attempt));
         }
         self.record(log).await;
         Ok(())
@@ -1149,7 +1175,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             self.mark_after(slot).await;
             let mut log = Log::default();
-            for (key, id, attempt, error) in &ended {
+            for (key, stored, attempt, error) in &ended {
+                let id = &own_id(key, stored);
                 match error.as_str() {
                     "" => log.event(EventKind::Recovered, key, (id, *attempt)),
                     error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
@@ -1177,7 +1204,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             cmd.arg(limit);
             type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
             let (count, entries): (usize, Entries) = self.run(&PEEK, &cmd, attempted).await?;
-            for (n, (id, at, key, record)) in entries.into_iter().enumerate() {
+            for (n, (stored, at, key, record)) in entries.into_iter().enumerate() {
+                let id = own_id(&key, &stored);
                 let mut peeked = super::Peeked::new(id, super::from_unix_ms(at), 0, record);
                 peeked.key = Some(key).filter(|key| !key.is_empty());
                 match n < count {
@@ -1189,65 +1217,103 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(())
     }
 
-    /// Removes keyed message `id` where it waits or lies dead (see
-    /// `lua/keyed_remove.lua`); returns whether it was found so.
+    /// Removes the keyed messages with id `id`, under whichever key, where
+    /// they wait or lie dead (see `lua/keyed_remove.lua`); returns whether
+    /// it found one so. Each partition's messages are scanned for the id
+    /// (`HSCAN … MATCH`), then each one found is looked for in its key's
+    /// line: an operator's call, O(messages) per partition.
     pub(crate) async fn remove(&self, id: &str) -> Result<bool> {
         let attempted = || format!("removing message `{id}`");
-        let slots = self.slots().await?;
-        // One command per partition, all sent at once (a cluster's pipeline
-        // takes one slot only; a multiplexed connection pipelines these).
-        let found = futures_util::future::try_join_all(slots.iter().map(|slot| {
-            let data = self.partition(*slot).keys[DATA].clone();
-            let mut conn = self.conn.clone();
-            async move { Cmd::hexists(data, id).query_async::<bool>(&mut conn).await }
-        }))
-        .await
-        .map_err(Error::redis(attempted()))?;
         let mut removed = false;
-        for (slot, _) in slots.iter().zip(found).filter(|(_, found)| *found) {
-            let partition = self.partition(*slot);
-            let member = self.place_in_line(&partition, id).await?;
-            let mut cmd = partition.call(&REMOVE, 0);
-            cmd.arg(id).arg(member.unwrap_or_default());
-            let key: Option<String> = self.run(&REMOVE, &cmd, attempted).await?;
-            if let Some(key) = key {
-                let mut log = Log::default();
-                log.event(EventKind::Removed, &key, (id, 1));
-                self.record(log).await;
-                removed = true;
+        for slot in self.slots().await? {
+            let partition = self.partition(slot);
+            let found = self.scan_for(&partition.keys[DATA], "HSCAN", id).await?;
+            for stored in found {
+                let Some((key, _)) = split_stored(&stored) else {
+                    continue;
+                };
+                let member = self.place_in_line(&partition, key, &stored).await?;
+                let mut cmd = partition.call(&REMOVE, 0);
+                cmd.arg(&stored).arg(member.unwrap_or_default());
+                let key: Option<String> = self.run(&REMOVE, &cmd, attempted).await?;
+                if let Some(key) = key {
+                    let mut log = Log::default();
+                    log.event(EventKind::Removed, &key, (id, 1));
+                    self.record(log).await;
+                    removed = true;
+                }
             }
         }
         Ok(removed)
     }
 
-    /// The member of `id` in a partition's lines, `<key>\0<seq>\0<id>`, found
-    /// by scanning them (`ZSCAN … MATCH`, a batch per round trip), or `None`.
-    async fn place_in_line(&self, partition: &Partition, id: &str) -> Result<Option<Vec<u8>>> {
-        let mut pattern = b"*\0".to_vec();
-        for byte in id.bytes() {
-            if matches!(byte, b'*' | b'?' | b'[' | b']' | b'\\') {
-                pattern.push(b'\\');
+    /// The stored ids (see [`stored_id`]) of the messages with id `id`,
+    /// under any key, in the hash or sorted set `set` of a partition, found
+    /// by `scan` (`HSCAN` or `ZSCAN`) a batch per round trip.
+    pub(crate) async fn scan_for(&self, set: &str, scan: &str, id: &str) -> Result<Vec<String>> {
+        let mut pattern = "*\0".to_owned();
+        for c in id.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                pattern.push('\\');
             }
-            pattern.push(byte);
+            pattern.push(c);
         }
-        let mut cursor = 0u64;
+        let (mut cursor, mut found) = (0u64, Vec::new());
         loop {
-            let (next, found): (u64, Vec<(Vec<u8>, f64)>) = redis::cmd("ZSCAN")
-                .arg(&partition.keys[LINES])
+            let (next, page): (u64, Vec<String>) = redis::cmd(scan)
+                .arg(set)
                 .arg(cursor)
                 .arg("MATCH")
                 .arg(&pattern)
                 .arg("COUNT")
                 .arg(1000)
-                .query_on(self.conn, || format!("looking for message `{id}` in line"))
+                .query_on(self.conn, || format!("looking for message `{id}`"))
                 .await?;
-            if let Some((member, _)) = found.into_iter().next() {
-                return Ok(Some(member));
-            }
+            // Field and value (score) alternate; the key holds no NUL, so
+            // the id is what follows the first.
+            let fields = page.into_iter().step_by(2);
+            found.extend(fields.filter(|f| split_stored(f).is_some_and(|(_, own)| own == id)));
             if next == 0 {
-                return Ok(None);
+                return Ok(found);
             }
             cursor = next;
+        }
+    }
+
+    /// The member of message `stored` in the line of `key`,
+    /// `<key>\0<seq>\0<stored id>`, found by reading that line a page at a
+    /// time, or `None`.
+    async fn place_in_line(
+        &self,
+        partition: &Partition,
+        key: &str,
+        stored: &str,
+    ) -> Result<Option<Vec<u8>>> {
+        let mut from = [b"[", key.as_bytes(), b"\0"].concat();
+        let to = [b"(", key.as_bytes(), b"\x01"].concat();
+        let place = |member: &[u8]| {
+            member.len() == key.len() + 18 + stored.len() && member.ends_with(stored.as_bytes())
+        };
+        loop {
+            let page: Vec<Vec<u8>> = redis::cmd("ZRANGE")
+                .arg(&partition.keys[LINES])
+                .arg(&from)
+                .arg(&to)
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(1000)
+                .query_on(self.conn, || {
+                    format!("looking for message `{stored}` in line")
+                })
+                .await?;
+            if let Some(member) = page.iter().find(|m| place(m)) {
+                return Ok(Some(member.clone()));
+            }
+            match page.last() {
+                Some(last) if page.len() == 1000 => from = [b"(", &last[..]].concat(),
+                _ => return Ok(None),
+            }
         }
     }
 }

@@ -285,7 +285,9 @@ impl PushOptions {
 
     /// Uses `id` as the message id. Pushing an id that exists already (in
     /// any state) changes nothing and reports the existing message: this is
-    /// how to de-duplicate. Ids must not be empty.
+    /// how to de-duplicate. A keyed message's id is unique within its
+    /// [`key`](Self::key): the same id under another key is another
+    /// message. Ids must not be empty.
     pub fn id(mut self, id: impl Into<String>) -> Self {
         self.id = Some(id.into());
         self
@@ -1814,8 +1816,9 @@ where
     /// Deletes a scheduled or dead message; returns whether it did. A message
     /// being processed is left to its worker (`false`): deleting it then
     /// would let that worker's claim act on a later message with the same id.
-    /// A keyed message is looked for in every partition, then in its
-    /// partition's lines: O(messages in line) there.
+    /// Keyed messages with this id are removed under whichever key (an id
+    /// is unique within its key): each partition is scanned for the id,
+    /// O(messages) there.
     pub async fn remove(&self, id: &str) -> Result<bool> {
         let shards = self.layout().await?;
         let k = &shards.keys[shards.of(id)];

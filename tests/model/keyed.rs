@@ -31,7 +31,10 @@ use redis::aio::ConnectionManager;
 use crate::support::{self, ms, secs};
 use crate::{Fault, fault};
 
-/// Ids a history draws from; message `m<n>` has key `n % KEYS`.
+/// Messages a history draws from: message `n` has key `n % KEYS` and id
+/// `m<n / KEYS>`, so that one id names a message under each key (an id is
+/// unique within its key, issue 37). Keys 0 and 1 share a hash slot (one
+/// partition), key 2 is in another.
 const IDS: usize = 6;
 const KEYS: usize = 3;
 /// The key with permits (`PushOptions::permits(LIMIT)`), not a lock.
@@ -218,7 +221,8 @@ struct World<'a> {
     /// Claimed jobs the worker holds, stale ones included.
     hands: Vec<(Job<u64>, u64)>,
     last_claim: u64,
-    history: usize,
+    /// The history's keys (see [`keys`]).
+    keys: [String; KEYS],
 }
 
 fn rate() -> lockgate::lock::rate::Rate {
@@ -226,17 +230,29 @@ fn rate() -> lockgate::lock::rate::Rate {
 }
 
 fn id(n: usize) -> String {
-    format!("m{n}")
+    format!("m{}", n / KEYS)
+}
+
+/// History `h`'s keys: the first two hash to one slot, so their messages
+/// share a partition (and their ids its hashes); the third to another.
+fn keys(h: usize) -> [String; KEYS] {
+    let slot = |key: &str| crc16::State::<crc16::XMODEM>::calculate(key.as_bytes()) % 16_384;
+    let first = format!("h{h}-k0");
+    let same = (0..).map(|i| format!("h{h}-k1-{i}"));
+    let second = same.into_iter().find(|k| slot(k) == slot(&first));
+    let third = (0..).map(|i| format!("h{h}-k2-{i}"));
+    let third = third.into_iter().find(|k| slot(k) != slot(&first));
+    [first, second.expect("a key"), third.expect("a key")]
 }
 
 impl World<'_> {
     fn key(&self, k: usize) -> String {
-        format!("h{}-k{k}", self.history)
+        self.keys[k].clone()
     }
 
+    /// The key of `job` (its payload is its message's number).
     fn key_index(&self, job: &Job<u64>) -> usize {
-        let n: usize = job.id()[1..].parse().expect("an id m<n>");
-        n % KEYS
+        *job.payload() as usize % KEYS
     }
 
     /// A job the worker holds, and the generation of its message.
@@ -593,6 +609,7 @@ impl World<'_> {
             prop_assert_eq!(self.model.first_waiting(k), Some(n), "{}: not the head", at);
             let key = self.key(k);
             prop_assert_eq!(job.key(), Some(key.as_str()), "{}: the key", at);
+            prop_assert_eq!(job.id(), id(n), "{}: the id", at);
             prop_assert!(
                 job.claim() > self.last_claim,
                 "{}: claim number went back",
@@ -713,7 +730,7 @@ async fn run_history(
         model: Model::default(),
         hands: Vec::new(),
         last_claim: 0,
-        history: n,
+        keys: keys(n),
     };
     for (i, step) in history.iter().enumerate() {
         let at = format!("step {i}: {step:?}");

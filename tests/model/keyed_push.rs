@@ -12,8 +12,9 @@
 //! positive numbers (at most 7, 15, -, 15 digits) with `b <= l`; `when`
 //! as the unkeyed script's, without a priority; a payload any bytes but
 //! those starting with digits and a colon. An accepted call answers one
-//! flat list, two entries per message: added (1 for an id new to the
-//! partition, 0 for one there already, also from earlier in the same call)
+//! flat list, two entries per message: added (1 for an id new to its key,
+//! 0 for one there already under that key, also from earlier in the same
+//! call; the same id under another key of the partition is another message)
 //! and, for a new message, its due time (at or before now: in line at
 //! once), for an id already there its due time while it waits to be due,
 //! else -1; an id already there is left as it is.
@@ -194,9 +195,9 @@ async fn run_history(
         .map(|name| format!("lockgate:{{0}}:kp-{n}:{name}"))
         .collect();
     let script = redis::Script::new(include_str!("../../scripts/push_keyed.lua"));
-    // Per id: what a push of it again answers (its due time while it
-    // waits to be due, else -1: in line).
-    let mut model: BTreeMap<Vec<u8>, i64> = BTreeMap::new();
+    // Per key and id: what a push of it again answers (its due time while
+    // it waits to be due, else -1: in line).
+    let mut model: BTreeMap<(Vec<u8>, Vec<u8>), i64> = BTreeMap::new();
     for (step, call) in history.iter().enumerate() {
         let at = format!("call {step}: {call:?}");
         let before = dump(&mut conn, &keys).await;
@@ -248,8 +249,9 @@ async fn run_history(
             "{}: one flat list",
             at
         );
-        for ((_, _, id, when, _), answer) in call.messages.iter().zip(reply.chunks(2)) {
-            match model.get(id) {
+        for ((key, _, id, when, _), answer) in call.messages.iter().zip(reply.chunks(2)) {
+            let message = (key.clone(), id.clone());
+            match model.get(&message) {
                 Some(again) => {
                     prop_assert_eq!(answer, &[0, *again][..], "{}: existing {:?}", at, id)
                 }
@@ -270,7 +272,7 @@ async fn run_history(
                     if !dues.iter().all(waits) && dues.iter().any(waits) {
                         return Ok(()); // due just at the edge of now: the model cannot tell
                     }
-                    model.insert(id.clone(), if dues.iter().all(waits) { d } else { -1 });
+                    model.insert(message, if dues.iter().all(waits) { d } else { -1 });
                 }
             }
         }

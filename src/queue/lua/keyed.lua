@@ -5,7 +5,8 @@
 -- `<p>:{<t>}:<q>` in the hash slot of its lock (<t>: the slot's tag, see
 -- src/queue/keyed.rs), so one script sees the lock and the line. Every
 -- keyed script takes the partition's keys first, in this order:
--- KEYS[1] data: hash id -> record (the queue's record format)
+-- KEYS[1] data: hash id -> record (the queue's record format); a keyed
+--   message's id here is its stored id (see stored_id), as everywhere below
 -- KEYS[2] schedule: zset id -> due ms (delayed messages and re-driven dead
 --   letters, until they are due and join their key's line)
 -- KEYS[3] active: zset "<line member>:<claim>" -> lease deadline
@@ -30,6 +31,16 @@
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local AT_WORK = -1
+
+-- A keyed message's id as its partition stores it (the field of `data`,
+-- the member of `schedule`, `dead` and `keyof`, the last part of its line
+-- member): "<key>\0<id>". An id is unique within its key: the same id
+-- under another key is another message, whichever partition that key's
+-- lock hashes to. Only the push scripts make one; every other script
+-- takes it from its caller or its line as it is.
+local function stored_id(key, id)
+  return key .. '\0' .. id
+end
 
 local function line_member(key, seq, id)
   return key .. '\0' .. seq .. '\0' .. id

@@ -1,5 +1,6 @@
 -- Adds keyed messages to a partition (see keyed.lua); an id that exists
--- already is left as it is (de-duplication, as push.lua).
+-- already under the same key is left as it is (de-duplication, as
+-- push.lua); under another key it is another message.
 -- KEYS[1..11]: the partition   ARGV: quintuples (key, limits, id, when,
 -- payload): key non-empty without NUL; limits "" (the key's as they are),
 -- or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
@@ -64,7 +65,7 @@ for i = 1, #ARGV, 5 do
 end
 local out = {}
 for i = 1, #ARGV, 5 do
-  local key, id, due = ARGV[i], ARGV[i + 2], dues[i]
+  local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])
   if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
     place(key, id, due, now)

@@ -9,7 +9,7 @@
 -- keyed_push.lua's)   ARGV[3]: the id   ARGV[4]: the delay in ms before it
 -- joins the line   ARGV[5]: its record in the queue
 -- Returns {added (1|0), due ms}.
-local key, id = ARGV[1], ARGV[3]
+local key, id = ARGV[1], stored_id(ARGV[1], ARGV[3])
 local now = now_ms()
 local due = now + tonumber(ARGV[4])
 local permits, rate = string.match(ARGV[2], '^(%d*)/?(.*)$')
