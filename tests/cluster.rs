@@ -1189,3 +1189,45 @@ async fn delete_prefix_with_each_master_deletes_keys_of_many_slots() {
     assert_eq!(deleted, 30);
     assert!(keys_by_node(&cluster).await.iter().all(BTreeSet::is_empty));
 }
+
+/// Issue 37, item 1, on a cluster: keyed messages whose partitions the
+/// queue's index does not name (a producer stopped between its push and
+/// its index step; here the index is deleted after the pushes) are found
+/// by the workers' sweep within its period, each handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_partitions_missing_from_the_index_are_found_on_a_cluster() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "unindexed").unwrap();
+    for n in 0..12u64 {
+        let options = lockgate::PushOptions::new().key(format!("k{}", n % 6));
+        queue.push_with(n, options).await.unwrap();
+    }
+    let _: () = redis::cmd("DEL")
+        .arg("lockgate:{unindexed}:partitions")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let handled = Arc::new(Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let service = tower::service_fn(move |job: Job<u64>| {
+        seen.lock().unwrap().push(*job);
+        async { Ok::<_, BoxError>(()) }
+    });
+    let worker = Worker::new(cluster.client(), queue, service)
+        .lease(Duration::from_millis(300))
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move { drop(stopped.await) }));
+    // The sweep runs at most every 5 s: within that and its own time.
+    support::eventually("every message handled", support::secs(10), async || {
+        let n = handled.lock().unwrap().len();
+        support::done_if(n == 12, n)
+    })
+    .await;
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    let mut all = handled.lock().unwrap().clone();
+    all.sort_unstable();
+    assert_eq!(all, (0..12).collect::<Vec<u64>>(), "each once");
+}

@@ -264,6 +264,10 @@ pub(crate) const RECHECK_MS: i64 = 30_000;
 /// one server ([`Keyed::heal_index`]).
 const HEAL_BATCH: usize = 1024;
 
+/// `EXISTS` a sweep for unindexed partitions has in flight at once on a
+/// cluster ([`Keyed::heal_index`]).
+const HEAL_WINDOW: usize = 64;
+
 /// How long a claim hides the partitions it visits from other claims: their
 /// index entries are raised this far ahead before its scripts and settled
 /// after them. A claim that never comes back (its reply timed out, the
@@ -1110,23 +1114,24 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// truth, the index a hint. A partition's place is known from its slot
     /// alone (its tag), so the sweep asks each of the 16,384 whether its
     /// data exists, a cost that does not grow with the keys: on one server
-    /// in 16 script calls of [`HEAL_BATCH`] keys. Not on a cluster: one
-    /// script sees one slot there, and 16,384 `EXISTS` sent through a
-    /// cluster connection while slots move or a master fails over stalled
-    /// the connection for every other request (the shards bench and the
-    /// failover test, 64 at a time included); there a push whose index
-    /// step never came waits for the next push to its partition. Returns
-    /// how many it put back (due now; the bell rings).
+    /// in 16 script calls of [`HEAL_BATCH`] keys; on a cluster, where a
+    /// script sees one slot, one `EXISTS` per slot, [`HEAL_WINDOW`] at a
+    /// time. The worker sweeps on a connection of its own (16,384 requests
+    /// through the shared one, while slots moved or a master failed over,
+    /// stalled every other request behind them). Returns how many it put
+    /// back (due now; the bell rings).
     pub(crate) async fn heal_index(&self) -> Result<usize> {
         let attempted = || format!("looking for unindexed partitions of {}", self.keys.name);
-        if self.is_cluster().await? {
-            return Ok(0);
-        }
         let indexed: HashSet<u16> = self.slots().await?.into_iter().collect();
         let slots: Vec<u16> = (0..SLOTS).filter(|slot| !indexed.contains(slot)).collect();
         let mut missing = Vec::new();
-        for batch in slots.chunks(HEAL_BATCH) {
-            let found = self.existing_at_once(batch).await;
+        let cluster = self.is_cluster().await?;
+        let batch = if cluster { HEAL_WINDOW } else { HEAL_BATCH };
+        for batch in slots.chunks(batch) {
+            let found = match cluster {
+                true => self.existing_one_by_one(batch).await,
+                false => self.existing_at_once(batch).await,
+            };
             missing.extend(found.map_err(Error::redis(attempted()))?);
         }
         if !missing.is_empty() {
@@ -1148,6 +1153,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .into_iter()
             .filter_map(|i| batch.get(i.wrapping_sub(1)).copied())
             .collect())
+    }
+
+    /// The slots of `batch` whose partition holds messages, one `EXISTS`
+    /// each, all in flight at once (a cluster routes each to its node).
+    async fn existing_one_by_one(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
+        let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
+            let data = self.partition(*slot).keys[DATA].clone();
+            let mut conn = self.conn.clone();
+            async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
+        }))
+        .await?;
+        let slots = batch.iter().zip(found).filter(|(_, found)| *found);
+        Ok(slots.map(|(slot, _)| *slot).collect())
     }
 
     /// Every partition in the index.

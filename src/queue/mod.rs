@@ -74,7 +74,7 @@ pub const MAX_BATCH: usize = 1000;
 
 /// The least time between two sweeps for keyed partitions missing from the
 /// index (see `Queue::heal_in_turn`): each asks all 16,384 slots.
-const HEAL_EVERY_MS: u64 = 5_000;
+pub(crate) const HEAL_EVERY: Duration = Duration::from_secs(5);
 
 /// A Redis delay queue of `T` messages.
 ///
@@ -113,8 +113,13 @@ impl<T, C> Queue<T, C> {
     }
 
     fn keyed(&self) -> Keyed<'_, C> {
+        self.keyed_on(&self.conn)
+    }
+
+    /// The keyed side of the queue, on another connection than its own.
+    fn keyed_on<'a, D>(&'a self, conn: &'a D) -> Keyed<'a, D> {
         Keyed {
-            conn: &self.conn,
+            conn,
             keys: &self.keys,
             state: &self.keyed,
             recording: self.recording,
@@ -1411,17 +1416,19 @@ where
         let Some(_) = taken else {
             return Ok(Recovered::default());
         };
-        let recovered = self.recover(max_stalls).await?;
-        self.heal_in_turn(every).await?;
-        Ok(recovered)
+        self.recover(max_stalls).await
     }
 
     /// Sweeps for keyed partitions missing from the index
-    /// (`Keyed::heal_index`), unless a handle of the queue did in the last
-    /// [`HEAL_EVERY_MS`] (or `every` ms, when longer): a message a producer
-    /// pushed without its index step is found within about that.
-    async fn heal_in_turn(&self, every: u64) -> Result<()> {
-        let period = every.max(HEAL_EVERY_MS);
+    /// (`Keyed::heal_index`) over `conn`, unless a handle of the queue did
+    /// in the last [`HEAL_EVERY`] (or `every`, when longer): a message a
+    /// producer pushed without its index step is found within about that.
+    /// Returns how many partitions it put back.
+    pub(crate) async fn heal_in_turn<D>(&self, conn: &D, every: Duration) -> Result<usize>
+    where
+        D: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let period = millis(every.max(HEAL_EVERY));
         let mut turn = redis::cmd("SET");
         turn.arg(format!("{}:healing", self.keys.base));
         turn.arg(1).arg("NX").arg("PX").arg(period * 9 / 10);
@@ -1431,11 +1438,11 @@ where
                 self.name()
             )
         };
-        let taken: Option<String> = turn.query_on(&self.conn, attempted).await?;
-        if taken.is_some() {
-            self.keyed().heal_index().await?;
+        let taken: Option<String> = turn.query_on(conn, attempted).await?;
+        match taken {
+            Some(_) => self.keyed_on(conn).heal_index().await,
+            None => Ok(0),
         }
-        Ok(())
     }
 
     /// Recovers the messages without a key of the shard of keys `k`.

@@ -54,7 +54,7 @@ use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::layer::HeldLock;
 use crate::outcome::Outcome;
-use crate::queue::{Acked, Claim, ClaimToken, Connector, Job, MAX_BATCH, Queue};
+use crate::queue::{Acked, Claim, ClaimToken, Connector, HEAL_EVERY, Job, MAX_BATCH, Queue};
 
 /// What the worker's tasks need of a payload type: its bounds, named once.
 trait Payload: Serialize + DeserializeOwned + Send + Sync + 'static {}
@@ -350,6 +350,8 @@ where
         let mut background = JoinSet::new();
         background.spawn(renew_leases(shared.clone()));
         background.spawn(recover_expired(shared.clone()));
+        let connector = Arc::new(self.connector);
+        background.spawn(heal_index(shared.clone(), connector.clone()));
         shared.metrics.register(self.queue.name());
         if let Some(every) = shared.config.sample_every {
             let metrics = shared.metrics.clone();
@@ -359,7 +361,7 @@ where
         let (acks, ack_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
         let mut run = run::Run {
-            waiter: self.queue.waiter(self.connector),
+            waiter: self.queue.waiter(connector),
             service: self.service,
             shared,
             acks,
@@ -1082,6 +1084,45 @@ async fn recover_expired<T: Payload, C: Conn>(shared: Arc<Shared<T, C>>) {
                 shared.metrics.count(Count::RedisErrors);
                 tracing::warn!(%error, "could not recover expired leases");
             }
+        }
+    }
+}
+
+/// Looks for keyed partitions missing from the queue's index (a producer
+/// stopped between its push and its index step), in turn with the queue's
+/// other workers, at most every [`HEAL_EVERY`] (or the recovery's period,
+/// when longer). The sweep's thousands of requests go over a connection of
+/// its own, opened by the worker's connector: they never wait behind the
+/// worker's claims and renewals, nor hold those up. A sweep that fails or
+/// outlasts its period drops its connection; the next opens another.
+async fn heal_index<T: Payload, C: Conn, K: Connector>(shared: Arc<Shared<T, C>>, connector: K) {
+    let every = shared.config.lease / 3;
+    let period = every.max(HEAL_EVERY);
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut conn = None;
+    loop {
+        ticks.tick().await;
+        let c = match conn.take() {
+            Some(c) => c,
+            None => match connector.connect().await {
+                Ok(c) => c,
+                Err(error) => {
+                    tracing::warn!(%error, "could not connect to look for unindexed keyed partitions");
+                    continue;
+                }
+            },
+        };
+        let sweep = tokio::time::timeout(period, shared.queue.heal_in_turn(&c, every)).await;
+        match sweep {
+            Ok(Ok(_)) => conn = Some(c),
+            Ok(Err(error)) => {
+                shared.metrics.count(Count::RedisErrors);
+                tracing::warn!(%error, "could not look for unindexed keyed partitions");
+            }
+            Err(_) => tracing::warn!(
+                "looking for unindexed keyed partitions took over {period:?}: given up until the next turn"
+            ),
         }
     }
 }
