@@ -31,24 +31,113 @@ fn unix_us() -> u64 {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    println!("## a cold key's message under hot keys' backlog: push → handler start");
-    println!("3 workers × concurrency 8 in one process, handlers 2 ms; a cold message every 20 ms");
-    println!("| hot backlog | cold messages | p50 | p99 | max |\n|---|---|---|---|---|");
-    for backlog in [0, size(2_000, 20)] {
-        cold_latency(backlog).await?;
+    // `KEYED_BENCH=reads` (say) runs that part alone.
+    let only = std::env::var("KEYED_BENCH").ok();
+    let runs = |part: &str| only.as_deref().is_none_or(|only| only == part);
+    if runs("cold") {
+        println!("## a cold key's message under hot keys' backlog: push → handler start");
+        println!(
+            "3 workers × concurrency 8 in one process, handlers 2 ms; a cold message every 20 ms"
+        );
+        println!("| hot backlog | cold messages | p50 | p99 | max |\n|---|---|---|---|---|");
+        for backlog in [0, size(2_000, 20)] {
+            cold_latency(backlog).await?;
+        }
     }
-    println!("\n## claim cost as keys with waiting messages grow (one message per key)");
-    println!("| keys | claimed and acknowledged per s, one claimer, batches of 100 |\n|---|---|");
-    for keys in [size(1_000, 10), size(100_000, 100)] {
-        claim_cost(keys).await?;
+    if runs("claims") {
+        println!("\n## claim cost as keys with waiting messages grow (one message per key)");
+        println!(
+            "| keys | claimed and acknowledged per s, one claimer, batches of 100 |\n|---|---|"
+        );
+        for keys in [size(1_000, 10), size(100_000, 100)] {
+            claim_cost(keys).await?;
+        }
     }
+    if runs("hot") {
+        println!(
+            "\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)"
+        );
+        println!(
+            "| messages | per s | handler (mean) | round trip (mean PING) | ceiling | share |\n|---|---|---|---|---|---|"
+        );
+        hot_key(size(3_000, 30)).await?;
+    }
+    if runs("reads") {
+        println!(
+            "\n## reading a queue of one message per key beside one of as many messages without a key"
+        );
+        println!(
+            "median of 5 calls; commands: `INFO commandstats` per call, scripts' inner commands included"
+        );
+        println!(
+            "| messages | keyed stats | its commands | unkeyed stats | its commands | keyed recovery sweep | its commands |\n|---|---|---|---|---|---|---|"
+        );
+        for keys in [size(10_000, 100), size(100_000, 200)] {
+            reads(keys).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The commands the server has run so far (`INFO commandstats`).
+async fn commands(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    let calls = info.lines().filter_map(|line| {
+        let (_, rest) = line.split_once("calls=")?;
+        rest.split(',').next()?.parse::<u64>().ok()
+    });
+    Ok(calls.sum())
+}
+
+/// The median time of 5 runs of `call`, and its commands per run.
+async fn timed<F, Fut>(
+    conn: &redis::aio::ConnectionManager,
+    call: F,
+) -> Result<(f64, u64), BoxError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = lockgate::Result<()>>,
+{
+    let (mut times, before) = (Vec::new(), commands(conn).await?);
+    for _ in 0..5 {
+        let started = Instant::now();
+        call().await?;
+        times.push(ms(started.elapsed()));
+    }
+    // Each INFO call counts itself once.
+    let ran = commands(conn).await? - before - 1;
+    Ok((median(times), ran / 5))
+}
+
+/// `stats()` of a queue of `n` messages on `n` keys beside one of `n`
+/// messages without a key, and a recovery sweep of the keyed one (nothing
+/// expired: the cost of looking).
+async fn reads(n: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let keyed: Queue<Msg> = Queue::new(conn.clone(), "keyed")?;
+    let plain: Queue<Msg> = Queue::new(conn.clone(), "plain")?;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let msg = |n: &usize| Msg {
+            key: format!("k{n}"),
+            pushed: 0,
+        };
+        let keyed_msgs = chunk
+            .iter()
+            .map(|n| (msg(n), PushOptions::new().key(format!("k{n}"))));
+        keyed.push_many_with(keyed_msgs).await?;
+        plain.push_many(chunk.iter().map(msg)).await?;
+    }
+    let (keyed_ms, keyed_cmds) = timed(&conn, || async { keyed.stats().await.map(drop) }).await?;
+    let (plain_ms, plain_cmds) = timed(&conn, || async { plain.stats().await.map(drop) }).await?;
+    let (sweep_ms, sweep_cmds) =
+        timed(&conn, || async { keyed.recover(3).await.map(drop) }).await?;
     println!(
-        "\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)"
+        "| {n} | {keyed_ms:.1} ms | {keyed_cmds} | {plain_ms:.1} ms | {plain_cmds} | {sweep_ms:.1} ms | {sweep_cmds} |"
     );
-    println!(
-        "| messages | per s | handler (mean) | round trip (mean PING) | ceiling | share |\n|---|---|---|---|---|---|"
-    );
-    hot_key(size(3_000, 30)).await?;
     Ok(())
 }
 

@@ -751,6 +751,32 @@ async fn hot_paths_make_as_many_round_trips_for_a_large_batch_as_for_a_small_one
     );
 }
 
+/// Issue 35, item 7: a claim over many keyed partitions asks them all at
+/// once, each for its share of the batch (then those that filled their
+/// share, for the room left), not one after another: a claim of 64 keyed
+/// messages over 64 keys in partitions of their own takes a few round
+/// trips, where it took one or two per partition it visited.
+#[tokio::test]
+async fn a_keyed_claim_over_many_partitions_asks_them_at_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (server, _) = server().await;
+    let conn = Counting::new(patient(&server).await);
+    let keyed: Queue<u64, Counting> = Queue::new(conn.clone(), "keyed-claims").unwrap();
+    let messages = (0..64u64).map(|i| (i, PushOptions::new().key(format!("account-{i}"))));
+    keyed.push_many_with(messages).await.unwrap();
+    let mut jobs = Vec::new();
+    let trips = conn
+        .trips_of(async || jobs = keyed.claim(64, secs(60)).await.unwrap().jobs)
+        .await;
+    eprintln!("a keyed claim of {}: {trips} round trips", jobs.len());
+    assert!(jobs.len() >= 32, "{} claimed", jobs.len());
+    assert!(
+        trips <= 8,
+        "{trips} round trips for a claim of {} over as many partitions",
+        jobs.len()
+    );
+}
+
 /// The same rule where a batch spreads: messages over as many keys as
 /// messages (a partition each, nearly), and over the shards of a sharded
 /// queue. Pushes and acknowledgements of 999 keyed messages, and a claim

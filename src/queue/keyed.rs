@@ -252,6 +252,13 @@ pub(crate) struct Claimed {
     pub(crate) next_at: Option<i64>,
 }
 
+/// `room` split into `n` shares that differ by one at most, the larger first.
+pub(crate) fn shares(room: usize, n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|k| room / n + usize::from(k < room % n))
+        .collect()
+}
+
 /// How many due partitions a claim names (the queue's claim script) and visits.
 pub(crate) const PARTITIONS_PER_CLAIM: usize = 32;
 
@@ -267,6 +274,10 @@ const HEAL_BATCH: usize = 1024;
 /// `EXISTS` a sweep for unindexed partitions has in flight at once on a
 /// cluster ([`Keyed::heal_index`]).
 const HEAL_WINDOW: usize = 64;
+
+/// Partitions a call that visits every partition of the index (stats,
+/// key loads, a look, a recovery sweep) has in flight at once.
+const PARTITIONS_AT_ONCE: usize = 64;
 
 /// How long a claim hides the partitions it visits from other claims: their
 /// index entries are raised this far ahead before its scripts and settled
@@ -476,21 +487,46 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             false => Some(raise),
         };
-        let (mut lowered, mut idle, mut failed) = (Vec::new(), Vec::new(), None);
-        for slot in slots {
-            let left = max - claimed.turns.len();
-            // A partition not visited (or not claimed) is due as it was.
-            let seen = match (left, &failed) {
-                (0, _) | (_, Some(_)) => (Some(now), Holds::AtWork),
-                _ => match (self.claim_in(slot, (left, lease), first.take(), &mut claimed)).await {
-                    Ok(seen) => seen,
+        // Each partition claims its share of `max`, all at once; those that
+        // filled theirs (they may hold more) share what room is left, once.
+        let mut seen: Vec<(u16, (Option<i64>, Holds))> = slots
+            .iter()
+            .map(|slot| (*slot, (Some(now), Holds::AtWork)))
+            .collect();
+        let mut failed = None;
+        let mut visits: Vec<(usize, usize)> =
+            (0..seen.len()).zip(shares(max, seen.len())).collect();
+        for _wave in 0..2 {
+            visits.retain(|(_, share)| *share > 0);
+            let wave = visits.iter().map(|(i, share)| (seen[*i].0, *share));
+            let results = self.claim_wave(wave.collect(), lease, first.take()).await;
+            let mut full = Vec::new();
+            for ((i, share), (result, took)) in visits.iter().zip(results) {
+                match result {
+                    Ok(saw) => seen[*i].1 = saw,
                     Err(error) => {
-                        failed = Some(error);
-                        (Some(now), Holds::AtWork)
+                        failed.get_or_insert(error);
                     }
-                },
-            };
-            match seen {
+                }
+                if took.turns.len() == *share {
+                    full.push(*i);
+                }
+                claimed.turns.extend(took.turns);
+                if let Some(at) = took.next_at {
+                    claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
+                }
+            }
+            let room = max - claimed.turns.len();
+            if failed.is_some() || room == 0 || full.is_empty() {
+                break;
+            }
+            let shares = shares(room, full.len());
+            visits = full.into_iter().zip(shares).collect();
+        }
+        let (mut lowered, mut idle) = (Vec::new(), Vec::new());
+        for (slot, saw) in seen {
+            // A partition not visited (or not claimed) is due as it was.
+            match saw {
                 (Some(at), _) => lowered.push((at.max(0), slot)),
                 (None, Holds::AtWork) => {}
                 (None, holds) => idle.push((slot, holds == Holds::Nothing)),
@@ -577,6 +613,27 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
         }
         Ok((lower_to, holds))
+    }
+
+    /// Claims up to `share` turns in each partition of `visits` (slot,
+    /// share), all at once (`first`, the index's raise, rides with the
+    /// first); per visit, what its claim saw (or its error) and what it
+    /// took.
+    async fn claim_wave(
+        &self,
+        visits: Vec<(u16, usize)>,
+        lease: Duration,
+        mut first: Option<Cmd>,
+    ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
+        let each = visits.into_iter().map(|(slot, share)| {
+            let first = first.take();
+            async move {
+                let mut took = Claimed::default();
+                let saw = self.claim_in(slot, (share, lease), first, &mut took).await;
+                (saw, took)
+            }
+        });
+        futures_util::future::join_all(each).await
     }
 
     /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
@@ -1009,11 +1066,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// its own instant.
     pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
         let attempted = || format!("reading stats of queue `{}`", self.keys.name);
-        let (mut total, mut oldest) = ([0; 4], None::<i64>);
-        for slot in self.slots().await? {
+        type Counts = (u64, u64, u64, u64, Vec<(String, i64)>, u64);
+        let each = self.each_partition(|slot| async move {
             let k = &self.partition(slot).keys;
-            type Counts = (u64, u64, u64, u64, Vec<(String, i64)>, u64);
-            let (lines, later, held, dead, ready, woken): Counts = redis::pipe()
+            let counts: Counts = redis::pipe()
                 .zcard(&k[LINES])
                 .zcard(&k[SCHEDULE])
                 .zcard(&k[ACTIVE])
@@ -1025,6 +1081,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Error::redis(attempted()))?;
+            Ok(counts)
+        });
+        let (mut total, mut oldest) = ([0; 4], None::<i64>);
+        for (lines, later, held, dead, ready, woken) in each.await? {
             for (total, n) in total.iter_mut().zip([lines, later, held, dead]) {
                 *total += n;
             }
@@ -1036,18 +1096,37 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((total, oldest))
     }
 
+    /// Runs `each` for every partition of the index, [`PARTITIONS_AT_ONCE`]
+    /// at a time (their requests pipelined on the connection, rather than
+    /// one round trip after another), and gives their results in slot
+    /// order.
+    async fn each_partition<R, F, Fut>(&self, each: F) -> Result<Vec<R>>
+    where
+        F: Fn(u16) -> Fut,
+        Fut: std::future::Future<Output = Result<R>>,
+    {
+        use futures_util::{StreamExt, TryStreamExt};
+        let slots = self.slots().await?;
+        futures_util::stream::iter(slots.into_iter().map(each))
+            .buffered(PARTITIONS_AT_ONCE)
+            .try_collect()
+            .await
+    }
+
     /// The keys with messages in line or at work in every partition of the
     /// index, with how many of each and how long the first in line has
     /// waited since its push; at most `most` of each active and ready set.
     /// Also how many keys the partitions hold in line or at work.
     pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<super::KeyLoad>, usize)> {
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
-        let (mut loads, mut count) = (Vec::new(), 0);
-        for slot in self.slots().await? {
+        type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
+        let each = self.each_partition(|slot| async move {
             let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
-            let (now, keys_here, keys): Loads = self.run(&KEY_LOADS, &cmd, attempted).await?;
+            self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await
+        });
+        let (mut loads, mut count) = (Vec::new(), 0);
+        for (now, keys_here, keys) in each.await? {
             count += keys_here;
             for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| super::span(now - pushed));
@@ -1180,32 +1259,40 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Ends the turns whose lease ran out in every partition of the index;
     /// returns how many went back to the head of their line, and were buried.
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
-        let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
         let (count, age) = self.recording.dead.args();
-        let (mut requeued, mut buried) = (0, 0);
-        for slot in self.slots().await? {
+        let (count, age) = (&count, &age);
+        let each = self.each_partition(|slot| async move {
+            let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
             let mut cmd = self.partition(slot).call(&RECOVER, 0);
-            cmd.arg(max_stalls).arg(1000).arg(&count).arg(&age);
+            cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
             let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
                 self.run(&RECOVER, &cmd, attempted).await?;
-            if ended.is_empty() {
-                continue;
+            if !ended.is_empty() {
+                self.recovered(slot, &ended).await;
             }
-            self.mark_after(slot).await;
-            let mut log = Log::default();
-            for (key, stored, attempt, error) in &ended {
-                let id = &own_id(key, stored);
-                match error.as_str() {
-                    "" => log.event(EventKind::Recovered, key, (id, *attempt)),
-                    error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
-                }
-            }
-            self.record(log).await;
             let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
-            buried += dead;
-            requeued += ended.len() - dead;
+            Ok((ended.len() - dead, dead))
+        });
+        let ended = each.await?.into_iter();
+        Ok(ended.fold((0, 0), |(r, b), (requeued, buried)| {
+            (r + requeued, b + buried)
+        }))
+    }
+
+    /// Marks partition `slot` after its recovery ended the turns `ended`
+    /// (key, stored id, attempt, error: "" when requeued), and records
+    /// their events.
+    async fn recovered(&self, slot: u16, ended: &[(String, String, u32, String)]) {
+        self.mark_after(slot).await;
+        let mut log = Log::default();
+        for (key, stored, attempt, error) in ended {
+            let id = &own_id(key, stored);
+            match error.as_str() {
+                "" => log.event(EventKind::Recovered, key, (id, *attempt)),
+                error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
+            }
         }
-        Ok((requeued, buried))
+        self.record(log).await;
     }
 
     /// Adds up to `limit` of each partition's next messages in line or
@@ -1217,11 +1304,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         active: &mut Vec<super::Peeked>,
     ) -> Result<()> {
         let attempted = || format!("looking into queue `{}`", self.keys.name);
-        for slot in self.slots().await? {
+        type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
+        let each = self.each_partition(|slot| async move {
             let mut cmd = self.partition(slot).call(&PEEK, 0);
             cmd.arg(limit);
-            type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
-            let (count, entries): (usize, Entries) = self.run(&PEEK, &cmd, attempted).await?;
+            self.run::<(usize, Entries)>(&PEEK, &cmd, attempted).await
+        });
+        for (count, entries) in each.await? {
             for (n, (stored, at, key, record)) in entries.into_iter().enumerate() {
                 let id = own_id(&key, &stored);
                 let mut peeked = super::Peeked::new(id, super::from_unix_ms(at), 0, record);

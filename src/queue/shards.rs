@@ -22,7 +22,7 @@ use redis::{Cmd, Value};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::keyed::{RECHECK_MS, lock};
+use super::keyed::{RECHECK_MS, lock, shares};
 use super::scripts::{self, Query};
 use super::{Claimed, Queue, QueueKeys};
 use crate::error::{Error, Result};
@@ -461,13 +461,6 @@ where
             self.name()
         )))
     }
-}
-
-/// `room` split into `n` shares that differ by one at most, the larger first.
-fn shares(room: usize, n: usize) -> Vec<usize> {
-    (0..n)
-        .map(|k| room / n + usize::from(k < room % n))
-        .collect()
 }
 
 /// Adds what one claim script claimed to `claimed`.
