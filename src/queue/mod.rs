@@ -38,8 +38,11 @@ mod events;
 mod job;
 mod keyed;
 mod lease;
+mod read;
 pub use keyed::MAX_RUN;
 use keyed::{Held, Keyed, KeyedState, Outcome, Settled};
+use read::span;
+pub use read::{Activity, Completed, KeyLoad, KeyStats, Peek, Peeked, Stats};
 pub(crate) mod scripts;
 mod shards;
 pub use shards::MAX_SHARDS;
@@ -47,7 +50,6 @@ use shards::Shards;
 mod wait;
 
 use std::borrow::Borrow;
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -449,129 +451,6 @@ pub struct Recovered {
     pub requeued: usize,
     /// Messages whose lease ran out for the `max_stalls`-th time.
     pub buried: usize,
-}
-
-/// What [`Queue::peek`] saw.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Peek {
-    /// The next waiting messages, soonest due first; `at` is the due time.
-    pub waiting: Vec<Peeked>,
-    /// Active messages, soonest lease end first; `at` is the lease's end.
-    pub active: Vec<Peeked>,
-}
-
-/// A message seen by [`Queue::peek`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Peeked {
-    /// The message id.
-    pub id: String,
-    /// When it is due (waiting) or when its lease ends (active).
-    pub at: SystemTime,
-    /// Its priority (0: none).
-    pub priority: u8,
-    /// Failed attempts so far.
-    pub failures: u32,
-    /// Deferrals so far.
-    pub deferrals: u32,
-    /// Its payload as stored (JSON); empty when its record is gone.
-    pub payload: Vec<u8>,
-    /// Its key, for a message pushed with one ([`PushOptions::key`]).
-    pub key: Option<String>,
-}
-
-impl Peeked {
-    fn new(id: String, at: SystemTime, priority: u8, record: Option<Vec<u8>>) -> Self {
-        let record = record.unwrap_or_default();
-        let r = job::split_or_raw(&record);
-        Self {
-            id,
-            at,
-            priority,
-            failures: r.failures,
-            deferrals: r.deferrals,
-            payload: r.payload.to_vec(),
-            key: None,
-        }
-    }
-}
-
-/// What [`Queue::activity`] read.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Activity {
-    /// The queue's counts.
-    pub stats: Stats,
-    /// Whether the queue has an events stream (its handles record events).
-    pub recorded: bool,
-    /// The width of one bucket.
-    pub bucket: Duration,
-    /// Messages done per bucket, oldest first.
-    pub done: Vec<u64>,
-    /// Messages that failed (retried or dead) per bucket, oldest first.
-    pub failed: Vec<u64>,
-}
-
-/// A completed message kept by [`Queue::keep_completed`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Completed {
-    /// The message id.
-    pub id: String,
-    /// The attempt that completed it.
-    pub attempt: u32,
-    /// When it was acknowledged (server clock).
-    pub completed_at: SystemTime,
-    /// Its payload, as stored (JSON).
-    pub payload: Vec<u8>,
-}
-
-/// A key of a keyed queue, as [`Queue::key_stats`] found it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct KeyLoad {
-    /// The key.
-    pub key: String,
-    /// Its messages in line, waiting for their turn.
-    pub waiting: u64,
-    /// Its messages at work (1 at most for a key with a lock; up to its
-    /// permits for one with permits).
-    pub at_work: u64,
-    /// How long the first message in its line has waited since it was
-    /// pushed; `None` when its line is empty.
-    pub oldest_waiting: Option<Duration>,
-}
-
-/// A keyed queue's busy keys and longest lines ([`Queue::key_stats`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct KeyStats {
-    /// Keys with messages at work, most at work first, then longest line.
-    pub busy: Vec<KeyLoad>,
-    /// Keys with messages in line, longest line first, then oldest head.
-    pub backlogs: Vec<KeyLoad>,
-    /// How many keys have messages in line, or a lock at work (a key
-    /// with permits whose line is empty is not counted).
-    pub keys: usize,
-}
-
-/// A snapshot of a queue's size, read at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Scheduled messages that are due.
-    pub due: u64,
-    /// Scheduled messages that are not due yet.
-    pub later: u64,
-    /// Messages claimed by workers.
-    pub active: u64,
-    /// Dead letters.
-    pub dead: u64,
-    /// How long the oldest due message has been due.
-    pub oldest_due_age: Option<Duration>,
-    /// How long until the next message that is not due yet becomes due.
-    pub next_due_in: Option<Duration>,
 }
 
 /// What an acknowledgement found for one message.
@@ -1487,139 +1366,6 @@ where
         Ok(false)
     }
 
-    /// Counts the queue's messages in each state.
-    pub async fn stats(&self) -> Result<Stats> {
-        let attempted = || format!("reading stats of queue `{}`", self.name());
-        let reply = self.summed_stats(None, attempted).await?;
-        self.with_keyed(&reply, attempted).await
-    }
-
-    /// The stats script's reply (with activity buckets of `(window, width,
-    /// buckets)` when given) summed over the shards.
-    async fn summed_stats(
-        &self,
-        buckets: Option<(u64, u64, u32)>,
-        attempted: impl Fn() -> String + Copy,
-    ) -> Result<Vec<i64>> {
-        let replies = self.shard_replies(buckets, attempted).await?;
-        sum_replies(replies, attempted)
-    }
-
-    /// The stats script's reply of each shard.
-    async fn shard_replies(
-        &self,
-        buckets: Option<(u64, u64, u32)>,
-        attempted: impl Fn() -> String + Copy,
-    ) -> Result<Vec<Vec<i64>>> {
-        let mut replies = Vec::new();
-        for k in &self.layout().await?.keys {
-            let mut call = scripts::STATS.prepare_invoke();
-            call.key(&[&k.schedule, &k.active, &k.dead, &k.prioritized]);
-            if let Some((window, width, n)) = buckets {
-                call.key(&[&k.events, &k.activity])
-                    .arg(window)
-                    .arg(width)
-                    .arg(n);
-            }
-            replies.push(call.query_on(&self.conn, attempted).await?);
-        }
-        Ok(replies)
-    }
-
-    /// The queue's counts, as [`stats`](Self::stats) gives them, and those
-    /// of each shard's messages without a key, shard 0 first (keyed
-    /// messages live in their keys' partitions, counted in the queue's
-    /// alone), from one reading of each shard. See [`shards`](Self::shards).
-    pub async fn stats_by_shard(&self) -> Result<(Stats, Vec<Stats>)> {
-        let attempted = || format!("reading stats of queue `{}`", self.name());
-        let replies = self.shard_replies(None, attempted).await?;
-        let each = (replies.iter())
-            .map(|reply| plain_stats(reply, attempted))
-            .collect::<Result<Vec<_>>>()?;
-        let reply = sum_replies(replies, attempted)?;
-        Ok((self.with_keyed(&reply, attempted).await?, each))
-    }
-
-    /// The queue's `Stats`: the stats script's counts (due, later, active,
-    /// dead) and times (oldest due, now, next due; -1 for none), and its
-    /// keyed ones.
-    async fn with_keyed(&self, reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
-        let &[_, _, _, _, oldest, now, next_due, ..] = reply else {
-            return plain_stats(reply, attempted);
-        };
-        // A keyed message is due once its key is ready for it.
-        let (keyed, ready) = self.keyed().counts(now).await?;
-        let [due, later, active, dead] = [0, 1, 2, 3].map(|i| count(reply[i]) + keyed[i]);
-        let oldest = match (oldest, ready) {
-            (-1, Some(ready)) => ready,
-            (oldest, Some(ready)) => oldest.min(ready),
-            (oldest, None) => oldest,
-        };
-        Ok(Stats {
-            due,
-            later,
-            active,
-            dead,
-            oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
-            next_due_in: (next_due >= 0).then(|| span(next_due - now)),
-        })
-    }
-
-    /// The `top` keyed messages' keys with the most messages at work, and
-    /// the `top` with the longest lines. One script per partition, each
-    /// reading at most `top` keys of each kind (at most
-    /// [`MAX_KEYS_READ`]): its work is bounded by `top`, not by the keys,
-    /// so the picks are the longest among those read, not always over all
-    /// keys. For dashboards, not for a hot path.
-    pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
-        let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
-        let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
-            let mut picked: Vec<KeyLoad> = loads.iter().filter(|l| keep(l)).cloned().collect();
-            picked.sort_by_key(|l| std::cmp::Reverse(order(l)));
-            picked.truncate(top);
-            picked
-        };
-        Ok(KeyStats {
-            busy: pick(
-                |l| l.at_work > 0,
-                |l| (l.at_work, l.waiting, l.oldest_waiting.unwrap_or_default()),
-            ),
-            backlogs: pick(
-                |l| l.waiting > 0,
-                |l| (l.waiting, 0, l.oldest_waiting.unwrap_or_default()),
-            ),
-            keys,
-        })
-    }
-
-    /// The queue's stats and, per bucket of `window / buckets` (oldest
-    /// first, the last one ending now), the messages done and failed
-    /// (retried or dead). Counted per second of the server's clock while
-    /// the queue's handles [record events](Self::record_events), kept for
-    /// the last hour (older seconds read as zero): a bucket narrower than a
-    /// second holds whole seconds. One script per shard, which reads one
-    /// count per second of the window, never the events themselves. For
-    /// dashboards.
-    pub async fn activity(&self, window: Duration, buckets: u32) -> Result<Activity> {
-        let buckets = buckets.clamp(1, 1000);
-        let width = (millis(window) / u64::from(buckets)).max(1);
-        let attempted = || format!("reading the activity of queue `{}`", self.name());
-        let spans = (width * u64::from(buckets), width, buckets);
-        let reply = self.summed_stats(Some(spans), attempted).await?;
-        let n = buckets as usize;
-        if reply.len() != 8 + 2 * n {
-            let detail = format_args!("{} values", reply.len());
-            return Err(Error::reply(attempted(), detail));
-        }
-        Ok(Activity {
-            stats: self.with_keyed(&reply, attempted).await?,
-            recorded: reply[7] == 1,
-            bucket: Duration::from_millis(width),
-            done: reply[8..8 + n].iter().copied().map(count).collect(),
-            failed: reply[8 + n..].iter().copied().map(count).collect(),
-        })
-    }
-
     /// Dead-letter retention: keep at most `max_count` dead letters (the
     /// newest) and none buried more than `max_age` ago (`None`, the
     /// default: no limit). Applied by the scripts that bury, about a
@@ -1677,147 +1423,6 @@ where
             .events
             .map(|cap| cap.to_string())
             .unwrap_or_default()
-    }
-
-    /// Follows the queue's [lifecycle events](Self::record_events) from
-    /// `from`, on a connection of its own opened through `connector`. It
-    /// reconnects after connection losses and resumes after the last entry
-    /// it delivered; it ends, with the error, on one that waiting does not
-    /// cure ([`Error::is_denied`]). `EventsFrom::Now` is resolved before
-    /// this returns. One stream entry ([`Event::entry`]) holds the events of
-    /// one script call: store it for [`EventsFrom::After`] once every event
-    /// of it is handled. See the README's "Lifecycle events".
-    pub async fn events<K: Connector>(
-        &self,
-        connector: K,
-        from: EventsFrom,
-    ) -> Result<impl futures_util::Stream<Item = Result<Event>> + Send + 'static> {
-        let last = match from {
-            EventsFrom::Now => self.last_event_entry().await?,
-            EventsFrom::Beginning => None,
-            EventsFrom::After(id) if !events::is_entry_id(&id) => {
-                return Err(Error::config(format_args!(
-                    "`{id}` is not a stream entry id (`<ms>-<seq>`)"
-                )));
-            }
-            EventsFrom::After(id) => Some(id),
-        };
-        let last = last.unwrap_or_else(|| "0-0".into());
-        // One follower per shard's stream, merged as they come.
-        let connector = Arc::new(connector);
-        let streams = (self.layout().await?.keys.iter()).map(|k| {
-            Box::pin(events::follow(
-                connector.clone(),
-                k.events.clone(),
-                last.clone(),
-            ))
-        });
-        Ok(futures_util::stream::select_all(streams))
-    }
-
-    /// Looks at the next `limit` (at most [`MAX_BATCH`]) waiting messages,
-    /// soonest due first, and the first `limit` active ones, soonest lease
-    /// end first. Changes nothing. Keyed messages are listed with their
-    /// key: each key's first in line, at the time its key may be claimed
-    /// from, and delayed ones at their due time (one script per partition).
-    pub async fn peek(&self, limit: usize) -> Result<Peek> {
-        let limit = limit.clamp(1, MAX_BATCH);
-        let attempted = || format!("looking into queue `{}`", self.name());
-        type Waiting = Vec<(String, f64, u8, Option<Vec<u8>>)>;
-        type Active = Vec<(String, f64, Option<Vec<u8>>)>;
-        let at = |ms: f64| from_unix_ms(ms as i64);
-        let (mut waiting, mut active) = (Vec::new(), Vec::new());
-        for k in &self.layout().await?.keys {
-            let (w, a): (Waiting, Active) = scripts::PEEK
-                .key(&[&k.data, &k.schedule, &k.prioritized, &k.active])
-                .arg(limit)
-                .query_on(&self.conn, attempted)
-                .await?;
-            waiting.extend(
-                (w.into_iter())
-                    .map(|(id, due, priority, record)| Peeked::new(id, at(due), priority, record)),
-            );
-            active.extend(a.into_iter().map(|(id, deadline, record)| {
-                let priority = job::split_or_raw(record.as_deref().unwrap_or_default()).priority;
-                Peeked::new(id, at(deadline), priority, record)
-            }));
-        }
-        self.keyed().peek(limit, &mut waiting, &mut active).await?;
-        waiting.sort_by_key(|w| w.at);
-        waiting.truncate(limit);
-        active.sort_by_key(|a| a.at);
-        active.truncate(limit);
-        Ok(Peek { waiting, active })
-    }
-
-    /// Reads, without blocking, the events of up to `limit` (at most
-    /// [`MAX_BATCH`]) stream entries after the entry `after` (`"0-0"`: from
-    /// the beginning; see [`last_event_entry`](Self::last_event_entry)).
-    pub async fn events_after(&self, after: &str, limit: usize) -> Result<Vec<Event>> {
-        let attempted = || format!("reading the events of queue `{}`", self.name());
-        let (after, limit) = (format!("({after}"), limit.clamp(1, MAX_BATCH));
-        // Each shard's first `limit` entries, the first `limit` of them all.
-        let mut entries = Vec::new();
-        for k in &self.layout().await?.keys {
-            let range = stream_range("XRANGE", &k.events, &after, "+", limit);
-            let reply: Value = range.query_on(&self.conn, attempted).await?;
-            entries.extend(events::entries(reply));
-        }
-        entries.sort_by_key(|(entry, _)| events::entry_order(entry));
-        entries.truncate(limit);
-        Ok(entries
-            .into_iter()
-            .flat_map(|(entry, fields)| events::decode(&entry, fields))
-            .collect())
-    }
-
-    /// The newest entry of the events stream, if any: where
-    /// [`events_after`](Self::events_after) starts to see only what comes.
-    pub async fn last_event_entry(&self) -> Result<Option<String>> {
-        let attempted = || format!("reading the events of queue `{}`", self.name());
-        let mut last = None;
-        for k in &self.layout().await?.keys {
-            let range = stream_range("XREVRANGE", &k.events, "+", "-", 1);
-            let reply: Value = range.query_on(&self.conn, attempted).await?;
-            let entry = events::entries(reply).into_iter().next().map(|(id, _)| id);
-            let order = |e: &Option<String>| e.as_deref().map(events::entry_order);
-            last = std::cmp::max_by_key(last, entry, order);
-        }
-        Ok(last)
-    }
-
-    /// The most recent completed messages kept by
-    /// [`keep_completed`](Self::keep_completed), newest first, at most
-    /// `limit` (at most [`MAX_BATCH`]).
-    pub async fn completed(&self, limit: usize) -> Result<Vec<Completed>> {
-        check_count("a page of completed messages", limit, 0..=MAX_BATCH)?;
-        let attempted = || format!("listing completed messages of queue `{}`", self.name());
-        let mut reply: Vec<(String, HashMap<String, Vec<u8>>)> = Vec::new();
-        for k in &self.layout().await?.keys {
-            let range = stream_range("XREVRANGE", &k.completed, "+", "-", limit);
-            let entries: Vec<_> = range.query_on(&self.conn, attempted).await?;
-            reply.extend(entries);
-        }
-        // Newest first over every shard.
-        reply.sort_by_key(|(entry, _)| std::cmp::Reverse(events::entry_order(entry)));
-        reply.truncate(limit);
-        reply
-            .into_iter()
-            .map(|(entry, mut fields)| {
-                let ms: Option<u64> = entry.split('-').next().and_then(|ms| ms.parse().ok());
-                let attempt: Option<u32> =
-                    (fields.get("attempt")).and_then(|a| std::str::from_utf8(a).ok()?.parse().ok());
-                match (fields.remove("id"), attempt, ms, fields.remove("payload")) {
-                    (Some(id), Some(attempt), Some(ms), Some(payload)) => Ok(Completed {
-                        id: String::from_utf8_lossy(&id).into_owned(),
-                        attempt,
-                        completed_at: UNIX_EPOCH + Duration::from_millis(ms),
-                        payload,
-                    }),
-                    _ => Err(Error::reply(attempted(), format_args!("entry {entry}"))),
-                }
-            })
-            .collect()
     }
 
     /// Deletes a scheduled or dead message; returns whether it did. A message
@@ -1980,64 +1585,11 @@ fn by_shard<'a>(
     shards
 }
 
-/// Stats script replies of the shards summed: counts and buckets added up,
-/// the earliest times kept, the clock of shard 0.
-fn sum_replies(replies: Vec<Vec<i64>>, attempted: impl Fn() -> String) -> Result<Vec<i64>> {
-    let mut replies = replies.into_iter();
-    let mut total = replies.next().unwrap_or_default();
-    for reply in replies {
-        if reply.len() != total.len() {
-            let detail = format_args!("{} values", reply.len());
-            return Err(Error::reply(attempted(), detail));
-        }
-        for (i, (sum, n)) in total.iter_mut().zip(reply).enumerate() {
-            *sum = match i {
-                // Times: the earliest of those there are (-1: none).
-                4 | 6 if *sum < 0 || (0..*sum).contains(&n) => n,
-                4 | 6 => *sum,
-                5 => *sum,
-                7 => (*sum).max(n),
-                _ => *sum + n,
-            };
-        }
-    }
-    Ok(total)
-}
-
-/// The `Stats` of one stats script reply (counts: due, later, active, dead;
-/// times: oldest due, now, next due; -1 for none).
-fn plain_stats(reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
-    let &[due, later, active, dead, oldest, now, next_due, ..] = reply else {
-        let detail = format_args!("{} values", reply.len());
-        return Err(Error::reply(attempted(), detail));
-    };
-    Ok(Stats {
-        due: count(due),
-        later: count(later),
-        active: count(active),
-        dead: count(dead),
-        oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
-        next_due_in: (next_due >= 0).then(|| span(next_due - now)),
-    })
-}
-
-/// A count from a script (none when negative).
-fn count(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
-
 /// A push's receipt from the script's answer (`due` -1: not scheduled).
 fn receipt(id: &str, created: bool, due: i64) -> Pushed {
     let due = (due >= 0).then(|| from_unix_ms(due));
     let id = id.to_owned();
     Pushed { id, due, created }
-}
-
-/// `XRANGE` (or `XREVRANGE`) of `key` from `start` to `end`, at most `count`.
-fn stream_range(cmd: &str, key: &str, start: &str, end: &str, count: usize) -> redis::Cmd {
-    let mut cmd = redis::cmd(cmd);
-    cmd.arg(key).arg(start).arg(end).arg("COUNT").arg(count);
-    cmd
 }
 
 /// Refuses a count `n` outside `range` (`what`: the operation's count).
@@ -2068,9 +1620,4 @@ pub(crate) fn unix_ms(t: SystemTime) -> i64 {
 
 pub(crate) fn from_unix_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + span(ms)
-}
-
-/// `ms` milliseconds (none when negative).
-fn span(ms: i64) -> Duration {
-    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }
