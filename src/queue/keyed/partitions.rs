@@ -1,0 +1,398 @@
+//! The keyed side's calls that go over every partition of the queue's
+//! index: counts, key loads, a look at the next messages, recovery of
+//! expired turns, removal by id, purge, the dead sets, and the sweep for
+//! partitions missing from the index. Their requests go out many at once,
+//! not one round trip after another.
+
+use std::collections::HashSet;
+
+use redis::Cmd;
+use redis::aio::ConnectionLike;
+
+use super::{
+    ACTIVE, CLAIMS, DATA, DEAD, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Log, PEEK, Partition,
+    READY, RECOVER, REMOVE, SCHEDULE, SEQ, lock, own_id, split_stored,
+};
+use crate::error::{Error, Result};
+use crate::keys::SLOTS;
+use crate::queue::scripts::Query;
+use crate::queue::{EventKind, KeyLoad, Peeked, from_unix_ms, span};
+use crate::script::{evalsha, run};
+
+/// Keys one script call of a sweep for unindexed partitions looks at, on
+/// one server ([`Keyed::heal_index`]).
+const HEAL_BATCH: usize = 1024;
+
+/// `EXISTS` a sweep for unindexed partitions has in flight at once on a
+/// cluster ([`Keyed::heal_index`]).
+const HEAL_WINDOW: usize = 64;
+
+/// Partitions a call that visits every partition of the index (stats,
+/// key loads, a look, a recovery sweep) has in flight at once.
+const PARTITIONS_AT_ONCE: usize = 64;
+
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
+    /// Counts over every partition of the index: [in line, delayed, at
+    /// work, dead], and since when the longest-ready key's head may be
+    /// claimed (server ms, at `now` or before). Each partition is read at
+    /// its own instant.
+    pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
+        let attempted = || format!("reading stats of queue `{}`", self.keys.name);
+        type Counts = (u64, u64, u64, u64, Vec<(String, i64)>, u64);
+        let each = self.each_partition(|slot| async move {
+            let k = &self.partition(slot).keys;
+            let counts: Counts = redis::pipe()
+                .zcard(&k[LINES])
+                .zcard(&k[SCHEDULE])
+                .zcard(&k[ACTIVE])
+                .zcard(&k[DEAD])
+                // Above 0, which marks a key woken by a release (see
+                // `unblock`): ready since now, not since 1970.
+                .zrangebyscore_limit_withscores(&k[READY], "(0", now, 0, 1)
+                .zcount(&k[READY], 0, 0)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Error::redis(attempted()))?;
+            Ok(counts)
+        });
+        let (mut total, mut oldest) = ([0; 4], None::<i64>);
+        for (lines, later, held, dead, ready, woken) in each.await? {
+            for (total, n) in total.iter_mut().zip([lines, later, held, dead]) {
+                *total += n;
+            }
+            let since = ready.first().map(|(_, since)| *since);
+            if let Some(since) = since.or((woken > 0).then_some(now)) {
+                oldest = Some(oldest.map_or(since, |o| o.min(since)));
+            }
+        }
+        Ok((total, oldest))
+    }
+
+    /// Runs `each` for every partition of the index, [`PARTITIONS_AT_ONCE`]
+    /// at a time (their requests pipelined on the connection, rather than
+    /// one round trip after another), and gives their results in slot
+    /// order.
+    async fn each_partition<R, F, Fut>(&self, each: F) -> Result<Vec<R>>
+    where
+        F: Fn(u16) -> Fut,
+        Fut: std::future::Future<Output = Result<R>>,
+    {
+        use futures_util::{StreamExt, TryStreamExt};
+        let slots = self.slots().await?;
+        futures_util::stream::iter(slots.into_iter().map(each))
+            .buffered(PARTITIONS_AT_ONCE)
+            .try_collect()
+            .await
+    }
+
+    /// The keys with messages in line or at work in every partition of the
+    /// index, with how many of each and how long the first in line has
+    /// waited since its push; at most `most` of each active and ready set.
+    /// Also how many keys the partitions hold in line or at work.
+    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
+        let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
+        type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
+        let each = self.each_partition(|slot| async move {
+            let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
+            cmd.arg(most.max(1));
+            self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await
+        });
+        let (mut loads, mut count) = (Vec::new(), 0);
+        for (now, keys_here, keys) in each.await? {
+            count += keys_here;
+            for (key, waiting, at_work, pushed) in keys {
+                let oldest_waiting = (pushed >= 0).then(|| span(now - pushed));
+                loads.push(KeyLoad {
+                    key,
+                    waiting,
+                    at_work,
+                    oldest_waiting,
+                });
+            }
+        }
+        Ok((loads, count))
+    }
+
+    /// Deletes every partition in the index (one `UNLINK` each: a
+    /// partition is one hash slot), keys' limits included, and forgets the
+    /// candidates named. The claim and line counters stay (as the queue's
+    /// claim counter does), so that a claim from before the purge never
+    /// matches a message pushed after it.
+    pub(crate) async fn purge(&self) -> Result<()> {
+        for slot in self.slots().await? {
+            let k = &self.partition(slot).keys;
+            redis::cmd("UNLINK")
+                .arg(&k[..CLAIMS])
+                .arg(&k[CLAIMS + 1..SEQ])
+                .arg(&k[SEQ + 1..])
+                .query_on::<(), _>(self.conn, || format!("purging queue `{}`", self.keys.name))
+                .await?;
+        }
+        lock(&self.state.candidates).clear();
+        Ok(())
+    }
+
+    /// The dead-letter keys of every partition in the index.
+    pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let partitions = self.slots().await?.into_iter();
+        Ok(partitions
+            .map(|slot| self.partition(slot).dead_set())
+            .collect())
+    }
+
+    /// Makes a partition whose dead letters were re-driven look for them,
+    /// and records their `redriven` events (`pairs`: id, attempt; `keys`:
+    /// each one's key).
+    pub(crate) async fn redriven(
+        &self,
+        slot: u16,
+        pairs: Vec<(String, u32)>,
+        keys: Vec<String>,
+    ) -> Result<()> {
+        self.mark_after(slot).await;
+        let mut log = Log::default();
+        for ((stored, attempt), key) in pairs.iter().zip(&keys) {
+            log.event(EventKind::Redriven, key, (&own_id(key, stored), *attempt));
+        }
+        self.record(log).await;
+        Ok(())
+    }
+
+    /// Puts back in the index every partition that holds messages but is
+    /// missing from it: a producer that ran the push script and never got
+    /// to its index step (it died, its connection dropped, the server
+    /// failed over in between) left it there unseen. The partitions are the
+    /// truth, the index a hint. A partition's place is known from its slot
+    /// alone (its tag), so the sweep asks each of the 16,384 whether its
+    /// data exists, a cost that does not grow with the keys: on one server
+    /// in 16 script calls of [`HEAL_BATCH`] keys; on a cluster, where a
+    /// script sees one slot, one `EXISTS` per slot, [`HEAL_WINDOW`] at a
+    /// time. The worker sweeps on a connection of its own (16,384 requests
+    /// through the shared one, while slots moved or a master failed over,
+    /// stalled every other request behind them). Returns how many it put
+    /// back (due now; the bell rings).
+    pub(crate) async fn heal_index(&self) -> Result<usize> {
+        let attempted = || format!("looking for unindexed partitions of {}", self.keys.name);
+        let indexed: HashSet<u16> = self.slots().await?.into_iter().collect();
+        let slots: Vec<u16> = (0..SLOTS).filter(|slot| !indexed.contains(slot)).collect();
+        let mut missing = Vec::new();
+        let cluster = self.is_cluster().await?;
+        let batch = if cluster { HEAL_WINDOW } else { HEAL_BATCH };
+        for batch in slots.chunks(batch) {
+            let found = match cluster {
+                true => self.existing_one_by_one(batch).await,
+                false => self.existing_at_once(batch).await,
+            };
+            missing.extend(found.map_err(Error::redis(attempted()))?);
+        }
+        if !missing.is_empty() {
+            tracing::warn!(queue = %self.keys.name, partitions = missing.len(), "keyed partitions with messages were missing from the index (a producer stopped between its push and its mark); put back");
+            self.mark_all_ready(&missing, attempted).await?;
+        }
+        Ok(missing.len())
+    }
+
+    /// The slots of `batch` whose partition holds messages, in one script
+    /// call (one server only: the keys are in many slots).
+    async fn existing_at_once(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
+        let mut cmd = evalsha(&INDEX_HEAL, batch.len());
+        for slot in batch {
+            cmd.arg(&self.partition(*slot).keys[DATA]);
+        }
+        let found: Vec<usize> = run(&INDEX_HEAL, &cmd, &mut self.conn.clone()).await?;
+        Ok(found
+            .into_iter()
+            .filter_map(|i| batch.get(i.wrapping_sub(1)).copied())
+            .collect())
+    }
+
+    /// The slots of `batch` whose partition holds messages, one `EXISTS`
+    /// each, all in flight at once (a cluster routes each to its node).
+    async fn existing_one_by_one(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
+        let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
+            let data = self.partition(*slot).keys[DATA].clone();
+            let mut conn = self.conn.clone();
+            async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
+        }))
+        .await?;
+        let slots = batch.iter().zip(found).filter(|(_, found)| *found);
+        Ok(slots.map(|(slot, _)| *slot).collect())
+    }
+
+    /// Every partition in the index.
+    async fn slots(&self) -> Result<Vec<u16>> {
+        let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
+        let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, -1)
+            .query_on(self.conn, attempted)
+            .await?;
+        Ok(slots.into_iter().filter(|slot| *slot < SLOTS).collect())
+    }
+
+    /// Ends the turns whose lease ran out in every partition of the index;
+    /// returns how many went back to the head of their line, and were buried.
+    pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
+        let (count, age) = self.recording.dead.args();
+        let (count, age) = (&count, &age);
+        let each = self.each_partition(|slot| async move {
+            let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
+            let mut cmd = self.partition(slot).call(&RECOVER, 0);
+            cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
+            let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
+                self.run(&RECOVER, &cmd, attempted).await?;
+            if !ended.is_empty() {
+                self.recovered(slot, &ended).await;
+            }
+            let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
+            Ok((ended.len() - dead, dead))
+        });
+        let ended = each.await?.into_iter();
+        Ok(ended.fold((0, 0), |(r, b), (requeued, buried)| {
+            (r + requeued, b + buried)
+        }))
+    }
+
+    /// Marks partition `slot` after its recovery ended the turns `ended`
+    /// (key, stored id, attempt, error: "" when requeued), and records
+    /// their events.
+    async fn recovered(&self, slot: u16, ended: &[(String, String, u32, String)]) {
+        self.mark_after(slot).await;
+        let mut log = Log::default();
+        for (key, stored, attempt, error) in ended {
+            let id = &own_id(key, stored);
+            match error.as_str() {
+                "" => log.event(EventKind::Recovered, key, (id, *attempt)),
+                error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
+            }
+        }
+        self.record(log).await;
+    }
+
+    /// Adds up to `limit` of each partition's next messages in line or
+    /// delayed to `waiting` and at work to `active` (see `lua/keyed_peek.lua`).
+    pub(crate) async fn peek(
+        &self,
+        limit: usize,
+        waiting: &mut Vec<Peeked>,
+        active: &mut Vec<Peeked>,
+    ) -> Result<()> {
+        let attempted = || format!("looking into queue `{}`", self.keys.name);
+        type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
+        let each = self.each_partition(|slot| async move {
+            let mut cmd = self.partition(slot).call(&PEEK, 0);
+            cmd.arg(limit);
+            self.run::<(usize, Entries)>(&PEEK, &cmd, attempted).await
+        });
+        for (count, entries) in each.await? {
+            for (n, (stored, at, key, record)) in entries.into_iter().enumerate() {
+                let id = own_id(&key, &stored);
+                let mut peeked = Peeked::new(id, from_unix_ms(at), 0, record);
+                peeked.key = Some(key).filter(|key| !key.is_empty());
+                match n < count {
+                    true => waiting.push(peeked),
+                    false => active.push(peeked),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the keyed messages with id `id`, under whichever key, where
+    /// they wait or lie dead (see `lua/keyed_remove.lua`); returns whether
+    /// it found one so. Each partition's messages are scanned for the id
+    /// (`HSCAN … MATCH`), then each one found is looked for in its key's
+    /// line: an operator's call, O(messages) per partition.
+    pub(crate) async fn remove(&self, id: &str) -> Result<bool> {
+        let attempted = || format!("removing message `{id}`");
+        let mut removed = false;
+        for slot in self.slots().await? {
+            let partition = self.partition(slot);
+            let found = self.scan_for(&partition.keys[DATA], "HSCAN", id).await?;
+            for stored in found {
+                let Some((key, _)) = split_stored(&stored) else {
+                    continue;
+                };
+                let member = self.place_in_line(&partition, key, &stored).await?;
+                let mut cmd = partition.call(&REMOVE, 0);
+                cmd.arg(&stored).arg(member.unwrap_or_default());
+                let key: Option<String> = self.run(&REMOVE, &cmd, attempted).await?;
+                if let Some(key) = key {
+                    let mut log = Log::default();
+                    log.event(EventKind::Removed, &key, (id, 1));
+                    self.record(log).await;
+                    removed = true;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    /// The stored ids (see [`stored_id`]) of the messages with id `id`,
+    /// under any key, in the hash or sorted set `set` of a partition, found
+    /// by `scan` (`HSCAN` or `ZSCAN`) a batch per round trip.
+    pub(crate) async fn scan_for(&self, set: &str, scan: &str, id: &str) -> Result<Vec<String>> {
+        let mut pattern = "*\0".to_owned();
+        for c in id.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                pattern.push('\\');
+            }
+            pattern.push(c);
+        }
+        let (mut cursor, mut found) = (0u64, Vec::new());
+        loop {
+            let (next, page): (u64, Vec<String>) = redis::cmd(scan)
+                .arg(set)
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query_on(self.conn, || format!("looking for message `{id}`"))
+                .await?;
+            // Field and value (score) alternate; the key holds no NUL, so
+            // the id is what follows the first.
+            let fields = page.into_iter().step_by(2);
+            found.extend(fields.filter(|f| split_stored(f).is_some_and(|(_, own)| own == id)));
+            if next == 0 {
+                return Ok(found);
+            }
+            cursor = next;
+        }
+    }
+
+    /// The member of message `stored` in the line of `key`,
+    /// `<key>\0<seq>\0<stored id>`, found by reading that line a page at a
+    /// time, or `None`.
+    async fn place_in_line(
+        &self,
+        partition: &Partition,
+        key: &str,
+        stored: &str,
+    ) -> Result<Option<Vec<u8>>> {
+        let mut from = [b"[", key.as_bytes(), b"\0"].concat();
+        let to = [b"(", key.as_bytes(), b"\x01"].concat();
+        let place = |member: &[u8]| {
+            member.len() == key.len() + 18 + stored.len() && member.ends_with(stored.as_bytes())
+        };
+        loop {
+            let page: Vec<Vec<u8>> = redis::cmd("ZRANGE")
+                .arg(&partition.keys[LINES])
+                .arg(&from)
+                .arg(&to)
+                .arg("BYLEX")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(1000)
+                .query_on(self.conn, || {
+                    format!("looking for message `{stored}` in line")
+                })
+                .await?;
+            if let Some(member) = page.iter().find(|m| place(m)) {
+                return Ok(Some(member.clone()));
+            }
+            match page.last() {
+                Some(last) if page.len() == 1000 => from = [b"(", &last[..]].concat(),
+                _ => return Ok(None),
+            }
+        }
+    }
+}
