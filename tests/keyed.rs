@@ -1665,11 +1665,24 @@ async fn code_waiting_for_a_busy_key_s_lock_gets_it_at_the_next_message() {
     let (seen, started) = (order.clone(), third.clone());
     let service = tower::service_fn(move |job: Job<Msg>| {
         seen.lock().unwrap().push(format!("m{}", job.n));
-        let started = started.clone();
+        let (started, conn) = (started.clone(), conn.clone());
         async move {
             if job.n == 3 {
                 started.notify_one();
-                tokio::time::sleep(ms(20)).await;
+                // m3 ends once the waiter stands in the lock's line, however
+                // long a loaded machine takes to get it there.
+                let deadline = Instant::now() + secs(10);
+                let mut conn = conn;
+                while Instant::now() < deadline {
+                    let waiters: u64 = redis::cmd("ZCARD")
+                        .arg("lockgate:lock:{k0}:waiters")
+                        .query_async(&mut conn)
+                        .await?;
+                    if waiters > 0 {
+                        break;
+                    }
+                    tokio::time::sleep(ms(2)).await;
+                }
             }
             tokio::time::sleep(ms(5)).await;
             Ok::<_, BoxError>(())

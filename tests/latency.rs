@@ -779,11 +779,13 @@ async fn a_keyed_claim_over_many_partitions_asks_them_at_once() {
 
 /// The same rule where a batch spreads: messages over as many keys as
 /// messages (a partition each, nearly), and over the shards of a sharded
-/// queue. Pushes and acknowledgements of 999 keyed messages, and a claim
-/// of 999 messages spread over 16 shards, make as many round trips one
-/// after another as for 10: their calls go out together.
+/// queue. Pushes and acknowledgements of 999 keyed messages go out 64
+/// calls at a time (a thousand at once passed a 500 ms response timeout on
+/// a loaded machine): a round trip per 64 partitions, not one per
+/// partition. A claim of 999 messages spread over 16 shards makes about as
+/// many round trips as for 10.
 #[tokio::test]
-async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones() {
+async fn batches_over_many_keys_or_shards_go_out_together_64_calls_at_a_time() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (server, _) = server().await;
     let conn = Counting::new(patient(&server).await);
@@ -829,5 +831,13 @@ async fn batches_over_many_keys_or_shards_make_as_many_round_trips_as_small_ones
         );
         [push, ack, acks]
     });
-    assert_eq!(ten, many, "round trips for 10 and for 999 messages");
+    // 999 keys in about 970 partitions: 16 groups of 64 calls, where 10
+    // keys take one.
+    let groups = 999usize.div_ceil(64);
+    let [push, ack] = [0, 1].map(|i| many[i] < ten[i] + groups);
+    assert!(
+        push && ack,
+        "round trips for 10 and for 999 messages: {counts:?}"
+    );
+    assert_eq!(many[2], ten[2], "a sharded ack as for 10: {counts:?}");
 }
