@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::scripts::{self, Query};
-use super::{CALLS_AT_ONCE, Claim, ClaimToken, MAX_BATCH, Queue, by_shard, check_lease, token};
+use super::{Claim, ClaimToken, MAX_BATCH, Queue, by_shard, check_lease, token};
 use crate::error::{Error, Result};
 use crate::lock::millis;
 
@@ -68,23 +68,18 @@ where
         let keyed: Vec<(usize, &ClaimToken)> = (jobs.iter().copied().enumerate())
             .filter(|(_, job)| job.held.is_some())
             .collect();
-        // One script each, [`CALLS_AT_ONCE`] in flight, a new one sent as
-        // each answer comes: thousands renewed in about a round trip per
-        // `CALLS_AT_ONCE`, none waiting behind thousands of others.
-        use futures_util::StreamExt;
         let conn = self.keyed();
-        let calls: Vec<_> = (keyed.iter())
-            .map(|(_, job)| {
+        for batch in keyed.chunks(MAX_BATCH) {
+            let calls = batch.iter().map(|(_, job)| {
                 let held = job.held.as_ref().expect("filtered on held");
                 conn.extend(held, (&job.id, job.claim), lease)
-            })
-            .collect();
-        let mut answers = futures_util::stream::iter(calls).buffered(CALLS_AT_ONCE);
-        let mut places = keyed.iter();
-        while let (Some(answer), Some((n, _))) = (answers.next().await, places.next()) {
-            match answer {
-                Ok(held) => renewed.held[*n] = Some(held),
-                Err(error) => renewed.errors.push(error),
+            });
+            let answers = futures_util::future::join_all(calls).await;
+            for ((n, _), answer) in batch.iter().zip(answers) {
+                match answer {
+                    Ok(held) => renewed.held[*n] = Some(held),
+                    Err(error) => renewed.errors.push(error),
+                }
             }
         }
         renewed

@@ -635,15 +635,13 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     async fn ack(&self, batch: &[(ClaimToken, bool)]) {
         let (keyed, plain): (Vec<_>, Vec<_>) =
             (batch.iter()).partition(|(token, _)| token.held_lock().is_some());
-        let keyed: Vec<_> = (keyed.into_iter())
-            .map(|ack| self.ack_together(vec![ack]))
-            .collect();
+        let keyed = keyed.into_iter().map(|ack| self.ack_together(vec![ack]));
         let plain = async {
             if !plain.is_empty() {
                 self.ack_together(plain).await;
             }
         };
-        futures_util::future::join(plain, crate::queue::in_groups(keyed)).await;
+        futures_util::future::join(plain, futures_util::future::join_all(keyed)).await;
     }
 
     /// Acknowledges `batch` in one call, resent whole when it fails.
