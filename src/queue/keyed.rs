@@ -20,11 +20,12 @@ use super::scripts::{Lazy, Query};
 use super::{EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
-use crate::keys::{self, SLOTS};
+use crate::keys;
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{evalsha, run, run_after};
+use crate::script::{evalsha, run};
 
+mod claim;
 mod partitions;
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
@@ -254,6 +255,21 @@ pub(crate) struct Claimed {
     pub(crate) next_at: Option<i64>,
 }
 
+impl Claimed {
+    /// Adds what another claim call took.
+    fn absorb(&mut self, more: Claimed) {
+        self.turns.extend(more.turns);
+        self.due_next(more.next_at);
+    }
+
+    /// Keeps `at` if it comes before the next due time known.
+    fn due_next(&mut self, at: Option<i64>) {
+        if let Some(at) = at {
+            self.next_at = Some(self.next_at.map_or(at, |next| next.min(at)));
+        }
+    }
+}
+
 /// `room` split into `n` shares that differ by one at most, the larger first.
 pub(crate) fn shares(room: usize, n: usize) -> Vec<usize> {
     (0..n)
@@ -441,346 +457,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         self.mark_ready(partition.slot, attempted).await?;
         Ok((added == 1, due))
-    }
-
-    /// Claims up to `max` heads of ready keys' lines across the partitions
-    /// `slots` (named by the queue's claim as due at the server's `now`),
-    /// each with its key's lock for `lease`. The partitions' index entries
-    /// are raised [`CLAIMING_MS`] ahead before the claims and settled after
-    /// them, in one round trip: lowered to what each claim saw; where
-    /// nothing waits, left raised while a message is at work (the end of
-    /// its turn marks the partition, but a turn whose reply was lost never
-    /// does: the raise expires instead), else looked at again after
-    /// [`RECHECK_MS`], or, with no message at all, out of the index; each
-    /// only if a push did not lower it meanwhile (`lua/index_settle.lua`).
-    pub(crate) async fn claim(
-        &self,
-        slots: &[u16],
-        now: i64,
-        max: usize,
-        lease: Duration,
-    ) -> Result<Claimed> {
-        let slots: Vec<u16> = slots.iter().copied().filter(|s| *s < SLOTS).collect();
-        let mut claimed = Claimed::default();
-        if slots.is_empty() {
-            return Ok(claimed);
-        }
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let raised_to = now + CLAIMING_MS;
-        let raise = self.index(&["XX"], slots.iter().map(|slot| (raised_to, *slot)));
-        // On one server the raise rides with the first claim (a pipeline
-        // keeps their order); on a cluster the index is on another node.
-        let mut first = match self.is_cluster().await? {
-            true => {
-                raise.query_on::<(), _>(self.conn, attempted).await?;
-                None
-            }
-            false => Some(raise),
-        };
-        // Each partition claims its share of `max`, all at once; those that
-        // filled theirs (they may hold more) share what room is left, once.
-        let mut seen: Vec<(u16, (Option<i64>, Holds))> = slots
-            .iter()
-            .map(|slot| (*slot, (Some(now), Holds::AtWork)))
-            .collect();
-        let mut failed = None;
-        let mut visits: Vec<(usize, usize)> =
-            (0..seen.len()).zip(shares(max, seen.len())).collect();
-        for _wave in 0..2 {
-            visits.retain(|(_, share)| *share > 0);
-            let wave = visits.iter().map(|(i, share)| (seen[*i].0, *share));
-            let results = self.claim_wave(wave.collect(), lease, first.take()).await;
-            let mut full = Vec::new();
-            for ((i, share), (result, took)) in visits.iter().zip(results) {
-                match result {
-                    Ok(saw) => seen[*i].1 = saw,
-                    Err(error) => {
-                        failed.get_or_insert(error);
-                    }
-                }
-                if took.turns.len() == *share {
-                    full.push(*i);
-                }
-                claimed.turns.extend(took.turns);
-                if let Some(at) = took.next_at {
-                    claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
-                }
-            }
-            let room = max - claimed.turns.len();
-            if failed.is_some() || room == 0 || full.is_empty() {
-                break;
-            }
-            let shares = shares(room, full.len());
-            visits = full.into_iter().zip(shares).collect();
-        }
-        let (mut lowered, mut idle) = (Vec::new(), Vec::new());
-        for (slot, saw) in seen {
-            // A partition not visited (or not claimed) is due as it was.
-            match saw {
-                (Some(at), _) => lowered.push((at.max(0), slot)),
-                (None, Holds::AtWork) => {}
-                (None, holds) => idle.push((slot, holds == Holds::Nothing)),
-            }
-        }
-        if let Err(error) = self.settle_index(lowered, idle, raised_to).await {
-            failed.get_or_insert(error);
-        }
-        match failed {
-            Some(error) if claimed.turns.is_empty() => Err(error),
-            Some(error) => {
-                // The turns taken hold their keys' locks: they must reach
-                // the caller.
-                tracing::warn!(queue = %self.keys.name, %error, "a keyed partition could not be claimed from; returning what the others gave");
-                Ok(claimed)
-            }
-            None => Ok(claimed),
-        }
-    }
-
-    /// Settles the index entries of the partitions a claim visited, raised
-    /// to `raised_to`: `lowered` (score, slot) to what the claim saw; the
-    /// `idle` ones (slot, whether it held no message at all), where
-    /// nothing waits, as `lua/index_settle.lua` says. One script call (no
-    /// pipeline: on a cluster, a script alone is the plainest request).
-    async fn settle_index(
-        &self,
-        lowered: Vec<(i64, u16)>,
-        idle: Vec<(u16, bool)>,
-        raised_to: i64,
-    ) -> Result<()> {
-        if lowered.is_empty() && idle.is_empty() {
-            return Ok(());
-        }
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let mut cmd = evalsha(&INDEX_SETTLE, 1);
-        let recheck = raised_to - CLAIMING_MS + RECHECK_MS;
-        cmd.arg(&self.keys.partitions).arg(raised_to).arg(recheck);
-        for (at, slot) in lowered {
-            cmd.arg(slot).arg(at);
-        }
-        for (slot, empty) in idle {
-            cmd.arg(slot).arg(if empty { "empty" } else { "idle" });
-        }
-        self.run::<i64>(&INDEX_SETTLE, &cmd, attempted)
-            .await
-            .map(drop)
-    }
-
-    /// Claims in one partition, and brings `claimed.next_at` forward to
-    /// when it has a key or a delayed message due next (server ms); returns
-    /// what its index entry is to be lowered to (none: nothing waits
-    /// there), and what it holds. (`first` goes in the same round trip as
-    /// its first script call.)
-    async fn claim_in(
-        &self,
-        slot: u16,
-        limits: (usize, Duration),
-        first: Option<Cmd>,
-        claimed: &mut Claimed,
-    ) -> Result<(Option<i64>, Holds)> {
-        let partition = self.partition(slot);
-        let mut candidates = lock(&self.state.candidates)
-            .remove(&slot)
-            .unwrap_or_default();
-        let mut reply = (self.claim_keys(&partition, &candidates, limits, first)).await?;
-        if candidates.is_empty() && !reply.2.is_empty() {
-            // The first claim here: it named the ready keys, claim them.
-            candidates = std::mem::take(&mut reply.2);
-            reply = (self.claim_keys(&partition, &candidates, limits, None)).await?;
-        }
-        let (turns, next_at, named, holds) = reply;
-        claimed.turns.extend(turns);
-        // Keys named for the next call are due now: the worker claims
-        // again at once rather than sleeping.
-        let lower_to = if named.is_empty() {
-            lock(&self.state.candidates).remove(&slot);
-            next_at
-        } else {
-            lock(&self.state.candidates).insert(slot, named);
-            Some(0)
-        };
-        if let Some(at) = lower_to {
-            claimed.next_at = Some(claimed.next_at.map_or(at, |next| next.min(at)));
-        }
-        Ok((lower_to, holds))
-    }
-
-    /// Claims up to `share` turns in each partition of `visits` (slot,
-    /// share), all at once (`first`, the index's raise, rides with the
-    /// first); per visit, what its claim saw (or its error) and what it
-    /// took.
-    async fn claim_wave(
-        &self,
-        visits: Vec<(u16, usize)>,
-        lease: Duration,
-        mut first: Option<Cmd>,
-    ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
-        let each = visits.into_iter().map(|(slot, share)| {
-            let first = first.take();
-            async move {
-                let mut took = Claimed::default();
-                let saw = self.claim_in(slot, (share, lease), first, &mut took).await;
-                (saw, took)
-            }
-        });
-        futures_util::future::join_all(each).await
-    }
-
-    /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
-    /// partitions.
-    fn index(&self, flags: &[&str], entries: impl IntoIterator<Item = (i64, u16)>) -> Cmd {
-        let mut cmd = redis::cmd("ZADD");
-        cmd.arg(&self.keys.partitions).arg(flags);
-        for (at, slot) in entries {
-            cmd.arg(at).arg(slot);
-        }
-        cmd
-    }
-
-    /// Makes `key` ready when other code lets go of its lock, or of one of
-    /// its permits (`lock_key`: the lock or the permits' set; the release
-    /// publishes, as the claim marked it waited for): listened for in a
-    /// task of its own, which ends at that release or at the first lease's
-    /// expiry, when the key is ready anyway. Without a listener, the key
-    /// waits for the expiry.
-    fn watch_release(&self, key: String, lock_key: String, left: Duration) {
-        let Some(auto) = self.state.listener.get().cloned() else {
-            return;
-        };
-        if !lock(&self.state.watched).insert(key.clone()) {
-            return;
-        }
-        let (conn, keys, state) = (self.conn.clone(), self.keys.clone(), self.state.clone());
-        let recording = self.recording;
-        tokio::spawn(async move {
-            let keyed = Keyed {
-                conn: &conn,
-                keys: &keys,
-                state: &state,
-                recording,
-            };
-            let until = Instant::now() + left;
-            if let Some(listener) = opened(&auto, until).await {
-                let mut watch = listener.watch(&lock_key, crate::lock::process_tag());
-                if watch.ready(Some(until)).await {
-                    // A release before the subscription was heard by
-                    // nobody: look once now, then at each release.
-                    let _ = keyed.unblock(&key).await;
-                    let _ = tokio::time::timeout_at(until, watch.woken()).await;
-                }
-            }
-            let _ = keyed.unblock(&key).await;
-            lock(&state.watched).remove(&key);
-        });
-    }
-
-    /// One claim script call (after `first`, in the same round trip): the
-    /// turns, the next due time, the ready keys named for the next call,
-    /// and what the partition holds.
-    async fn claim_keys(
-        &self,
-        partition: &Arc<Partition>,
-        candidates: &[String],
-        (max, lease): (usize, Duration),
-        first: Option<Cmd>,
-    ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>, Holds)> {
-        let prefix = &self.keys.prefix;
-        let mut cmd = partition.call(&CLAIM, 4 * candidates.len() + 1);
-        for key in candidates {
-            let set = crate::lock::permits::permits_key(prefix, key);
-            cmd.arg(keys::lock_key(prefix, key))
-                .arg(&set)
-                .arg(format!("{set}:waiters"))
-                .arg(keys::rate_key(prefix, key));
-        }
-        let window = crate::script::resend_window(lease);
-        cmd.arg(partition.record());
-        cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
-        cmd.arg(millis(window));
-        let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
-        for (key, token) in candidates.iter().zip(&tokens) {
-            cmd.arg(key).arg(token.as_str());
-        }
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        type Reply = (
-            u64,
-            i64,
-            Vec<String>,
-            Vec<Taken>,
-            Vec<(String, String, u64)>,
-            u8,
-        );
-        // Resent unchanged while no answer comes: the script's record of
-        // its first run answers a resend (see `lua/keyed_claim.lua`).
-        let reply: Reply = match &first {
-            Some(first) => {
-                let send =
-                    || async { run_after(&CLAIM, first, &cmd, &mut self.conn.clone()).await };
-                crate::script::resending(window, send).await
-            }
-            None => {
-                let send = || async { run(&CLAIM, &cmd, &mut self.conn.clone()).await };
-                crate::script::resending(window, send).await
-            }
-        }
-        .map_err(Error::redis(attempted()))?;
-        let (claim, next_at, named, taken, blocked, holds) = reply;
-        for (key, watched, left) in blocked {
-            self.watch_release(key, watched, Duration::from_millis(left));
-        }
-        let turns = self.turns(partition, (candidates, &tokens), claim, taken);
-        if self.recording.events.is_some() {
-            let mut log = Log::default();
-            for turn in &turns {
-                let attempt = attempt_of(&turn.record);
-                log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
-            }
-            self.record(log).await;
-        }
-        let holds = match holds {
-            0 => Holds::Nothing,
-            1 => Holds::AtWork,
-            _ => Holds::Waiting,
-        };
-        Ok((turns, (next_at >= 0).then_some(next_at), named, holds))
-    }
-
-    /// The turns a claim script took; each key is one of `candidates`,
-    /// claimed with its token in `tokens`.
-    fn turns(
-        &self,
-        partition: &Arc<Partition>,
-        (candidates, tokens): (&[String], &[Token]),
-        claim: u64,
-        taken: Vec<Taken>,
-    ) -> Vec<Turn> {
-        let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
-        let mut turns = Vec::with_capacity(taken.len());
-        for (key, id, seq, permits, rated, record) in taken {
-            let found = candidates.iter().position(|k| k.as_bytes() == key);
-            let (Some(i), Some(stored), Some(seq)) = (found, text(id), text(seq)) else {
-                // Cannot happen with lockgate's script; if it does, the
-                // entry comes back after its lease.
-                tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
-                continue;
-            };
-            let held = Held {
-                key: candidates[i].clone(),
-                token: tokens[i],
-                permits,
-                rated,
-                partition: partition.clone(),
-                run: 0,
-                seq,
-            };
-            turns.push(Turn {
-                id: own_id(&candidates[i], &stored),
-                held: Arc::new(held),
-                claim,
-                record,
-            });
-        }
-        turns
     }
 
     /// Ends a turn with `outcome`. For an ack with `next` set, the key's
