@@ -1,0 +1,322 @@
+//! Settling claimed messages: acknowledged (alone, in batches, or with
+//! the key's next message claimed), retried, deferred, released or buried.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use redis::aio::ConnectionLike;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::keyed::{Held, MAX_RUN, Outcome, Settled};
+use super::scripts::{self, Query};
+use super::{
+    Acked, Claim, ClaimToken, Job, MAX_BATCH, Queue, QueueKeys, by_shard, check_count, check_lease,
+    from_unix_ms, in_groups, token,
+};
+use crate::error::{Error, Result};
+use crate::lock::millis;
+
+impl<T, C> Queue<T, C>
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Completes a claimed message: it is deleted. Returns `false`, changing
+    /// nothing, when the claim is no longer held (its lease ran out and the
+    /// message went back to the schedule or to another worker), or when the
+    /// message is gone already (completed or removed).
+    pub async fn ack<J: Claim>(&self, job: &J) -> Result<bool> {
+        let job = token(job);
+        if let Some(held) = &job.held {
+            return self.settle_keyed(job, held, Outcome::Ack).await;
+        }
+        let acked = self.ack_batch(self.shard_of(job)?, &[job], "done").await?;
+        Ok(acked.first() == Some(&Acked::Done))
+    }
+
+    /// Completes many claimed messages in one round trip (at most
+    /// [`MAX_BATCH`] per call). Returns, per message, whether its claim was
+    /// still held.
+    pub async fn ack_many<'a, J, I>(&self, jobs: I) -> Result<Vec<bool>>
+    where
+        J: Claim + 'a,
+        I: IntoIterator<Item = &'a J>,
+    {
+        let acked = self.ack_claims(jobs).await?;
+        Ok(acked.into_iter().map(|a| a == Acked::Done).collect())
+    }
+
+    /// [`ack_many`](Self::ack_many), telling apart a claim lost to a lease
+    /// that ran out from a message that is gone already (which, after a
+    /// transport error, means an earlier copy of the call ran).
+    pub(crate) async fn ack_claims<'a, J, I>(&self, jobs: I) -> Result<Vec<Acked>>
+    where
+        J: Claim + 'a,
+        I: IntoIterator<Item = &'a J>,
+    {
+        // The unkeyed ones in one script call per shard, each keyed one in
+        // its key's partition, all at once; the answers in the batch's
+        // order. A keyed one found gone may have been acknowledged by an
+        // earlier attempt whose reply was lost: the caller knows whether
+        // one was.
+        let jobs: Vec<&ClaimToken> = jobs.into_iter().map(token).collect();
+        check_count("an ack_many batch", jobs.len(), 0..=MAX_BATCH)?;
+        let shards = by_shard(&jobs)
+            .into_iter()
+            .map(|(shard, batch)| async move {
+                let plain: Vec<&ClaimToken> = batch.iter().map(|(_, job)| *job).collect();
+                let acked = (self.ack_batch(self.shards.get(shard)?, &plain, "done")).await?;
+                Ok(batch.iter().map(|(n, _)| *n).zip(acked).collect::<Vec<_>>())
+            });
+        let keyed = jobs.iter().enumerate().filter(|(_, j)| j.held.is_some());
+        let keyed = keyed.map(|(n, job)| async move {
+            let acked = self.ack(*job).await?;
+            Ok(vec![(n, if acked { Acked::Done } else { Acked::Gone })])
+        });
+        use futures_util::future::{join, join_all};
+        let (shards, keyed) = join(join_all(shards), in_groups(keyed.collect())).await;
+        let mut out = vec![Acked::NotHeld; jobs.len()];
+        let mut failed = None;
+        for answers in shards.into_iter().chain(keyed) {
+            match answers {
+                Ok(answers) => answers.into_iter().for_each(|(n, acked)| out[n] = acked),
+                Err(error) => failed = failed.or(Some(error)),
+            }
+        }
+        failed.map_or(Ok(out), Err)
+    }
+
+    /// Acknowledges unkeyed messages in one script call; `kind` names their
+    /// event: `done`, or `deferred` for one that moved into its key's line
+    /// (not kept on the completed stream).
+    async fn ack_batch(
+        &self,
+        k: &QueueKeys,
+        jobs: &[&ClaimToken],
+        kind: &str,
+    ) -> Result<Vec<Acked>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut call = scripts::ACK_MANY.prepare_invoke();
+        let completed = self.recording.completed.unwrap_or_default().args();
+        let keep = kind == "done" && self.recording.completed.is_some();
+        call.key(&[&k.data, &k.active, &k.errors, &k.completed, &k.events])
+            .key(&k.activity)
+            .arg(self.events_arg())
+            .arg(if keep { "1" } else { "" })
+            .arg(completed.0)
+            .arg(completed.1)
+            .arg(kind);
+        for job in jobs {
+            call.arg(job.member())
+                .arg(&job.id)
+                .arg(if job.failures() > 0 { "1" } else { "0" })
+                .arg(job.failures);
+        }
+        let attempted = || format!("acknowledging messages in queue `{}`", self.name());
+        let acked: Vec<i64> = call.query_on(&self.conn, attempted).await?;
+        Ok(acked
+            .into_iter()
+            .map(|a| match a {
+                1 => Acked::Done,
+                0 => Acked::NotHeld,
+                _ => Acked::Gone,
+            })
+            .collect())
+    }
+
+    /// Puts a claimed message back on the schedule after a failure, due
+    /// `delay` from now, counting a failed attempt and recording `error`.
+    /// Returns the new due time, or `None` when the claim is no longer held.
+    pub async fn retry<J: Claim>(
+        &self,
+        job: &J,
+        delay: Duration,
+        error: &str,
+    ) -> Result<Option<SystemTime>> {
+        let outcome = Outcome::Retry { delay, error };
+        self.reschedule(token(job), outcome).await
+    }
+
+    /// Puts a claimed message back on the schedule because its lock was
+    /// busy: counts a deferral, not a failed attempt. Returns the new due
+    /// time, or `None` when the claim is no longer held.
+    pub async fn defer<J: Claim>(&self, job: &J, delay: Duration) -> Result<Option<SystemTime>> {
+        self.reschedule(token(job), Outcome::Defer { delay }).await
+    }
+
+    /// Moves a claimed, unkeyed message into the line of `key` (see
+    /// [`PushOptions::key`]; `limits` as the keyed push takes them), due
+    /// after `delay`, counting a deferral: a `LockLayer` found its key
+    /// busy, and there it is claimed only with the key's lock. The copy
+    /// goes into the key's partition first (same id, its counts kept), then
+    /// the message leaves this queue: a crash in between leaves both, and
+    /// the original comes back after its lease, so the message may run
+    /// twice but is never lost. `None` when the claim is no longer held.
+    pub(crate) async fn defer_to_key(
+        &self,
+        job: &ClaimToken,
+        (key, limits): (&str, &str),
+        delay: Duration,
+    ) -> Result<Option<SystemTime>> {
+        let attempted = || format!("deferring message `{}` into its key's line", job.id);
+        if key.is_empty() || key.contains('\0') {
+            return Err(Error::InvalidKey(format!(
+                "message `{}` cannot join the line of a key that is empty or holds NUL",
+                job.id
+            )));
+        }
+        let k = self.shard_of(job)?;
+        let (record, held): (Option<Vec<u8>>, Option<f64>) = redis::pipe()
+            .hget(&k.data, &job.id)
+            .zscore(&k.active, job.member())
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let (Some(record), Some(_)) = (record, held) else {
+            return Ok(None);
+        };
+        let keyed = self.keyed();
+        let (_, due) = keyed
+            .take_in((key, limits), &job.id, millis(delay), &record)
+            .await?;
+        // Out of this queue, with a `deferred` event (the message goes on,
+        // in its key's line).
+        let removed = self.ack_batch(k, &[job], "deferred").await?;
+        if removed.first() != Some(&Acked::Done) {
+            tracing::warn!(id = %job.id, %key, "claim lost while the message moved into its key's line: it may run twice");
+        }
+        Ok(Some(from_unix_ms(due)))
+    }
+
+    /// Hands a claimed message back, due now, without counting a failure or
+    /// a deferral (a worker shutting down before it could handle it).
+    /// Returns `false` when the claim is no longer held.
+    pub async fn release<J: Claim>(&self, job: &J) -> Result<bool> {
+        let due = self.reschedule(token(job), Outcome::Release).await?;
+        Ok(due.is_some())
+    }
+
+    /// Retries, defers or releases a claimed message.
+    async fn reschedule(
+        &self,
+        job: &ClaimToken,
+        outcome: Outcome<'_>,
+    ) -> Result<Option<SystemTime>> {
+        let (delay, counter, error) = match outcome {
+            Outcome::Retry { delay, error } => (delay, "failure", error),
+            Outcome::Defer { delay } => (delay, "deferral", ""),
+            _ => (Duration::ZERO, "release", ""),
+        };
+        if let Some(held) = &job.held {
+            let settled = self.settle_keyed(job, held, outcome).await?;
+            return Ok(settled.then(|| SystemTime::now() + delay));
+        }
+        let k = self.shard_of(job)?;
+        let attempted = || format!("rescheduling message `{}` ({counter})", job.id);
+        let due: i64 = scripts::RESCHEDULE
+            .key(&[&k.data, &k.schedule, &k.active, &k.errors])
+            .key(&[&k.bell, &k.prioritized, &k.events, &k.activity])
+            .arg(job.member())
+            .arg(&job.id)
+            .arg(millis(delay))
+            .arg(counter)
+            .arg(error)
+            .arg(self.events_arg())
+            .query_on(&self.conn, attempted)
+            .await?;
+        if due >= 0 {
+            self.mark_shard_after(usize::from(job.shard), due).await;
+        }
+        Ok((due >= 0).then(|| from_unix_ms(due)))
+    }
+
+    /// Moves a claimed message to the dead letters with `error`, counting
+    /// this delivery as a failed attempt. Returns `false`, changing nothing,
+    /// when the claim is no longer held.
+    pub async fn bury<J: Claim>(&self, job: &J, error: &str) -> Result<bool> {
+        self.bury_with(job, error, true).await
+    }
+
+    /// Buries; `failed` says whether the delivery counts as a failed attempt
+    /// (not so for undecodable payloads or too many deferrals).
+    pub(crate) async fn bury_with<J: Claim>(
+        &self,
+        job: &J,
+        error: &str,
+        failed: bool,
+    ) -> Result<bool> {
+        let job = token(job);
+        if let Some(held) = &job.held {
+            return self.settle_keyed(job, held, Outcome::Bury { error }).await;
+        }
+        let (max_count, max_age) = self.recording.dead.args();
+        let k = self.shard_of(job)?;
+        let buried: i64 = scripts::BURY
+            .key(&[&k.active, &k.dead, &k.errors, &k.data, &k.events])
+            .key(&k.activity)
+            .arg(job.member())
+            .arg(&job.id)
+            .arg(error)
+            .arg(if failed { "1" } else { "0" })
+            .arg(max_count)
+            .arg(max_age)
+            .arg(self.events_arg())
+            .query_on(&self.conn, || format!("burying message `{}`", job.id))
+            .await?;
+        Ok(buried == 1)
+    }
+
+    /// Acknowledges a claimed message and, for a keyed one
+    /// ([`PushOptions::key`](super::PushOptions::key)), claims its key's next message in line in the
+    /// same script, under the same lock; its lease ends with the lock, or
+    /// `lease` from now when the lock passes on under a new token or the
+    /// key has permits. No next job when there is none, when other code
+    /// waits for the lock, when the key's limits leave no room, or after
+    /// [`MAX_RUN`] in a row. Returns whether `job`'s claim was held, and
+    /// the next job. See the README's "Keyed messages".
+    pub async fn ack_and_next<J: Claim>(
+        &self,
+        job: &J,
+        lease: Duration,
+    ) -> Result<(bool, Option<Job<T>>)> {
+        check_lease(lease)?;
+        self.ack_and_next_with(job, lease, false).await
+    }
+
+    /// [`ack_and_next`](Self::ack_and_next); `run_on` lifts [`MAX_RUN`]
+    /// (the worker has a slot free for the keys that wait).
+    pub(crate) async fn ack_and_next_with<J: Claim>(
+        &self,
+        job: &J,
+        lease: Duration,
+        run_on: bool,
+    ) -> Result<(bool, Option<Job<T>>)> {
+        let claim = token(job);
+        let held = claim.held.as_ref();
+        let Some(held) = held.filter(|held| run_on || held.run < MAX_RUN) else {
+            return Ok((self.ack(job).await?, None));
+        };
+        let member = (claim.id.as_str(), claim.claim, claim.failures());
+        let keyed = self.keyed();
+        match keyed.done(held, member, Outcome::Ack, Some(lease)).await? {
+            Settled::Lost => Ok((false, None)),
+            Settled::Done => Ok((true, None)),
+            Settled::Next(turn) => Ok((true, self.decode_turn(turn).await.ok())),
+        }
+    }
+
+    /// Ends a keyed message's turn; `false` when its claim was lost.
+    async fn settle_keyed(
+        &self,
+        job: &ClaimToken,
+        held: &Arc<Held>,
+        outcome: Outcome<'_>,
+    ) -> Result<bool> {
+        let member = (job.id.as_str(), job.claim, job.failures());
+        let settled = (self.keyed()).done(held, member, outcome, None).await?;
+        Ok(settled != Settled::Lost)
+    }
+}
