@@ -177,7 +177,9 @@ end
 -- `keyof` hash, their entries there: a keyed partition's); at most `budget`
 -- of them per call, so a call's work stays bounded (each burial adds one
 -- letter and a call may remove many, so the set converges to its limits).
+-- Returns how many it deleted.
 local function trim_dead(dead, data, errors, now, max_count, max_age, budget, keyof)
+  local forgotten = 0
   local function forget(ids)
     if #ids == 0 then return end
     redis.call('ZREM', dead, unpack(ids))
@@ -185,6 +187,7 @@ local function trim_dead(dead, data, errors, now, max_count, max_age, budget, ke
     redis.call('HDEL', errors, unpack(ids))
     if keyof then redis.call('HDEL', keyof, unpack(ids)) end
     budget = budget - #ids
+    forgotten = forgotten + #ids
   end
   local age = tonumber(max_age)
   if age and budget > 0 then
@@ -195,6 +198,7 @@ local function trim_dead(dead, data, errors, now, max_count, max_age, budget, ke
     local excess = math.min(redis.call('ZCARD', dead) - count, budget)
     if excess > 0 then forget(redis.call('ZRANGE', dead, 0, excess - 1)) end
   end
+  return forgotten
 end
 
 -- The earliest due time on the prioritized set, or nil when it is empty

@@ -1231,3 +1231,43 @@ async fn keyed_partitions_missing_from_the_index_are_found_on_a_cluster() {
     all.sort_unstable();
     assert_eq!(all, (0..12).collect::<Vec<u64>>(), "each once");
 }
+
+/// Issue 35, item 8, on a cluster: each partition's scripts keep its own
+/// counts (a script reaches one slot), and `stats` adds them up: every
+/// keyed message counted in the state it is in, then none after a purge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_counts_are_kept_per_partition_on_a_cluster() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "counted").unwrap();
+    let now = (0..40u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(now).await.unwrap();
+    let later = (40..50u64).map(|n| {
+        let options = lockgate::PushOptions::new().key(format!("k{n}"));
+        (n, options.after(Duration::from_secs(600)))
+    });
+    queue.push_many_with(later).await.unwrap();
+    let mut jobs = Vec::new();
+    while jobs.len() < 20 {
+        let room = 20 - jobs.len();
+        jobs.extend(
+            queue
+                .claim(room, Duration::from_secs(60))
+                .await
+                .unwrap()
+                .jobs,
+        );
+    }
+    for job in &jobs[..5] {
+        assert!(queue.ack(job).await.unwrap());
+    }
+    for job in &jobs[5..8] {
+        assert!(queue.bury(job, "no").await.unwrap());
+    }
+    let stats = queue.stats().await.unwrap();
+    let counts = (stats.due, stats.later, stats.active, stats.dead);
+    assert_eq!(counts, (20, 10, 12, 3));
+    assert!(stats.oldest_due_age.is_some());
+    queue.purge().await.unwrap();
+    assert_eq!(queue.stats().await.unwrap(), Default::default());
+}

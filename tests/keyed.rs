@@ -1958,3 +1958,67 @@ async fn removal_and_dead_letters_of_one_id_under_two_keys_of_one_slot() {
     let keys: BTreeSet<&str> = jobs.iter().filter_map(|j| j.key()).collect();
     assert_eq!(keys, BTreeSet::from(["a", near.as_str()]), "both re-driven");
 }
+
+/// Every command the server ran so far, scripts' inner commands included.
+async fn commands_run(conn: &redis::aio::ConnectionManager) -> u64 {
+    let calls = lockgate::testing::command_calls(&mut conn.clone()).await;
+    calls.expect("INFO commandstats").values().sum()
+}
+
+/// Issue 35, item 8: `stats` of a keyed queue reads the counts its scripts
+/// keep as they change the partitions, in as many commands at 3,000 keys
+/// (about 2,500 partitions) as at one key; and they count every message in
+/// the state it is in.
+#[tokio::test]
+async fn keyed_stats_cost_the_same_few_commands_whatever_the_keys() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "q").unwrap();
+    push_keyed(&queue, 1, 1).await;
+    queue.stats().await.unwrap(); // finds out once that this is no cluster
+    let cost = async || {
+        let before = commands_run(&conn).await;
+        let stats = queue.stats().await.unwrap();
+        (stats, commands_run(&conn).await - before)
+    };
+    let (stats, one_key) = cost().await;
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (1, 0, 0, 0)
+    );
+
+    push_keyed(&queue, 3000, 3000).await; // k0 gets a second message
+    let later = (0..100).map(|n| {
+        let options = PushOptions::new().key(format!("later{n}")).after(secs(600));
+        let key = format!("later{n}");
+        (Msg { n, key }, options)
+    });
+    queue.push_many_with(later).await.unwrap();
+    let mut jobs = Vec::new();
+    while jobs.len() < 300 {
+        let room = 300 - jobs.len();
+        jobs.extend(queue.claim(room, secs(60)).await.unwrap().jobs);
+    }
+    for (i, job) in jobs.iter().enumerate() {
+        match i % 6 {
+            0 | 1 => assert!(queue.ack(job).await.unwrap()),
+            2 => assert!(queue.bury(job, "no").await.unwrap()),
+            3 => assert!(queue.retry(job, ms(1), "again").await.unwrap().is_some()),
+            _ => {}
+        }
+    }
+    let (stats, many_keys) = cost().await;
+    // 3,001 in line at first, 300 of them claimed, 50 back; 100 at work.
+    let counts = (stats.due, stats.later, stats.active, stats.dead);
+    assert_eq!(counts, (2751, 100, 100, 50));
+    assert!(stats.oldest_due_age.is_some());
+    assert_eq!(many_keys, one_key, "commands of one stats call");
+    assert!(one_key <= 20, "{one_key} commands");
+
+    queue.purge().await.unwrap();
+    let stats = queue.stats().await.unwrap();
+    assert_eq!(
+        (stats.due, stats.later, stats.active, stats.dead),
+        (0, 0, 0, 0)
+    );
+}

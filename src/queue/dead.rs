@@ -239,8 +239,8 @@ where
         script
             .key(&named(&set.base, ["data", "schedule", "dead", "errors"]))
             .key(&named(&set.base, ["bell", "prioritized", "events"]));
-        if let Some((_, keyof)) = &set.partition {
-            script.key(keyof);
+        if let Some((_, keyof_and_counts)) = &set.partition {
+            script.key(keyof_and_counts);
         }
         type Redriven = (usize, usize, i64, Vec<(String, u32)>, Vec<String>);
         let (requeued, examined, started, redriven, keys): Redriven = script

@@ -38,6 +38,17 @@ fn script(body: &str) -> Script {
     Script::new(&source(body))
 }
 
+/// The body of a keyed script that changes its partition's sets: it runs
+/// as a function, and whichever way it returns, `tally` then writes what
+/// it changed to the counts and the partition's earliest ready time to
+/// `oldest` (see `lua/keyed.lua`), so that reading them costs no scan of
+/// the partitions.
+fn counted(body: &str) -> String {
+    format!(
+        "local function changes()\n{body}\nend\nlocal reply = changes()\ntally()\nreturn reply\n"
+    )
+}
+
 /// A keyed script that takes or gives back permits and admits under rate
 /// limits: the permit and rate functions first (see
 /// `lock/permits/permits.lua`, `lock/rate/rate.lua`).
@@ -49,7 +60,7 @@ fn with_limits(body: &str) -> Script {
 /// The keyed push script as the library loads it; `scripts/push_keyed.lua`
 /// (for producers in other languages) must be exactly this.
 pub(crate) fn push_source() -> String {
-    source(include_str!("lua/keyed_push.lua"))
+    source(&counted(include_str!("lua/keyed_push.lua")))
 }
 
 // The keyed scripts, each hashed once per process.
@@ -63,33 +74,44 @@ static EVENTS: Lazy = LazyLock::new(|| {
         include_str!("lua/keyed_events.lua")
     ))
 });
-static CLAIM: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_claim.lua")));
-static DONE: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_done.lua")));
+static CLAIM: Lazy = LazyLock::new(|| with_limits(&counted(include_str!("lua/keyed_claim.lua"))));
+static DONE: Lazy = LazyLock::new(|| with_limits(&counted(include_str!("lua/keyed_done.lua"))));
 static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
+// (It tallies itself, when anything expired.)
 static RECOVER: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
 static KEY_LOADS: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_keys.lua")));
-static TAKE_IN: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_take_in.lua")));
+static TAKE_IN: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_take_in.lua"))));
 static PEEK: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_peek.lua")));
-static REMOVE: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_remove.lua")));
+static REMOVE: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_remove.lua"))));
+static PURGE: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_purge.lua"))));
 static INDEX_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_settle.lua")));
 static INDEX_HEAL: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_heal.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
-const SCHEDULE: usize = 1;
-const ACTIVE: usize = 2;
-const DEAD: usize = 3;
-const CLAIMS: usize = 5;
 const LINES: usize = 6;
 const READY: usize = 7;
 const KEYOF: usize = 8;
-const SEQ: usize = 9;
 
-/// The keys of one partition, in the keyed scripts' order.
+const COUNTS: usize = 11;
+const OLDEST: usize = 12;
+
+/// What serves the queue: where its partitions' scripts keep the counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// One server: the queue's counts, over every partition.
+    Server,
+    /// A Redis Cluster: each partition's own.
+    Cluster,
+}
+
+/// The keys of one partition, in the keyed scripts' order: its own, then
+/// where the scripts keep the counts and each partition's earliest ready
+/// time (see `lua/keyed.lua`).
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Partition {
     pub(crate) slot: u16,
-    keys: [String; 11],
+    keys: [String; 13],
 }
 
 /// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
@@ -97,22 +119,34 @@ pub(crate) struct Partition {
 #[derive(Debug)]
 pub(crate) struct DeadSet {
     pub(crate) base: String,
-    /// The partition's slot (re-driven letters make it ready) and its
-    /// `keyof` hash (where the letters' keys are); `None` for a shard's.
-    pub(crate) partition: Option<(u16, String)>,
+    /// The partition's slot (re-driven letters make it ready), its `keyof`
+    /// hash (where the letters' keys are) and its counts (see
+    /// `lua/keyed.lua`); `None` for a shard's.
+    pub(crate) partition: Option<(u16, [String; 2])>,
     /// The shard whose set it is (0 for a partition).
     pub(crate) shard: usize,
 }
 
 impl Partition {
-    fn new(prefix: &str, queue: &str, slot: u16) -> Self {
-        let (tag, queue) = (keys::slot_tag(slot), keys::tag(queue));
-        let base = format!("{prefix}:{{{tag}}}:{queue}");
-        let keys = [
+    /// Slot `slot`'s partition of the queue with keys `queue`. On one
+    /// server (`Layout::Server`) its scripts keep the queue's counts, in
+    /// the queue's slot; on a cluster, where a script reaches one slot, the
+    /// partition's own.
+    fn new(queue: &QueueKeys, slot: u16, layout: Layout) -> Self {
+        let tag = keys::slot_tag(slot);
+        let base = format!("{}:{{{tag}}}:{}", queue.prefix, keys::tag(&queue.name));
+        let counted = match layout {
+            Layout::Server => format!("{}:keyed", queue.base),
+            Layout::Cluster => base.clone(),
+        };
+        let [counts, oldest] = ["counts", "oldest"].map(|name| format!("{counted}:{name}"));
+        let own = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
             "seq", "limits",
         ]
         .map(|name| format!("{base}:{name}"));
+        let mut keys = own.into_iter().chain([counts, oldest]);
+        let keys = std::array::from_fn(|_| keys.next().unwrap_or_default());
         Self { slot, keys }
     }
 
@@ -124,7 +158,8 @@ impl Partition {
         // Stripped once: a queue's own name may end in `:data`.
         let data = &self.keys[DATA];
         let base = data.strip_suffix(":data").unwrap_or(data).to_owned();
-        let partition = Some((self.slot, self.keys[KEYOF].clone()));
+        let kept = [self.keys[KEYOF].clone(), self.keys[COUNTS].clone()];
+        let partition = Some((self.slot, kept));
         DeadSet {
             base,
             partition,
@@ -389,8 +424,21 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// The partition of `slot`; `key`'s line is in `keys::lock_slot(key)`'s.
-    fn partition(&self, slot: u16) -> Arc<Partition> {
-        Arc::new(Partition::new(&self.keys.prefix, &self.keys.name, slot))
+    async fn partition(&self, slot: u16) -> Result<Arc<Partition>> {
+        Ok(self.partition_in(slot, self.layout().await?))
+    }
+
+    /// The partition of `slot` in `layout`.
+    fn partition_in(&self, slot: u16, layout: Layout) -> Arc<Partition> {
+        Arc::new(Partition::new(self.keys, slot, layout))
+    }
+
+    /// Whether the server is a cluster, found out once per queue handle.
+    pub(crate) async fn layout(&self) -> Result<Layout> {
+        Ok(match self.is_cluster().await? {
+            true => Layout::Cluster,
+            false => Layout::Server,
+        })
     }
 
     /// Pushes keyed messages of one partition in one script call (see
@@ -401,7 +449,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let Some(first) = batch.first() else {
             return Ok(Vec::new());
         };
-        let partition = self.partition(keys::lock_slot(first.key));
+        let partition = self.partition(keys::lock_slot(first.key)).await?;
         let mut cmd = partition.call(&PUSH, 0);
         for m in batch {
             cmd.arg(m.key)
@@ -436,7 +484,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         delay_ms: u64,
         record: &[u8],
     ) -> Result<(bool, i64)> {
-        let partition = self.partition(keys::lock_slot(key));
+        let partition = self.partition(keys::lock_slot(key)).await?;
         let mut cmd = partition.call(&TAKE_IN, 0);
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
@@ -692,7 +740,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Makes `key` ready at once if it waits (for a lock other code held,
     /// whose release was published).
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
-        let partition = self.partition(keys::lock_slot(key));
+        let partition = self.partition(keys::lock_slot(key)).await?;
         // LT: a key at work (its score below 0) stays so.
         let attempted = || format!("waking key `{key}`");
         redis::cmd("ZADD")

@@ -19,7 +19,8 @@
 //! held by other code (`Locker::acquire_permit`), and its retries wait
 //! aside rather than holding the key up. Another has a rate limit of 3 an
 //! hour: after 3 claims (the acknowledgement's hand-overs included) it is
-//! claimed no more.
+//! claimed no more. After every step the counts the scripts keep
+//! (`Queue::stats`, issue 35) are the model's.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -216,6 +217,7 @@ impl Model {
 
 struct World<'a> {
     server: &'a RefCell<RedisServer>,
+    conn: ConnectionManager,
     queue: Queue<u64, crate::Twice>,
     twice: crate::Twice,
     locker: Locker<ConnectionManager>,
@@ -290,7 +292,95 @@ impl World<'_> {
         if let Op::Claim { .. } = op {
             self.claim_the_rest(at).await?;
         }
+        self.counts_agree(at).await
+    }
+
+    /// The counts the scripts keep as they change the partitions (issue
+    /// 35, item 8), as `stats` reads them, are the model's: in line,
+    /// delayed, at work, dead.
+    async fn counts_agree(&self, at: &str) -> Result<(), TestCaseError> {
+        let q = self.queue.clone();
+        let stats = self.retried(at, || q.stats()).await?;
+        let mut expected = [0; 4];
+        for m in self.model.messages.values() {
+            expected[match m.state {
+                State::InLine(None) => 0,
+                State::Later => 1,
+                State::InLine(Some(_)) => 2,
+                State::Dead => 3,
+            }] += 1;
+        }
+        let counts = [stats.due, stats.later, stats.active, stats.dead];
+        prop_assert_eq!(
+            counts,
+            expected,
+            "{}: counts (in line, delayed, at work, dead)",
+            at
+        );
+        self.oldest_agrees(at).await
+    }
+
+    /// The earliest ready time (above 0) the scripts keep per partition in
+    /// the queue's `keyed:oldest` is each partition's own.
+    async fn oldest_agrees(&self, at: &str) -> Result<(), TestCaseError> {
+        let queue = self.queue.name();
+        let pattern = format!("lockgate:{{*}}:{queue}:ready");
+        let oldest = format!("lockgate:{{{queue}}}:keyed:oldest");
+        let mut kept: Vec<(String, String)> = self
+            .read(at, &["ZRANGE", &oldest, "0", "-1", "WITHSCORES"])
+            .await?;
+        let mut partitions: Vec<String> = self.read(at, &["KEYS", &pattern]).await?;
+        partitions.sort();
+        let mut expected = Vec::new();
+        for ready in partitions {
+            let first: Vec<(String, String)> = self
+                .read(
+                    at,
+                    &[
+                        "ZRANGE",
+                        &ready,
+                        "(0",
+                        "+inf",
+                        "BYSCORE",
+                        "LIMIT",
+                        "0",
+                        "1",
+                        "WITHSCORES",
+                    ],
+                )
+                .await?;
+            if let Some((_, at)) = first.into_iter().next() {
+                expected.push((ready, at));
+            }
+        }
+        kept.sort();
+        prop_assert_eq!(
+            kept,
+            expected,
+            "{}: each partition's earliest ready time",
+            at
+        );
         Ok(())
+    }
+
+    /// A raw command's reply, retried while the connection is re-opened.
+    async fn read<T: redis::FromRedisValue>(
+        &self,
+        at: &str,
+        args: &[&str],
+    ) -> Result<T, TestCaseError> {
+        for _ in 0..100 {
+            let mut conn = self.conn.clone();
+            match redis::cmd(args[0])
+                .arg(&args[1..])
+                .query_async(&mut conn)
+                .await
+            {
+                Ok(reply) => return Ok(reply),
+                Err(_) => tokio::time::sleep(ms(20)).await,
+            }
+        }
+        Err(TestCaseError::fail(format!("{at}: no reply to {args:?}")))
     }
 
     /// Retries a call while the connection is being re-opened.
@@ -719,6 +809,7 @@ async fn run_history(
     let queue = Queue::new(twice.clone(), format!("keyed-{n}")).expect("a queue");
     let mut world = World {
         server,
+        conn: conn.clone(),
         queue,
         twice,
         locker: Locker::new(conn.clone()).ttl(LONG).expect("a TTL"),

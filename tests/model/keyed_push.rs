@@ -29,10 +29,11 @@ use crate::support;
 /// The first due time refused (ms since 1970: the year 2286).
 const BEYOND: i64 = 10_000_000_000_000;
 
-/// The partition's keys, in the script's order.
-const NAMES: [&str; 11] = [
+/// The partition's keys, in the script's order (its own counts, as on a
+/// Redis Cluster).
+const NAMES: [&str; 13] = [
     "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof", "seq",
-    "limits",
+    "limits", "counts", "oldest",
 ];
 
 /// One message of a call: key, limits, id, when, payload.
@@ -276,6 +277,17 @@ async fn run_history(
                 }
             }
         }
+        // The counts the script keeps (issue 35): in line, delayed.
+        let counts: (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(&keys[11])
+            .arg(&["lines", "schedule"])
+            .query_async(&mut conn)
+            .await
+            .expect("HMGET");
+        let in_line = model.values().filter(|due| **due == -1).count() as u64;
+        let delayed = model.len() as u64 - in_line;
+        let counts = (counts.0.unwrap_or(0), counts.1.unwrap_or(0));
+        prop_assert_eq!(counts, (in_line, delayed), "{}: counts", at);
     }
     Ok(())
 }

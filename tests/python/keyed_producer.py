@@ -51,17 +51,22 @@ class KeyedProducer:
     NAMES = ["data", "schedule", "active", "dead", "errors", "claims", "lines", "ready",
              "keyof", "seq", "limits"]
 
-    def __init__(self, redis, queue, script_path, prefix="lockgate"):
+    def __init__(self, redis, queue, script_path, prefix="lockgate", cluster=False):
         self.redis, self.prefix, self.queue = redis, prefix, hash_tag(queue)
         self.script = Script(redis, script_path)
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
+        # Where the script keeps the counts: the queue's on one server, the
+        # partition's own on a Redis Cluster.
+        self.counted = None if cluster else base + ":keyed"
 
     def partition(self, key):
-        """The slot of `key`'s lock and its partition's 11 keys."""
+        """The slot of `key`'s lock and its partition's 13 keys."""
         slot = crc16(hash_tag(key).encode("utf-8")) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
-        return slot, [base + ":" + name for name in self.NAMES]
+        counted = self.counted or base
+        return slot, [base + ":" + name for name in self.NAMES] + [
+            counted + ":counts", counted + ":oldest"]
 
     def push_all(self, messages, index=True):
         """Pushes `messages` ([key, id, when, payload] or [key, id, when,

@@ -164,7 +164,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         first: Option<Cmd>,
         claimed: &mut Claimed,
     ) -> Result<(Option<i64>, Holds)> {
-        let partition = self.partition(slot);
+        let partition = self.partition(slot).await?;
         let mut candidates = lock(&self.state.candidates)
             .remove(&slot)
             .unwrap_or_default();

@@ -5,13 +5,14 @@
 //! not one round trip after another.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    ACTIVE, CLAIMS, DATA, DEAD, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Log, PEEK, Partition,
-    READY, RECOVER, REMOVE, SCHEDULE, SEQ, lock, own_id, split_stored,
+    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Layout, Log, OLDEST, PEEK, PURGE,
+    Partition, RECOVER, REMOVE, lock, own_id, split_stored,
 };
 use crate::error::{Error, Result};
 use crate::keys::SLOTS;
@@ -32,40 +33,48 @@ const HEAL_WINDOW: usize = 64;
 const PARTITIONS_AT_ONCE: usize = 64;
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
-    /// Counts over every partition of the index: [in line, delayed, at
-    /// work, dead], and since when the longest-ready key's head may be
-    /// claimed (server ms, at `now` or before). Each partition is read at
-    /// its own instant.
+    /// The counts of keyed messages: [in line, delayed, at work, dead], and
+    /// since when the longest-ready key's head may be claimed (server ms,
+    /// at `now` or before). The scripts keep them as they change the
+    /// partitions (see `lua/keyed.lua`): on one server the queue's, read in
+    /// one round trip of two commands whatever the keys; on a cluster each
+    /// partition's, read at its own instant.
     pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
-        let attempted = || format!("reading stats of queue `{}`", self.keys.name);
-        type Counts = (u64, u64, u64, u64, Vec<(String, i64)>, u64);
-        let each = self.each_partition(|slot| async move {
-            let k = &self.partition(slot).keys;
-            let counts: Counts = redis::pipe()
-                .zcard(&k[LINES])
-                .zcard(&k[SCHEDULE])
-                .zcard(&k[ACTIVE])
-                .zcard(&k[DEAD])
-                // Above 0, which marks a key woken by a release (see
-                // `unblock`): ready since now, not since 1970.
-                .zrangebyscore_limit_withscores(&k[READY], "(0", now, 0, 1)
-                .zcount(&k[READY], 0, 0)
-                .query_async(&mut self.conn.clone())
-                .await
-                .map_err(Error::redis(attempted()))?;
-            Ok(counts)
-        });
+        let layout = self.layout().await?;
+        if layout == Layout::Server {
+            let partition = self.partition_in(0, layout);
+            return self.counts_in(&partition, now).await;
+        }
+        let each =
+            self.each_partition(|partition| async move { self.counts_in(&partition, now).await });
         let (mut total, mut oldest) = ([0; 4], None::<i64>);
-        for (lines, later, held, dead, ready, woken) in each.await? {
-            for (total, n) in total.iter_mut().zip([lines, later, held, dead]) {
+        for (counts, since) in each.await? {
+            for (total, n) in total.iter_mut().zip(counts) {
                 *total += n;
             }
-            let since = ready.first().map(|(_, since)| *since);
-            if let Some(since) = since.or((woken > 0).then_some(now)) {
+            if let Some(since) = since {
                 oldest = Some(oldest.map_or(since, |o| o.min(since)));
             }
         }
         Ok((total, oldest))
+    }
+
+    /// The counts and the earliest ready time at or before `now` kept in
+    /// `partition`'s `counts` and `oldest` (the queue's, on one server).
+    async fn counts_in(&self, partition: &Partition, now: i64) -> Result<([u64; 4], Option<i64>)> {
+        let attempted = || format!("reading stats of queue `{}`", self.keys.name);
+        let k = &partition.keys;
+        let (counts, first): ([Option<i64>; 4], Vec<(String, i64)>) = redis::pipe()
+            .cmd("HMGET")
+            .arg(&k[COUNTS])
+            .arg(&["lines", "schedule", "active", "dead"])
+            // Above 0: a key woken by a release or at work is not kept.
+            .zrangebyscore_limit_withscores(&k[OLDEST], "(0", now, 0, 1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let counts = counts.map(|n| u64::try_from(n.unwrap_or(0)).unwrap_or(0));
+        Ok((counts, first.first().map(|(_, since)| *since)))
     }
 
     /// Runs `each` for every partition of the index, [`PARTITIONS_AT_ONCE`]
@@ -74,12 +83,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// order.
     async fn each_partition<R, F, Fut>(&self, each: F) -> Result<Vec<R>>
     where
-        F: Fn(u16) -> Fut,
+        F: Fn(Arc<Partition>) -> Fut,
         Fut: std::future::Future<Output = Result<R>>,
     {
         use futures_util::{StreamExt, TryStreamExt};
+        let layout = self.layout().await?;
         let slots = self.slots().await?;
-        futures_util::stream::iter(slots.into_iter().map(each))
+        let partitions = slots
+            .into_iter()
+            .map(|slot| self.partition_in(slot, layout));
+        futures_util::stream::iter(partitions.map(each))
             .buffered(PARTITIONS_AT_ONCE)
             .try_collect()
             .await
@@ -92,8 +105,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
         type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
-        let each = self.each_partition(|slot| async move {
-            let mut cmd = self.partition(slot).call(&KEY_LOADS, 0);
+        let each = self.each_partition(|partition| async move {
+            let mut cmd = partition.call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
             self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await
         });
@@ -113,20 +126,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((loads, count))
     }
 
-    /// Deletes every partition in the index (one `UNLINK` each: a
-    /// partition is one hash slot), keys' limits included, and forgets the
-    /// candidates named. The claim and line counters stay (as the queue's
-    /// claim counter does), so that a claim from before the purge never
-    /// matches a message pushed after it.
+    /// Deletes every partition in the index, keys' limits included, each
+    /// in one script that takes its messages out of the counts (see
+    /// `lua/keyed_purge.lua`), and forgets the candidates named. The claim
+    /// and line counters stay (as the queue's claim counter does), so that
+    /// a claim from before the purge never matches a message pushed after
+    /// it.
     pub(crate) async fn purge(&self) -> Result<()> {
+        let layout = self.layout().await?;
         for slot in self.slots().await? {
-            let k = &self.partition(slot).keys;
-            redis::cmd("UNLINK")
-                .arg(&k[..CLAIMS])
-                .arg(&k[CLAIMS + 1..SEQ])
-                .arg(&k[SEQ + 1..])
-                .query_on::<(), _>(self.conn, || format!("purging queue `{}`", self.keys.name))
-                .await?;
+            let cmd = self.partition_in(slot, layout).call(&PURGE, 0);
+            let attempted = || format!("purging queue `{}`", self.keys.name);
+            self.run::<bool>(&PURGE, &cmd, attempted).await?;
         }
         lock(&self.state.candidates).clear();
         Ok(())
@@ -134,9 +145,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// The dead-letter keys of every partition in the index.
     pub(crate) async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let layout = self.layout().await?;
         let partitions = self.slots().await?.into_iter();
         Ok(partitions
-            .map(|slot| self.partition(slot).dead_set())
+            .map(|slot| self.partition_in(slot, layout).dead_set())
             .collect())
     }
 
@@ -197,7 +209,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn existing_at_once(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
         let mut cmd = evalsha(&INDEX_HEAL, batch.len());
         for slot in batch {
-            cmd.arg(&self.partition(*slot).keys[DATA]);
+            cmd.arg(self.data_key(*slot));
         }
         let found: Vec<usize> = run(&INDEX_HEAL, &cmd, &mut self.conn.clone()).await?;
         Ok(found
@@ -210,13 +222,20 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// each, all in flight at once (a cluster routes each to its node).
     async fn existing_one_by_one(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
         let found = futures_util::future::try_join_all(batch.iter().map(|slot| {
-            let data = self.partition(*slot).keys[DATA].clone();
+            let data = self.data_key(*slot);
             let mut conn = self.conn.clone();
             async move { Cmd::exists(data).query_async::<bool>(&mut conn).await }
         }))
         .await?;
         let slots = batch.iter().zip(found).filter(|(_, found)| *found);
         Ok(slots.map(|(slot, _)| *slot).collect())
+    }
+
+    /// The `data` hash of slot `slot`'s partition (its name is the same
+    /// whatever the layout).
+    fn data_key(&self, slot: u16) -> String {
+        let partition = self.partition_in(slot, Layout::Server);
+        partition.keys[DATA].clone()
     }
 
     /// Every partition in the index.
@@ -233,14 +252,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
         let (count, age) = self.recording.dead.args();
         let (count, age) = (&count, &age);
-        let each = self.each_partition(|slot| async move {
+        let each = self.each_partition(|partition| async move {
             let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
-            let mut cmd = self.partition(slot).call(&RECOVER, 0);
+            let mut cmd = partition.call(&RECOVER, 0);
             cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
             let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
                 self.run(&RECOVER, &cmd, attempted).await?;
             if !ended.is_empty() {
-                self.recovered(slot, &ended).await;
+                self.recovered(partition.slot, &ended).await;
             }
             let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
             Ok((ended.len() - dead, dead))
@@ -277,8 +296,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     ) -> Result<()> {
         let attempted = || format!("looking into queue `{}`", self.keys.name);
         type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
-        let each = self.each_partition(|slot| async move {
-            let mut cmd = self.partition(slot).call(&PEEK, 0);
+        let each = self.each_partition(|partition| async move {
+            let mut cmd = partition.call(&PEEK, 0);
             cmd.arg(limit);
             self.run::<(usize, Entries)>(&PEEK, &cmd, attempted).await
         });
@@ -304,8 +323,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn remove(&self, id: &str) -> Result<bool> {
         let attempted = || format!("removing message `{id}`");
         let mut removed = false;
+        let layout = self.layout().await?;
         for slot in self.slots().await? {
-            let partition = self.partition(slot);
+            let partition = self.partition_in(slot, layout);
             let found = self.scan_for(&partition.keys[DATA], "HSCAN", id).await?;
             for stored in found {
                 let Some((key, _)) = split_stored(&stored) else {

@@ -24,13 +24,93 @@
 -- KEYS[11] limits: hash key -> its permits, for a key pushed with permits
 --   (`Locker::acquire_permit`'s set, not its lock); "<key>\0rate" -> its
 --   rate "<limit>/<period µs>/<burst>/<window µs>" (`Locker::admit`'s log)
+-- KEYS[12] counts: hash "lines", "schedule", "active", "dead" -> how many
+--   messages those sets hold, kept by every script that changes them (see
+--   tally): on one server the queue's (`<p>:{<q>}:keyed:counts`, over all
+--   its partitions), on a Redis Cluster the partition's own
+-- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
+--   ready time above 0 (see tally), as counts: the queue's on one server
+-- A script's own keys follow, from KEYS[MORE + 1] on.
 -- The queue's own keys (its doorbell, its index of partitions) live in the
 -- queue's slot: the caller rings and indexes after a script. A claimed
 -- message leaves its line for the active set; a retry, a release or an
 -- expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
+local COUNTS, OLDEST, MORE = 12, 13, 13
 local AT_WORK = -1
+
+-- What this call changed in its partition's counted sets, by set, until
+-- `tally` writes it: the counts cost a field's increment per set a call
+-- changes, never a scan of the partitions.
+local COUNTED = {{LINES, 'lines'}, {SCHEDULE, 'schedule'}, {ACTIVE, 'active'}, {DEAD, 'dead'}}
+local moved = {}
+
+-- Notes that `n` messages joined counted set `set` (left it, below 0).
+local function counted(set, n)
+  moved[set] = (moved[set] or 0) + n
+end
+
+-- `ZADD` to a counted set, counted; returns how many joined.
+local function add_to(set, score, member)
+  local n = redis.call('ZADD', KEYS[set], score, member)
+  counted(set, n)
+  return n
+end
+
+-- `ZREM` from a counted set, counted; returns how many left.
+local function remove_from(set, member)
+  local n = redis.call('ZREM', KEYS[set], member)
+  counted(set, -n)
+  return n
+end
+
+-- What this call did to the partition's earliest ready time above 0 (a
+-- key woken by a release, at 0, or at work, below, is no due message of
+-- its own), which `oldest` keeps: `lowered_to` a time it may have fallen
+-- to (a key became ready from then); `reread` when it may have risen too
+-- (a ready key claimed or gone). The usual turn costs one command or
+-- none here: a push readies a new key, an ack lets a key at work go.
+local lowered_to, reread = nil, false
+-- The partition's first ready key and its time, when the call read it
+-- last (`answer`, the claim's), so that `tally` need not read it again.
+local first_read = nil
+
+-- A key of the partition became ready from `at`.
+local function ready_from(at)
+  if not lowered_to or at < lowered_to then lowered_to = at end
+end
+
+-- A ready key may have been claimed or gone: `tally` reads the earliest.
+local function ready_changed()
+  reread = true
+end
+
+-- At the end of a script that changes the partition (see `counted` in
+-- src/queue/keyed.rs): adds its moves to the counts, and keeps the
+-- partition's earliest ready time in `oldest`.
+local function tally()
+  for _, set in ipairs(COUNTED) do
+    local n = moved[set[1]]
+    if n and n ~= 0 then redis.call('HINCRBY', KEYS[COUNTS], set[2], n) end
+  end
+  moved = {}
+  if reread then
+    local first = first_read
+    if not first or first[2] == '0' then
+      first = redis.call('ZRANGEBYSCORE', KEYS[READY], '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    end
+    if first[2] then
+      redis.call('ZADD', KEYS[OLDEST], first[2], KEYS[READY])
+    else
+      redis.call('ZREM', KEYS[OLDEST], KEYS[READY])
+    end
+  elseif lowered_to then
+    -- LT adds a partition that had no entry, and lowers one that had.
+    redis.call('ZADD', KEYS[OLDEST], 'LT', lowered_to, KEYS[READY])
+  end
+  lowered_to, reread, first_read = nil, false, nil
+end
 
 -- A keyed message's id as its partition stores it (the field of `data`,
 -- the member of `schedule`, `dead` and `keyof`, the last part of its line
@@ -64,8 +144,8 @@ end
 -- after it); the key becomes ready at `now` unless its head is at work or
 -- it waits already.
 local function rejoin(key, seq, id, now)
-  redis.call('ZADD', KEYS[LINES], 0, line_member(key, seq, id))
-  redis.call('ZADD', KEYS[READY], 'NX', now, key)
+  add_to(LINES, 0, line_member(key, seq, id))
+  if redis.call('ZADD', KEYS[READY], 'NX', now, key) == 1 then ready_from(now) end
 end
 
 -- Puts a due message in its key's line, last (or at the place `since`
@@ -83,10 +163,15 @@ local function head_of(key)
 end
 
 -- After a key's turn: ready from `from` when its line has a head, else gone
--- from the ready keys. Returns whether it has a head.
-local function after_turn(key, from)
+-- from the ready keys. Returns whether it has a head. `at_work`: the key
+-- was at work with its lock (ready at AT_WORK, below every time), so it
+-- lowers the earliest ready time or leaves it as it was; else (a key with
+-- permits, ready while at work) it may raise it.
+local function after_turn(key, from, at_work)
+  if not at_work then ready_changed() end
   if head_of(key) then
     redis.call('ZADD', KEYS[READY], from, key)
+    ready_from(from)
     return true
   end
   redis.call('ZREM', KEYS[READY], key)
@@ -134,7 +219,7 @@ local function place(key, id, due, now, since)
   else
     local seq = since and next_seq(now, since) or ''
     redis.call('HSET', KEYS[KEYOF], id, aside(key, seq, tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0))
-    redis.call('ZADD', KEYS[SCHEDULE], due, id)
+    add_to(SCHEDULE, due, id)
   end
 end
 
@@ -173,7 +258,7 @@ end
 local function promote(now, max)
   local due = redis.call('ZRANGEBYSCORE', KEYS[SCHEDULE], '-inf', now, 'LIMIT', 0, max)
   for _, id in ipairs(due) do
-    redis.call('ZREM', KEYS[SCHEDULE], id)
+    remove_from(SCHEDULE, id)
     local of = redis.call('HGET', KEYS[KEYOF], id)
     redis.call('HDEL', KEYS[KEYOF], id)
     if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then

@@ -1,6 +1,6 @@
 -- Claims the heads of ready keys' lines with the keys' locks or permits
 -- (see keyed.lua), after moving the messages that became due into their lines.
--- KEYS[1..11]: the partition   KEYS[12..]: per candidate key, its lock, its
+-- KEYS[1..13]: the partition   KEYS[14..]: per candidate key, its lock, its
 -- permits' set, the set's line of waiters and its rate limit log; last,
 -- this call's record
 -- ARGV[1]: lease in ms (the lock's or permit's too)   ARGV[2]: how many at most
@@ -27,14 +27,16 @@
 -- nothing more.
 local now, now_us = server_time()
 local lease, max = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- Keys it claims or finds blocked change their ready time either way.
+ready_changed()
 local RECORD = KEYS[#KEYS]
 
 -- The answer after the turns `claimed` (and the keys `blocked`): the keys
 -- to name next, when one is due next, what the partition holds.
 local function answer(tag, claimed, blocked)
   local candidates = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, tonumber(ARGV[3]))
-  local next_at = tonumber(
-    redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)[2]) or -1
+  first_read = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local next_at = tonumber(first_read[2]) or -1
   local due = head_due(KEYS[SCHEDULE])
   if due and (next_at < 0 or due < next_at) then next_at = due end
   local holds = 2
@@ -67,8 +69,8 @@ local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
 local function take(key, id, seq, permits, rate)
   tag = tag or next_claim(KEYS[CLAIMS], now_us)
   local member = line_member(key, seq, id)
-  redis.call('ZREM', KEYS[LINES], member)
-  redis.call('ZADD', KEYS[ACTIVE], deadline, member .. ':' .. tag)
+  remove_from(LINES, member)
+  add_to(ACTIVE, deadline, member .. ':' .. tag)
   claimed[#claimed + 1] = key
   claimed[#claimed + 1] = id
   claimed[#claimed + 1] = seq
@@ -129,9 +131,9 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   end
 end
 
-for i = 1, (#KEYS - 12) / 4 do
+for i = 1, (#KEYS - MORE - 1) / 4 do
   if #claimed >= 6 * max then break end
-  local key, token, at = ARGV[3 + 2 * i], ARGV[4 + 2 * i], 8 + 4 * i
+  local key, token, at = ARGV[3 + 2 * i], ARGV[4 + 2 * i], MORE - 3 + 4 * i
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and from <= now then
     local id, seq = head_of(key)

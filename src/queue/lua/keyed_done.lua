@@ -6,9 +6,10 @@
 -- the lock going to the first waiter in its line as a `Locker`'s release
 -- hands it (release.lua), so that a key's messages and other code take
 -- turns. The caller bounds such runs (MAX_RUN, see keyed.rs).
--- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
--- KEYS[13]: the lock's or the set's line of waiters   KEYS[14]: the set's
--- fences (for a lock: the lock)   KEYS[15]: the key's rate limit log
+-- KEYS[1..13]: the partition   KEYS[14] (LOCK): the key's lock, or its
+-- permits' set   KEYS[15] (WAITERS): the lock's or the set's line of waiters
+-- KEYS[16] (FENCES): the set's fences (for a lock: the lock)
+-- KEYS[17] (RATE_LOG): the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
 --   "release" (back as it was) or "bury"
 -- ARGV[2..6]: the key, the id, its seq, its claim, the lock's (permit's) token
@@ -22,7 +23,7 @@
 -- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
--- KEYS[16]: this call's record, kept ARGV[19] ms by an ack asking for the
+-- KEYS[18] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
 --   next message: "<status><acknowledged record>", or for status 3
 --   "3<next seq (16 digits)><renewed 0/1><#next id>:<next id><acknowledged
 --   record>". It makes the call safe to resend (see claim.lua): a resend,
@@ -47,6 +48,7 @@
 -- renewal's reading and its call, so a lease inherited from the first
 -- message of a chain would run out under the chain (issue 35). A fenced
 -- lock gets a new token, so that the next message's fence is its own.
+local LOCK, WAITERS, FENCES, RATE_LOG, RECORD = MORE + 1, MORE + 2, MORE + 3, MORE + 4, MORE + 5
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
@@ -54,7 +56,7 @@ local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
 -- A resend: what the first call did, from its record; the next message
 -- it claimed while that still holds (else the ack alone).
 local function resent()
-  local kept = ARGV[10] ~= '' and redis.call('GET', KEYS[16])
+  local kept = ARGV[10] ~= '' and redis.call('GET', KEYS[RECORD])
   if not kept then return {0, '', false} end
   local status = tonumber(string.sub(kept, 1, 1))
   if status ~= 3 then return {status, string.sub(kept, 2), false} end
@@ -69,7 +71,7 @@ local function resent()
 end
 
 if not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return resent() end
-redis.call('ZREM', KEYS[ACTIVE], at_work)
+remove_from(ACTIVE, at_work)
 local acked = ''
 if op == 'ack' then
   if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
@@ -81,11 +83,14 @@ end
 -- until `until_ms`; `renewed`: under the new token.
 local function continue(next, next_seq, until_ms, renewed)
   local next_member = line_member(key, next_seq, next)
-  redis.call('ZREM', KEYS[LINES], next_member)
-  redis.call('ZADD', KEYS[ACTIVE], until_ms, next_member .. ':' .. ARGV[5])
-  if limit > 0 and not head_of(key) then redis.call('ZREM', KEYS[READY], key) end
+  remove_from(LINES, next_member)
+  add_to(ACTIVE, until_ms, next_member .. ':' .. ARGV[5])
+  if limit > 0 and not head_of(key) then
+    redis.call('ZREM', KEYS[READY], key)
+    ready_changed()
+  end
   local flag = renewed and 1 or 0
-  redis.call('SET', KEYS[16], '3' .. next_seq .. flag .. #next .. ':' .. next .. acked, 'PX', ARGV[19])
+  redis.call('SET', KEYS[RECORD], '3' .. next_seq .. flag .. #next .. ':' .. next .. acked, 'PX', ARGV[19])
   return {3, acked, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', flag}}
 end
 
@@ -110,8 +115,8 @@ end
 local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
   local next, next_seq = head_of(key)
-  if next and redis.call('GET', KEYS[12]) == token then
-    redis.call('PEXPIRE', KEYS[12], ARGV[10])
+  if next and redis.call('GET', KEYS[LOCK]) == token then
+    redis.call('PEXPIRE', KEYS[LOCK], ARGV[10])
     return continue(next, next_seq, now_ms() + tonumber(ARGV[10]), false)
   end
 end
@@ -120,9 +125,10 @@ local now, now_us = server_time()
 local from = now
 if op == 'bury' then
   redis.call('HSET', KEYS[KEYOF], id, aside(key, '', limit))
-  redis.call('ZADD', KEYS[DEAD], now, id)
+  add_to(DEAD, now, id)
   redis.call('HSET', KEYS[ERRORS], id, ARGV[8])
-  trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[17], ARGV[18], 100, KEYS[KEYOF])
+  counted(DEAD, -trim_dead(KEYS[DEAD], KEYS[DATA], KEYS[ERRORS], now, ARGV[17], ARGV[18], 100,
+    KEYS[KEYOF]))
 elseif op == 'release' then
   rejoin(key, seq, id, now)
 elseif op ~= 'ack' then
@@ -137,7 +143,7 @@ elseif op ~= 'ack' then
   local delay = tonumber(ARGV[7]) or 0
   if limit > 0 and delay > 0 then
     redis.call('HSET', KEYS[KEYOF], id, aside(key, seq, limit))
-    redis.call('ZADD', KEYS[SCHEDULE], now + delay, id)
+    add_to(SCHEDULE, now + delay, id)
   else
     rejoin(key, seq, id, now)
     if limit == 0 then from = now + delay end
@@ -147,38 +153,38 @@ end
 if hand_over then
   local next, next_seq = head_of(key)
   local rated = next and ARGV[15] == '1'
-  local wait = rated and rate_wait(rate_of(key), KEYS[15], ARGV[11], now_us) or 0
+  local wait = rated and rate_wait(rate_of(key), KEYS[RATE_LOG], ARGV[11], now_us) or 0
   if wait > 0 then from = now + wait end
   local lease_end = now + tonumber(ARGV[10])
   if next and wait == 0 then
     if limit == 0 then
       -- A fenced lock, nobody waiting: the next message's fence is its
       -- own, under a new token.
-      local value = redis.call('GET', KEYS[12])
+      local value = redis.call('GET', KEYS[LOCK])
       if value and owns(value, token) and string.byte(value, -1) ~= 33 then
-        redis.call('SET', KEYS[12], ARGV[11], 'PX', ARGV[10])
+        redis.call('SET', KEYS[LOCK], ARGV[11], 'PX', ARGV[10])
         return continue(next, next_seq, lease_end, true)
       end
-    elseif not waiters_beside_queue(KEYS[13]) and redis.call('ZREM', KEYS[12], token) == 1 then
-      redis.call('HDEL', KEYS[14], token)
-      redis.call('ZADD', KEYS[12], lease_end, ARGV[11])
-      redis.call('PEXPIRE', KEYS[12], ARGV[10], 'GT')
+    elseif not waiters_beside_queue(KEYS[WAITERS]) and redis.call('ZREM', KEYS[LOCK], token) == 1 then
+      redis.call('HDEL', KEYS[FENCES], token)
+      redis.call('ZADD', KEYS[LOCK], lease_end, ARGV[11])
+      redis.call('PEXPIRE', KEYS[LOCK], ARGV[10], 'GT')
       return continue(next, next_seq, lease_end, true)
     end
   end
 end
 if limit == 0 then
-  unlock(KEYS[12], KEYS[13])
+  unlock(KEYS[LOCK], KEYS[WAITERS])
 else
-  free_permit(KEYS[12], KEYS[13], KEYS[14], token, limit, ARGV[9], true, tonumber(ARGV[14]))
-  if not head_of(key) and redis.call('ZCARD', KEYS[12]) == 0 then forget_limits(key) end
+  free_permit(KEYS[LOCK], KEYS[WAITERS], KEYS[FENCES], token, limit, ARGV[9], true, tonumber(ARGV[14]))
+  if not head_of(key) and redis.call('ZCARD', KEYS[LOCK]) == 0 then forget_limits(key) end
 end
 -- The turn's end, `status` 1 or 2; recorded for an ack that asked for the
--- next message (see KEYS[16]).
+-- next message (see KEYS[18]).
 local function ended(status)
-  if hand_over then redis.call('SET', KEYS[16], status .. acked, 'PX', ARGV[19]) end
+  if hand_over then redis.call('SET', KEYS[RECORD], status .. acked, 'PX', ARGV[19]) end
   return {status, acked, false}
 end
-if after_turn(key, from) then return ended(2) end
+if after_turn(key, from, limit == 0) then return ended(2) end
 if limit == 0 then forget_limits(key) end
 return ended(1)

@@ -2,7 +2,7 @@
 -- together (see keyed.lua), if the caller still holds the claim. A renewal
 -- after the lease ran out (before recovery ended the turn) takes the lock
 -- (a permit) again if it is free, as any late renewal keeps its claim.
--- KEYS[1..11]: the partition   KEYS[12]: the key's lock, or its permits' set
+-- KEYS[1..13]: the partition   KEYS[14]: the key's lock, or its permits' set
 -- ARGV[1]: the active member "<line member>:<claim>"   ARGV[2]: the token
 -- ARGV[3]: lease in ms   ARGV[4]: the key's permits ("0": its lock)
 -- Returns 1 when extended, 0 when the claim or the lock is lost.
@@ -10,19 +10,19 @@ if not redis.call('ZSCORE', KEYS[ACTIVE], ARGV[1]) then return 0 end
 local token, ttl, limit = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 if limit > 0 then
-  if redis.call('ZSCORE', KEYS[12], token) then
-    redis.call('ZADD', KEYS[12], 'XX', now + ttl, token)
-    redis.call('PEXPIRE', KEYS[12], ttl, 'GT')
-  elseif take_permit(KEYS[12], KEYS[12], token, ttl, limit, '0', now)[1] ~= 1 then
+  if redis.call('ZSCORE', KEYS[MORE + 1], token) then
+    redis.call('ZADD', KEYS[MORE + 1], 'XX', now + ttl, token)
+    redis.call('PEXPIRE', KEYS[MORE + 1], ttl, 'GT')
+  elseif take_permit(KEYS[MORE + 1], KEYS[MORE + 1], token, ttl, limit, '0', now)[1] ~= 1 then
     return 0
   end
 else
-  local value = redis.call('GET', KEYS[12])
+  local value = redis.call('GET', KEYS[MORE + 1])
   if value and not owns(value, token) then return 0 end
   if value then
-    redis.call('PEXPIRE', KEYS[12], ttl)
+    redis.call('PEXPIRE', KEYS[MORE + 1], ttl)
   else
-    redis.call('SET', KEYS[12], token, 'PX', ttl)
+    redis.call('SET', KEYS[MORE + 1], token, 'PX', ttl)
   end
 end
 redis.call('ZADD', KEYS[ACTIVE], 'XX', now + ttl, ARGV[1])

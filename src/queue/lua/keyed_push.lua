@@ -1,7 +1,7 @@
 -- Adds keyed messages to a partition (see keyed.lua); an id that exists
 -- already under the same key is left as it is (de-duplication, as
 -- push.lua); under another key it is another message.
--- KEYS[1..11]: the partition   ARGV: quintuples (key, limits, id, when,
+-- KEYS[1..13]: the partition   ARGV: quintuples (key, limits, id, when,
 -- payload): key non-empty without NUL; limits "" (the key's as they are),
 -- or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
 -- the key's messages at once, each with one of the key's permits; without,

@@ -1,6 +1,7 @@
 -- Re-drives dead letters: due now, attempt, deferral and stall counts reset.
 -- KEYS: data, schedule, dead, errors, bell, prioritized (a message keeps its
---   priority), events, and a keyed partition's keyof hash (id -> key) or none
+--   priority), events, and a keyed partition's keyof hash (id -> key) and
+--   counts (see keyed.lua) or none
 -- ARGV: an id, or "" for the oldest ARGV[2] letters buried at or before
 --   ARGV[3]; how many at most; a time in ms (when the caller's re-drive
 --   started) or "" for now; the events' cap ("" for no events)
@@ -17,10 +18,11 @@ if ARGV[1] ~= '' then
 else
   ids = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff, 'LIMIT', 0, tonumber(ARGV[2]))
 end
-local count = 0
+local count, removed = 0, 0
 local redriven, keys = {}, {}
 for _, id in ipairs(ids) do
   if redis.call('ZREM', KEYS[3], id) == 1 then
+    removed = removed + 1
     local record = redis.call('HGET', KEYS[1], id)
     redis.call('HDEL', KEYS[4], id)
     if record then
@@ -34,6 +36,10 @@ for _, id in ipairs(ids) do
       end
     end
   end
+end
+if KEYS[9] and removed > 0 then
+  redis.call('HINCRBY', KEYS[9], 'dead', -removed)
+  if count > 0 then redis.call('HINCRBY', KEYS[9], 'schedule', count) end
 end
 emit(KEYS[7], ARGV[4], 'redriven', now, nil, redriven)
 return {count, #ids, cutoff, redriven, keys}

@@ -1,0 +1,16 @@
+-- Deletes a partition (see keyed.lua), keys' limits included, and takes its
+-- messages out of the counts, which go too once they are all 0. Its claim
+-- and line counters stay (as the queue's claim counter does), so that a
+-- claim from before the purge never matches a message pushed after it.
+-- KEYS[1..13]: the partition
+for _, set in ipairs(COUNTED) do counted(set[1], -redis.call('ZCARD', KEYS[set[1]])) end
+redis.call('UNLINK', KEYS[DATA], KEYS[SCHEDULE], KEYS[ACTIVE], KEYS[DEAD], KEYS[ERRORS],
+  KEYS[LINES], KEYS[READY], KEYS[KEYOF], KEYS[LIMITS])
+ready_changed()
+tally()
+local counts = redis.call('HMGET', KEYS[COUNTS], 'lines', 'schedule', 'active', 'dead')
+for i = 1, 4 do
+  if counts[i] and counts[i] ~= '0' then return true end
+end
+redis.call('DEL', KEYS[COUNTS])
+return true
