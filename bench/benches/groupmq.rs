@@ -20,6 +20,12 @@
 //! queue (messages pushed with `PushOptions::key`, a plain handler), and
 //! the layer recipe (unkeyed messages, a `LockLayer` with
 //! `retry(4).then_defer(queue, until_released())`: into the key's line).
+//!
+//! Then many keys (issue 35, item 9): 30,000 messages over 10 to 100,000
+//! keys, no-op handlers, the same 3 processes × 8: GroupMQ, lockgate's
+//! keyed queue, and lockgate's queue without keys beside them (the ceiling
+//! a keyed message is held to). `GROUPMQ_BENCH=hot` or `many` runs one
+//! part alone.
 
 #[path = "../../benches/common/mod.rs"]
 mod common;
@@ -38,11 +44,17 @@ use tower::ServiceBuilder;
 
 /// (messages, keys) of each workload; smoke runs use the first, tiny.
 const WORKLOADS: [(usize, usize); 2] = [(30_000, 10), (50_000, 5)];
+/// The many-keys part: messages, and the key counts.
+const MANY: (usize, [usize; 5]) = (30_000, [10, 100, 1_000, 10_000, 100_000]);
 const WORKERS: usize = 3;
 const CONCURRENCY: usize = 8;
 /// Handler time, uniform in this range (ms).
 const HANDLER: (u64, u64) = (1, 4);
+/// No-op handlers (the many-keys part).
+const NO_OP: (u64, u64) = (0, 0);
 const ROLE: &str = "LOCKGATE_BENCH_ROLE";
+/// The handler's time range a worker process runs, "<min>-<max>" ms.
+const HANDLER_MS: &str = "LOCKGATE_BENCH_HANDLER";
 
 /// How lockgate's side keeps a key's messages apart.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -52,6 +64,8 @@ enum Mode {
     /// The layer recipe: unkeyed messages, a `LockLayer` that defers
     /// into the key's line.
     Layer,
+    /// Messages without a key, a plain handler: no order per key.
+    Plain,
 }
 
 impl Mode {
@@ -59,7 +73,15 @@ impl Mode {
         match self {
             Mode::Keyed => "keyed",
             Mode::Layer => "layer",
+            Mode::Plain => "plain",
         }
+    }
+
+    fn named(name: &std::ffi::OsStr) -> Self {
+        [Mode::Keyed, Mode::Layer, Mode::Plain]
+            .into_iter()
+            .find(|mode| name == mode.name())
+            .unwrap_or(Mode::Plain)
     }
 }
 
@@ -86,28 +108,90 @@ fn main() -> Result<(), BoxError> {
     let runtime = tokio::runtime::Runtime::new()?;
     if let Some(role) = std::env::var_os(ROLE) {
         let url = std::env::args().nth(1).ok_or("worker: no server url")?;
-        let mode = if role == "keyed" {
-            Mode::Keyed
-        } else {
-            Mode::Layer
-        };
-        return runtime.block_on(work(&url, mode));
+        let handler = std::env::var(HANDLER_MS)?;
+        let (min, max) = handler.split_once('-').ok_or("worker: no handler time")?;
+        let handler = (min.parse()?, max.parse()?);
+        return runtime.block_on(work(&url, Mode::named(&role), handler));
     }
-    let workloads = match common::full_run() {
-        true => &WORKLOADS[..],
-        false => &[(300, 10)][..],
-    };
-    for &(messages, keys) in workloads {
-        let groupmq = {
-            let server = RedisServer::start()?;
-            groupmq(&server, messages, keys)?
+    let only = std::env::var("GROUPMQ_BENCH").ok();
+    let runs = |part: &str| only.as_deref().is_none_or(|only| only == part);
+    if runs("hot") {
+        let workloads = match common::full_run() {
+            true => &WORKLOADS[..],
+            false => &[(300, 10)][..],
         };
-        let mut lockgate = Vec::new();
-        for mode in [Mode::Keyed, Mode::Layer] {
-            let server = RedisServer::start()?;
-            lockgate.push(runtime.block_on(drive(&server, messages, keys, mode))?);
+        for &(messages, keys) in workloads {
+            let groupmq = {
+                let server = RedisServer::start()?;
+                groupmq(&server, (messages, keys), HANDLER)?
+            };
+            let mut lockgate = Vec::new();
+            for mode in [Mode::Keyed, Mode::Layer] {
+                let server = RedisServer::start()?;
+                let run = drive(&server, (messages, keys), mode, HANDLER);
+                lockgate.push(runtime.block_on(run)?);
+            }
+            report(messages, keys, &groupmq, &lockgate)?;
         }
-        report(messages, keys, &groupmq, &lockgate)?;
+    }
+    if runs("many") {
+        many_keys(&runtime)?;
+    }
+    Ok(())
+}
+
+/// The many-keys part: per key count, GroupMQ, the keyed queue and the
+/// queue without keys, no-op handlers, each on a fresh server.
+fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
+    let (messages, counts) = match common::full_run() {
+        true => MANY,
+        false => (300, [10, 100, 1_000, 10_000, 100_000]),
+    };
+    let counts = if common::full_run() {
+        &counts[..]
+    } else {
+        &counts[..1]
+    };
+    println!(
+        "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
+    );
+    println!(
+        "| keys | GroupMQ 1.1 msg/s (commands) | lockgate keyed msg/s (commands) | lockgate unkeyed msg/s (commands) | keyed / unkeyed | keyed / GroupMQ |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for &keys in counts {
+        let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
+        let mut lockgate = Vec::new();
+        for mode in [Mode::Keyed, Mode::Plain] {
+            let server = RedisServer::start()?;
+            let run = drive(&server, (messages, keys), mode, NO_OP);
+            lockgate.push(runtime.block_on(run)?);
+        }
+        let rate = |s: &Summary| s.handled as f64 / s.seconds;
+        let cell = |s: &Summary| {
+            format!(
+                "{:.0} ({:.1})",
+                rate(s),
+                s.commands as f64 / s.handled as f64
+            )
+        };
+        let (keyed, plain) = (&lockgate[0], &lockgate[1]);
+        println!(
+            "| {keys} | {} | {} | {} | {:.2} | {:.2} |",
+            cell(&groupmq),
+            cell(keyed),
+            cell(plain),
+            rate(keyed) / rate(plain),
+            rate(keyed) / rate(&groupmq)
+        );
+        for (name, s) in [("GroupMQ", &groupmq), ("keyed", keyed), ("unkeyed", plain)] {
+            if s.handled != messages {
+                return Err(format!("{name}: {} of {messages} handled", s.handled).into());
+            }
+        }
+        if groupmq.overlaps + keyed.overlaps != 0 {
+            return Err(format!("{keys} keys: handlers of one key overlapped").into());
+        }
     }
     Ok(())
 }
@@ -157,8 +241,13 @@ fn report(
     Ok(())
 }
 
-/// Runs GroupMQ's side (`bench/groupmq/hot.mjs`) against `server`.
-fn groupmq(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary, BoxError> {
+/// Runs GroupMQ's side (`bench/groupmq/hot.mjs`) against `server`, its
+/// handlers taking `handler` ms (min, max).
+fn groupmq(
+    server: &RedisServer,
+    (messages, keys): (usize, usize),
+    handler: (u64, u64),
+) -> Result<Summary, BoxError> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("groupmq");
     if !dir.join("node_modules").exists() {
         let status = Command::new("npm")
@@ -173,7 +262,7 @@ fn groupmq(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary
         .arg("hot.mjs")
         .arg(server.url())
         .args([messages, keys, WORKERS, CONCURRENCY].map(|n| n.to_string()))
-        .args([HANDLER.0, HANDLER.1].map(|n| n.to_string()))
+        .args([handler.0, handler.1].map(|n| n.to_string()))
         .current_dir(&dir)
         .stderr(Stdio::inherit())
         .output()?;
@@ -184,13 +273,14 @@ fn groupmq(server: &RedisServer, messages: usize, keys: usize) -> Result<Summary
     Ok(serde_json::from_str(line.trim())?)
 }
 
-/// lockgate's side: pushes, starts the worker processes, waits until the
-/// queue is empty, and sums up what the workers recorded.
+/// lockgate's side: pushes, starts the worker processes (handlers taking
+/// `handler` ms), waits until the queue is empty, and sums up what the
+/// workers recorded.
 async fn drive(
     server: &RedisServer,
-    messages: usize,
-    keys: usize,
+    (messages, keys): (usize, usize),
     mode: Mode,
+    handler: (u64, u64),
 ) -> Result<Summary, BoxError> {
     let conn = server.connection_manager().await?;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
@@ -202,7 +292,7 @@ async fn drive(
         .collect();
     for chunk in msgs.chunks(1000) {
         match mode {
-            Mode::Layer => drop(queue.push_many(chunk).await?),
+            Mode::Layer | Mode::Plain => drop(queue.push_many(chunk).await?),
             Mode::Keyed => {
                 let keyed = chunk
                     .iter()
@@ -217,6 +307,7 @@ async fn drive(
         let child = Command::new(std::env::current_exe()?)
             .arg(server.url())
             .env(ROLE, mode.name())
+            .env(HANDLER_MS, format!("{}-{}", handler.0, handler.1))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()?;
@@ -309,8 +400,9 @@ async fn commands(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError>
 }
 
 /// A worker process: handles until its stdin closes, then prints `key seq
-/// start end` per handled message.
-async fn work(url: &str, mode: Mode) -> Result<(), BoxError> {
+/// start end` per handled message; its handlers take `handler` ms (min,
+/// max; none at all for (0, 0)).
+async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError> {
     let client = redis::Client::open(url)?;
     let conn = client.get_connection_manager().await?;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "hot")?;
@@ -332,9 +424,11 @@ async fn work(url: &str, mode: Mode) -> Result<(), BoxError> {
                 // tokio's timer rounds a sleep up to its next 1 ms tick,
                 // where node's fires on time: asked 1 ms less, the
                 // handlers take as long as GroupMQ's (the table shows both).
-                let ms =
-                    (HANDLER.0 - 1) as f64 + rand::random::<f64>() * (HANDLER.1 - HANDLER.0) as f64;
-                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+                if handler.1 > 0 {
+                    let spread = rand::random::<f64>() * (handler.1 - handler.0) as f64;
+                    let ms = handler.0.saturating_sub(1) as f64 + spread;
+                    tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+                }
                 let line = format!("{} {} {start} {}", job.key, job.seq, now_ms());
                 records.lock().unwrap().push(line);
                 Ok::<_, BoxError>(())
@@ -348,7 +442,7 @@ async fn work(url: &str, mode: Mode) -> Result<(), BoxError> {
         let _ = closed.await;
     };
     match mode {
-        Mode::Keyed => {
+        Mode::Keyed | Mode::Plain => {
             let worker = Worker::new(client, queue, handler).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;
         }

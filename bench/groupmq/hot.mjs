@@ -33,8 +33,11 @@ async function work() {
     concurrency: Number(concurrency),
     handler: async (job) => {
       const start = performance.timeOrigin + performance.now();
-      const ms = Number(min) + Math.random() * (Number(max) - Number(min));
-      await new Promise((done) => setTimeout(done, ms));
+      // max 0: a no-op handler (a timer of 0 ms would still wait a tick).
+      if (Number(max) > 0) {
+        const ms = Number(min) + Math.random() * (Number(max) - Number(min));
+        await new Promise((done) => setTimeout(done, ms));
+      }
       const end = performance.timeOrigin + performance.now();
       lines.push(`${job.groupId} ${job.data.seq} ${start} ${end}`);
     },
