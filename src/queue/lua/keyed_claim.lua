@@ -33,16 +33,29 @@ local RECORD = KEYS[#KEYS]
 
 -- The answer after the turns `claimed` (and the keys `blocked`): the keys
 -- to name next, when one is due next, what the partition holds.
+-- Under a backlog it reads two things: the ready keys (the first of them
+-- is the earliest) and the schedule's head; the rest only when those leave
+-- it open.
 local function answer(tag, claimed, blocked)
-  local candidates = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'LIMIT', 0, tonumber(ARGV[3]))
-  first_read = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local name = tonumber(ARGV[3])
+  local ready = redis.call('ZRANGEBYSCORE', KEYS[READY], 0, now, 'WITHSCORES', 'LIMIT', 0,
+    math.max(name, 1))
+  local candidates = {}
+  for i = 1, math.min(#ready / 2, name) do candidates[i] = ready[2 * i - 1] end
+  first_read = {ready[1], ready[2]}
+  if not ready[2] then
+    first_read = redis.call('ZRANGEBYSCORE', KEYS[READY], '(' .. now, '+inf', 'WITHSCORES',
+      'LIMIT', 0, 1)
+  end
   local next_at = tonumber(first_read[2]) or -1
   local due = head_due(KEYS[SCHEDULE])
   if due and (next_at < 0 or due < next_at) then next_at = due end
+  -- What it holds: a turn it just took is at work; a ready key or a
+  -- delayed message is a message.
   local holds = 2
-  if redis.call('EXISTS', KEYS[DATA]) == 0 then
-    holds = 0
-  elseif redis.call('ZCARD', KEYS[ACTIVE]) > 0 then
+  if #claimed == 0 and redis.call('ZCARD', KEYS[ACTIVE]) == 0 then
+    if not first_read[2] and not due and redis.call('EXISTS', KEYS[DATA]) == 0 then holds = 0 end
+  else
     holds = 1
   end
   return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
