@@ -135,18 +135,14 @@ impl Partition {
     fn new(queue: &QueueKeys, slot: u16, layout: Layout) -> Self {
         let tag = keys::slot_tag(slot);
         let base = format!("{}:{{{tag}}}:{}", queue.prefix, keys::tag(&queue.name));
-        let counted = match layout {
-            Layout::Server => format!("{}:keyed", queue.base),
-            Layout::Cluster => base.clone(),
-        };
-        let [counts, oldest] = ["counts", "oldest"].map(|name| format!("{counted}:{name}"));
-        let own = [
+        let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
-            "seq", "limits",
+            "seq", "limits", "counts", "oldest",
         ]
-        .map(|name| format!("{base}:{name}"));
-        let mut keys = own.into_iter().chain([counts, oldest]);
-        let keys = std::array::from_fn(|_| keys.next().unwrap_or_default());
+        .map(|name| match (name, layout) {
+            ("counts" | "oldest", Layout::Server) => format!("{}:keyed:{name}", queue.base),
+            _ => format!("{base}:{name}"),
+        });
         Self { slot, keys }
     }
 

@@ -42,6 +42,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
         let layout = self.layout().await?;
         if layout == Layout::Server {
+            // On one server every partition names the queue's counts.
             let partition = self.partition_in(0, layout);
             return self.counts_in(&partition, now).await;
         }
