@@ -619,7 +619,10 @@ async fn survive_sigkills<C>(
     let drained = last_kill.elapsed();
     drop(workers);
     let log = log().await;
-    check_keyed_log(&log);
+    let wait = check_keyed_log(&log);
+    eprintln!(
+        "{total} messages, {kills} kills: done {drained:?} after the last kill, longest wait {wait:?}"
+    );
     if kills == 0 {
         let starts = log.iter().filter(|line| line.starts_with("s ")).count();
         assert_eq!(
@@ -627,11 +630,13 @@ async fn survive_sigkills<C>(
             "a message started twice with no worker dead"
         );
     }
-    // No 60-second safety net: the last kill's leases (600 ms) run out, and
-    // the rest is handling time (a few ms a message per key, on a loaded
-    // machine).
-    let bound = secs(20 + u64::from(total) / 1000);
-    assert!(drained < bound, "done {drained:?} after the last kill");
+    // No key waited on a safety net: a killed handler's lease (600 ms) runs
+    // out, a missed wake-up costs a worker's block (2 s); the rest is
+    // handling time, which the machine's load sets, so it is not asserted.
+    assert!(
+        wait < secs(10),
+        "a key waited {wait:?} for its next message"
+    );
     assert_eq!(queue.stats().await.unwrap().dead, 0);
 }
 
@@ -691,8 +696,10 @@ async fn on_a_cluster_workers_killed_with_sigkill_lose_nothing_and_keep_each_key
 }
 
 /// Per key: no two handlers at once, and starts in push order except a
-/// message whose handler was killed starting again.
-fn check_keyed_log(log: &[String]) {
+/// message whose handler was killed starting again. Returns the longest a
+/// key waited from one line to its next start.
+fn check_keyed_log(log: &[String]) -> Duration {
+    let mut longest = 0f64;
     let mut by_key: BTreeMap<&str, Vec<(char, u32, f64)>> = BTreeMap::new();
     for line in log {
         let parts: Vec<&str> = line.split(' ').collect();
@@ -712,9 +719,13 @@ fn check_keyed_log(log: &[String]) {
         // (a start without its end, superseded by its own restart).
         let mut open: Option<u32> = None;
         let mut starts = Vec::new();
-        for (kind, n, _) in &events {
+        let mut last_at = None;
+        for (kind, n, at) in &events {
             match kind {
                 's' => {
+                    if let Some(last) = last_at {
+                        longest = longest.max(at - last);
+                    }
                     if let Some(running) = open {
                         assert_eq!(running, *n, "{key}: {n} started while {running} ran");
                     }
@@ -728,11 +739,13 @@ fn check_keyed_log(log: &[String]) {
                     open = None;
                 }
             }
+            last_at = Some(*at);
         }
         let mut sorted = starts.clone();
         sorted.sort_unstable();
         assert_eq!(starts, sorted, "{key}: started out of push order");
     }
+    Duration::from_secs_f64(longest / 1000.0)
 }
 
 #[tokio::test]
