@@ -17,13 +17,14 @@
 //!
 //! GroupMQ runs from `bench/groupmq/hot.mjs` (installed with `npm ci` there
 //! on first use; needs `node` and `npm`). lockgate runs twice: the keyed
-//! queue (messages pushed with `PushOptions::key`, a plain handler), and
-//! the layer recipe (unkeyed messages, a `LockLayer` with
+//! queue (messages pushed with `PushOptions::key`, a plain handler) in
+//! runs of 8 (`Worker::key_batch`'s default) and one at a time
+//! (`key_batch(1)`), and the layer recipe (unkeyed messages, a `LockLayer` with
 //! `retry(4).then_defer(queue, until_released())`: into the key's line).
 //!
 //! Then many keys (issue 35, item 9): 30,000 messages over 10 to 100,000
 //! keys, no-op handlers, the same 3 processes × 8: GroupMQ, lockgate's
-//! keyed queue, and lockgate's queue without keys beside them (the ceiling
+//! keyed queue (runs of 8, and one at a time), and lockgate's queue without keys beside them (the ceiling
 //! a keyed message is held to). `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
 
@@ -59,8 +60,12 @@ const HANDLER_MS: &str = "LOCKGATE_BENCH_HANDLER";
 /// How lockgate's side keeps a key's messages apart.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Mode {
-    /// The keyed queue: messages pushed with their key.
+    /// The keyed queue: messages pushed with their key, in runs of
+    /// `Worker::key_batch`'s default (8).
     Keyed,
+    /// The same, one message at a time (`key_batch(1)`): what the keyed
+    /// queue did before runs.
+    KeyedOne,
     /// The layer recipe: unkeyed messages, a `LockLayer` that defers
     /// into the key's line.
     Layer,
@@ -72,13 +77,14 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Keyed => "keyed",
+            Mode::KeyedOne => "keyed1",
             Mode::Layer => "layer",
             Mode::Plain => "plain",
         }
     }
 
     fn named(name: &std::ffi::OsStr) -> Self {
-        [Mode::Keyed, Mode::Layer, Mode::Plain]
+        [Mode::Keyed, Mode::KeyedOne, Mode::Layer, Mode::Plain]
             .into_iter()
             .find(|mode| name == mode.name())
             .unwrap_or(Mode::Plain)
@@ -126,7 +132,7 @@ fn main() -> Result<(), BoxError> {
                 groupmq(&server, (messages, keys), HANDLER)?
             };
             let mut lockgate = Vec::new();
-            for mode in [Mode::Keyed, Mode::Layer] {
+            for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Layer] {
                 let server = RedisServer::start()?;
                 let run = drive(&server, (messages, keys), mode, HANDLER);
                 lockgate.push(runtime.block_on(run)?);
@@ -156,13 +162,13 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
     );
     println!(
-        "| keys | GroupMQ 1.1 msg/s (commands) | lockgate keyed msg/s (commands) | lockgate unkeyed msg/s (commands) | keyed / unkeyed | keyed / GroupMQ |"
+        "| keys | GroupMQ 1.1 msg/s (commands) | lockgate keyed msg/s (commands) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands) | keyed / unkeyed | keyed / GroupMQ |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for &keys in counts {
         let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
         let mut lockgate = Vec::new();
-        for mode in [Mode::Keyed, Mode::Plain] {
+        for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain] {
             let server = RedisServer::start()?;
             let run = drive(&server, (messages, keys), mode, NO_OP);
             lockgate.push(runtime.block_on(run)?);
@@ -175,21 +181,28 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
                 s.commands as f64 / s.handled as f64
             )
         };
-        let (keyed, plain) = (&lockgate[0], &lockgate[1]);
+        let (keyed, one, plain) = (&lockgate[0], &lockgate[1], &lockgate[2]);
         println!(
-            "| {keys} | {} | {} | {} | {:.2} | {:.2} |",
+            "| {keys} | {} | {} | {} | {} | {:.2} | {:.2} |",
             cell(&groupmq),
             cell(keyed),
+            cell(one),
             cell(plain),
             rate(keyed) / rate(plain),
             rate(keyed) / rate(&groupmq)
         );
-        for (name, s) in [("GroupMQ", &groupmq), ("keyed", keyed), ("unkeyed", plain)] {
+        let sides = [
+            ("GroupMQ", &groupmq),
+            ("keyed", keyed),
+            ("keyed1", one),
+            ("unkeyed", plain),
+        ];
+        for (name, s) in sides {
             if s.handled != messages {
                 return Err(format!("{name}: {} of {messages} handled", s.handled).into());
             }
         }
-        if groupmq.overlaps + keyed.overlaps != 0 {
+        if groupmq.overlaps + keyed.overlaps + one.overlaps != 0 {
             return Err(format!("{keys} keys: handlers of one key overlapped").into());
         }
     }
@@ -214,8 +227,9 @@ fn report(
     println!("|---|---|---|---|---|---|---|");
     let rows = [
         ("GroupMQ 1.1", groupmq),
-        ("lockgate, keyed queue", &lockgate[0]),
-        ("lockgate, layer recipe", &lockgate[1]),
+        ("lockgate, keyed queue (runs of 8)", &lockgate[0]),
+        ("lockgate, keyed queue, key_batch 1", &lockgate[1]),
+        ("lockgate, layer recipe", &lockgate[2]),
     ];
     for (name, s) in rows {
         println!(
@@ -293,7 +307,7 @@ async fn drive(
     for chunk in msgs.chunks(1000) {
         match mode {
             Mode::Layer | Mode::Plain => drop(queue.push_many(chunk).await?),
-            Mode::Keyed => {
+            Mode::Keyed | Mode::KeyedOne => {
                 let keyed = chunk
                     .iter()
                     .map(|m| (m, lockgate::PushOptions::new().key(m.key.clone())));
@@ -442,8 +456,12 @@ async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError
         let _ = closed.await;
     };
     match mode {
-        Mode::Keyed | Mode::Plain => {
+        Mode::Keyed | Mode::KeyedOne | Mode::Plain => {
             let worker = Worker::new(client, queue, handler).concurrency(CONCURRENCY)?;
+            let worker = match mode {
+                Mode::KeyedOne => worker.key_batch(1)?,
+                _ => worker,
+            };
             worker.run_until(stdin_closed).await?;
         }
         Mode::Layer => {

@@ -17,7 +17,7 @@ use redis::{Cmd, FromRedisValue, Script};
 use tokio::time::Instant;
 
 use super::scripts::{Lazy, Query};
-use super::{EventKind, QueueKeys, Recording};
+use super::{ClaimToken, EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
 use crate::keys;
@@ -206,6 +206,9 @@ pub(crate) enum Outcome<'a> {
     Release,
     /// A dead letter; its key's next message comes up.
     Bury { error: &'a str },
+    /// Nothing for the message: it goes on at work (the rest of its run
+    /// is settled, see [`Keyed::settle_run`]).
+    Return,
 }
 
 /// How [`Keyed::done`] went.
@@ -215,8 +218,41 @@ pub(crate) enum Settled {
     Lost,
     /// Settled; the key's lock was let go.
     Done,
-    /// Acknowledged, and the key's next message claimed under its lock.
-    Next(Turn),
+    /// Acknowledged, and the key's next messages (a run, in line order)
+    /// claimed under its lock.
+    Next(Vec<Turn>),
+}
+
+/// A run of a key's messages under one hold (see `lua/keyed_done.lua`): how
+/// many next messages a hand-over may claim at once, and the run's other
+/// messages this call settles: those handled before this one
+/// (acknowledged) and those that will not start (back in line).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunArgs<'a> {
+    pub(crate) max: u32,
+    pub(crate) handled: &'a [ClaimToken],
+    pub(crate) unstarted: &'a [ClaimToken],
+}
+
+impl RunArgs<'_> {
+    /// One message at a time, no other message settled.
+    pub(crate) const ONE: RunArgs<'static> = RunArgs {
+        max: 1,
+        handled: &[],
+        unstarted: &[],
+    };
+
+    /// Adds the two lists to the done script's call: a count, then each
+    /// message's stored id and seq.
+    fn add_to(&self, cmd: &mut Cmd, key: &str) {
+        for list in [self.handled, self.unstarted] {
+            cmd.arg(list.len());
+            for token in list {
+                let seq = token.held.as_ref().map_or("", |held| held.seq.as_str());
+                cmd.arg(stored_id(key, &token.id)).arg(seq);
+            }
+        }
+    }
 }
 
 /// A key's lock (or one of its permits), held for a keyed message at work.
@@ -250,11 +286,12 @@ impl Held {
 type Taken = (Vec<u8>, Vec<u8>, Vec<u8>, u32, bool, Vec<u8>);
 
 /// The done script's reply (see `lua/keyed_done.lua`).
-type DoneReply = (u8, Vec<u8>, Option<(String, String, Vec<u8>, u8)>);
+type DoneReply = (u8, Vec<u8>, Option<(u8, Vec<(String, String, Vec<u8>)>)>);
 
 /// A key runs at most this many messages back to back under one hold
-/// (each claimed by the previous one's ack) while its worker has no slot
-/// free; then it lets go and queues behind the keys that wait for a slot.
+/// (claimed by acknowledgements, one or a run at a time) while its worker
+/// has no slot free; then it lets go and queues behind the keys that wait
+/// for a slot.
 pub const MAX_RUN: u32 = 32;
 
 /// A keyed message claimed with its key's lock.
@@ -363,6 +400,16 @@ struct Entry {
 }
 
 impl Log {
+    /// Adds what `other` logged after what this one did.
+    fn append(&mut self, other: Log) {
+        for entry in other.entries {
+            for (id, attempt) in &entry.pairs {
+                self.with_error(entry.kind, &entry.key, &entry.error, (id, *attempt));
+            }
+        }
+        self.completed.extend(other.completed);
+    }
+
     /// Logs `kind` for message `id` (`attempt`) of `key` ("" for none).
     pub(crate) fn event(&mut self, kind: EventKind, key: &str, (id, attempt): (&str, u32)) {
         self.with_error(kind, key, "", (id, attempt));
@@ -503,15 +550,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((added == 1, due))
     }
 
-    /// Ends a turn with `outcome`. For an ack with `next` set, the key's
-    /// next message is claimed at once under the same lock, leased for
+    /// Ends a turn with `outcome`, and settles the rest of its run as
+    /// `run` says. For an ack with `next` set, the key's next messages (up
+    /// to `run.max`) are claimed at once under the same lock, leased for
     /// `next`. `failures`: the message's failed attempts before this one.
     pub(crate) async fn done(
         &self,
         held: &Arc<Held>,
         (id, claim, failures): (&str, u64, u32),
         outcome: Outcome<'_>,
-        next: Option<Duration>,
+        (next, others): (Option<Duration>, RunArgs<'_>),
     ) -> Result<Settled> {
         let attempted = || format!("settling keyed message `{id}`");
         let publish = detect_publish(&self.state.publish, self.conn)
@@ -519,8 +567,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .map_err(Error::redis(attempted()))?;
         let next_token = Token::random();
         let member = (id, claim, failures);
-        let (cmd, kind, error) =
+        let (mut cmd, kind, error) =
             self.done_call(held, member, outcome, (next, &next_token), publish);
+        cmd.arg(others.max);
+        others.add_to(&mut cmd, &held.key);
+        let completed = self.completed_of(held, others.handled).await?;
         // A hand-over is resent unchanged while no answer comes: the
         // script's record answers a resend with the next message it
         // claimed (see `lua/keyed_done.lua`).
@@ -534,11 +585,81 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         };
         let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
         // Nothing to build on the hot path unless something is recorded.
-        if self.recording.events.is_some() || !acked.is_empty() {
-            let log = outcome_log(held, (id, failures), (kind, error), (acked, &settled));
+        if self.recording.events.is_some() || !acked.is_empty() || !completed.is_empty() {
+            let mut log = Log::default();
+            if settled != Settled::Lost {
+                for token in others.handled {
+                    log.event(EventKind::Done, &held.key, (&token.id, token.attempt()));
+                }
+                log.completed = completed;
+            }
+            log.append(outcome_log(
+                held,
+                (id, failures),
+                (kind, error),
+                (acked, &settled),
+            ));
             self.record(log).await;
         }
         Ok(settled)
+    }
+
+    /// The records of a run's messages `handled` before this call, for the
+    /// completed stream when the queue keeps one (else none): read before
+    /// the call, which deletes them (they are at work under this hold, so
+    /// nothing else changes them).
+    async fn completed_of(
+        &self,
+        held: &Held,
+        handled: &[ClaimToken],
+    ) -> Result<Vec<(String, Vec<u8>)>> {
+        if self.recording.completed.is_none() || handled.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = handled.iter().map(|token| stored_id(&held.key, &token.id));
+        let records: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+            .arg(&held.partition.keys[0])
+            .arg(ids.collect::<Vec<_>>())
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(
+                "reading a run's records for the completed stream",
+            ))?;
+        let pairs = handled.iter().zip(records);
+        let kept = pairs.filter_map(|(token, record)| Some((token.id.clone(), record?)));
+        Ok(kept.collect())
+    }
+
+    /// Settles the rest of a run while its message `at_work` goes on: the
+    /// messages handled before it acknowledged, those not started back in
+    /// line (see `lua/keyed_done.lua`); each only while still at work
+    /// under the run's claim.
+    pub(crate) async fn settle_run(&self, at_work: &ClaimToken, others: RunArgs<'_>) -> Result<()> {
+        let Some(held) = at_work.held.as_ref() else {
+            return Ok(());
+        };
+        let attempted = || format!("settling the run of keyed message `{}`", at_work.id);
+        let publish = detect_publish(&self.state.publish, self.conn)
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let member = (at_work.id.as_str(), at_work.claim, at_work.failures);
+        let (mut cmd, _, _) =
+            self.done_call(held, member, Outcome::Return, (None, &held.token), publish);
+        cmd.arg(others.max);
+        others.add_to(&mut cmd, &held.key);
+        let completed = self.completed_of(held, others.handled).await?;
+        let _: DoneReply = self.run(&DONE, &cmd, attempted).await?;
+        if self.recording.events.is_some() || !completed.is_empty() {
+            let mut log = Log {
+                completed,
+                ..Log::default()
+            };
+            for token in others.handled {
+                log.event(EventKind::Done, &held.key, (&token.id, token.attempt()));
+            }
+            self.record(log).await;
+        }
+        Ok(())
     }
 
     /// The done script's call (see [`done`](Self::done)), with the event
@@ -566,6 +687,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Outcome::Defer { delay } => ("defer", EventKind::Deferred, Some(delay), ""),
             Outcome::Release => ("release", EventKind::Released, None, ""),
             Outcome::Bury { error } => ("bury", EventKind::Dead, None, error),
+            Outcome::Return => ("return", EventKind::Released, None, ""),
         };
         let (dead_count, dead_age) = self.recording.dead.args();
         let flag = |on: bool| if on { "1" } else { "" };
@@ -615,22 +737,29 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 self.mark_after(held.partition.slot).await;
                 Settled::Done
             }
-            (3, Some((stored, seq, record, renewed))) => {
-                let held = Held {
-                    key: held.key.clone(),
-                    // The lock passed on as it was, or under the new token.
-                    token: if renewed == 1 { next_token } else { held.token },
-                    partition: held.partition.clone(),
-                    run: held.run.saturating_add(1),
-                    seq,
-                    ..**held
-                };
-                Settled::Next(Turn {
-                    id: own_id(&held.key, &stored),
-                    held: Arc::new(held),
-                    claim,
-                    record,
-                })
+            (3, Some((renewed, nexts))) if !nexts.is_empty() => {
+                // The lock passed on as it was, or under the new token.
+                let token = if renewed == 1 { next_token } else { held.token };
+                let turns = nexts
+                    .into_iter()
+                    .zip(1..)
+                    .map(|((stored, seq, record), n)| {
+                        let held = Held {
+                            key: held.key.clone(),
+                            token,
+                            partition: held.partition.clone(),
+                            run: held.run.saturating_add(n),
+                            seq,
+                            ..**held
+                        };
+                        Turn {
+                            id: own_id(&held.key, &stored),
+                            held: Arc::new(held),
+                            claim,
+                            record,
+                        }
+                    });
+                Settled::Next(turns.collect())
             }
             other => return Err(Error::reply(attempted(), format_args!("{other:?}"))),
         };
@@ -791,9 +920,11 @@ fn outcome_log(
         log.completed.push((id.to_owned(), acked));
     }
     match settled {
-        Settled::Next(turn) => {
-            let next = (turn.id.as_str(), attempt_of(&turn.record));
-            log.event(EventKind::Claimed, key, next);
+        Settled::Next(turns) => {
+            for turn in turns {
+                let next = (turn.id.as_str(), attempt_of(&turn.record));
+                log.event(EventKind::Claimed, key, next);
+            }
         }
         _ => log.event(EventKind::KeyReleased, key, (id, attempt)),
     }

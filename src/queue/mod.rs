@@ -541,9 +541,20 @@ where
 
     /// A keyed message's turn, decoded (due when pushed) or buried.
     async fn decode_turn(&self, turn: keyed::Turn) -> std::result::Result<Job<T>, bool> {
+        match self.decode_turn_only(turn) {
+            Ok(job) => Ok(job),
+            Err(bad) => Err(self.bury_undecodable(*bad).await),
+        }
+    }
+
+    /// A keyed turn decoded as `T`, or the job as it is and the error.
+    fn decode_turn_only(
+        &self,
+        turn: keyed::Turn,
+    ) -> std::result::Result<Job<T>, Box<(Job<()>, String)>> {
         let enqueued = job::split_or_raw(&turn.record).enqueued;
-        let record = (turn.id, turn.claim, enqueued, &turn.record[..]);
-        self.decode_or_bury(record, (Some(turn.held), 0)).await
+        let token = (turn.id, turn.claim, Some(turn.held), 0);
+        Job::<T>::decode(token, enqueued, &turn.record, &self.keys)
     }
 
     /// A claimed message decoded as `T`, under its key's lock when `held`,
@@ -558,17 +569,35 @@ where
     ) -> std::result::Result<Job<T>, bool> {
         let shard = u16::try_from(shard).unwrap_or_default();
         let token = (id, claim, held, shard);
-        let (job, error) = match Job::<T>::decode(token, due_ms, record, &self.keys) {
-            Ok(job) => return Ok(job),
-            Err(bad) => *bad,
-        };
+        match Job::<T>::decode(token, due_ms, record, &self.keys) {
+            Ok(job) => Ok(job),
+            Err(bad) => Err(self.bury_undecodable(*bad).await),
+        }
+    }
+
+    /// Buries a message that does not decode (not as a failed attempt);
+    /// whether it was. A failure is logged: it comes back after its lease.
+    async fn bury_undecodable(&self, (job, error): (Job<()>, String)) -> bool {
         tracing::warn!(queue = %self.name(), id = %job.id(), %error, "burying undecodable message");
         match self.bury_with(&job, &error, false).await {
-            Ok(buried) => Err(buried),
+            Ok(buried) => buried,
             Err(e) => {
                 tracing::warn!(id = %job.id(), error = %e, "could not bury undecodable message");
-                Err(false)
+                false
             }
+        }
+    }
+
+    /// A claimed keyed turn's token (for a run's messages to settle as
+    /// they are, decoded or not).
+    fn turn_token_of(turn: &keyed::Turn) -> ClaimToken {
+        ClaimToken {
+            id: turn.id.clone(),
+            claim: turn.claim,
+            failures: 0,
+            stalls: 0,
+            held: Some(turn.held.clone()),
+            shard: 0,
         }
     }
 

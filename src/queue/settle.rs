@@ -8,7 +8,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::keyed::{Held, MAX_RUN, Outcome, Settled};
+use super::keyed::{Held, MAX_RUN, Outcome, RunArgs, Settled, Turn};
 use super::scripts::{self, Query};
 use super::{
     Acked, Claim, ClaimToken, Job, MAX_BATCH, Queue, QueueKeys, by_shard, check_count, check_lease,
@@ -282,29 +282,150 @@ where
         job: &J,
         lease: Duration,
     ) -> Result<(bool, Option<Job<T>>)> {
-        check_lease(lease)?;
-        self.ack_and_next_with(job, lease, false).await
+        let (held, next) = self.ack_run(std::slice::from_ref(job), lease, 1).await?;
+        Ok((held, next.into_iter().next()))
     }
 
-    /// [`ack_and_next`](Self::ack_and_next); `run_on` lifts [`MAX_RUN`]
-    /// (the worker has a slot free for the keys that wait).
-    pub(crate) async fn ack_and_next_with<J: Claim>(
+    /// Acknowledges a run of a key's messages and claims up to `max` of
+    /// the key's next messages under the same lock, as
+    /// [`ack_and_next`](Self::ack_and_next) claims one: a hot key pays one
+    /// script per run. `run` is the messages handled one after another,
+    /// oldest first, each claimed by the previous run's call (or by a
+    /// claim, for the first): the last one's claim decides (`false`,
+    /// nothing changed, when it was lost); the earlier ones are
+    /// acknowledged with it. The next run comes in line order, to be
+    /// handled one after another; when one of them fails, settle the
+    /// others with [`cut_run`](Self::cut_run) first. A key with permits
+    /// or a rate limit, or whose lock another fenced or waited for, goes
+    /// on one message at a time. See the README's "Keyed messages".
+    pub async fn ack_run<J: Claim>(
         &self,
-        job: &J,
+        run: &[J],
         lease: Duration,
-        run_on: bool,
-    ) -> Result<(bool, Option<Job<T>>)> {
-        let claim = token(job);
-        let held = claim.held.as_ref();
-        let Some(held) = held.filter(|held| run_on || held.run < MAX_RUN) else {
-            return Ok((self.ack(job).await?, None));
+        max: usize,
+    ) -> Result<(bool, Vec<Job<T>>)> {
+        check_lease(lease)?;
+        let Some((last, handled)) = run.split_last() else {
+            return Err(Error::config("ack_run needs the run's messages, got none"));
         };
-        let member = (claim.id.as_str(), claim.claim, claim.failures());
-        let keyed = self.keyed();
-        match keyed.done(held, member, Outcome::Ack, Some(lease)).await? {
-            Settled::Lost => Ok((false, None)),
-            Settled::Done => Ok((true, None)),
-            Settled::Next(turn) => Ok((true, self.decode_turn(turn).await.ok())),
+        check_count("a run's next messages", max, 1..=MAX_BATCH)?;
+        let handled: Vec<ClaimToken> = handled.iter().map(|j| token(j).clone()).collect();
+        self.ack_run_with(token(last), &handled, lease, (false, max))
+            .await
+    }
+
+    /// Settles the rest of a run ([`ack_run`](Self::ack_run)) while one of
+    /// its messages, `at_work`, goes on (about to be retried, deferred or
+    /// buried, say): `handled`, the messages before it, are acknowledged,
+    /// and `unstarted`, those after it, go back to their place in line.
+    /// The key's lock stays with `at_work`, whose own settlement follows.
+    /// A message whose claim was lost meanwhile (its lease ran out) is
+    /// left as it is.
+    pub async fn cut_run<J: Claim>(
+        &self,
+        at_work: &J,
+        handled: &[J],
+        unstarted: &[J],
+    ) -> Result<()> {
+        let tokens = |jobs: &[J]| jobs.iter().map(|j| token(j).clone()).collect::<Vec<_>>();
+        let (handled, unstarted) = (tokens(handled), tokens(unstarted));
+        self.cut_run_with(token(at_work), (&handled, &unstarted))
+            .await
+    }
+
+    /// [`cut_run`](Self::cut_run) with the tokens.
+    pub(crate) async fn cut_run_with(
+        &self,
+        at_work: &ClaimToken,
+        (handled, unstarted): (&[ClaimToken], &[ClaimToken]),
+    ) -> Result<()> {
+        if handled.is_empty() && unstarted.is_empty() {
+            return Ok(());
+        }
+        let run = RunArgs {
+            max: 1,
+            handled,
+            unstarted,
+        };
+        self.keyed().settle_run(at_work, run).await
+    }
+
+    /// [`ack_run`](Self::ack_run) of `handled` then `job`; `run_on` lifts
+    /// [`MAX_RUN`] (the worker has a slot free for the keys that wait).
+    pub(crate) async fn ack_run_with(
+        &self,
+        job: &ClaimToken,
+        handled: &[ClaimToken],
+        lease: Duration,
+        (run_on, max): (bool, usize),
+    ) -> Result<(bool, Vec<Job<T>>)> {
+        let Some(held) = job.held.as_ref() else {
+            return Ok((self.ack(job).await?, Vec::new()));
+        };
+        // Without a slot free, the key lets go after MAX_RUN in a row.
+        let max = u32::try_from(max).unwrap_or(u32::MAX);
+        let max = if run_on {
+            max
+        } else {
+            max.min(MAX_RUN.saturating_sub(held.run))
+        };
+        let next = (max > 0).then_some(lease);
+        let run = RunArgs {
+            max: max.max(1),
+            handled,
+            unstarted: &[],
+        };
+        let member = (job.id.as_str(), job.claim, job.failures());
+        match self
+            .keyed()
+            .done(held, member, Outcome::Ack, (next, run))
+            .await?
+        {
+            Settled::Lost => Ok((false, Vec::new())),
+            Settled::Done => Ok((true, Vec::new())),
+            Settled::Next(turns) => Ok((true, self.decode_run(turns).await)),
+        }
+    }
+
+    /// A run's turns as jobs, up to the first that does not decode: that
+    /// one and those after it go back in line under the run's hold
+    /// ([`cut_run`](Self::cut_run)), so that it comes first in the next
+    /// run; first in a run, it is buried, once the others went back.
+    async fn decode_run(&self, turns: Vec<Turn>) -> Vec<Job<T>> {
+        let mut jobs: Vec<Job<T>> = Vec::with_capacity(turns.len());
+        let mut turns = turns.into_iter();
+        while let Some(turn) = turns.next() {
+            let token = Self::turn_token_of(&turn);
+            let bad = match self.decode_turn_only(turn) {
+                Ok(job) => {
+                    jobs.push(job);
+                    continue;
+                }
+                Err(bad) => bad,
+            };
+            let rest = turns.map(|turn| Self::turn_token_of(&turn));
+            match jobs.first() {
+                Some(first) => {
+                    let at_work = first.claim_ref().0;
+                    let unstarted: Vec<ClaimToken> = std::iter::once(token).chain(rest).collect();
+                    self.cut_or_log(at_work, &unstarted).await;
+                }
+                None => {
+                    let unstarted: Vec<ClaimToken> = rest.collect();
+                    self.cut_or_log(&token, &unstarted).await;
+                    let _ = self.bury_undecodable(*bad).await;
+                }
+            }
+            return jobs;
+        }
+        jobs
+    }
+
+    /// Puts a run's `unstarted` messages back in line; a failure is logged
+    /// (they come back when their lease runs out).
+    async fn cut_or_log(&self, at_work: &ClaimToken, unstarted: &[ClaimToken]) {
+        if let Err(error) = self.cut_run_with(at_work, (&[], unstarted)).await {
+            tracing::warn!(id = %at_work.id(), %error, "could not put a run's messages back in line; they come back after their lease");
         }
     }
 
@@ -316,7 +437,9 @@ where
         outcome: Outcome<'_>,
     ) -> Result<bool> {
         let member = (job.id.as_str(), job.claim, job.failures());
-        let settled = (self.keyed()).done(held, member, outcome, None).await?;
+        let settled = (self.keyed())
+            .done(held, member, outcome, (None, RunArgs::ONE))
+            .await?;
         Ok(settled != Settled::Lost)
     }
 }

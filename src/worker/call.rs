@@ -34,6 +34,7 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
         outcome = AssertUnwindSafe(call).catch_unwind() => outcome,
         // Shutdown outlived its timeout: drop the call, hand the message back.
         () = async { drop(cancel.wait_for(|cancelled| *cancelled).await) } => {
+            shared.cut_run(seq, &token).await;
             shared.release(&token).await;
             shared.in_flight().remove(&seq);
             return;
@@ -50,19 +51,24 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
     if let Some(held) = flight.as_ref().and_then(|f| f.held.as_ref()) {
         held.mark_lost();
     }
-    let refused = flight.is_some_and(|f| f.refused);
+    let refused = flight.as_ref().is_some_and(|f| f.refused);
     let settlement = settlement_of(&shared, &token, outcome);
     if refused && settlement.is_some() {
         // The claim is gone for good (claim numbers never repeat), so any
         // settlement would be refused: count the loss once, write nothing.
+        // The rest of its run went with it.
+        shared.drop_run(seq);
         shared.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out while the handler ran; the message will be handled again");
         return;
     }
+    if let Some(Settlement::Ack(true)) = settlement
+        && token.held_lock().is_some()
+    {
+        return shared.ack_and_continue((seq, flight), token, acks).await;
+    }
+    shared.cut_run(seq, &token).await;
     match settlement {
-        Some(Settlement::Ack(true)) if token.held_lock().is_some() => {
-            shared.ack_and_continue(token, acks).await;
-        }
         Some(Settlement::Ack(done)) => shared.queue_ack(&acks, token, done).await,
         Some(settlement) => shared.settle(&token, settlement).await,
         None => {}

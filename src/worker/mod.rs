@@ -34,6 +34,7 @@ mod housekeeping;
 use housekeeping::{heal_index, recover_expired, renew_leases, sample_depth, warn_on_eviction};
 mod metrics;
 mod run;
+mod runs;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -140,6 +141,8 @@ struct Config {
     sample_every: Option<Duration>,
     /// Whether each shard's depth is sampled too.
     sample_shards: bool,
+    /// How many of a key's next messages an acknowledgement claims at once.
+    key_batch: usize,
 }
 
 impl Default for Config {
@@ -157,6 +160,7 @@ impl Default for Config {
             shutdown_timeout: Duration::from_secs(30),
             sample_every: Some(Duration::from_secs(10)),
             sample_shards: false,
+            key_batch: DEFAULT_KEY_BATCH,
         }
     }
 }
@@ -232,6 +236,24 @@ where
     pub fn prefetch(mut self, n: usize) -> Self {
         self.config.prefetch = Some(n.min(MAX_BATCH));
         self
+    }
+
+    /// How many of a keyed message's next messages its acknowledgement
+    /// claims at once, under the key's lock, to run one after another in
+    /// push order with no call between them: a busy key then pays one
+    /// script per run rather than per message (see the README's "Runs of a
+    /// key"). Default 8; 1 claims one at a time. A key with permits or a
+    /// rate limit, or whose lock other code fences or waits for, goes on
+    /// one message at a time; code waiting for the lock gets it at the
+    /// run's end. Errors outside 1..=[`MAX_BATCH`].
+    pub fn key_batch(mut self, n: usize) -> Result<Self> {
+        if !(1..=MAX_BATCH).contains(&n) {
+            return Err(Error::config(format_args!(
+                "worker key_batch must be between 1 and {MAX_BATCH}, got {n}"
+            )));
+        }
+        self.config.key_batch = n;
+        Ok(self)
     }
 
     /// How often the worker samples its queue's counts per state into the
@@ -452,12 +474,17 @@ struct Shared<T, C> {
     continued: Mutex<VecDeque<(u64, Job<T>)>>,
     /// Wakes the idle loop when a message is continued.
     continued_ready: tokio::sync::Notify,
+    /// The runs of keyed messages at work (see `runs.rs`).
+    runs: runs::Runs<T>,
     /// Set when the loop stops: acks no longer claim the next message.
     stopping: std::sync::atomic::AtomicBool,
     /// The handler slots (the loop's permits): a key runs on past
     /// `MAX_RUN` messages while one is free.
     slots: Arc<Semaphore>,
 }
+
+/// [`Worker::key_batch`]'s default.
+const DEFAULT_KEY_BATCH: usize = 8;
 
 /// How long one hand-back at shutdown may take before the connection is
 /// taken as hung.
@@ -509,6 +536,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             locker,
             continued: Mutex::new(VecDeque::new()),
             continued_ready: tokio::sync::Notify::new(),
+            runs: Mutex::new(HashMap::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -531,45 +559,6 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         };
         in_flight.insert(seq, flight);
         seq
-    }
-
-    /// Acknowledges a keyed message and, when its key has a next message,
-    /// claims it under the same lock and hands it to the loop: a busy key
-    /// runs back to back, one script per message. Falls back to the
-    /// batched acknowledgement (which retries) when the call fails, and
-    /// once the loop stops.
-    async fn ack_and_continue(&self, token: ClaimToken, acks: AckQueue) {
-        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
-            return self.queue_ack(&acks, token, true).await;
-        }
-        // With a slot free here, a key that waits is claimed here: the busy
-        // key need not let go after MAX_RUN.
-        let run_on = self.slots.available_permits() > 0;
-        let lease = self.config.lease;
-        let sent = Instant::now();
-        match self.queue.ack_and_next_with(&token, lease, run_on).await {
-            Ok((true, next)) => {
-                self.metrics.count(Count::Done);
-                if let Some(next) = next {
-                    self.metrics.add(Count::Claimed, 1);
-                    // Renewed from now on, not once the loop takes it: the
-                    // script gave it a whole lease, which must not lapse
-                    // while it waits for the loop.
-                    let seq = self.track(&mut self.in_flight(), &next, sent + lease);
-                    self.continued().push_back((seq, next));
-                    self.continued_ready.notify_one();
-                }
-            }
-            Ok((false, _)) => {
-                self.metrics.count(Count::LostLeases);
-                tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
-            }
-            Err(error) => {
-                self.metrics.count(Count::RedisErrors);
-                tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
-                self.queue_ack(&acks, token, true).await;
-            }
-        }
     }
 
     fn continued(&self) -> std::sync::MutexGuard<'_, VecDeque<(u64, Job<T>)>> {
@@ -719,6 +708,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         self.in_flight().remove(&seq);
         let shared = self.clone();
         tasks.spawn(async move {
+            shared.cut_run(seq, &token).await;
             shared.settle(&token, settlement).await;
             drop(permit);
         });
@@ -753,6 +743,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             return false;
         }
         in_flight.remove(&seq);
+        drop(in_flight);
+        self.drop_run(seq);
         self.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
         true
@@ -800,6 +792,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             return Ok(true);
         }
         in_flight.remove(&seq);
+        drop(in_flight);
+        self.drop_run(seq);
         self.metrics.count(Count::LostLeases);
         tracing::warn!(id = %token.id(), "lease ran out before the handler started; the message will be handled again");
         Ok(false)

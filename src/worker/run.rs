@@ -353,7 +353,9 @@ where
         stopping.store(true, std::sync::atomic::Ordering::Relaxed);
         let _ = self.take_continued();
         for (seq, job) in self.buffer {
-            self.shared.release(&job.claim_ref().to_token()).await;
+            let token = job.claim_ref().to_token();
+            self.shared.cut_run(seq, &token).await;
+            self.shared.release(&token).await;
             self.shared.in_flight().remove(&seq);
         }
         self.shared.drain(self.tasks).await;
@@ -362,7 +364,9 @@ where
         let late: Vec<_> = self.shared.continued().drain(..).collect();
         for (seq, job) in late {
             if self.shared.in_flight().remove(&seq).is_some() {
-                self.shared.release(&job.claim_ref().to_token()).await;
+                let token = job.claim_ref().to_token();
+                self.shared.cut_run(seq, &token).await;
+                self.shared.release(&token).await;
             }
         }
     }

@@ -38,7 +38,7 @@ use crate::{Fault, fault};
 /// `m<n / KEYS>`, so that one id names a message under each key (an id is
 /// unique within its key, issue 37). Keys 0 and 1 share a hash slot (one
 /// partition), key 2 is in another.
-const IDS: usize = 6;
+const IDS: usize = 12;
 const KEYS: usize = 3;
 /// The key with permits (`PushOptions::permits(LIMIT)`), not a lock.
 const PERMITS_KEY: usize = 2;
@@ -59,17 +59,32 @@ enum Op {
         id: usize,
         later: bool,
     },
+    /// Every message of a key pushed, in order: a backlog for runs.
+    Backlog(usize),
     Claim {
         max: usize,
         short: bool,
     },
     Ack(usize),
-    /// `ack_and_next`: the key's next message claimed by the ack, leased
-    /// short or long.
+    /// `ack_and_next` (`max` 1) or `ack_run` of one message: the key's
+    /// next message, or up to `max` of them (a run), claimed by the ack,
+    /// leased short or long.
     AckNext {
         job: usize,
         short: bool,
+        max: usize,
     },
+    /// `ack_run` of a run: the worker's other jobs of the same key and
+    /// claim acknowledged with `job`, and the next run claimed.
+    AckRun {
+        job: usize,
+        short: bool,
+        max: usize,
+    },
+    /// `cut_run`: while `job` (one the model says is held) goes on, the
+    /// other jobs of its key and claim before it in line acknowledged,
+    /// those after it back in line.
+    CutRun(usize),
     Retry {
         job: usize,
         later: bool,
@@ -93,9 +108,12 @@ fn op() -> impl Strategy<Value = Op> {
     let job = 0..8usize;
     prop_oneof![
         5 => (0..IDS, prop::bool::weighted(0.1)).prop_map(|(id, later)| Op::Push { id, later }),
+        3 => (0..KEYS).prop_map(Op::Backlog),
         5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
         3 => job.clone().prop_map(Op::Ack),
-        3 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, short)| Op::AckNext { job, short }),
+        3 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckNext { job, short, max }),
+        2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckRun { job, short, max }),
+        3 => job.clone().prop_map(Op::CutRun),
         2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
         1 => job.clone().prop_map(Op::Defer),
         1 => job.clone().prop_map(Op::Release),
@@ -188,6 +206,20 @@ impl Model {
         self.first_waiting(k).is_some() && held < LIMIT as usize
     }
 
+    /// Key `k` (with a lock) let go under `claim`: the messages of its run
+    /// still at work under that claim go back in line (`keyed_done.lua`).
+    fn let_go(&mut self, k: usize, claim: u64) {
+        if k == PERMITS_KEY {
+            return;
+        }
+        for id in &self.lines[k] {
+            let m = self.messages.get_mut(id).expect("known");
+            if matches!(m.state, State::InLine(Some((c, _))) if c == claim) {
+                m.state = State::InLine(None);
+            }
+        }
+    }
+
     /// The first message of key `k`'s line not at work.
     fn first_waiting(&self, k: usize) -> Option<usize> {
         let waiting = |id: &&usize| self.messages[*id].state == State::InLine(None);
@@ -259,8 +291,16 @@ impl World<'_> {
         *job.payload() as usize % KEYS
     }
 
-    /// A job the worker holds, and the generation of its message.
+    /// A job the worker holds, and the generation of its message: for
+    /// even `n` one whose claim the model says is held (stale ones pile up
+    /// in a history), for odd `n` any.
     fn job(&self, n: usize) -> Option<(Job<u64>, u64)> {
+        let held: Vec<&(Job<u64>, u64)> = (self.hands.iter())
+            .filter(|(job, generation)| self.holds(job, *generation))
+            .collect();
+        if n.is_multiple_of(2) && !held.is_empty() {
+            return Some(held[n / 2 % held.len()].clone());
+        }
         (!self.hands.is_empty()).then(|| self.hands[n % self.hands.len()].clone())
     }
 
@@ -280,8 +320,11 @@ impl World<'_> {
         };
         // A repeated claim or hand-over answers as one: what the first
         // call took, from its record (`lua/keyed_claim.lua`, `keyed_done.lua`).
-        let repeated =
-            fault == Fault::Repeated && matches!(op, Op::Claim { .. } | Op::AckNext { .. });
+        let repeated = fault == Fault::Repeated
+            && matches!(
+                op,
+                Op::Claim { .. } | Op::AckNext { .. } | Op::AckRun { .. }
+            );
         for call in 0..calls {
             let lost = fault == Fault::Resent && call == 0;
             let twice = self.twice.clone();
@@ -437,6 +480,15 @@ impl World<'_> {
                     self.model.messages.insert(n, m);
                 }
             }
+            Op::Backlog(k) => {
+                for n in (k..IDS).step_by(KEYS) {
+                    let push = Op::Push {
+                        id: n,
+                        later: false,
+                    };
+                    Box::pin(self.step(push, lost, at)).await?;
+                }
+            }
             Op::Claim { max, short } => {
                 let lease = if short { SHORT } else { LONG };
                 let jobs = self.retried(at, || q.claim(max, lease)).await?.jobs;
@@ -459,28 +511,89 @@ impl World<'_> {
                         Op::Ack(_) => drop(self.model.messages.remove(&n)),
                         _ => self.model.messages.get_mut(&n).expect("known").state = State::Dead,
                     }
+                    self.model.let_go(k, job.claim());
                 }
             }
             Op::AckNext {
                 job: j,
                 short: next_short,
+                max,
+            }
+            | Op::AckRun {
+                job: j,
+                short: next_short,
+                max,
             } => {
                 let Some((job, generation)) = self.job(j) else {
                     return Ok(());
                 };
                 let lease = if next_short { SHORT } else { LONG };
-                let (held, next) = self.retried(at, || q.ack_and_next(&job, lease)).await?;
+                let mut run = match op {
+                    Op::AckRun { .. } => self
+                        .run_of(&job)
+                        .0
+                        .into_iter()
+                        .chain(self.run_of(&job).1)
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                run.push((job.clone(), generation));
+                let jobs: Vec<Job<u64>> = run.iter().map(|(job, _)| job.clone()).collect();
+                let (held, next) = match max {
+                    1 if jobs.len() == 1 => {
+                        let (held, next) = self.retried(at, || q.ack_and_next(&job, lease)).await?;
+                        (held, next.into_iter().collect())
+                    }
+                    _ => self.retried(at, || q.ack_run(&jobs, lease, max)).await?,
+                };
                 prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
                 if !held {
-                    prop_assert!(next.is_none(), "{}: a next job for a lost claim", at);
+                    prop_assert!(next.is_empty(), "{}: a next job for a lost claim", at);
                     return Ok(());
                 }
                 let n = *job.payload() as usize;
                 let short = self.model.short(n, job.claim());
-                self.model.lines[self.key_index(&job)].retain(|i| *i != n);
+                let k = self.key_index(&job);
+                // The run's jobs the model still holds go with it.
+                self.acknowledged(&run);
+                self.model.lines[k].retain(|i| *i != n);
                 self.model.messages.remove(&n);
-                let run = self.model.runs.remove(&n).unwrap_or(0);
-                self.continued(&job, (short, run), (next, next_short), lost, at)?;
+                let before = self.model.runs.remove(&n).unwrap_or(0);
+                let let_go = next.is_empty();
+                self.continued(&job, (short, before), (next, next_short, max), lost, at)?;
+                if let_go {
+                    self.model.let_go(k, job.claim());
+                }
+            }
+            Op::CutRun(j) => {
+                // As the worker does: for a message of a run at work (one
+                // with others of its run held, when there is such a run).
+                let held = |(job, g): &(Job<u64>, u64)| self.holds(job, *g);
+                let in_run = |entry: &&(Job<u64>, u64)| {
+                    let (before, after) = self.run_of(&entry.0);
+                    held(entry) && before.iter().chain(&after).any(held)
+                };
+                let runs: Vec<_> = self.hands.iter().filter(in_run).cloned().collect();
+                let chosen = match runs.len() {
+                    0 => self.job(j).filter(held),
+                    n => Some(runs[j % n].clone()),
+                };
+                let Some((job, _)) = chosen else {
+                    return Ok(());
+                };
+                let (handled, unstarted) = self.run_of(&job);
+                let jobs = |run: &[(Job<u64>, u64)]| {
+                    run.iter().map(|(job, _)| job.clone()).collect::<Vec<_>>()
+                };
+                let (done, rest) = (jobs(&handled), jobs(&unstarted));
+                self.retried(at, || q.cut_run(&job, &done, &rest)).await?;
+                self.acknowledged(&handled);
+                for (later, generation) in &unstarted {
+                    if self.holds(later, *generation) {
+                        let l = *later.payload() as usize;
+                        self.model.messages.get_mut(&l).expect("known").state = State::InLine(None);
+                    }
+                }
             }
             Op::Retry { job: j, later } => {
                 let Some((job, generation)) = self.job(j) else {
@@ -594,30 +707,65 @@ impl World<'_> {
         }
     }
 
-    /// Checks the next job an `ack_and_next` of `job` (its lease `short`
+    /// Those of `jobs` whose claim the model says is held, acknowledged.
+    fn acknowledged(&mut self, jobs: &[(Job<u64>, u64)]) {
+        for (job, generation) in jobs {
+            if self.holds(job, *generation) {
+                let n = *job.payload() as usize;
+                self.model.lines[n % KEYS].retain(|i| *i != n);
+                self.model.messages.remove(&n);
+            }
+        }
+    }
+
+    /// The worker's other jobs of `job`'s key under its claim number (its
+    /// run), stale ones included: those before it in line, those after.
+    #[allow(clippy::type_complexity)]
+    fn run_of(&self, job: &Job<u64>) -> (Vec<(Job<u64>, u64)>, Vec<(Job<u64>, u64)>) {
+        let n = *job.payload() as usize;
+        let same = |other: &&(Job<u64>, u64)| {
+            other.0.claim() == job.claim()
+                && other.0.key() == job.key()
+                && *other.0.payload() as usize != n
+        };
+        let line = &self.model.lines[n % KEYS];
+        let place = |m: usize| line.iter().position(|i| *i == m);
+        let at = place(n);
+        let others = self.hands.iter().filter(same).cloned();
+        // One out of line (stale) counts as before: it changes nothing.
+        others.partition(|(other, _)| place(*other.payload() as usize) <= at)
+    }
+
+    /// Checks the next jobs an acknowledgement of `job` (its lease `short`
     /// or not, `run` messages before it under its hold) claimed, leased
-    /// short when `next_short`: the key's head, under the same claim,
-    /// whenever the key's lock is still the queue's (a short lease may have
-    /// run out, and other code taken the lock) and the run is not at its
-    /// end.
+    /// short when `next_short`, at most `max`: the key's first in line,
+    /// under the same claim, whenever the key's lock is still the queue's
+    /// (a short lease may have run out, and other code taken the lock) and
+    /// the run is not at its end. A key with a lock and no limits gives
+    /// them all; one with permits or a rate limit one at a time.
     fn continued(
         &mut self,
         job: &Job<u64>,
         (short, run): (bool, u32),
-        (next, next_short): (Option<Job<u64>>, bool),
+        (next, next_short, max): (Vec<Job<u64>>, bool, usize),
         lost: bool,
         at: &str,
     ) -> Result<(), TestCaseError> {
         let k = self.key_index(job);
         let (permits, rated) = (k == PERMITS_KEY, k == RATED_KEY);
-        let head = self.model.first_waiting(k);
-        let Some(next) = next else {
+        let waiting: Vec<usize> = (self.model.lines[k].iter())
+            .filter(|id| self.model.messages[*id].state == State::InLine(None))
+            .copied()
+            .collect();
+        let room = lockgate::queue::MAX_RUN.saturating_sub(run) as usize;
+        if next.is_empty() {
+            let head = waiting.first();
             let must = head.is_some()
                 && !short
                 && (permits || self.model.outside[k].is_none())
                 && (!rated || self.model.admitted.1 < RATE)
-                && run < lockgate::queue::MAX_RUN;
-            if rated && head.is_some() && short && run < lockgate::queue::MAX_RUN {
+                && room > 0;
+            if rated && head.is_some() && short && room > 0 {
                 // Admitted, perhaps, then the lock found gone.
                 self.model.admitted.1 += 1;
             }
@@ -628,42 +776,62 @@ impl World<'_> {
                 head
             );
             return Ok(());
-        };
-        let n = *next.payload() as usize;
-        prop_assert_eq!(head, Some(n), "{}: the next job is not the head", at);
+        }
+        let taken: Vec<usize> = next.iter().map(|next| *next.payload() as usize).collect();
+        let most = if permits || rated { 1 } else { max.min(room) };
+        eprintln!(
+            "RUNSTAT k={k} max={max} waiting={} taken={} short={short}",
+            waiting.len(),
+            taken.len()
+        );
+        prop_assert!(
+            taken.len() <= most,
+            "{}: {} next jobs, at most {}",
+            at,
+            taken.len(),
+            most
+        );
+        prop_assert_eq!(
+            &taken[..],
+            &waiting[..taken.len().min(waiting.len())],
+            "{}: the next jobs are not the first in line",
+            at
+        );
+        if !permits && !rated && !short {
+            prop_assert_eq!(taken.len(), most.min(waiting.len()), "{}: a short run", at);
+        }
         prop_assert!(
             permits || self.model.outside[k].is_none(),
             "{}: continued while other code holds the lock",
             at
         );
-        prop_assert!(
-            run < lockgate::queue::MAX_RUN,
-            "{}: ran on past MAX_RUN",
-            at
-        );
-        prop_assert_eq!(next.claim(), job.claim(), "{}: the same claim", at);
-        let key = self.key(k);
-        prop_assert_eq!(next.key(), Some(key.as_str()), "{}: the key", at);
-        let m = self.model.messages.get_mut(&n).expect("known");
-        prop_assert_eq!(
-            (next.attempt(), next.stalls()),
-            (m.failures + 1, m.stalls),
-            "{}: counts",
-            at
-        );
-        // Every message a hand-over claims has the lease the ack gave it,
-        // its key's lock (or permit) renewed with it (issue 35: a chain
-        // must not live on its first message's lease).
-        m.state = State::InLine(Some((next.claim(), next_short)));
-        if rated {
-            prop_assert!(self.model.admitted.0 < RATE, "{}: over the rate", at);
-            self.model.admitted.0 += 1;
-            self.model.admitted.1 += 1;
-        }
-        let generation = m.generation;
-        self.model.runs.insert(n, run + 1);
-        if !lost {
-            self.hands.push((next, generation));
+        prop_assert!(room > 0, "{}: ran on past MAX_RUN", at);
+        for (i, next) in next.into_iter().enumerate() {
+            let n = taken[i];
+            prop_assert_eq!(next.claim(), job.claim(), "{}: the same claim", at);
+            let key = self.key(k);
+            prop_assert_eq!(next.key(), Some(key.as_str()), "{}: the key", at);
+            let m = self.model.messages.get_mut(&n).expect("known");
+            prop_assert_eq!(
+                (next.attempt(), next.stalls()),
+                (m.failures + 1, m.stalls),
+                "{}: counts",
+                at
+            );
+            // Every message a hand-over claims has the lease the ack gave
+            // it, its key's lock (or permit) renewed with it (issue 35: a
+            // chain must not live on its first message's lease).
+            m.state = State::InLine(Some((next.claim(), next_short)));
+            if rated {
+                prop_assert!(self.model.admitted.0 < RATE, "{}: over the rate", at);
+                self.model.admitted.0 += 1;
+                self.model.admitted.1 += 1;
+            }
+            let generation = m.generation;
+            self.model.runs.insert(n, run + 1 + i as u32);
+            if !lost {
+                self.hands.push((next, generation));
+            }
         }
         Ok(())
     }
@@ -769,6 +937,7 @@ impl World<'_> {
             m.failures += u32::from(failed);
             if k != PERMITS_KEY {
                 self.model.waiting[k] = later;
+                self.model.let_go(k, job.claim());
             } else if later {
                 // Aside until due (never, in a history), its place kept;
                 // the key's next messages go on meanwhile.

@@ -25,17 +25,41 @@
 --   no limit), which a burial applies to the partition
 -- KEYS[18] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
 --   next message: "<status><acknowledged record>", or for status 3
---   "3<next seq (16 digits)><renewed 0/1><#next id>:<next id><acknowledged
---   record>". It makes the call safe to resend (see claim.lua): a resend,
---   finding its claim gone, answers what the first call did (the next
---   message it claimed, while that still holds), instead of a lost claim
---   and a next message leased to nobody until its lease runs out.
+--   "3<renewed 0/1><count>:" then per next message "<seq (16 digits)><#id>:<id>",
+--   then the acknowledged record. It makes the call safe to resend (see
+--   claim.lua): a resend, finding its claim gone, answers what the first
+--   call did (the next messages it claimed, those that still hold),
+--   instead of a lost claim and next messages leased to nobody until
+--   their lease runs out.
+-- ARGV[20]: how many of the key's next messages a hand-over may claim at
+--   once (a run, see below), 1 or more
+-- ARGV[21]: how many earlier messages of the same run (the same key, hold
+--   and claim number) the caller handled before this one, then each one's
+--   stored id and seq: acknowledged first, in the same call
+-- then how many messages of the run the caller will not start, then each
+--   one's stored id and seq: back in line at their place (a run cut short)
+-- ARGV[1] may also be "return": only the two lists are applied (the
+--   message stays at work, the key's lock held for it); each listed
+--   message is settled only while at work under this claim number (which
+--   no other claim ever has), so it answers 1 whatever it found.
+-- A run of more than one message is noted (see note_run): whatever lets
+-- go of the key puts the run's messages still at work back in line, so
+-- that the key is never free while a message of it is at work.
+--
+-- A run: the usual hand-over claims up to ARGV[20] of the key's next
+-- messages, each under the same claim number and lease, in line order.
+-- The caller runs them one after another and acknowledges them together
+-- with the last (or, when one of them fails, acknowledges the ones before
+-- it and returns the ones after it, then settles the failed one as any
+-- other): a hot key pays one script per run, not per message. A run's
+-- messages are at work, so nothing else claims them; a worker that dies
+-- part way leaves them to recovery, which puts them back in line.
 -- A retried or deferred message goes back first in line: a key with a lock
 -- waits out the delay; a key with permits goes on with its next messages
 -- meanwhile, the delayed one aside on the schedule until it is due.
--- Returns {status, the acknowledged record or "", for status 3 {the next
--- message's id, seq and record, 1 when held under the new token ARGV[11] or
--- 0 under ARGV[6]}, else false}. Status 0: the claim is no longer held
+-- Returns {status, the acknowledged record or "", for status 3 {1 when
+-- held under the new token ARGV[11] or 0 under ARGV[6], {{each next
+-- message's id, seq and record}, ...}}, else false}. Status 0: the claim is no longer held
 -- (nothing changed); 1: done, the key let go; 2: the same, and the key
 -- ready for a claim; 3: the key's next message claimed under the same lock
 -- and claim number.
@@ -52,6 +76,20 @@ local LOCK, WAITERS, FENCES, RATE_LOG, RECORD = MORE + 1, MORE + 2, MORE + 3, MO
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
 local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
+local run_max = math.max(tonumber(ARGV[20]) or 1, 1)
+
+-- The run's messages listed from ARGV[`from`] on (a count, then stored id
+-- and seq each): their ids, their active members; and where the next list
+-- starts.
+local function listed(from)
+  local ids, members = {}, {}
+  for i = 1, tonumber(ARGV[from]) or 0 do
+    local listed_id, listed_seq = ARGV[from + 2 * i - 1], ARGV[from + 2 * i]
+    ids[i] = listed_id
+    members[i] = line_member(key, listed_seq, listed_id) .. ':' .. ARGV[5]
+  end
+  return ids, members, from + 1 + 2 * #ids
+end
 
 -- A resend: what the first call did, from its record; the next message
 -- it claimed while that still holds (else the ack alone).
@@ -60,38 +98,122 @@ local function resent()
   if not kept then return {0, '', false} end
   local status = tonumber(string.sub(kept, 1, 1))
   if status ~= 3 then return {status, string.sub(kept, 2), false} end
-  local next_seq, renewed = string.sub(kept, 2, 17), tonumber(string.sub(kept, 18, 18))
-  local length, from = string.match(kept, '^(%d+):()', 19)
-  local next = string.sub(kept, from, from + tonumber(length) - 1)
-  local record = string.sub(kept, from + #next)
-  if not redis.call('ZSCORE', KEYS[ACTIVE], line_member(key, next_seq, next) .. ':' .. ARGV[5]) then
-    return {1, record, false}
+  local renewed = tonumber(string.sub(kept, 2, 2))
+  local count, from = string.match(kept, '^(%d+):()', 3)
+  local nexts = {}
+  for _ = 1, tonumber(count) do
+    local next_seq = string.sub(kept, from, from + 15)
+    local length, at = string.match(kept, '^(%d+):()', from + 16)
+    local next = string.sub(kept, at, at + tonumber(length) - 1)
+    from = at + #next
+    if redis.call('ZSCORE', KEYS[ACTIVE], line_member(key, next_seq, next) .. ':' .. ARGV[5]) then
+      nexts[#nexts + 1] = {next, next_seq, redis.call('HGET', KEYS[DATA], next) or ''}
+    end
   end
-  return {3, record, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', renewed}}
+  local record = string.sub(kept, from)
+  if #nexts == 0 then return {1, record, false} end
+  return {3, record, {renewed, nexts}}
 end
 
-if not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return resent() end
-remove_from(ACTIVE, at_work)
+-- The run's messages listed: handled before this one, not started.
+local done_ids, done_members, returned_from = listed(21)
+local returned_ids, returned_members = listed(returned_from)
 local acked = ''
-if op == 'ack' then
-  if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
-  redis.call('HDEL', KEYS[DATA], id)
-  if ARGV[12] == '1' then redis.call('HDEL', KEYS[ERRORS], id) end
+
+-- The first `n` messages of the key's line: {id, seq} each.
+local function heads_of(n)
+  local firsts = redis.call('ZRANGE', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
+    'BYLEX', 'LIMIT', 0, n)
+  local heads = {}
+  for i, first in ipairs(firsts) do
+    heads[i] = {string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)}
+  end
+  return heads
 end
 
--- Claims `next` (seq `next_seq`) of the key under this claim number, leased
--- until `until_ms`; `renewed`: under the new token.
-local function continue(next, next_seq, until_ms, renewed)
-  local next_member = line_member(key, next_seq, next)
-  remove_from(LINES, next_member)
-  add_to(ACTIVE, until_ms, next_member .. ':' .. ARGV[5])
+-- While more than one message of the key is at work under this claim (a
+-- run), the limits hash lists them ("<key>\0run" -> "<claim>:" then
+-- "<#member>:<member>" per line member), so that whatever lets go of the
+-- key puts those still at work back in line: a caller that settles a
+-- run's message out of turn must not leave the key free while another is
+-- at work.
+local RUN_FIELD = key .. '\0run'
+
+-- The run's line members listed in `run` (the field's value) and its claim.
+local function run_members(run)
+  local claim, from = string.match(run, '^(%d+):()')
+  local members = {}
+  while from and from <= #run do
+    local length, at = string.match(run, '^(%d+):()', from)
+    members[#members + 1] = string.sub(run, at, at + tonumber(length) - 1)
+    from = at + tonumber(length)
+  end
+  return members, claim
+end
+
+-- Notes the key's messages at work under this claim after a hand-over
+-- claimed `members`: those, and those of the run before it still at work
+-- that this call did not settle. Costs a read, and a write for a run.
+local function note_run(members)
+  local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+  local at_work_now = {}
+  if run then
+    local settled = {[at_work] = true}
+    for _, member in ipairs(done_members) do settled[member] = true end
+    for _, member in ipairs(returned_members) do settled[member] = true end
+    local earlier, claim = run_members(run)
+    for _, member in ipairs(claim == ARGV[5] and earlier or {}) do
+      local full = member .. ':' .. claim
+      if not settled[full] and redis.call('ZSCORE', KEYS[ACTIVE], full) then
+        at_work_now[#at_work_now + 1] = member
+      end
+    end
+  end
+  for _, member in ipairs(members) do at_work_now[#at_work_now + 1] = member end
+  if #at_work_now > 1 then
+    local parts = {ARGV[5], ':'}
+    for _, member in ipairs(at_work_now) do parts[#parts + 1] = #member .. ':' .. member end
+    redis.call('HSET', KEYS[LIMITS], RUN_FIELD, table.concat(parts))
+  elseif run then
+    redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
+  end
+end
+
+-- Before the key is let go: its run's messages still at work, back in line.
+local function return_run()
+  local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+  if not run then return end
+  redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
+  local members, claim = run_members(run)
+  for _, member in ipairs(members) do
+    if remove_from(ACTIVE, member .. ':' .. claim) == 1 then add_to(LINES, 0, member) end
+  end
+end
+
+-- Claims `nexts` ({id, seq} each, the key's first in line) under this
+-- claim number, leased until `until_ms`; `renewed`: under the new token.
+local function continue(nexts, until_ms, renewed)
+  local lines, active, ids = {}, {}, {}
+  local record = {'3', renewed and 1 or 0, #nexts, ':'}
+  for i, next in ipairs(nexts) do
+    local member = line_member(key, next[2], next[1])
+    lines[i], ids[i] = member, next[1]
+    active[2 * i - 1], active[2 * i] = until_ms, member .. ':' .. ARGV[5]
+    record[#record + 1] = next[2] .. #next[1] .. ':' .. next[1]
+  end
+  counted(LINES, -redis.call('ZREM', KEYS[LINES], unpack(lines)))
+  counted(ACTIVE, redis.call('ZADD', KEYS[ACTIVE], unpack(active)))
+  note_run(lines)
   if limit > 0 and not head_of(key) then
     redis.call('ZREM', KEYS[READY], key)
     ready_changed()
   end
-  local flag = renewed and 1 or 0
-  redis.call('SET', KEYS[RECORD], '3' .. next_seq .. flag .. #next .. ':' .. next .. acked, 'PX', ARGV[19])
-  return {3, acked, {next, next_seq, redis.call('HGET', KEYS[DATA], next) or '', flag}}
+  record[#record + 1] = acked
+  redis.call('SET', KEYS[RECORD], table.concat(record), 'PX', ARGV[19])
+  local records = redis.call('HMGET', KEYS[DATA], unpack(ids))
+  local answer = {}
+  for i, next in ipairs(nexts) do answer[i] = {next[1], next[2], records[i] or ''} end
+  return {3, acked, {renewed and 1 or 0, answer}}
 end
 
 -- Lets go of the key's lock, held by `token`: to the first live waiter in
@@ -112,12 +234,40 @@ local function unlock(lock, line)
   redis.call(ARGV[9], lock, next)
 end
 
+if op ~= 'return' and not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return resent() end
+
+-- The run's earlier messages, acknowledged; its messages not started, back
+-- in line at their place: the key stays at work, or, let go meanwhile (a
+-- caller's mistake), is ready now.
+local gone = {}
+for i, member in ipairs(done_members) do
+  if remove_from(ACTIVE, member) == 1 then gone[#gone + 1] = done_ids[i] end
+end
+if #gone > 0 then
+  redis.call('HDEL', KEYS[DATA], unpack(gone))
+  redis.call('HDEL', KEYS[ERRORS], unpack(gone))
+end
+local returned_at = #returned_ids > 0 and now_ms()
+for i, member in ipairs(returned_members) do
+  if remove_from(ACTIVE, member) == 1 then
+    rejoin(key, ARGV[returned_from + 2 * i], returned_ids[i], returned_at)
+  end
+end
+if op == 'return' then return {1, '', false} end
+
+remove_from(ACTIVE, at_work)
+if op == 'ack' then
+  if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
+  redis.call('HDEL', KEYS[DATA], id)
+  if ARGV[12] == '1' then redis.call('HDEL', KEYS[ERRORS], id) end
+end
+
 local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
-  local next, next_seq = head_of(key)
-  if next and redis.call('GET', KEYS[LOCK]) == token then
+  local nexts = heads_of(run_max)
+  if #nexts > 0 and redis.call('GET', KEYS[LOCK]) == token then
     redis.call('PEXPIRE', KEYS[LOCK], ARGV[10])
-    return continue(next, next_seq, now_ms() + tonumber(ARGV[10]), false)
+    return continue(nexts, now_ms() + tonumber(ARGV[10]), false)
   end
 end
 
@@ -163,17 +313,18 @@ if hand_over then
       local value = redis.call('GET', KEYS[LOCK])
       if value and owns(value, token) and string.byte(value, -1) ~= 33 then
         redis.call('SET', KEYS[LOCK], ARGV[11], 'PX', ARGV[10])
-        return continue(next, next_seq, lease_end, true)
+        return continue({{next, next_seq}}, lease_end, true)
       end
     elseif not waiters_beside_queue(KEYS[WAITERS]) and redis.call('ZREM', KEYS[LOCK], token) == 1 then
       redis.call('HDEL', KEYS[FENCES], token)
       redis.call('ZADD', KEYS[LOCK], lease_end, ARGV[11])
       redis.call('PEXPIRE', KEYS[LOCK], ARGV[10], 'GT')
-      return continue(next, next_seq, lease_end, true)
+      return continue({{next, next_seq}}, lease_end, true)
     end
   end
 end
 if limit == 0 then
+  return_run()
   unlock(KEYS[LOCK], KEYS[WAITERS])
 else
   free_permit(KEYS[LOCK], KEYS[WAITERS], KEYS[FENCES], token, limit, ARGV[9], true, tonumber(ARGV[14]))

@@ -1,0 +1,191 @@
+//! Runs of a key's messages. An acknowledgement claims up to
+//! [`Worker::key_batch`](super::Worker::key_batch) of its key's next
+//! messages under the same lock ([`Queue::ack_run`](crate::Queue::ack_run));
+//! they start one after another, each as soon as the handler before it
+//! returns, with no call in between, and the last one's acknowledgement
+//! settles them all and claims the next run. A message settled any other
+//! way (failed, buried, handed back) cuts its run first: the ones handled
+//! before it are acknowledged, those after it go back to their place in
+//! line, and the key's lock stays with it until its own settlement.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::MutexGuard;
+use std::sync::atomic::Ordering;
+
+use tokio::time::Instant;
+
+use super::metrics::Count;
+use super::{AckQueue, Conn, InFlight, Payload, Shared};
+use crate::queue::{Claim, ClaimToken, Job};
+
+/// The rest of a run, kept under the in-flight number of its message now
+/// at work (or about to start).
+pub(super) struct KeyRun<T> {
+    /// Handled, to be acknowledged with the run's last: still in the
+    /// in-flight table (renewed) until then.
+    handled: Vec<(u64, ClaimToken)>,
+    /// Still to start, in line order; tracked (renewed) already.
+    rest: VecDeque<(u64, Job<T>)>,
+}
+
+/// The runs at work, by in-flight number.
+pub(super) type Runs<T> = std::sync::Mutex<HashMap<u64, KeyRun<T>>>;
+
+impl<T: Payload, C: Conn> Shared<T, C> {
+    fn runs(&self) -> MutexGuard<'_, HashMap<u64, KeyRun<T>>> {
+        // Plain inserts and removes: poisoning cannot leave it inconsistent.
+        self.runs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// After a keyed message's handler returned `Ok`: starts the next of
+    /// its run, or acknowledges the run and claims the key's next run (one
+    /// script), which the loop starts before anything else. Falls back to
+    /// the batched acknowledgement (which retries) when the call fails,
+    /// and once the loop stops. `flight`: the message's claim as the
+    /// in-flight table had it.
+    pub(super) async fn ack_and_continue(
+        &self,
+        (seq, flight): (u64, Option<InFlight>),
+        token: ClaimToken,
+        acks: AckQueue,
+    ) {
+        let (mut handled, mut rest) = match self.runs().remove(&seq) {
+            Some(run) => (run.handled, run.rest),
+            None => (Vec::new(), VecDeque::new()),
+        };
+        let stopping = self.stopping.load(Ordering::Relaxed);
+        if !stopping && let Some((next_seq, next)) = rest.pop_front() {
+            // Renewed until the run's end acknowledges it.
+            if let Some(flight) = flight {
+                self.in_flight().insert(
+                    seq,
+                    InFlight {
+                        held: None,
+                        ..flight
+                    },
+                );
+            }
+            handled.push((seq, token));
+            self.runs().insert(next_seq, KeyRun { handled, rest });
+            return self.continue_with(next_seq, next);
+        }
+        if stopping {
+            self.cut(&token, handled, rest).await;
+            return self.queue_ack(&acks, token, true).await;
+        }
+        // With a slot free here, a key that waits is claimed here: the busy
+        // key need not let go after MAX_RUN.
+        let run_on = self.slots.available_permits() > 0;
+        let (lease, batch) = (self.config.lease, self.config.key_batch);
+        let tokens: Vec<ClaimToken> = handled.iter().map(|(_, token)| token.clone()).collect();
+        let sent = Instant::now();
+        let answer = (self.queue)
+            .ack_run_with(&token, &tokens, lease, (run_on, batch))
+            .await;
+        self.forget(handled.iter().map(|(seq, _)| *seq));
+        match answer {
+            Ok((true, next)) => {
+                self.metrics.add(Count::Done, 1 + tokens.len() as u64);
+                // Renewed from now on, not once the loop takes them: the
+                // script gave them a whole lease, which must not lapse
+                // while they wait for the loop.
+                self.start_run(next, sent + lease);
+            }
+            Ok((false, _)) => {
+                self.metrics.add(Count::LostLeases, 1 + tokens.len() as u64);
+                tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
+            }
+            Err(error) => {
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
+                for earlier in tokens {
+                    self.queue_ack(&acks, earlier, true).await;
+                }
+                self.queue_ack(&acks, token, true).await;
+            }
+        }
+    }
+
+    /// Tracks a run an acknowledgement claimed, leased until
+    /// `leased_until`, and hands its first message to the loop.
+    fn start_run(&self, jobs: Vec<Job<T>>, leased_until: Instant) {
+        self.metrics.add(Count::Claimed, jobs.len() as u64);
+        let mut run: VecDeque<(u64, Job<T>)> = {
+            let mut in_flight = self.in_flight();
+            let track = |job: Job<T>| (self.track(&mut in_flight, &job, leased_until), job);
+            jobs.into_iter().map(track).collect()
+        };
+        let Some((seq, first)) = run.pop_front() else {
+            return;
+        };
+        if !run.is_empty() {
+            let rest = KeyRun {
+                handled: Vec::new(),
+                rest: run,
+            };
+            self.runs().insert(seq, rest);
+        }
+        self.continue_with(seq, first);
+    }
+
+    fn continue_with(&self, seq: u64, job: Job<T>) {
+        self.continued().push_back((seq, job));
+        self.continued_ready.notify_one();
+    }
+
+    /// Before message `seq` (`token`) is settled otherwise than by an ack
+    /// that goes on with its run: settles the rest of its run while the
+    /// key's lock is still its own.
+    pub(super) async fn cut_run(&self, seq: u64, token: &ClaimToken) {
+        let Some(run) = self.runs().remove(&seq) else {
+            return;
+        };
+        self.cut(token, run.handled, run.rest).await;
+    }
+
+    /// Acknowledges `handled` and puts `rest` back in line, under
+    /// `token`'s hold; a failure is logged (they come back after their
+    /// lease, the handled ones to be handled again).
+    async fn cut(
+        &self,
+        token: &ClaimToken,
+        handled: Vec<(u64, ClaimToken)>,
+        rest: VecDeque<(u64, Job<T>)>,
+    ) {
+        if handled.is_empty() && rest.is_empty() {
+            return;
+        }
+        let done: Vec<ClaimToken> = handled.iter().map(|(_, token)| token.clone()).collect();
+        let unstarted: Vec<ClaimToken> = rest
+            .iter()
+            .map(|(_, job)| job.claim_ref().to_token())
+            .collect();
+        match self.queue.cut_run_with(token, (&done, &unstarted)).await {
+            Ok(()) => self.metrics.add(Count::Done, done.len() as u64),
+            Err(error) => {
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(%error, id = %token.id(), "could not settle the rest of a keyed run; its messages come back after their lease");
+            }
+        }
+        self.forget(handled.iter().map(|(seq, _)| *seq));
+        self.forget(rest.iter().map(|(seq, _)| *seq));
+    }
+
+    /// Forgets the run of message `seq`, whose claim was lost: its other
+    /// messages' claims went with it (they come back after their lease).
+    pub(super) fn drop_run(&self, seq: u64) {
+        let Some(run) = self.runs().remove(&seq) else {
+            return;
+        };
+        self.forget(run.handled.iter().map(|(seq, _)| *seq));
+        self.forget(run.rest.iter().map(|(seq, _)| *seq));
+    }
+
+    /// Stops renewing the claims `seqs`.
+    fn forget(&self, seqs: impl Iterator<Item = u64>) {
+        let mut in_flight = self.in_flight();
+        for seq in seqs {
+            in_flight.remove(&seq);
+        }
+    }
+}
