@@ -98,9 +98,14 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             Err(error) => {
                 self.metrics.count(Count::RedisErrors);
                 tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
-                for earlier in tokens {
-                    self.queue_ack(&acks, earlier, true).await;
-                }
+                // The run's earlier messages first, the key kept: this
+                // one's acknowledgement lets the key go, and with it any
+                // message of the run still at work.
+                let handled = handled
+                    .into_iter()
+                    .zip(tokens)
+                    .map(|((seq, _), t)| (seq, t));
+                self.cut(&token, handled.collect(), VecDeque::new()).await;
                 self.queue_ack(&acks, token, true).await;
             }
         }
