@@ -961,7 +961,14 @@ async fn invalid_worker_configuration_is_an_error() {
         worker().max_attempts(0),
         Err(lockgate::Error::Config(_))
     ));
+    for batch in [0, lockgate::queue::MAX_BATCH + 1] {
+        assert!(matches!(
+            worker().key_batch(batch),
+            Err(lockgate::Error::Config(_))
+        ));
+    }
     // The smallest valid values are accepted.
+    assert!(worker().key_batch(1).is_ok());
     assert!(worker().concurrency(1).is_ok());
     assert!(worker().lease(ms(30)).is_ok());
     assert!(worker().max_attempts(1).is_ok());
