@@ -2148,3 +2148,41 @@ async fn each_message_of_a_run_gets_a_fence_of_its_own() {
         "fences: {fences:?}"
     );
 }
+
+/// A handler that outlives the shutdown timeout in the middle of a run: the
+/// run's messages handled before it are acknowledged, not handed back to
+/// run again; it and the rest come back first in line, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_cut_by_shutdown_acknowledges_what_it_handled() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
+    push_keyed(&queue, 10, 1).await;
+    let starts = Arc::new(Mutex::new(Vec::new()));
+    let seen = starts.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        seen.lock().unwrap().push(job.n);
+        async move {
+            if job.n == 3 {
+                tokio::time::sleep(secs(60)).await;
+            }
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service).shutdown_timeout(ms(100));
+    let running = Running::start(worker);
+    until_len(&starts, 4).await;
+    running.stop().await;
+    // Another worker runs the rest: from message 3 on, once each.
+    let again = Arc::new(Mutex::new(Vec::new()));
+    let seen = again.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        seen.lock().unwrap().push(job.n);
+        async { Ok::<_, BoxError>(()) }
+    });
+    let running = Running::start(Worker::new(server.client(), queue.clone(), service));
+    until_len(&again, 7).await;
+    running.stop().await;
+    assert_eq!(*starts.lock().unwrap(), [0, 1, 2, 3]);
+    assert_eq!(*again.lock().unwrap(), (3..10).collect::<Vec<_>>());
+}

@@ -858,7 +858,9 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             tasks.abort_all();
             join(&mut tasks).await;
         }
-        // Claims of tasks aborted before they reached their settlement.
+        // Claims of tasks aborted before they reached their settlement: the
+        // runs they leave settled first.
+        self.cut_left_runs().await;
         let unfinished: Vec<ClaimToken> = self.in_flight().drain().map(|(_, f)| f.token).collect();
         for token in &unfinished {
             self.release(token).await;

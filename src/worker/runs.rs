@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::metrics::Count;
-use super::{AckQueue, Conn, InFlight, Payload, Shared};
+use super::{AckQueue, Conn, HAND_BACK_TIMEOUT, InFlight, Payload, Shared};
 use crate::queue::{Claim, ClaimToken, Job};
 
 /// The rest of a run, kept under the in-flight number of its message now
@@ -165,15 +165,49 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             .iter()
             .map(|(_, job)| job.claim_ref().to_token())
             .collect();
-        match self.queue.cut_run_with(token, (&done, &unstarted)).await {
-            Ok(()) => self.metrics.add(Count::Done, done.len() as u64),
-            Err(error) => {
+        let write = self.queue.cut_run_with(token, (&done, &unstarted));
+        // At shutdown, bounded as a hand-back is (see `Shared::release`).
+        let written = match self.stopping.load(Ordering::Relaxed) {
+            true if self.hand_back_stalled.load(Ordering::Relaxed) => None,
+            true => match tokio::time::timeout(HAND_BACK_TIMEOUT, write).await {
+                Ok(written) => Some(written),
+                Err(_) => {
+                    self.hand_back_stalled.store(true, Ordering::Relaxed);
+                    None
+                }
+            },
+            false => Some(write.await),
+        };
+        match written {
+            Some(Ok(())) => self.metrics.add(Count::Done, done.len() as u64),
+            Some(Err(error)) => {
                 self.metrics.count(Count::RedisErrors);
                 tracing::warn!(%error, id = %token.id(), "could not settle the rest of a keyed run; its messages come back after their lease");
+            }
+            None => {
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(id = %token.id(), "shutdown: no answer in time; the rest of a keyed run comes back after its lease");
             }
         }
         self.forget(handled.iter().map(|(seq, _)| *seq));
         self.forget(rest.iter().map(|(seq, _)| *seq));
+    }
+
+    /// At shutdown, once the handlers that outlived it were cancelled or
+    /// aborted: settles the runs left before their claims are handed back,
+    /// so that a handled message is acknowledged, not handed back to run
+    /// again. Any message of a run names its key, hold and claim.
+    pub(super) async fn cut_left_runs(&self) {
+        let runs: Vec<(u64, KeyRun<T>)> = self.runs().drain().collect();
+        for (seq, run) in runs {
+            let at_work = self.in_flight().get(&seq).map(|f| f.token.clone());
+            let anchor = at_work
+                .or_else(|| run.handled.first().map(|(_, token)| token.clone()))
+                .or_else(|| run.rest.front().map(|(_, job)| job.claim_ref().to_token()));
+            if let Some(anchor) = anchor {
+                self.cut(&anchor, run.handled, run.rest).await;
+            }
+        }
     }
 
     /// Forgets the run of message `seq`, whose claim was lost: its other
