@@ -515,9 +515,10 @@ local function limits_of(key)
 end
 
 -- Forgets a key's limits once nothing of it is left in line or at work (a
--- message of it out of line brings them back: see aside).
+-- message of it out of line brings them back: see aside), and its run's
+-- note, if a run's worker died (see keyed_done.lua).
 local function forget_limits(key)
-  redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate')
+  redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate', key .. '\0run')
 end
 
 -- The keyof entry of a message of `key` out of line, with its place `seq`
