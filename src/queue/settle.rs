@@ -395,7 +395,6 @@ where
         let mut jobs: Vec<Job<T>> = Vec::with_capacity(turns.len());
         let mut turns = turns.into_iter();
         while let Some(turn) = turns.next() {
-            let token = Self::turn_token_of(&turn);
             let bad = match self.decode_turn_only(turn) {
                 Ok(job) => {
                     jobs.push(job);
@@ -403,6 +402,7 @@ where
                 }
                 Err(bad) => bad,
             };
+            let token = bad.0.claim_ref().to_token();
             let rest = turns.map(|turn| Self::turn_token_of(&turn));
             match jobs.first() {
                 Some(first) => {
