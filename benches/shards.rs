@@ -8,7 +8,8 @@
 //! `cargo bench --bench shards` (full run; `-- --bench cluster` for one
 //! section); built and run on tiny inputs by `cargo test --all-targets`.
 //! `SHARDS_ROUNDS=<r>` runs each comparison r times (3 by default), and
-//! `SHARDS_EACH=1` prints each run's figures to stderr;
+//! `SHARDS_EACH=1` prints each run's figures to stderr, with its commands per
+//! message by command;
 //! `SHARDS_KEYS=<k>` gives the one-master run's messages k keys;
 //! `SHARDS_SERVER_ARGS="--zset-max-listpack-entries 0"` starts every
 //! server with those arguments (see BENCHMARKS.md: the shards' small active sets);
@@ -174,6 +175,21 @@ async fn reads(conn: &redis::aio::MultiplexedConnection) -> Result<u64, BoxError
     Ok(field.trim().parse()?)
 }
 
+/// Every server's calls of each command so far (`INFO commandstats`,
+/// scripts' inner commands included), summed over the servers.
+async fn command_calls(
+    nodes: &[&RedisServer],
+) -> Result<std::collections::HashMap<String, u64>, BoxError> {
+    let mut all = std::collections::HashMap::new();
+    for node in nodes {
+        let mut conn = node.multiplexed().await?;
+        for (name, n) in lockgate::testing::command_calls(&mut conn).await? {
+            *all.entry(name).or_insert(0) += n;
+        }
+    }
+    Ok(all)
+}
+
 /// Every server's counters so far.
 async fn counters(nodes: &[&RedisServer]) -> Result<Vec<Counters>, BoxError> {
     let mut out = Vec::new();
@@ -232,6 +248,7 @@ where
     K: lockgate::queue::Connector + Clone,
 {
     let idle = idle_instructions_per_second(nodes).await?;
+    let calls_before = command_calls(nodes).await?;
     let (before, started) = (counters(nodes).await?, std::time::Instant::now());
     let messages = (0..n as u64).map(|i| {
         let options = match keys {
@@ -265,6 +282,19 @@ where
             per(all.user_us + all.sys_us),
             per(all.sys_us)
         );
+        let calls_after = command_calls(nodes).await?;
+        let mut each: Vec<(String, u64)> = (calls_after.into_iter())
+            .map(|(name, n)| {
+                let was = calls_before.get(&name).copied().unwrap_or(0);
+                (name, n - was.min(n))
+            })
+            .filter(|(name, n)| *n > 0 && name != "info")
+            .collect();
+        each.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+        let each: Vec<String> = (each.iter())
+            .map(|(name, n)| format!("{name} {:.2}", per(*n)))
+            .collect();
+        eprintln!("  commands per message: {}", each.join(", "));
     }
     Ok(Run {
         rate,

@@ -1772,26 +1772,37 @@ where
 }
 
 #[tokio::test]
-async fn keyed_messages_pushed_together_take_one_script_call_per_partition() {
+async fn keyed_messages_pushed_together_take_one_script_call_on_one_server() {
     let server = server();
     let conn = manager(&server).await;
-    let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-    // The script loaded first: the partitions' calls go out together, and
-    // each would be answered NOSCRIPT once.
     let warm: Queue<Msg> = Queue::new(conn.clone(), "warm-up").unwrap();
     push_keyed(&warm, 1, 1).await;
-    let before = support::script_calls(&conn).await;
-    push_keyed(&queue, 1000, 10).await;
-    let calls = support::script_calls(&conn).await - before;
-    // One per partition (10 keys: 10 at most).
-    assert!(calls <= 10, "{calls} script calls for 10 keys");
-    // Each key's messages in push order.
-    let mut first = Vec::new();
-    for job in queue.claim(100, secs(10)).await.unwrap().jobs {
-        first.push(job.n);
+    for keys in [10, 1000] {
+        let queue: Queue<Msg> = Queue::new(conn.clone(), format!("orders-{keys}")).unwrap();
+        let before = support::script_calls(&conn).await;
+        push_keyed(&queue, 1000, keys).await;
+        let calls = support::script_calls(&conn).await - before;
+        // One call over all the partitions (about 970 for 1,000 keys),
+        // where it took one per partition.
+        assert_eq!(calls, 1, "script calls for 1,000 messages over {keys} keys");
+        // Each key's messages in push order: its first message first.
+        let (mut first, mut claimed) = (Vec::new(), Vec::new());
+        while first.len() < keys as usize {
+            let jobs = queue.claim(1000, secs(10)).await.unwrap().jobs;
+            assert!(!jobs.is_empty(), "every key's first message is ready");
+            first.extend(jobs.iter().map(|job| job.n));
+            claimed.extend(jobs);
+        }
+        first.sort_unstable();
+        assert_eq!(first, (0..keys).collect::<Vec<_>>(), "{keys} keys");
+        let stats = queue.stats().await.unwrap();
+        assert_eq!(
+            (stats.due, stats.active),
+            (1000 - u64::from(keys), u64::from(keys))
+        );
+        // The keys' locks go (the next queue's keys have the same names).
+        assert!(queue.ack_many(&claimed).await.unwrap().iter().all(|a| *a));
     }
-    first.sort_unstable();
-    assert_eq!(first, (0..10).collect::<Vec<_>>());
 }
 
 #[tokio::test]

@@ -95,6 +95,8 @@ const KEYOF: usize = 8;
 
 const COUNTS: usize = 11;
 const OLDEST: usize = 12;
+/// The keys of a partition (its scripts' own keys follow them).
+const MORE: usize = 13;
 
 /// What serves the queue: where its partitions' scripts keep the counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,7 +113,7 @@ pub(crate) enum Layout {
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Partition {
     pub(crate) slot: u16,
-    keys: [String; 13],
+    keys: [String; MORE],
 }
 
 /// The keys the dead-letter scripts (`dead.lua`, `requeue_dead.lua`) work
@@ -484,17 +486,33 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         })
     }
 
-    /// Pushes keyed messages of one partition in one script call (see
-    /// `lua/keyed_push.lua`). Returns per message whether it was added and
-    /// its due time (-1 when it is not waiting for one). The caller marks
-    /// the partition ready afterwards ([`mark_ready`](Self::mark_ready)).
-    pub(crate) async fn push(&self, batch: &[Pushing<'_>]) -> Result<Vec<(bool, i64)>> {
-        let Some(first) = batch.first() else {
-            return Ok(Vec::new());
-        };
-        let partition = self.partition(keys::lock_slot(first.key)).await?;
-        let mut cmd = partition.call(&PUSH, 0);
-        for m in batch {
+    /// Pushes keyed messages in one script call (see
+    /// `lua/keyed_push.lua`): `parts` are each partition's messages (slot,
+    /// messages with the caller's place for each), several only on one
+    /// server. Returns per message, in order, whether it was added and its
+    /// due time (-1 when it is not waiting for one). The caller marks the
+    /// partitions ready afterwards ([`mark_ready`](Self::mark_ready)).
+    pub(crate) async fn push(
+        &self,
+        parts: &[(u16, &[(usize, Pushing<'_>)])],
+    ) -> Result<Vec<(bool, i64)>> {
+        let layout = self.layout().await?;
+        let partitions = parts
+            .iter()
+            .map(|(slot, _)| self.partition_in(*slot, layout));
+        let partitions: Vec<Arc<Partition>> = partitions.collect();
+        let mut cmd = evalsha(&PUSH, partitions.len() * MORE);
+        for partition in &partitions {
+            cmd.arg(&partition.keys[..]);
+        }
+        if parts.len() > 1 {
+            for (_, messages) in parts {
+                cmd.arg(messages.len());
+            }
+        }
+        let messages = parts.iter().flat_map(|(_, messages)| messages.iter());
+        let count = messages.clone().count();
+        for (_, m) in messages.clone() {
             cmd.arg(m.key)
                 .arg(m.limits)
                 .arg(m.id)
@@ -503,13 +521,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
         let reply: Vec<i64> = self.run(&PUSH, &cmd, attempted).await?;
-        if reply.len() != 2 * batch.len() {
+        if reply.len() != 2 * count {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
         }
         let pushed: Vec<(bool, i64)> = reply.chunks(2).map(|r| (r[0] == 1, r[1])).collect();
         if self.recording.events.is_some() {
             let mut log = Log::default();
-            for (m, _) in batch.iter().zip(&pushed).filter(|(_, (added, _))| *added) {
+            for ((_, m), _) in messages.zip(&pushed).filter(|(_, (added, _))| *added) {
                 log.event(EventKind::Pushed, m.key, (m.id, 1));
             }
             self.record(log).await;

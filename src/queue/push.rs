@@ -296,11 +296,12 @@ where
         failed.map_or(Ok(receipts), Err)
     }
 
-    /// Pushes keyed messages (with their place in the caller's list), in
-    /// one script call per partition and [`MAX_BATCH`] messages, each call
-    /// in the messages' order; the calls go out together, [`MAX_BATCH`]
-    /// messages at a time (see `waves`), so that a batch over many keys
-    /// costs about a round trip, not one per partition.
+    /// Pushes keyed messages (with their place in the caller's list),
+    /// [`MAX_BATCH`] messages at a time (see `waves`), each partition's in
+    /// their order: on one server in one script call over all their
+    /// partitions; on a cluster, where a script reaches one slot, one call
+    /// per partition, the calls going out together (see `in_groups`). A
+    /// batch over many keys costs a round trip, not one per partition.
     async fn push_keyed(&self, keyed: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
         let mut by_partition = std::collections::BTreeMap::<u16, Vec<_>>::new();
         for (n, (id, when, payload, key)) in &keyed {
@@ -318,23 +319,24 @@ where
         let batches: Vec<(u16, &[(usize, keyed::Pushing<'_>)])> = (by_partition.iter())
             .flat_map(|(slot, all)| all.chunks(MAX_BATCH).map(move |batch| (*slot, batch)))
             .collect();
-        let mut answers = Vec::with_capacity(batches.len());
+        let per_call = match self.keyed().is_cluster().await? {
+            true => 1,
+            false => MAX_BATCH,
+        };
+        let (keyed_side, mut answers) = (self.keyed(), Vec::with_capacity(batches.len()));
         for wave in waves(&batches) {
-            let calls = wave.iter().map(|(_, batch)| self.push_partition(batch));
-            let pushed = in_groups(calls.collect()).await;
-            answers.extend(
-                wave.iter()
-                    .zip(pushed)
-                    .map(|((slot, batch), p)| (*slot, *batch, p)),
-            );
+            let calls: Vec<_> = wave.chunks(per_call).collect();
+            let pushed = in_groups(calls.iter().map(|call| keyed_side.push(call)).collect());
+            answers.extend(calls.into_iter().zip(pushed.await));
         }
         let mut receipts = Vec::with_capacity(keyed.len());
         let (mut pushed_to, mut failed) = (Vec::new(), None);
-        for (slot, batch, pushed) in answers {
+        for (call, pushed) in answers {
             match pushed {
                 Ok(pushed) => {
-                    pushed_to.push(slot);
-                    for ((n, m), (created, due)) in batch.iter().zip(pushed) {
+                    pushed_to.extend(call.iter().map(|(slot, _)| *slot));
+                    let messages = call.iter().flat_map(|(_, batch)| batch.iter());
+                    for ((n, m), (created, due)) in messages.zip(pushed) {
                         receipts.push((*n, receipt(m.id, created, due)));
                     }
                 }
@@ -349,16 +351,6 @@ where
             self.keyed().mark_all_ready(slots, attempted).await?;
         }
         failed.map_or(Ok(receipts), Err)
-    }
-
-    /// Pushes keyed messages of one partition (at most [`MAX_BATCH`]) in one
-    /// script call.
-    async fn push_partition(
-        &self,
-        batch: &[(usize, keyed::Pushing<'_>)],
-    ) -> Result<Vec<(bool, i64)>> {
-        let pushing: Vec<keyed::Pushing<'_>> = batch.iter().map(|(_, p)| *p).collect();
-        self.keyed().push(&pushing).await
     }
 
     /// Pushes unkeyed messages (at most [`MAX_BATCH`], with their place in

@@ -61,6 +61,13 @@ enum Op {
     },
     /// Every message of a key pushed, in order: a backlog for runs.
     Backlog(usize),
+    /// One message of each key (the ids from `first`, one partition each)
+    /// in one `push_many`: on one server, one script call over the
+    /// partitions.
+    PushAll {
+        first: usize,
+        later: bool,
+    },
     Claim {
         max: usize,
         short: bool,
@@ -109,6 +116,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (0..IDS, prop::bool::weighted(0.1)).prop_map(|(id, later)| Op::Push { id, later }),
         3 => (0..KEYS).prop_map(Op::Backlog),
+        2 => (0..IDS / KEYS, prop::bool::weighted(0.1))
+            .prop_map(|(row, later)| Op::PushAll { first: row * KEYS, later }),
         5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
         3 => job.clone().prop_map(Op::Ack),
         3 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckNext { job, short, max }),
@@ -286,6 +295,53 @@ impl World<'_> {
         self.keys[k].clone()
     }
 
+    /// How message `n` is pushed: with its key and that key's limits, now
+    /// or `later`.
+    fn push_options(&self, n: usize, later: bool) -> PushOptions {
+        let delay = if later { LATER } else { Duration::ZERO };
+        let options = PushOptions::new()
+            .id(id(n))
+            .key(self.key(n % KEYS))
+            .after(delay);
+        match n % KEYS {
+            PERMITS_KEY => options.permits(LIMIT),
+            RATED_KEY => options.rate(rate()),
+            _ => options,
+        }
+    }
+
+    /// Checks and records a push of message `n` (now or `later`) that
+    /// answered `created`.
+    fn pushed(
+        &mut self,
+        n: usize,
+        later: bool,
+        created: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        let new = !self.model.messages.contains_key(&n);
+        prop_assert_eq!(created, new, "{}: created", at);
+        if new {
+            let state = if later {
+                State::Later
+            } else {
+                State::InLine(None)
+            };
+            if !later {
+                self.model.lines[n % KEYS].push(n);
+            }
+            let m = Message {
+                state,
+                failures: 0,
+                stalls: 0,
+                generation: self.model.generations,
+            };
+            self.model.generations += 1;
+            self.model.messages.insert(n, m);
+        }
+        Ok(())
+    }
+
     /// The key of `job` (its payload is its message's number).
     fn key_index(&self, job: &Job<u64>) -> usize {
         *job.payload() as usize % KEYS
@@ -446,38 +502,25 @@ impl World<'_> {
         let q = self.queue.clone();
         match op {
             Op::Push { id: n, later } => {
-                let delay = if later { LATER } else { Duration::ZERO };
-                let key = self.key(n % KEYS);
-                let options = || {
-                    let options = PushOptions::new().id(id(n)).key(key.clone()).after(delay);
-                    match n % KEYS {
-                        PERMITS_KEY => options.permits(LIMIT),
-                        RATED_KEY => options.rate(rate()),
-                        _ => options,
-                    }
-                };
+                let options = self.push_options(n, later);
                 let pushed = self
-                    .retried(at, || q.push_with(n as u64, options()))
+                    .retried(at, || q.push_with(n as u64, options.clone()))
                     .await?;
-                let created = !self.model.messages.contains_key(&n);
-                prop_assert_eq!(pushed.created, created, "{}: created", at);
-                if created {
-                    let state = if later {
-                        State::Later
-                    } else {
-                        State::InLine(None)
-                    };
-                    if !later {
-                        self.model.lines[n % KEYS].push(n);
-                    }
-                    let m = Message {
-                        state,
-                        failures: 0,
-                        stalls: 0,
-                        generation: self.model.generations,
-                    };
-                    self.model.generations += 1;
-                    self.model.messages.insert(n, m);
+                self.pushed(n, later, pushed.created, at)?;
+            }
+            Op::PushAll { first, later } => {
+                let all: Vec<usize> = (first..first + KEYS).collect();
+                let messages: Vec<(u64, PushOptions)> = (all.iter())
+                    .map(|n| (*n as u64, self.push_options(*n, later)))
+                    .collect();
+                let pushed = self
+                    .retried(at, || {
+                        q.push_many_with(messages.iter().map(|(n, o)| (n, o.clone())))
+                    })
+                    .await?;
+                prop_assert_eq!(pushed.len(), all.len(), "{}: a receipt each", at);
+                for (n, pushed) in all.into_iter().zip(pushed) {
+                    self.pushed(n, later, pushed.created, at)?;
                 }
             }
             Op::Backlog(k) => {

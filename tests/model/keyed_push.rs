@@ -18,6 +18,13 @@
 //! and, for a new message, its due time (at or before now: in line at
 //! once), for an id already there its due time while it waits to be due,
 //! else -1; an id already there is left as it is.
+//!
+//! A call may also take several partitions (13 keys each, on one server):
+//! then the arguments start with one count per partition, how many of the
+//! quintuples that follow go to it, in the keys' order; counts that do not
+//! add up to the quintuples are refused. Each message lands in the
+//! partition it was sent to, and the counts (kept for all the partitions,
+//! as on one server) add them all up.
 
 use std::collections::BTreeMap;
 
@@ -36,14 +43,27 @@ const NAMES: [&str; 13] = [
     "limits", "counts", "oldest",
 ];
 
+/// Partitions a history's calls draw from.
+const PARTITIONS: usize = 3;
+
 /// One message of a call: key, limits, id, when, payload.
 type Quintuple = (Vec<u8>, String, Vec<u8>, String, Vec<u8>);
 
 #[derive(Debug, Clone)]
 struct Call {
-    messages: Vec<Quintuple>,
+    /// The partitions called, each with its messages, in the call's order.
+    parts: Vec<(usize, Vec<Quintuple>)>,
     /// An argument too many (not a whole quintuple).
     dangling: bool,
+    /// With several partitions, the first count one too many.
+    miscounted: bool,
+}
+
+impl Call {
+    /// Every message, with its partition, in the call's order.
+    fn messages(&self) -> impl Iterator<Item = (usize, &Quintuple)> {
+        (self.parts.iter()).flat_map(|(p, messages)| messages.iter().map(move |m| (*p, m)))
+    }
 }
 
 fn text_or_bytes(names: &'static [&'static str]) -> impl Strategy<Value = Vec<u8>> {
@@ -84,11 +104,20 @@ fn call() -> impl Strategy<Value = Call> {
     let key = text_or_bytes(&["a", "b", "c"]);
     let id = text_or_bytes(&["m0", "m1", "m2", "m3"]);
     let message = (key, limits(), id, when(), payload);
+    let part = prop::collection::vec(message, 0..4);
+    let parts = prop::collection::vec(part, 1..=PARTITIONS);
+    let order = Just((0..PARTITIONS).collect::<Vec<_>>()).prop_shuffle();
     (
-        prop::collection::vec(message, 1..4),
+        parts,
+        order,
+        prop::bool::weighted(0.05),
         prop::bool::weighted(0.05),
     )
-        .prop_map(|(messages, dangling)| Call { messages, dangling })
+        .prop_map(|(parts, order, dangling, miscounted)| Call {
+            parts: order.into_iter().zip(parts).collect(),
+            dangling,
+            miscounted,
+        })
 }
 
 /// Whether `limits` is what the contract accepts.
@@ -149,11 +178,11 @@ fn misread(payload: &[u8]) -> bool {
 
 /// Whether the contract accepts `call` at server time `now`.
 fn accepted(call: &Call, now: i64) -> bool {
-    !call.dangling
+    let miscounted = call.miscounted && call.parts.len() > 1;
+    !(call.dangling || miscounted)
         && call
-            .messages
-            .iter()
-            .all(|(key, limits, id, when, payload)| {
+            .messages()
+            .all(|(_, (key, limits, id, when, payload))| {
                 !key.is_empty()
                     && !key.contains(&0)
                     && std::str::from_utf8(key).is_ok()
@@ -191,22 +220,35 @@ async fn run_history(
     history: &[Call],
 ) -> Result<(), TestCaseError> {
     let mut conn = conn.clone();
-    let keys: Vec<String> = NAMES
-        .iter()
-        .map(|name| format!("lockgate:{{0}}:kp-{n}:{name}"))
+    // Each partition's keys; the counts and the earliest ready times are
+    // kept for all of them, as on one server.
+    let keys: Vec<Vec<String>> = (0..PARTITIONS)
+        .map(|p| {
+            let name = |name: &str| match name {
+                "counts" | "oldest" => format!("lockgate:{{kp-{n}}}:keyed:{name}"),
+                _ => format!("lockgate:{{{p}}}:kp-{n}:{name}"),
+            };
+            NAMES.iter().map(|n| name(n)).collect()
+        })
         .collect();
+    let all_keys: Vec<String> = keys.concat();
     let script = redis::Script::new(include_str!("../../scripts/push_keyed.lua"));
-    // Per key and id: what a push of it again answers (its due time while
-    // it waits to be due, else -1: in line).
-    let mut model: BTreeMap<(Vec<u8>, Vec<u8>), i64> = BTreeMap::new();
+    // Per partition, key and id: what a push of it again answers (its due
+    // time while it waits to be due, else -1: in line).
+    let mut model: BTreeMap<(usize, Vec<u8>, Vec<u8>), i64> = BTreeMap::new();
     for (step, call) in history.iter().enumerate() {
         let at = format!("call {step}: {call:?}");
-        let before = dump(&mut conn, &keys).await;
+        let before = dump(&mut conn, &all_keys).await;
         let mut invocation = script.prepare_invoke();
-        for key in &keys {
-            invocation.key(key);
+        for (p, _) in &call.parts {
+            invocation.key(&keys[*p]);
         }
-        for (key, limits, id, when, payload) in &call.messages {
+        if call.parts.len() > 1 {
+            for (i, (_, messages)) in call.parts.iter().enumerate() {
+                invocation.arg(messages.len() + usize::from(i == 0 && call.miscounted));
+            }
+        }
+        for (_, (key, limits, id, when, payload)) in call.messages() {
             invocation
                 .arg(key)
                 .arg(limits)
@@ -234,7 +276,7 @@ async fn run_history(
                     e
                 );
                 prop_assert_eq!(
-                    dump(&mut conn, &keys).await,
+                    dump(&mut conn, &all_keys).await,
                     before,
                     "{}: a refused call wrote",
                     at
@@ -246,12 +288,12 @@ async fn run_history(
         prop_assert!(accept, "{}: accepted: {:?}", at, reply);
         prop_assert_eq!(
             reply.len(),
-            call.messages.len() * 2,
+            call.messages().count() * 2,
             "{}: one flat list",
             at
         );
-        for ((key, _, id, when, _), answer) in call.messages.iter().zip(reply.chunks(2)) {
-            let message = (key.clone(), id.clone());
+        for ((p, (key, _, id, when, _)), answer) in call.messages().zip(reply.chunks(2)) {
+            let message = (p, key.clone(), id.clone());
             match model.get(&message) {
                 Some(again) => {
                     prop_assert_eq!(answer, &[0, *again][..], "{}: existing {:?}", at, id)
@@ -274,12 +316,22 @@ async fn run_history(
                         return Ok(()); // due just at the edge of now: the model cannot tell
                     }
                     model.insert(message, if dues.iter().all(waits) { d } else { -1 });
+                    // In the partition it was sent to.
+                    let stored = [key.as_slice(), b"\0", id.as_slice()].concat();
+                    let there: bool = redis::cmd("HEXISTS")
+                        .arg(&keys[p][0])
+                        .arg(stored)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("HEXISTS");
+                    prop_assert!(there, "{}: {:?} in partition {}", at, id, p);
                 }
             }
         }
-        // The counts the script keeps (issue 35): in line, delayed.
+        // The counts the script keeps (issue 35): in line, delayed, over
+        // all the partitions.
         let counts: (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(&keys[11])
+            .arg(&keys[0][11])
             .arg(&["lines", "schedule"])
             .query_async(&mut conn)
             .await

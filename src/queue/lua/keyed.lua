@@ -30,7 +30,10 @@
 --   its partitions), on a Redis Cluster the partition's own
 -- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
 --   ready time above 0 (see tally), as counts: the queue's on one server
--- A script's own keys follow, from KEYS[MORE + 1] on.
+-- A script's own keys follow, from KEYS[MORE + 1] on. The helpers below
+-- name the partition's keys through K, the partition at hand: KEYS itself,
+-- unless a call over several partitions moved to another (see
+-- enter_partition).
 -- The queue's own keys (its doorbell, its index of partitions) live in the
 -- queue's slot: the caller rings and indexes after a script. A claimed
 -- message leaves its line for the active set; a retry, a release or an
@@ -39,6 +42,7 @@ local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local COUNTS, OLDEST, MORE = 12, 13, 13
 local AT_WORK = -1
+local K = KEYS
 
 -- What this call changed in its partition's counted sets, by set, until
 -- `tally` writes it: the counts cost a field's increment per set a call
@@ -53,14 +57,14 @@ end
 
 -- `ZADD` to a counted set, counted; returns how many joined.
 local function add_to(set, score, member)
-  local n = redis.call('ZADD', KEYS[set], score, member)
+  local n = redis.call('ZADD', K[set], score, member)
   counted(set, n)
   return n
 end
 
 -- `ZREM` from a counted set, counted; returns how many left.
 local function remove_from(set, member)
-  local n = redis.call('ZREM', KEYS[set], member)
+  local n = redis.call('ZREM', K[set], member)
   counted(set, -n)
   return n
 end
@@ -86,30 +90,53 @@ local function ready_changed()
   reread = true
 end
 
+-- Adds this call's moves to the counts.
+local function tally_counts()
+  for _, set in ipairs(COUNTED) do
+    local n = moved[set[1]]
+    if n and n ~= 0 then redis.call('HINCRBY', K[COUNTS], set[2], n) end
+  end
+  moved = {}
+end
+
+-- Keeps the partition's earliest ready time in `oldest`.
+local function tally_ready()
+  if reread then
+    local first = first_read
+    if not first or first[2] == '0' then
+      first = redis.call('ZRANGEBYSCORE', K[READY], '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    end
+    if first[2] then
+      redis.call('ZADD', K[OLDEST], first[2], K[READY])
+    else
+      redis.call('ZREM', K[OLDEST], K[READY])
+    end
+  elseif lowered_to then
+    -- LT adds a partition that had no entry, and lowers one that had.
+    redis.call('ZADD', K[OLDEST], 'LT', lowered_to, K[READY])
+  end
+  lowered_to, reread, first_read = nil, false, nil
+end
+
 -- At the end of a script that changes the partition (see `counted` in
 -- src/queue/keyed.rs): adds its moves to the counts, and keeps the
 -- partition's earliest ready time in `oldest`.
 local function tally()
-  for _, set in ipairs(COUNTED) do
-    local n = moved[set[1]]
-    if n and n ~= 0 then redis.call('HINCRBY', KEYS[COUNTS], set[2], n) end
-  end
-  moved = {}
-  if reread then
-    local first = first_read
-    if not first or first[2] == '0' then
-      first = redis.call('ZRANGEBYSCORE', KEYS[READY], '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    end
-    if first[2] then
-      redis.call('ZADD', KEYS[OLDEST], first[2], KEYS[READY])
-    else
-      redis.call('ZREM', KEYS[OLDEST], KEYS[READY])
-    end
-  elseif lowered_to then
-    -- LT adds a partition that had no entry, and lowers one that had.
-    redis.call('ZADD', KEYS[OLDEST], 'LT', lowered_to, KEYS[READY])
-  end
-  lowered_to, reread, first_read = nil, false, nil
+  tally_counts()
+  tally_ready()
+end
+
+-- Moves the helpers to partition `n` of a call over several (KEYS: MORE
+-- keys per partition, in the order above), after keeping the earliest
+-- ready time of the one left; its moves are added to the counts once its
+-- successor keeps others (on one server every partition keeps the
+-- queue's: added once, at the end).
+local function enter_partition(n)
+  local next = {}
+  for i = 1, MORE do next[i] = KEYS[(n - 1) * MORE + i] end
+  tally_ready()
+  if next[COUNTS] ~= K[COUNTS] then tally_counts() end
+  K = next
 end
 
 -- A keyed message's id as its partition stores it (the field of `data`,
@@ -135,8 +162,8 @@ end
 local function next_seq(now, since)
   if since then return string.format('%016d', since * 1000) end
   local seq = string.format('%016d',
-    math.max(now * 1000, (tonumber(redis.call('GET', KEYS[SEQ])) or 0) + 1))
-  redis.call('SET', KEYS[SEQ], seq)
+    math.max(now * 1000, (tonumber(redis.call('GET', K[SEQ])) or 0) + 1))
+  redis.call('SET', K[SEQ], seq)
   return seq
 end
 
@@ -145,7 +172,7 @@ end
 -- it waits already.
 local function rejoin(key, seq, id, now)
   add_to(LINES, 0, line_member(key, seq, id))
-  if redis.call('ZADD', KEYS[READY], 'NX', now, key) == 1 then ready_from(now) end
+  if redis.call('ZADD', K[READY], 'NX', now, key) == 1 then ready_from(now) end
 end
 
 -- Puts a due message in its key's line, last (or at the place `since`
@@ -156,7 +183,7 @@ end
 
 -- The id first in a key's line and its seq, or nil.
 local function head_of(key)
-  local first = redis.call('ZRANGE', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
+  local first = redis.call('ZRANGE', K[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
     'BYLEX', 'LIMIT', 0, 1)[1]
   if not first then return nil end
   return string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)
@@ -170,21 +197,21 @@ end
 local function after_turn(key, from, at_work)
   if not at_work then ready_changed() end
   if head_of(key) then
-    redis.call('ZADD', KEYS[READY], from, key)
+    redis.call('ZADD', K[READY], from, key)
     ready_from(from)
     return true
   end
-  redis.call('ZREM', KEYS[READY], key)
+  redis.call('ZREM', K[READY], key)
   return false
 end
 
 local function rate_of(key)
-  return redis.call('HGET', KEYS[LIMITS], key .. '\0rate') or nil
+  return redis.call('HGET', K[LIMITS], key .. '\0rate') or nil
 end
 
 -- A key's permits (0: its lock) and its rate limit (nil: none), in one read.
 local function limits_of(key)
-  local limits = redis.call('HMGET', KEYS[LIMITS], key, key .. '\0rate')
+  local limits = redis.call('HMGET', K[LIMITS], key, key .. '\0rate')
   return tonumber(limits[1]) or 0, limits[2] or nil
 end
 
@@ -192,7 +219,7 @@ end
 -- message of it out of line brings them back: see aside), and its run's
 -- note, if a run's worker died (see keyed_done.lua).
 local function forget_limits(key)
-  redis.call('HDEL', KEYS[LIMITS], key, key .. '\0rate', key .. '\0run')
+  redis.call('HDEL', K[LIMITS], key, key .. '\0rate', key .. '\0run')
 end
 
 -- The keyof entry of a message of `key` out of line, with its place `seq`
@@ -208,8 +235,8 @@ end
 -- Sets what a push says of `key`'s limits: `permits` and `rate` ("" leaves
 -- each as it is).
 local function set_limits(key, permits, rate)
-  if permits ~= '' then redis.call('HSET', KEYS[LIMITS], key, permits) end
-  if rate ~= '' then redis.call('HSET', KEYS[LIMITS], key .. '\0rate', rate) end
+  if permits ~= '' then redis.call('HSET', K[LIMITS], key, permits) end
+  if rate ~= '' then redis.call('HSET', K[LIMITS], key .. '\0rate', rate) end
 end
 
 -- Puts a new message `id` of `key` in line, or aside until `due`; `since`
@@ -219,7 +246,7 @@ local function place(key, id, due, now, since)
     enter_line(key, id, now, since)
   else
     local seq = since and next_seq(now, since) or ''
-    redis.call('HSET', KEYS[KEYOF], id, aside(key, seq, tonumber(redis.call('HGET', KEYS[LIMITS], key)) or 0))
+    redis.call('HSET', K[KEYOF], id, aside(key, seq, tonumber(redis.call('HGET', K[LIMITS], key)) or 0))
     add_to(SCHEDULE, due, id)
   end
 end
@@ -257,15 +284,15 @@ end
 -- Moves up to `max` messages that are due from the schedule into their
 -- keys' lines, in due order: at the end, or back at their place.
 local function promote(now, max)
-  local due = redis.call('ZRANGEBYSCORE', KEYS[SCHEDULE], '-inf', now, 'LIMIT', 0, max)
+  local due = redis.call('ZRANGEBYSCORE', K[SCHEDULE], '-inf', now, 'LIMIT', 0, max)
   for _, id in ipairs(due) do
     remove_from(SCHEDULE, id)
-    local of = redis.call('HGET', KEYS[KEYOF], id)
-    redis.call('HDEL', KEYS[KEYOF], id)
-    if of and redis.call('HEXISTS', KEYS[DATA], id) == 1 then
+    local of = redis.call('HGET', K[KEYOF], id)
+    redis.call('HDEL', K[KEYOF], id)
+    if of and redis.call('HEXISTS', K[DATA], id) == 1 then
       local key, seq, limit, rate = string.match(of, '^(.-)%z(%d*)%z(%d+)%z(.*)$')
-      if limit and limit ~= '0' then redis.call('HSETNX', KEYS[LIMITS], key, limit) end
-      if rate and rate ~= '' then redis.call('HSETNX', KEYS[LIMITS], key .. '\0rate', rate) end
+      if limit and limit ~= '0' then redis.call('HSETNX', K[LIMITS], key, limit) end
+      if rate and rate ~= '' then redis.call('HSETNX', K[LIMITS], key .. '\0rate', rate) end
       if seq and seq ~= '' then rejoin(key, seq, id, now) else enter_line(key or of, id, now) end
     end
   end

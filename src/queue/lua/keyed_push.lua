@@ -1,9 +1,15 @@
--- Adds keyed messages to a partition (see keyed.lua); an id that exists
--- already under the same key is left as it is (de-duplication, as
--- push.lua); under another key it is another message.
--- KEYS[1..13]: the partition   ARGV: quintuples (key, limits, id, when,
--- payload): key non-empty without NUL; limits "" (the key's as they are),
--- or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
+-- Adds keyed messages to a partition, or to several in one call (see
+-- keyed.lua); an id that exists already under the same key is left as it
+-- is (de-duplication, as push.lua); under another key it is another
+-- message.
+-- KEYS[1..13]: the partition; or 13 keys for each of n partitions, in
+-- turn (all on one server: a cluster refuses keys of several slots)
+-- ARGV: with n partitions, first n counts, how many of the quintuples
+-- that follow go to each partition, in KEYS' order (with one partition,
+-- no count: every quintuple goes to it); then quintuples (key, limits,
+-- id, when, payload), each in the partition of its key's lock (the
+-- caller's to choose): key non-empty without NUL; limits "" (the key's
+-- as they are), or "<permits>", "<permits>/<rate>" or "/<rate>": permits n (so many of
 -- the key's messages at once, each with one of the key's permits; without,
 -- one at a time with the key's lock), and a rate
 -- "<limit>/<period µs>/<burst>/<burst window µs>" (as `Locker::admit`'s:
@@ -17,9 +23,30 @@
 -- (in line, at work, or dead).
 -- Bad arguments are refused before anything is written, with an error reply
 -- starting "lockgate push:" that names the message and the argument.
-if #ARGV % 5 ~= 0 then
-  return redis.error_reply('ERR lockgate push: arguments must be quintuples (key, limits, id, when, payload), got '
-    .. #ARGV .. ' arguments')
+local partitions = #KEYS / MORE
+if partitions < 1 or #KEYS % MORE ~= 0 then
+  return redis.error_reply('ERR lockgate push: keys must be ' .. MORE
+    .. ' per partition, got ' .. #KEYS)
+end
+-- Where each partition's quintuples end (ARGV positions), and the first.
+local ends, first = {}, 1
+if partitions > 1 then
+  first = partitions + 1
+  for p = 1, partitions do
+    local n = ARGV[p]
+    if not (n and string.find(n, '^%d%d?%d?%d?%d?%d?$')) then
+      return redis.error_reply('ERR lockgate push: argument ' .. p
+        .. ' must be how many messages partition ' .. p .. ' takes (0-999999)')
+    end
+    ends[p] = (ends[p - 1] or partitions) + 5 * tonumber(n)
+  end
+else
+  ends[1] = #ARGV
+end
+if ends[partitions] ~= #ARGV or (#ARGV - first + 1) % 5 ~= 0 then
+  return redis.error_reply('ERR lockgate push: arguments must be quintuples (key, limits, id, when, payload)'
+    .. (partitions > 1 and ', as many as the counts say' or '') .. ', got ' .. (#ARGV - first + 1)
+    .. ' arguments' .. (partitions > 1 and (' after ' .. (first - 1) .. ' counts') or ''))
 end
 
 -- Refuses message `n`'s arguments, naming its key and id when given.
@@ -38,8 +65,8 @@ end
 
 local now = now_ms()
 local dues, permits, rates = {}, {}, {}
-for i = 1, #ARGV, 5 do
-  local n, key, limits, id, payload = (i - 1) / 5 + 1, ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4]
+for i = first, #ARGV, 5 do
+  local n, key, limits, id, payload = (i - first) / 5 + 1, ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 4]
   if key == '' or string.find(key, '%z') or not is_utf8(key) then
     return refuse(n, nil, nil, 'a key that is empty, holds NUL or is not UTF-8')
   end
@@ -63,17 +90,21 @@ for i = 1, #ARGV, 5 do
       .. '": expected a delay in ms or "@<unix ms>" (no priority)')
   end
 end
-local out = {}
-for i = 1, #ARGV, 5 do
+local out, p = {}, 1
+for i = first, #ARGV, 5 do
+  while i > ends[p] do
+    p = p + 1
+    enter_partition(p)
+  end
   local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])
-  if redis.call('HSETNX', KEYS[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
+  if redis.call('HSETNX', K[DATA], id, now .. ':0:0:' .. ARGV[i + 4]) == 1 then
     place(key, id, due, now)
     out[#out + 1] = 1
     out[#out + 1] = due
   else
     out[#out + 1] = 0
-    out[#out + 1] = tonumber(redis.call('ZSCORE', KEYS[SCHEDULE], id)) or -1
+    out[#out + 1] = tonumber(redis.call('ZSCORE', K[SCHEDULE], id)) or -1
   end
 end
 return out
