@@ -10,8 +10,8 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
 use super::{
-    CLAIM, CLAIMING_MS, Claimed, Held, Holds, INDEX_SETTLE, Keyed, Log, Partition, RECHECK_MS,
-    Taken, Turn, attempt_of, lock, millis, opened, own_id, shares,
+    CLAIM, CLAIMING_MS, Claimed, Held, Holds, INDEX_SETTLE, Keyed, Log, Partition, READY,
+    RECHECK_MS, Taken, Turn, attempt_of, lock, millis, opened, own_id, shares,
 };
 use crate::error::{Error, Result};
 use crate::keys::{self, SLOTS};
@@ -19,6 +19,12 @@ use crate::lock::Token;
 use crate::queue::EventKind;
 use crate::queue::scripts::Query;
 use crate::script::{evalsha, run, run_after};
+
+/// How many ready keys a claim of up to `max` turns in a partition names
+/// for its next call.
+fn names_for(max: usize) -> usize {
+    (2 * max).max(16)
+}
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Claims up to `max` heads of ready keys' lines across the partitions
@@ -99,7 +105,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for _wave in 0..2 {
             visits.retain(|(_, share)| *share > 0);
             let wave = visits.iter().map(|(i, share)| (seen[*i].0, *share));
-            let results = self.claim_wave(wave.collect(), lease, first.take()).await;
+            let results = (self.claim_wave(wave.collect(), (now, lease), first.take())).await;
             let mut full = Vec::new();
             for ((i, share), (result, took)) in visits.iter().zip(results) {
                 match result {
@@ -156,21 +162,30 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// when it has a key or a delayed message due next (server ms); returns
     /// what its index entry is to be lowered to (none: nothing waits
     /// there), and what it holds. (`first` goes in the same round trip as
-    /// its first script call.)
+    /// its first request.) A partition without candidates named by its
+    /// last claim has its ready keys read first, in one command; only when
+    /// none is ready (a delayed message may be due) does a claim call
+    /// without candidates look, and name them.
     async fn claim_in(
         &self,
         slot: u16,
-        limits: (usize, Duration),
-        first: Option<Cmd>,
+        (now, share, lease): (i64, usize, Duration),
+        mut first: Option<Cmd>,
         claimed: &mut Claimed,
     ) -> Result<(Option<i64>, Holds)> {
         let partition = self.partition(slot).await?;
         let mut candidates = lock(&self.state.candidates)
             .remove(&slot)
             .unwrap_or_default();
+        if candidates.is_empty() {
+            let most = names_for(share);
+            candidates = (self.ready_keys(&partition, now, most, first.take())).await?;
+        }
+        let limits = (share, lease);
         let mut reply = (self.claim_keys(&partition, &candidates, limits, first)).await?;
         if candidates.is_empty() && !reply.2.is_empty() {
-            // The first claim here: it named the ready keys, claim them.
+            // A claim call that found none ready named those it made
+            // ready (due delayed messages): claim them.
             candidates = std::mem::take(&mut reply.2);
             reply = (self.claim_keys(&partition, &candidates, limits, None)).await?;
         }
@@ -189,6 +204,28 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((lower_to, holds))
     }
 
+    /// Up to `most` keys of `partition` ready at `now` (server ms), as a
+    /// claim call names them, read in one command (after `first`, in the
+    /// same round trip). The claim that takes them checks each again.
+    async fn ready_keys(
+        &self,
+        partition: &Partition,
+        now: i64,
+        most: usize,
+        first: Option<Cmd>,
+    ) -> Result<Vec<String>> {
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        let mut pipe = redis::pipe();
+        if let Some(first) = first {
+            pipe.add_command(first).ignore();
+        }
+        let most = isize::try_from(most).unwrap_or(isize::MAX);
+        pipe.zrangebyscore_limit(&partition.keys[READY], 0, now, 0, most);
+        let (keys,): (Vec<String>,) =
+            (pipe.query_async(&mut self.conn.clone()).await).map_err(Error::redis(attempted()))?;
+        Ok(keys)
+    }
+
     /// Claims up to `share` turns in each partition of `visits` (slot,
     /// share), all at once (`first`, the index's raise, rides with the
     /// first); per visit, what its claim saw (or its error) and what it
@@ -196,14 +233,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn claim_wave(
         &self,
         visits: Vec<(u16, usize)>,
-        lease: Duration,
+        (now, lease): (i64, Duration),
         mut first: Option<Cmd>,
     ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
         let each = visits.into_iter().map(|(slot, share)| {
             let first = first.take();
             async move {
                 let mut took = Claimed::default();
-                let saw = self.claim_in(slot, (share, lease), first, &mut took).await;
+                let saw = (self.claim_in(slot, (now, share, lease), first, &mut took)).await;
                 (saw, took)
             }
         });
@@ -279,7 +316,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         let window = crate::script::resend_window(lease);
         cmd.arg(partition.record());
-        cmd.arg(millis(lease)).arg(max).arg((2 * max).max(16));
+        cmd.arg(millis(lease)).arg(max).arg(names_for(max));
         cmd.arg(millis(window));
         let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
         for (key, token) in candidates.iter().zip(&tokens) {
