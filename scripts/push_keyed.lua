@@ -452,14 +452,14 @@ local function tally()
   tally_ready()
 end
 
--- Moves the helpers to partition `n` of a call over several (KEYS: MORE
--- keys per partition, in the order above), after keeping the earliest
+-- Moves the helpers to the partition whose MORE keys (in the order above)
+-- follow KEYS[base] in a call over several, after keeping the earliest
 -- ready time of the one left; its moves are added to the counts once its
 -- successor keeps others (on one server every partition keeps the
 -- queue's: added once, at the end).
-local function enter_partition(n)
+local function enter_partition(base)
   local next = {}
-  for i = 1, MORE do next[i] = KEYS[(n - 1) * MORE + i] end
+  for i = 1, MORE do next[i] = KEYS[base + i] end
   tally_ready()
   if next[COUNTS] ~= K[COUNTS] then tally_counts() end
   K = next
@@ -727,7 +727,7 @@ local out, p = {}, 1
 for i = first, #ARGV, 5 do
   while i > ends[p] do
     p = p + 1
-    enter_partition(p)
+    enter_partition((p - 1) * MORE)
   end
   local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])

@@ -21,6 +21,12 @@
 //! hour: after 3 claims (the acknowledgement's hand-overs included) it is
 //! claimed no more. After every step the counts the scripts keep
 //! (`Queue::stats`, issue 35) are the model's.
+//!
+//! The three keys live in partitions of their own, on one server: a claim
+//! takes them in one script call over the partitions (a block each), and
+//! a push of one message per key (`PushAll`) pushes them in one call over
+//! the partitions, so every check above holds across blocks of one call,
+//! resent ones included.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};

@@ -10,7 +10,7 @@ use redis::aio::ConnectionLike;
 use tokio::time::Instant;
 
 use super::{
-    CLAIM, CLAIMING_MS, Claimed, Held, Holds, INDEX_SETTLE, Keyed, Log, Partition, READY,
+    CLAIM, CLAIMING_MS, Claimed, Held, Holds, INDEX_SETTLE, Keyed, Log, MORE, Partition, READY,
     RECHECK_MS, Taken, Turn, attempt_of, lock, millis, opened, own_id, shares,
 };
 use crate::error::{Error, Result};
@@ -19,6 +19,55 @@ use crate::lock::Token;
 use crate::queue::EventKind;
 use crate::queue::scripts::Query;
 use crate::script::{evalsha, run, run_after};
+
+/// One block's answer of the claim script (see `lua/keyed_claim.lua`):
+/// its claim number, when it has a key or a delayed message due next
+/// (-1: none), the ready keys it names for the next call, the turns, the
+/// keys other code keeps full (key, the lock or set to watch, ms until its
+/// first lease ends), what the partition holds (0, 1, 2).
+type Reply = (
+    u64,
+    i64,
+    Vec<String>,
+    Vec<Taken>,
+    Vec<(String, String, u64)>,
+    u8,
+);
+
+/// What a claim call saw in a partition.
+struct Answer {
+    /// When it has a key or a delayed message due next (server ms).
+    next_at: Option<i64>,
+    /// The ready keys it names for the next call.
+    named: Vec<String>,
+    holds: Holds,
+}
+
+/// One partition's part of a claim call: its partition, its share of the
+/// batch, its candidate keys and a fresh token for each.
+struct Block {
+    partition: Arc<Partition>,
+    share: usize,
+    candidates: Vec<String>,
+    tokens: Vec<Token>,
+}
+
+impl Block {
+    fn new_in(partition: Arc<Partition>, share: usize, candidates: Vec<String>) -> Self {
+        let tokens = candidates.iter().map(|_| Token::random()).collect();
+        Self {
+            partition,
+            share,
+            candidates,
+            tokens,
+        }
+    }
+
+    /// `block`'s partition and share, with `candidates`.
+    fn new(block: &Block, candidates: Vec<String>) -> Self {
+        Self::new_in(block.partition.clone(), block.share, candidates)
+    }
+}
 
 /// How many ready keys a claim of up to `max` turns in a partition names
 /// for its next call.
@@ -53,14 +102,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let raise = self.index(&["XX"], slots.iter().map(|slot| (raised_to, *slot)));
         // On one server the raise rides with the first claim (a pipeline
         // keeps their order); on a cluster the index is on another node.
-        let first = match self.is_cluster().await? {
+        let cluster = self.is_cluster().await?;
+        let first = match cluster {
             true => {
                 raise.query_on::<(), _>(self.conn, attempted).await?;
                 None
             }
             false => Some(raise),
         };
-        let (seen, claimed, mut failed) = self.claim_shares(&slots, (now, max, lease), first).await;
+        let (seen, claimed, mut failed) =
+            (self.claim_shares(&slots, (now, max, lease), (cluster, first))).await;
         let (mut lowered, mut idle) = (Vec::new(), Vec::new());
         for (slot, saw) in seen {
             // A partition not visited (or not claimed) is due as it was.
@@ -93,7 +144,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         &self,
         slots: &[u16],
         (now, max, lease): (i64, usize, Duration),
-        mut first: Option<Cmd>,
+        (cluster, mut first): (bool, Option<Cmd>),
     ) -> (Vec<(u16, (Option<i64>, Holds))>, Claimed, Option<Error>) {
         let mut seen: Vec<(u16, (Option<i64>, Holds))> = slots
             .iter()
@@ -105,7 +156,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for _wave in 0..2 {
             visits.retain(|(_, share)| *share > 0);
             let wave = visits.iter().map(|(i, share)| (seen[*i].0, *share));
-            let results = (self.claim_wave(wave.collect(), (now, lease), first.take())).await;
+            let wave = wave.collect();
+            let results = (self.claim_wave(wave, (now, lease), (cluster, first.take()))).await;
             let mut full = Vec::new();
             for ((i, share), (result, took)) in visits.iter().zip(results) {
                 match result {
@@ -158,93 +210,228 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .map(drop)
     }
 
-    /// Claims in one partition, and brings `claimed.next_at` forward to
-    /// when it has a key or a delayed message due next (server ms); returns
-    /// what its index entry is to be lowered to (none: nothing waits
-    /// there), and what it holds. (`first` goes in the same round trip as
-    /// its first request.) A partition without candidates named by its
-    /// last claim has its ready keys read first, in one command; only when
-    /// none is ready (a delayed message may be due) does a claim call
-    /// without candidates look, and name them.
-    async fn claim_in(
+    /// Claims up to `share` turns in each partition of `visits` (slot,
+    /// share): on one server in one call over them all; on a cluster,
+    /// where a script reaches one slot, a call per partition, all at once
+    /// (`first`, the index's raise, rides with the first request). Per
+    /// visit, what its claim saw (or its error) and what it took.
+    async fn claim_wave(
         &self,
-        slot: u16,
-        (now, share, lease): (i64, usize, Duration),
-        mut first: Option<Cmd>,
-        claimed: &mut Claimed,
-    ) -> Result<(Option<i64>, Holds)> {
-        let partition = self.partition(slot).await?;
-        let mut candidates = lock(&self.state.candidates)
-            .remove(&slot)
-            .unwrap_or_default();
-        if candidates.is_empty() {
-            let most = names_for(share);
-            candidates = (self.ready_keys(&partition, now, most, first.take())).await?;
-        }
-        let limits = (share, lease);
-        let mut reply = (self.claim_keys(&partition, &candidates, limits, first)).await?;
-        if candidates.is_empty() && !reply.2.is_empty() {
-            // A claim call that found none ready named those it made
-            // ready (due delayed messages): claim them.
-            candidates = std::mem::take(&mut reply.2);
-            reply = (self.claim_keys(&partition, &candidates, limits, None)).await?;
-        }
-        let (turns, next_at, named, holds) = reply;
-        claimed.turns.extend(turns);
-        // Keys named for the next call are due now: the worker claims
-        // again at once rather than sleeping.
-        let lower_to = if named.is_empty() {
-            lock(&self.state.candidates).remove(&slot);
-            next_at
-        } else {
-            lock(&self.state.candidates).insert(slot, named);
-            Some(0)
-        };
-        claimed.due_next(lower_to);
-        Ok((lower_to, holds))
+        visits: Vec<(u16, usize)>,
+        (now, lease): (i64, Duration),
+        (cluster, mut first): (bool, Option<Cmd>),
+    ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
+        let per_call = if cluster { 1 } else { visits.len().max(1) };
+        let calls = visits.chunks(per_call).map(|visits| {
+            let first = first.take();
+            async move { self.claim_visits(visits, (now, lease), first).await }
+        });
+        let calls: Vec<_> = calls.collect();
+        let results = futures_util::future::join_all(calls).await;
+        results.into_iter().flatten().collect()
     }
 
-    /// Up to `most` keys of `partition` ready at `now` (server ms), as a
-    /// claim call names them, read in one command (after `first`, in the
-    /// same round trip). The claim that takes them checks each again.
-    async fn ready_keys(
+    /// Claims in the partitions of `visits` in one claim call (all on one
+    /// server), and again in those whose first call named keys it made
+    /// ready; brings each visit's `next_at` forward to when its partition
+    /// has a key or a delayed message due next (server ms). Per visit,
+    /// what its index entry is to be lowered to (none: nothing waits
+    /// there) and what it holds, or the error of a call (given to the
+    /// first visit: the others are left due as they were), and the turns
+    /// it took. A partition without candidates named by its last claim has
+    /// its ready keys read first, in one command each, all in one round
+    /// trip; a claim call without candidates looks (and names them) only
+    /// where none is ready (a delayed message may be due).
+    async fn claim_visits(
         &self,
-        partition: &Partition,
-        now: i64,
-        most: usize,
+        visits: &[(u16, usize)],
+        (now, lease): (i64, Duration),
         first: Option<Cmd>,
-    ) -> Result<Vec<String>> {
+    ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
+        let mut took: Vec<Claimed> = visits.iter().map(|_| Claimed::default()).collect();
+        let failed = |error: Error, took: Vec<Claimed>| {
+            let mut error = Some(Err(error));
+            let unvisited = || Ok((Some(now), Holds::AtWork));
+            let saw = std::iter::from_fn(move || Some(error.take().unwrap_or_else(unvisited)));
+            saw.zip(took).collect()
+        };
+        let (mut blocks, first) = match self.blocks(visits, now, first).await {
+            Ok(blocks) => blocks,
+            Err(error) => return failed(error, took),
+        };
+        let mut replies = match self.claim_blocks(&blocks, (lease, first), &mut took).await {
+            Ok(replies) => replies,
+            Err(error) => return failed(error, took),
+        };
+        // Where a call without candidates named keys it made ready (due
+        // delayed messages), claim them.
+        let again: Vec<usize> = (0..blocks.len())
+            .filter(|i| blocks[*i].candidates.is_empty() && !replies[*i].named.is_empty())
+            .collect();
+        if !again.is_empty() {
+            let mut more = Vec::with_capacity(again.len());
+            for i in &again {
+                let named = std::mem::take(&mut replies[*i].named);
+                more.push(Block::new(&blocks[*i], named));
+            }
+            let mut more_took: Vec<Claimed> = more.iter().map(|_| Claimed::default()).collect();
+            let result = (self.claim_blocks(&more, (lease, None), &mut more_took)).await;
+            for (i, took_again) in again.iter().zip(more_took) {
+                took[*i].absorb(took_again);
+            }
+            match result {
+                Ok(more_replies) => {
+                    for ((i, reply), block) in again.iter().zip(more_replies).zip(more) {
+                        replies[*i] = reply;
+                        blocks[*i] = block;
+                    }
+                }
+                Err(error) => return failed(error, took),
+            }
+        }
+        let mut out = Vec::with_capacity(blocks.len());
+        for ((block, reply), mut took) in blocks.iter().zip(replies).zip(took) {
+            // Keys named for the next call are due now: the worker claims
+            // again at once rather than sleeping.
+            let lower_to = if reply.named.is_empty() {
+                lock(&self.state.candidates).remove(&block.partition.slot);
+                reply.next_at
+            } else {
+                lock(&self.state.candidates).insert(block.partition.slot, reply.named);
+                Some(0)
+            };
+            took.due_next(lower_to);
+            out.push((Ok((lower_to, reply.holds)), took));
+        }
+        out
+    }
+
+    /// Each visit's block: its partition, its share, and its candidates:
+    /// those its last claim named, else its keys ready at `now` (server
+    /// ms), read in one command per partition, all in one round trip
+    /// after `first`. The claim that takes them checks each again. Gives
+    /// `first` back when nothing was read (it rides with the claim).
+    async fn blocks(
+        &self,
+        visits: &[(u16, usize)],
+        now: i64,
+        first: Option<Cmd>,
+    ) -> Result<(Vec<Block>, Option<Cmd>)> {
+        let mut blocks = Vec::with_capacity(visits.len());
+        for (slot, share) in visits {
+            let candidates = lock(&self.state.candidates).remove(slot);
+            let partition = self.partition(*slot).await?;
+            blocks.push(Block::new_in(
+                partition,
+                *share,
+                candidates.unwrap_or_default(),
+            ));
+        }
+        let unnamed: Vec<usize> = (0..blocks.len())
+            .filter(|i| blocks[*i].candidates.is_empty())
+            .collect();
+        if unnamed.is_empty() {
+            return Ok((blocks, first));
+        }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let mut pipe = redis::pipe();
         if let Some(first) = first {
             pipe.add_command(first).ignore();
         }
-        let most = isize::try_from(most).unwrap_or(isize::MAX);
-        pipe.zrangebyscore_limit(&partition.keys[READY], 0, now, 0, most);
-        let (keys,): (Vec<String>,) =
+        for i in &unnamed {
+            let most = isize::try_from(names_for(blocks[*i].share)).unwrap_or(isize::MAX);
+            let ready = &blocks[*i].partition.keys[READY];
+            pipe.zrangebyscore_limit(ready, 0, now, 0, most);
+        }
+        let named: Vec<Vec<String>> =
             (pipe.query_async(&mut self.conn.clone()).await).map_err(Error::redis(attempted()))?;
-        Ok(keys)
+        for (i, named) in unnamed.into_iter().zip(named) {
+            blocks[i] = Block::new(&blocks[i], named);
+        }
+        Ok((blocks, None))
     }
 
-    /// Claims up to `share` turns in each partition of `visits` (slot,
-    /// share), all at once (`first`, the index's raise, rides with the
-    /// first); per visit, what its claim saw (or its error) and what it
-    /// took.
-    async fn claim_wave(
+    /// One claim call over `blocks` (one partition each, all on one
+    /// server; after `first`, in the same round trip), resent unchanged
+    /// while no answer comes: each block's record answers a resend (see
+    /// `lua/keyed_claim.lua`). Each block's turns go to its `took`;
+    /// returns each block's answer.
+    async fn claim_blocks(
         &self,
-        visits: Vec<(u16, usize)>,
-        (now, lease): (i64, Duration),
-        mut first: Option<Cmd>,
-    ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
-        let each = visits.into_iter().map(|(slot, share)| {
-            let first = first.take();
-            async move {
-                let mut took = Claimed::default();
-                let saw = (self.claim_in(slot, (now, share, lease), first, &mut took)).await;
-                (saw, took)
+        blocks: &[Block],
+        (lease, first): (Duration, Option<Cmd>),
+        took: &mut [Claimed],
+    ) -> Result<Vec<Answer>> {
+        let prefix = &self.keys.prefix;
+        let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len() + 1);
+        let mut cmd = evalsha(&CLAIM, keys.sum());
+        for block in blocks {
+            cmd.arg(&block.partition.keys[..]);
+            for key in &block.candidates {
+                let set = crate::lock::permits::permits_key(prefix, key);
+                cmd.arg(keys::lock_key(prefix, key))
+                    .arg(&set)
+                    .arg(format!("{set}:waiters"))
+                    .arg(keys::rate_key(prefix, key));
             }
-        });
-        futures_util::future::join_all(each).await
+            cmd.arg(block.partition.record());
+        }
+        let window = crate::script::resend_window(lease);
+        cmd.arg(millis(lease)).arg(millis(window));
+        for block in blocks {
+            let share = block.share;
+            cmd.arg(share)
+                .arg(names_for(share))
+                .arg(block.candidates.len());
+            for (key, token) in block.candidates.iter().zip(&block.tokens) {
+                cmd.arg(key).arg(token.as_str());
+            }
+        }
+        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        let send = || async {
+            let conn = &mut self.conn.clone();
+            match &first {
+                Some(first) => run_after(&CLAIM, first, &cmd, conn).await,
+                None => run(&CLAIM, &cmd, conn).await,
+            }
+        };
+        let replies: Vec<Reply> =
+            (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))?;
+        if replies.len() != blocks.len() {
+            let replies = replies.len();
+            return Err(Error::reply(attempted(), format_args!("{replies} answers")));
+        }
+        let mut answers = Vec::with_capacity(blocks.len());
+        let mut log = Log::default();
+        for ((block, reply), took) in blocks.iter().zip(replies).zip(took.iter_mut()) {
+            let (claim, next_at, named, taken, blocked, holds) = reply;
+            for (key, watched, left) in blocked {
+                self.watch_release(key, watched, Duration::from_millis(left));
+            }
+            let turns = self.turns(block, claim, taken);
+            if self.recording.events.is_some() {
+                for turn in &turns {
+                    let attempt = attempt_of(&turn.record);
+                    log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
+                }
+            }
+            took.turns.extend(turns);
+            let holds = match holds {
+                0 => Holds::Nothing,
+                1 => Holds::AtWork,
+                _ => Holds::Waiting,
+            };
+            let next_at = (next_at >= 0).then_some(next_at);
+            answers.push(Answer {
+                next_at,
+                named,
+                holds,
+            });
+        }
+        if self.recording.events.is_some() {
+            self.record(log).await;
+        }
+        Ok(answers)
     }
 
     /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
@@ -295,87 +482,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         });
     }
 
-    /// One claim script call (after `first`, in the same round trip): the
-    /// turns, the next due time, the ready keys named for the next call,
-    /// and what the partition holds.
-    async fn claim_keys(
-        &self,
-        partition: &Arc<Partition>,
-        candidates: &[String],
-        (max, lease): (usize, Duration),
-        first: Option<Cmd>,
-    ) -> Result<(Vec<Turn>, Option<i64>, Vec<String>, Holds)> {
-        let prefix = &self.keys.prefix;
-        let mut cmd = partition.call(&CLAIM, 4 * candidates.len() + 1);
-        for key in candidates {
-            let set = crate::lock::permits::permits_key(prefix, key);
-            cmd.arg(keys::lock_key(prefix, key))
-                .arg(&set)
-                .arg(format!("{set}:waiters"))
-                .arg(keys::rate_key(prefix, key));
-        }
-        let window = crate::script::resend_window(lease);
-        cmd.arg(partition.record());
-        cmd.arg(millis(lease)).arg(max).arg(names_for(max));
-        cmd.arg(millis(window));
-        let tokens: Vec<Token> = candidates.iter().map(|_| Token::random()).collect();
-        for (key, token) in candidates.iter().zip(&tokens) {
-            cmd.arg(key).arg(token.as_str());
-        }
-        let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        type Reply = (
-            u64,
-            i64,
-            Vec<String>,
-            Vec<Taken>,
-            Vec<(String, String, u64)>,
-            u8,
-        );
-        // Resent unchanged while no answer comes: the script's record of
-        // its first run answers a resend (see `lua/keyed_claim.lua`).
-        let reply: Reply = match &first {
-            Some(first) => {
-                let send =
-                    || async { run_after(&CLAIM, first, &cmd, &mut self.conn.clone()).await };
-                crate::script::resending(window, send).await
-            }
-            None => {
-                let send = || async { run(&CLAIM, &cmd, &mut self.conn.clone()).await };
-                crate::script::resending(window, send).await
-            }
-        }
-        .map_err(Error::redis(attempted()))?;
-        let (claim, next_at, named, taken, blocked, holds) = reply;
-        for (key, watched, left) in blocked {
-            self.watch_release(key, watched, Duration::from_millis(left));
-        }
-        let turns = self.turns(partition, (candidates, &tokens), claim, taken);
-        if self.recording.events.is_some() {
-            let mut log = Log::default();
-            for turn in &turns {
-                let attempt = attempt_of(&turn.record);
-                log.event(EventKind::Claimed, &turn.held.key, (&turn.id, attempt));
-            }
-            self.record(log).await;
-        }
-        let holds = match holds {
-            0 => Holds::Nothing,
-            1 => Holds::AtWork,
-            _ => Holds::Waiting,
-        };
-        Ok((turns, (next_at >= 0).then_some(next_at), named, holds))
-    }
-
-    /// The turns a claim script took; each key is one of `candidates`,
-    /// claimed with its token in `tokens`.
-    fn turns(
-        &self,
-        partition: &Arc<Partition>,
-        (candidates, tokens): (&[String], &[Token]),
-        claim: u64,
-        taken: Vec<Taken>,
-    ) -> Vec<Turn> {
+    /// The turns a claim script took in `block`; each key is one of its
+    /// candidates, claimed with its token.
+    fn turns(&self, block: &Block, claim: u64, taken: Vec<Taken>) -> Vec<Turn> {
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
+        let (candidates, tokens) = (&block.candidates, &block.tokens);
         let mut turns = Vec::with_capacity(taken.len());
         for (key, id, seq, permits, rated, record) in taken {
             let found = candidates.iter().position(|k| k.as_bytes() == key);
@@ -390,7 +501,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 token: tokens[i],
                 permits,
                 rated,
-                partition: partition.clone(),
+                partition: block.partition.clone(),
                 run: 0,
                 seq,
             };

@@ -126,14 +126,14 @@ local function tally()
   tally_ready()
 end
 
--- Moves the helpers to partition `n` of a call over several (KEYS: MORE
--- keys per partition, in the order above), after keeping the earliest
+-- Moves the helpers to the partition whose MORE keys (in the order above)
+-- follow KEYS[base] in a call over several, after keeping the earliest
 -- ready time of the one left; its moves are added to the counts once its
 -- successor keeps others (on one server every partition keeps the
 -- queue's: added once, at the end).
-local function enter_partition(n)
+local function enter_partition(base)
   local next = {}
-  for i = 1, MORE do next[i] = KEYS[(n - 1) * MORE + i] end
+  for i = 1, MORE do next[i] = KEYS[base + i] end
   tally_ready()
   if next[COUNTS] ~= K[COUNTS] then tally_counts() end
   K = next

@@ -94,7 +94,7 @@ local out, p = {}, 1
 for i = first, #ARGV, 5 do
   while i > ends[p] do
     p = p + 1
-    enter_partition(p)
+    enter_partition((p - 1) * MORE)
   end
   local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])
