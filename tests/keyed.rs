@@ -1805,6 +1805,46 @@ async fn keyed_messages_pushed_together_take_one_script_call_on_one_server() {
     }
 }
 
+/// A recovery sweep over keyed messages of many keys, one partition each
+/// nearly, on one server: a few script calls of 256 partitions, where it
+/// took one per partition; every expired turn goes back to the head of
+/// its line, its key ready again, and the next claim takes it.
+#[tokio::test]
+async fn a_recovery_sweep_over_many_partitions_takes_few_calls() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "sweep").unwrap();
+    // The scripts loaded first.
+    push_keyed(&queue, 1, 1).await;
+    queue.recover(3).await.unwrap();
+    queue.purge().await.unwrap();
+    push_keyed(&queue, 600, 600).await;
+    let mut claimed = 0;
+    while claimed < 600 {
+        let jobs = queue.claim(1000, ms(50)).await.unwrap().jobs;
+        assert!(!jobs.is_empty(), "every key's message is ready");
+        claimed += jobs.len();
+    }
+    tokio::time::sleep(ms(100)).await;
+    // The queue's own recovery beside the sweep's 3 calls.
+    let before = support::script_calls(&conn).await;
+    let recovered = queue.recover(3).await.unwrap();
+    let calls = support::script_calls(&conn).await - before;
+    assert_eq!((recovered.requeued, recovered.buried), (600, 0));
+    assert!(
+        calls <= 6,
+        "{calls} script calls for a sweep of ~590 partitions"
+    );
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.active), (600, 0), "{stats:?}");
+    let mut again = 0;
+    while again < 600 {
+        let jobs = queue.claim(1000, secs(10)).await.unwrap().jobs;
+        assert!(!jobs.is_empty(), "every recovered message is ready");
+        again += jobs.len();
+    }
+}
+
 #[tokio::test]
 async fn activity_counts_keyed_messages_as_stats_does() {
     let server = server();

@@ -23,10 +23,11 @@
 //! (`Queue::stats`, issue 35) are the model's.
 //!
 //! The three keys live in partitions of their own, on one server: a claim
-//! takes them in one script call over the partitions (a block each), and
-//! a push of one message per key (`PushAll`) pushes them in one call over
-//! the partitions, so every check above holds across blocks of one call,
-//! resent ones included.
+//! takes them in one script call over the partitions (a block each), a
+//! push of one message per key (`PushAll`) pushes them in one call over
+//! the partitions, and a recovery sweep looks at them in one call, so
+//! every check above holds across blocks of one call, resent ones
+//! included.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};

@@ -11,8 +11,8 @@ use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Layout, Log, OLDEST, PEEK, PURGE,
-    Partition, RECOVER, REMOVE, lock, own_id, split_stored,
+    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Layout, Log, MORE, OLDEST, PEEK,
+    PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
 };
 use crate::error::{Error, Result};
 use crate::keys::SLOTS;
@@ -31,6 +31,10 @@ const HEAL_WINDOW: usize = 64;
 /// Partitions a call that visits every partition of the index (stats,
 /// key loads, a look, a recovery sweep) has in flight at once.
 const PARTITIONS_AT_ONCE: usize = 64;
+
+/// Partitions one call of a recovery sweep looks at, on one server
+/// ([`Keyed::recover`]); each call ends at most 1,000 turns.
+const RECOVER_BLOCKS: usize = 256;
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// The counts of keyed messages: [in line, delayed, at work, dead], and
@@ -249,42 +253,85 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Ends the turns whose lease ran out in every partition of the index;
-    /// returns how many went back to the head of their line, and were buried.
+    /// returns how many went back to the head of their line, and were
+    /// buried. On one server a call looks at [`RECOVER_BLOCKS`] partitions
+    /// (a sweep over 16,384 partitions: 64 calls); on a cluster, where a
+    /// script reaches one slot, a call per partition,
+    /// [`PARTITIONS_AT_ONCE`] at a time.
     pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
+        use futures_util::{StreamExt, TryStreamExt};
         let (count, age) = self.recording.dead.args();
         let (count, age) = (&count, &age);
-        let each = self.each_partition(|partition| async move {
-            let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
-            let mut cmd = partition.call(&RECOVER, 0);
-            cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
-            let (_examined, ended): (usize, Vec<(String, String, u32, String)>) =
-                self.run(&RECOVER, &cmd, attempted).await?;
-            if !ended.is_empty() {
-                self.recovered(partition.slot, &ended).await;
-            }
-            let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
-            Ok((ended.len() - dead, dead))
+        let layout = self.layout().await?;
+        let per_call = match layout {
+            Layout::Server => RECOVER_BLOCKS,
+            Layout::Cluster => 1,
+        };
+        let slots = self.slots().await?;
+        let groups: Vec<Vec<Partition>> = (slots.chunks(per_call))
+            .map(|slots| {
+                let partition = |slot: &u16| Partition::new(self.keys, *slot, layout);
+                slots.iter().map(partition).collect()
+            })
+            .collect();
+        let calls = groups.into_iter().map(|partitions| async move {
+            self.recover_in(&partitions, max_stalls, (count, age)).await
         });
-        let ended = each.await?.into_iter();
-        Ok(ended.fold((0, 0), |(r, b), (requeued, buried)| {
-            (r + requeued, b + buried)
-        }))
+        let at_once = (PARTITIONS_AT_ONCE / per_call).max(2);
+        let ended: Vec<(usize, usize)> = futures_util::stream::iter(calls)
+            .buffered(at_once)
+            .try_collect()
+            .await?;
+        Ok(ended
+            .into_iter()
+            .fold((0, 0), |(r, b), (requeued, buried)| {
+                (r + requeued, b + buried)
+            }))
     }
 
-    /// Marks partition `slot` after its recovery ended the turns `ended`
-    /// (key, stored id, attempt, error: "" when requeued), and records
-    /// their events.
-    async fn recovered(&self, slot: u16, ended: &[(String, String, u32, String)]) {
-        self.mark_after(slot).await;
+    /// One recovery call over `partitions` (all on one server, see
+    /// `lua/keyed_recover.lua`); marks those where turns ended (one
+    /// request for all) and records their events. Returns how many went
+    /// back in line, and were buried.
+    async fn recover_in(
+        &self,
+        partitions: &[Partition],
+        max_stalls: u32,
+        (count, age): (&String, &String),
+    ) -> Result<(usize, usize)> {
+        let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
+        let mut cmd = evalsha(&RECOVER, partitions.len() * MORE);
+        for partition in partitions {
+            cmd.arg(&partition.keys[..]);
+        }
+        cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
+        type Ended = Vec<(String, String, u32, String)>;
+        let answers: Vec<(usize, Ended)> = self.run(&RECOVER, &cmd, attempted).await?;
+        let (mut requeued, mut buried, mut marks) = (0, 0, Vec::new());
         let mut log = Log::default();
-        for (key, stored, attempt, error) in ended {
-            let id = &own_id(key, stored);
-            match error.as_str() {
-                "" => log.event(EventKind::Recovered, key, (id, *attempt)),
-                error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
+        for (partition, (_examined, ended)) in partitions.iter().zip(answers) {
+            if ended.is_empty() {
+                continue;
             }
+            marks.push(partition.slot);
+            for (key, stored, attempt, error) in &ended {
+                let id = &own_id(key, stored);
+                match error.as_str() {
+                    "" => log.event(EventKind::Recovered, key, (id, *attempt)),
+                    error => log.with_error(EventKind::Dead, key, error, (id, *attempt)),
+                }
+            }
+            let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
+            (requeued, buried) = (requeued + ended.len() - dead, buried + dead);
+        }
+        // The partitions where turns ended have ready keys: one mark for
+        // all of them.
+        let attempted = || format!("marking partitions of queue `{}` ready", self.keys.name);
+        if let Err(error) = self.mark_all_ready(&marks, attempted).await {
+            tracing::warn!(queue = %self.keys.name, %error, "could not mark keyed partitions ready after a recovery; the index's next look finds them");
         }
         self.record(log).await;
+        Ok((requeued, buried))
     }
 
     /// Adds up to `limit` of each partition's next messages in line or
