@@ -142,6 +142,62 @@ async fn keyed_messages_run_one_at_a_time_per_key_in_push_order_under_the_key_s_
     assert_eq!((stats.active, stats.dead), (0, 0));
 }
 
+/// Three workers (a queue handle each, as three processes would have) over
+/// 1,000 keys with a backlog each: no stretch of the run passes without a
+/// message handled while messages wait. A claim hides the partitions it
+/// visits while it runs; a worker that looks meanwhile finds nothing and
+/// waits. When the claim settles and leaves keys ready there, it must
+/// ring the bell: without, those keys sat idle until the hiding ran out
+/// (2 s; over a second in this run, where the whole backlog takes about
+/// as long).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_a_claim_leaves_ready_do_not_sit_idle() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "many").unwrap();
+    let total = 12_000;
+    push_keyed(&queue, total, 1000).await;
+    let ends = Arc::new(Mutex::new(Vec::with_capacity(total as usize)));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        let handle: Queue<Msg> = Queue::new(manager(&server).await, "many").unwrap();
+        let ends = ends.clone();
+        let service = tower::service_fn(move |_job: Job<Msg>| {
+            let ends = ends.clone();
+            async move {
+                ends.lock().unwrap().push(Instant::now());
+                Ok::<_, BoxError>(())
+            }
+        });
+        let worker = Worker::new(server.client(), handle, service)
+            .concurrency(8)
+            .unwrap();
+        let mut stop_rx = stop_rx.clone();
+        workers.push(tokio::spawn(worker.run_until(async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        })));
+    }
+    let handled = || ends.lock().unwrap().len();
+    eventually("every message handled", secs(60), async || {
+        support::done_if(handled() == total as usize, handled())
+    })
+    .await;
+    stop_tx.send(true).unwrap();
+    for worker in workers {
+        worker.await.unwrap().unwrap();
+    }
+    let mut ends = ends.lock().unwrap().clone();
+    ends.sort();
+    let idle = ends.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    let run = *ends.last().unwrap() - ends[0];
+    eprintln!("{total} messages in {run:?}, longest stretch without one: {idle:?}");
+    assert!(
+        idle < ms(500),
+        "no message handled for {idle:?} (run: {run:?})"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_layer_over_a_keyed_message_uses_the_lock_claimed_with_it() {
     let server = server();

@@ -25,7 +25,10 @@
 //! Then many keys (issue 35, item 9): 30,000 messages over 10 to 100,000
 //! keys, no-op handlers, the same 3 processes × 8: GroupMQ, lockgate's
 //! keyed queue (runs of 8, and one at a time), and lockgate's queue without keys beside them (the ceiling
-//! a keyed message is held to). `GROUPMQ_BENCH=hot` or `many` runs one
+//! a keyed message is held to). `GROUPMQ_KEYS=<k>` runs the many-keys
+//! part at k keys alone; `GROUPMQ_TIMELINE=1` prints, per lockgate run,
+//! the messages ended per 100 ms (a stretch of zeros is keys left idle).
+//! `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
 
 #[path = "../../benches/common/mod.rs"]
@@ -158,6 +161,12 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
     } else {
         &counts[..1]
     };
+    // `GROUPMQ_KEYS=1000` (say) runs that key count alone.
+    let picked = std::env::var("GROUPMQ_KEYS").ok();
+    let picked = picked.map(|k| k.parse::<usize>()).transpose()?;
+    let counts: Vec<usize> = (counts.iter().copied())
+        .filter(|keys| picked.is_none_or(|k| k == *keys))
+        .collect();
     println!(
         "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
     );
@@ -165,7 +174,7 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         "| keys | GroupMQ 1.1 msg/s (commands) | lockgate keyed msg/s (commands) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands) | keyed / unkeyed | keyed / GroupMQ |"
     );
     println!("|---|---|---|---|---|---|---|");
-    for &keys in counts {
+    for keys in counts {
         let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
         let mut lockgate = Vec::new();
         for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain] {
@@ -388,6 +397,14 @@ fn summary(handled: &[Handled], commands: u64) -> Summary {
         busy.push(list.iter().map(|h| h.end - h.start).sum::<f64>() / (last - first));
     }
     let total: f64 = handled.iter().map(|h| h.end - h.start).sum();
+    if std::env::var_os("GROUPMQ_TIMELINE").is_some() {
+        // Messages ended per 100 ms, from the first start.
+        let mut buckets = vec![0usize; ((last - first) / 100.0) as usize + 1];
+        for h in handled {
+            buckets[((h.end - first) / 100.0) as usize] += 1;
+        }
+        eprintln!("ended per 100 ms: {buckets:?}");
+    }
     Summary {
         handled: handled.len(),
         seconds: (last - first) / 1000.0,

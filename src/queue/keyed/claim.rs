@@ -184,8 +184,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Settles the index entries of the partitions a claim visited, raised
     /// to `raised_to`: `lowered` (score, slot) to what the claim saw; the
     /// `idle` ones (slot, whether it held no message at all), where
-    /// nothing waits, as `lua/index_settle.lua` says. One script call (no
-    /// pipeline: on a cluster, a script alone is the plainest request).
+    /// nothing waits, as `lua/index_settle.lua` says; rings the bell when
+    /// one is due at once (others may have looked while the claim hid it,
+    /// and wait). One script call (no pipeline: on a cluster, a script
+    /// alone is the plainest request).
     async fn settle_index(
         &self,
         lowered: Vec<(i64, u16)>,
@@ -196,9 +198,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Ok(());
         }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let mut cmd = evalsha(&INDEX_SETTLE, 1);
-        let recheck = raised_to - CLAIMING_MS + RECHECK_MS;
-        cmd.arg(&self.keys.partitions).arg(raised_to).arg(recheck);
+        let mut cmd = evalsha(&INDEX_SETTLE, 2);
+        let now = raised_to - CLAIMING_MS;
+        cmd.arg(&self.keys.partitions).arg(&self.keys.bell);
+        cmd.arg(raised_to).arg(now + RECHECK_MS).arg(now);
         for (at, slot) in lowered {
             cmd.arg(slot).arg(at);
         }

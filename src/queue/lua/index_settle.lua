@@ -14,13 +14,14 @@
 -- "idle" and "empty" apply only while the entry is still the one the
 -- claim raised it to: a push since then lowered it, and that mark stays.
 -- Returns how many entries left the index.
-local raised = tonumber(ARGV[1])
-local forgotten = 0
-for i = 3, #ARGV, 2 do
+local raised, now = tonumber(ARGV[1]), tonumber(ARGV[3])
+local forgotten, due = 0, false
+for i = 4, #ARGV, 2 do
   local member, seen = ARGV[i], ARGV[i + 1]
   local at = tonumber(seen)
   if at then
-    redis.call('ZADD', KEYS[1], 'XX', 'LT', at, member)
+    local lowered = redis.call('ZADD', KEYS[1], 'XX', 'LT', 'CH', at, member)
+    due = due or (lowered == 1 and at <= now)
   elseif tonumber(redis.call('ZSCORE', KEYS[1], member)) == raised then
     if seen == 'empty' then
       forgotten = forgotten + redis.call('ZREM', KEYS[1], member)
@@ -28,5 +29,9 @@ for i = 3, #ARGV, 2 do
       redis.call('ZADD', KEYS[1], 'XX', ARGV[2], member)
     end
   end
+end
+if due then
+  redis.call('LPUSH', KEYS[2], 1)
+  redis.call('LTRIM', KEYS[2], 0, 0)
 end
 return forgotten
