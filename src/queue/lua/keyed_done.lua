@@ -151,24 +151,33 @@ local function run_members(run)
   return members, claim
 end
 
+-- The members of this claim's run (`run`: its note) still at work and not
+-- settled by this call, and the latest of their lease deadlines (nil:
+-- none).
+local function run_at_work(run)
+  local at_work_now, latest = {}, nil
+  local settled = {[at_work] = true}
+  for _, member in ipairs(done_members) do settled[member] = true end
+  for _, member in ipairs(returned_members) do settled[member] = true end
+  local earlier, claim = run_members(run)
+  for _, member in ipairs(claim == ARGV[5] and earlier or {}) do
+    local full = member .. ':' .. claim
+    local deadline = not settled[full] and tonumber(redis.call('ZSCORE', KEYS[ACTIVE], full))
+    if deadline then
+      at_work_now[#at_work_now + 1] = member
+      if not latest or deadline > latest then latest = deadline end
+    end
+  end
+  return at_work_now, latest
+end
+
 -- Notes the key's messages at work under this claim after a hand-over
 -- claimed `members`: those, and those of the run before it still at work
 -- that this call did not settle. Costs a read, and a write for a run.
 local function note_run(members)
   local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
   local at_work_now = {}
-  if run then
-    local settled = {[at_work] = true}
-    for _, member in ipairs(done_members) do settled[member] = true end
-    for _, member in ipairs(returned_members) do settled[member] = true end
-    local earlier, claim = run_members(run)
-    for _, member in ipairs(claim == ARGV[5] and earlier or {}) do
-      local full = member .. ':' .. claim
-      if not settled[full] and redis.call('ZSCORE', KEYS[ACTIVE], full) then
-        at_work_now[#at_work_now + 1] = member
-      end
-    end
-  end
+  if run then at_work_now = run_at_work(run) end
   for _, member in ipairs(members) do at_work_now[#at_work_now + 1] = member end
   if #at_work_now > 1 then
     local parts = {ARGV[5], ':'}
@@ -266,8 +275,16 @@ local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
   local nexts = heads_of(run_max)
   if #nexts > 0 and redis.call('GET', KEYS[LOCK]) == token then
-    redis.call('PEXPIRE', KEYS[LOCK], ARGV[10])
-    return continue(nexts, now_ms() + tonumber(ARGV[10]), false)
+    -- The lock lasts as long as the longest lease of the key's messages
+    -- at work: the nexts', and those of the run still at work (code that
+    -- drives the queue itself may hand over under a shorter lease).
+    local now = now_ms()
+    local ttl, run = tonumber(ARGV[10]), redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+    local _, latest = nil, nil
+    if run then _, latest = run_at_work(run) end
+    if latest and latest - now > ttl then ttl = latest - now end
+    redis.call('PEXPIRE', KEYS[LOCK], ttl)
+    return continue(nexts, now + tonumber(ARGV[10]), false)
   end
 end
 
