@@ -171,19 +171,34 @@ local function run_at_work(run)
   return at_work_now, latest
 end
 
+-- The run before this call as its note says: the note, its members still
+-- at work and not settled by this call, and the latest of their lease
+-- deadlines (see run_at_work). Read once per call: the hand-over and
+-- note_run both ask.
+local run_seen = nil
+local function run_before()
+  if not run_seen then
+    local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+    local members, latest = {}, nil
+    if run then members, latest = run_at_work(run) end
+    run_seen = {run = run, members = members, latest = latest}
+  end
+  return run_seen
+end
+
 -- Notes the key's messages at work under this claim after a hand-over
 -- claimed `members`: those, and those of the run before it still at work
 -- that this call did not settle. Costs a read, and a write for a run.
 local function note_run(members)
-  local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+  local before = run_before()
   local at_work_now = {}
-  if run then at_work_now = run_at_work(run) end
+  for _, member in ipairs(before.members) do at_work_now[#at_work_now + 1] = member end
   for _, member in ipairs(members) do at_work_now[#at_work_now + 1] = member end
   if #at_work_now > 1 then
     local parts = {ARGV[5], ':'}
     for _, member in ipairs(at_work_now) do parts[#parts + 1] = #member .. ':' .. member end
     redis.call('HSET', KEYS[LIMITS], RUN_FIELD, table.concat(parts))
-  elseif run then
+  elseif before.run then
     redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
   end
 end
@@ -279,9 +294,7 @@ if hand_over and limit == 0 and ARGV[15] ~= '1' then
     -- at work: the nexts', and those of the run still at work (code that
     -- drives the queue itself may hand over under a shorter lease).
     local now = now_ms()
-    local ttl, run = tonumber(ARGV[10]), redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
-    local _, latest = nil, nil
-    if run then _, latest = run_at_work(run) end
+    local ttl, latest = tonumber(ARGV[10]), run_before().latest
     if latest and latest - now > ttl then ttl = latest - now end
     redis.call('PEXPIRE', KEYS[LOCK], ttl)
     return continue(nexts, now + tonumber(ARGV[10]), false)
