@@ -70,7 +70,7 @@ async fn main() -> Result<(), BoxError> {
             "median of 5 calls; commands: `INFO commandstats` per call, scripts' inner commands included"
         );
         println!(
-            "| messages | keyed stats | its commands | unkeyed stats | its commands | keyed recovery sweep | its commands |\n|---|---|---|---|---|---|---|"
+            "| messages | keyed stats | its commands | unkeyed stats | its commands | keyed recovery sweep | its commands | key_stats(10) | its commands | queue_names | its commands |\n|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for keys in [size(10_000, 100), size(100_000, 200)] {
             reads(keys).await?;
@@ -113,8 +113,9 @@ where
 }
 
 /// `stats()` of a queue of `n` messages on `n` keys beside one of `n`
-/// messages without a key, and a recovery sweep of the keyed one (nothing
-/// expired: the cost of looking).
+/// messages without a key, a recovery sweep of the keyed one (nothing
+/// expired: the cost of looking), its `key_stats(10)`, and the listing of
+/// the server's queues (`queue_names`).
 async fn reads(n: usize) -> Result<(), BoxError> {
     let server = RedisServer::start()?;
     let conn = server.connection_manager().await?;
@@ -135,8 +136,16 @@ async fn reads(n: usize) -> Result<(), BoxError> {
     let (plain_ms, plain_cmds) = timed(&conn, || async { plain.stats().await.map(drop) }).await?;
     let (sweep_ms, sweep_cmds) =
         timed(&conn, || async { keyed.recover(3).await.map(drop) }).await?;
+    let (keys_ms, keys_cmds) =
+        timed(&conn, || async { keyed.key_stats(10).await.map(drop) }).await?;
+    let (names_ms, names_cmds) = timed(&conn, || async {
+        lockgate::queue::queue_names(&conn, "lockgate")
+            .await
+            .map(drop)
+    })
+    .await?;
     println!(
-        "| {n} | {keyed_ms:.1} ms | {keyed_cmds} | {plain_ms:.1} ms | {plain_cmds} | {sweep_ms:.1} ms | {sweep_cmds} |"
+        "| {n} | {keyed_ms:.1} ms | {keyed_cmds} | {plain_ms:.1} ms | {plain_cmds} | {sweep_ms:.1} ms | {sweep_cmds} | {keys_ms:.1} ms | {keys_cmds} | {names_ms:.1} ms | {names_cmds} |"
     );
     Ok(())
 }

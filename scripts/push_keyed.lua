@@ -351,9 +351,10 @@ end
 --   (`Locker::acquire_permit`'s set, not its lock); "<key>\0rate" -> its
 --   rate "<limit>/<period µs>/<burst>/<window µs>" (`Locker::admit`'s log)
 -- KEYS[12] counts: hash "lines", "schedule", "active", "dead" -> how many
---   messages those sets hold, kept by every script that changes them (see
---   tally): on one server the queue's (`<p>:{<q>}:keyed:counts`, over all
---   its partitions), on a Redis Cluster the partition's own
+--   messages those sets hold, and "keys" -> how many keys the ready sets
+--   hold, kept by every script that changes them (see tally): on one
+--   server the queue's (`<p>:{<q>}:keyed:counts`, over all its
+--   partitions), on a Redis Cluster the partition's own
 -- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
 --   ready time above 0 (see tally), as counts: the queue's on one server
 -- A script's own keys follow, from KEYS[MORE + 1] on. The helpers below
@@ -373,7 +374,8 @@ local K = KEYS
 -- What this call changed in its partition's counted sets, by set, until
 -- `tally` writes it: the counts cost a field's increment per set a call
 -- changes, never a scan of the partitions.
-local COUNTED = {{LINES, 'lines'}, {SCHEDULE, 'schedule'}, {ACTIVE, 'active'}, {DEAD, 'dead'}}
+local COUNTED = {{LINES, 'lines'}, {SCHEDULE, 'schedule'}, {ACTIVE, 'active'}, {DEAD, 'dead'},
+  {READY, 'keys'}}
 local moved = {}
 
 -- Notes that `n` messages joined counted set `set` (left it, below 0).
@@ -498,7 +500,9 @@ end
 -- it waits already.
 local function rejoin(key, seq, id, now)
   add_to(LINES, 0, line_member(key, seq, id))
-  if redis.call('ZADD', K[READY], 'NX', now, key) == 1 then ready_from(now) end
+  local new = redis.call('ZADD', K[READY], 'NX', now, key)
+  counted(READY, new)
+  if new == 1 then ready_from(now) end
 end
 
 -- Puts a due message in its key's line, last (or at the place `since`
@@ -523,11 +527,11 @@ end
 local function after_turn(key, from, at_work)
   if not at_work then ready_changed() end
   if head_of(key) then
-    redis.call('ZADD', K[READY], from, key)
+    add_to(READY, from, key)
     ready_from(from)
     return true
   end
-  redis.call('ZREM', K[READY], key)
+  remove_from(READY, key)
   return false
 end
 

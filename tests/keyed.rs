@@ -822,9 +822,12 @@ async fn purge_deletes_the_keyed_partitions_too() {
     let left: Vec<String> = support::raw(&conn, &["KEYS", "lockgate:*"]).await;
     // The locks of the keys at work stay until their lease ends (a purge
     // never takes a lock from under a handler), the counters stay, and so
-    // do the records of the claims, gone in a few seconds.
+    // do the records of the claims, gone in a few seconds, and the
+    // prefix's list of queue names (`queue_names` leaves out a queue that
+    // holds nothing).
     let kept = |k: &&String| {
-        k.starts_with("lockgate:lock:")
+        *k == "lockgate:queues"
+            || k.starts_with("lockgate:lock:")
             || k.ends_with(":claims")
             || k.contains(":claims:")
             || k.ends_with(":seq")
@@ -2170,6 +2173,87 @@ async fn keyed_stats_cost_the_same_few_commands_whatever_the_keys() {
         (stats.due, stats.later, stats.active, stats.dead),
         (0, 0, 0, 0)
     );
+}
+
+/// Issue 35, item 8: `key_stats` reads at most 128 partitions, one script
+/// each, whatever the keys, and counts every key from the counts the
+/// scripts keep; with the keys in fewer partitions it sees them all.
+#[tokio::test]
+async fn key_stats_reads_a_bounded_number_of_partitions() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "q").unwrap();
+    // 12 keys: 3 messages each for k0..k3, 2 for the others; k0 and k1 at
+    // work (each key's head is claimed first).
+    push_keyed(&queue, 28, 12).await;
+    let jobs = queue.claim(2, secs(60)).await.unwrap().jobs;
+    assert_eq!(jobs.len(), 2);
+    let few = queue.key_stats(100).await.unwrap();
+    assert_eq!(few.keys, 12);
+    assert_eq!(few.busy.len(), 2, "{few:?}");
+    assert_eq!(few.backlogs.len(), 12, "every key seen: {few:?}");
+    assert_eq!(few.backlogs[0].waiting, 3, "{few:?}");
+    for job in &jobs {
+        assert!(queue.ack(job).await.unwrap());
+    }
+
+    let calls = async || {
+        let calls = lockgate::testing::command_calls(&mut conn.clone()).await;
+        calls.expect("INFO commandstats")
+    };
+    push_keyed(&queue, 5000, 5000).await; // k0..k11 had messages already
+    let before = calls().await;
+    let many = queue.key_stats(5).await.unwrap();
+    let after = calls().await;
+    let ran = |name: &str| after.get(name).unwrap_or(&0) - before.get(name).unwrap_or(&0);
+    assert_eq!(many.keys, 5000);
+    assert!(ran("evalsha") <= 128, "{} scripts", ran("evalsha"));
+    let all: u64 = after.values().sum::<u64>() - before.values().sum::<u64>();
+    // At most 5 keys of each kind a partition: a few commands each.
+    assert!(all <= 128 * 20, "{all} commands");
+    assert_eq!(many.backlogs.len(), 5, "{many:?}");
+}
+
+/// `queue_names` (`lockgate queues`, the dashboard) reads the prefix's
+/// list of queues, which a handle joins before its first push or claim,
+/// and asks each listed queue whether it holds anything: no scan of the
+/// keyspace, however many keys it holds.
+#[tokio::test]
+async fn queue_names_read_the_list_of_queues_not_the_keyspace() {
+    let server = server();
+    let conn = manager(&server).await;
+    let keyed: Queue<Msg> = Queue::new(conn.clone(), "keyed").unwrap();
+    push_keyed(&keyed, 3000, 3000).await;
+    let plain: Queue<String> = Queue::new(conn.clone(), "plain").unwrap();
+    plain.push("x".to_string()).await.unwrap();
+    // Claimed from only: listed once it holds something.
+    let claimer: Queue<String> = Queue::new(conn.clone(), "claimer").unwrap();
+    assert!(claimer.claim(1, secs(1)).await.unwrap().jobs.is_empty());
+    let gone: Queue<String> = Queue::new(conn.clone(), "gone").unwrap();
+    gone.push("y".to_string()).await.unwrap();
+    gone.purge().await.unwrap();
+
+    let calls = async || {
+        let calls = lockgate::testing::command_calls(&mut conn.clone()).await;
+        calls.expect("INFO commandstats")
+    };
+    let before = calls().await;
+    let names = lockgate::queue::queue_names(&conn, "lockgate")
+        .await
+        .unwrap();
+    let after = calls().await;
+    assert_eq!(names, ["keyed", "plain"]);
+    let ran: u64 = after.values().sum::<u64>() - before.values().sum::<u64>();
+    // SMEMBERS, an EXISTS per listed name (4), and the INFO itself.
+    assert_eq!(ran, 6, "{after:?}");
+    assert_eq!(after.get("scan"), None);
+
+    let other: Queue<String> = Queue::new(conn.clone(), "claimer").unwrap();
+    other.push("z".to_string()).await.unwrap();
+    let names = lockgate::queue::queue_names(&conn, "lockgate")
+        .await
+        .unwrap();
+    assert_eq!(names, ["claimer", "keyed", "plain"]);
 }
 
 /// A run (`Worker::key_batch`) cut by a failure: the messages handled

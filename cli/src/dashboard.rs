@@ -35,7 +35,7 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use serde::Deserialize;
 use serde_json::Value;
 
-/// How long a list of queue names is reused before `SCAN` runs again.
+/// How long a list of queue names is reused before it is read again.
 const DISCOVERY_TTL: Duration = Duration::from_secs(10);
 /// Dead letters per page.
 const PAGE: usize = 25;
@@ -318,7 +318,7 @@ where
         queue.with_recorded_shards().await
     }
 
-    /// The queues under the prefix, discovered with SCAN at most every
+    /// The queues under the prefix (`queue_names`), read at most every
     /// `DISCOVERY_TTL`.
     async fn names(&self) -> lockgate::Result<Vec<String>> {
         if let Ok(cache) = self.names.lock()
@@ -327,15 +327,7 @@ where
         {
             return Ok(names.clone());
         }
-        let mut names = Vec::new();
-        if self.nodes.is_empty() {
-            names = lockgate::queue::queue_names(&self.conn, &self.prefix).await?;
-        }
-        for node in &self.nodes {
-            names.extend(lockgate::queue::queue_names(node, &self.prefix).await?);
-        }
-        names.sort();
-        names.dedup();
+        let names = lockgate::queue::queue_names(&self.conn, &self.prefix).await?;
         if let Ok(mut cache) = self.names.lock() {
             *cache = Some((Instant::now(), names.clone()));
         }

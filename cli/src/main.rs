@@ -52,7 +52,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Every queue under the prefix (found with SCAN), with its counts.
+    /// Every queue under the prefix (from its list of queues), with its counts.
     Queues,
     /// A queue's counts: due, later, active, dead, oldest due age.
     Stats {
@@ -394,8 +394,8 @@ fn bench_size(duration: Duration, messages: u64) -> bench::Size {
 }
 
 /// The URLs of a cluster's masters (from `CLUSTER NODES`), with the seed
-/// URL's scheme and credentials: `SCAN` walks one node's keys, so listings
-/// ask each master.
+/// URL's scheme and credentials: `SCAN` walks one node's keys, so the
+/// listings of locks and permits ask each master.
 async fn masters(
     seed: &str,
     conn: &mut redis::cluster_async::ClusterConnection,

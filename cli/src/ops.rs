@@ -15,8 +15,8 @@ use crate::{Failure, Output, TOP_KEYS, confirm, dashboard, not_found, unix_ms};
 /// What the commands work with.
 pub(crate) struct Ops<C> {
     pub(crate) conn: C,
-    /// A cluster's masters' URLs, for the listings (`SCAN` walks one
-    /// node's keys); none on one server.
+    /// A cluster's masters' URLs, for the listings of locks and permits
+    /// (`SCAN` walks one node's keys); none on one server.
     pub(crate) nodes: Vec<String>,
     pub(crate) prefix: String,
     pub(crate) out: Output,
@@ -60,15 +60,7 @@ where
 
     /// `lockgate queues`.
     pub(crate) async fn queues(&self) -> Result<(), Failure> {
-        let mut names = Vec::new();
-        if self.nodes.is_empty() {
-            names = lockgate::queue::queue_names(&self.conn, &self.prefix).await?;
-        }
-        for node in self.node_connections().await? {
-            names.extend(lockgate::queue::queue_names(&node, &self.prefix).await?);
-        }
-        names.sort();
-        names.dedup();
+        let names = lockgate::queue::queue_names(&self.conn, &self.prefix).await?;
         let mut rows = Vec::new();
         for name in names {
             let stats = self.queue(&name).await?.stats().await?;

@@ -312,32 +312,47 @@ const QUEUE_KEYS: [&str; 10] = [
 ];
 
 /// The names of the queues under `prefix` (`"lockgate"` by default) that
-/// have any key in Redis, sorted. Found with `SCAN`, so the server is never
-/// blocked, and other keys are told apart by their exact layout. On a Redis
-/// Cluster, call it with a connection to each master in turn (`SCAN` walks
-/// one node's keys).
+/// have any key in Redis, sorted: those of the prefix's list of queues
+/// (`<prefix>:queues`, a set each handle adds its queue's name to before
+/// its first push or claim) whose own keys exist. Two round trips whatever
+/// the keys: one command per listed name, never a scan of the keyspace. On
+/// a Redis Cluster, call it with the cluster connection.
+///
+/// A queue only a producer of another language pushes to (through
+/// `scripts/push.lua`) is listed once a handle of this library claimed
+/// from it or pushed to it; a name stays in the list after its queue is
+/// gone (left out here while it holds nothing).
 pub async fn queue_names<C>(conn: &C, prefix: &str) -> Result<Vec<String>>
 where
     C: ConnectionLike + Clone + Send,
 {
     crate::keys::check_prefix(prefix)?;
-    let pattern = format!("{}:{{*}}:*", crate::keys::glob_escape(prefix));
-    let found = crate::keys::scan(&mut conn.clone(), &pattern)
-        .await
-        .map_err(Error::redis("listing queues"))?;
-    let start = format!("{prefix}:{{");
-    let mut names: Vec<String> = found
-        .iter()
-        .filter_map(|key| {
-            let (tag, suffix) = key.strip_prefix(&start)?.split_once("}:")?;
-            QUEUE_KEYS
-                .contains(&suffix)
-                .then(|| crate::keys::untag(tag))
-        })
-        .collect();
-    names.sort();
-    names.dedup();
-    Ok(names)
+    let attempted = || format!("listing the queues under `{prefix}`");
+    let mut listed: Vec<String> = redis::Cmd::smembers(registry(prefix))
+        .query_on(conn, attempted)
+        .await?;
+    listed.sort();
+    if listed.is_empty() {
+        return Ok(listed);
+    }
+    // Each name's keys are in one slot (its tag): one EXISTS each.
+    let mut exists = redis::pipe();
+    for name in &listed {
+        let keys = QueueKeys::new(prefix, name);
+        exists.cmd("EXISTS").arg(&named(&keys.base, QUEUE_KEYS));
+    }
+    let found: Vec<u32> =
+        (exists.query_async(&mut conn.clone()).await).map_err(Error::redis(attempted()))?;
+    let pairs = listed.into_iter().zip(found);
+    Ok(pairs
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, _)| name)
+        .collect())
+}
+
+/// The set of the queue names under `prefix` (see [`queue_names`]).
+fn registry(prefix: &str) -> String {
+    format!("{prefix}:queues")
 }
 
 impl<T, C> Queue<T, C>
@@ -423,6 +438,7 @@ where
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
         check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_lease(lease)?;
+        self.register().await?;
         let (mut claimed, slots, now) = match self.layout().await?.len() {
             1 => self.claim_plain(max, lease).await?,
             _ => self.claim_shards(max, lease).await?,
@@ -455,6 +471,19 @@ where
             claimed.next_due = Some(claimed.next_due.map_or(wait, |due| due.min(wait)));
         }
         Ok(claimed)
+    }
+
+    /// Puts the queue's name in its prefix's list of queues (see
+    /// [`queue_names`]), once per handle and its clones: before their first
+    /// push or claim.
+    pub(crate) async fn register(&self) -> Result<()> {
+        let add = || async {
+            let attempted = || format!("listing queue `{}` under its prefix", self.name());
+            redis::Cmd::sadd(registry(&self.keys.prefix), &self.keys.name)
+                .query_on::<(), _>(&self.conn, attempted)
+                .await
+        };
+        self.shards.registered.get_or_try_init(add).await.map(drop)
     }
 
     /// Claims unkeyed messages; also returns the keyed partitions that may

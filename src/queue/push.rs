@@ -242,6 +242,9 @@ where
             encoded.push((id.unwrap_or_else(job::new_id), when, payload, key));
         }
         let count = encoded.len();
+        if count > 0 {
+            self.register().await?;
+        }
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
             .into_iter()
             .enumerate()

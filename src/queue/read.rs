@@ -226,11 +226,16 @@ where
     }
 
     /// The `top` keyed messages' keys with the most messages at work, and
-    /// the `top` with the longest lines. One script per partition, each
-    /// reading at most `top` keys of each kind (at most
-    /// [`MAX_KEYS_READ`]): its work is bounded by `top`, not by the keys,
-    /// so the picks are the longest among those read, not always over all
-    /// keys. For dashboards, not for a hot path.
+    /// the `top` with the longest lines, among the keys of the first 128
+    /// partitions of the queue's index (those due, then those due soonest;
+    /// a queue whose keys' locks hash to at most 128 slots has them all
+    /// read), each read by one script of at most `top` keys of each kind
+    /// (at most [`MAX_KEYS_READ`]). Its work is bounded by `top`, not by
+    /// the keys: above 128 partitions, or `top` keys in a partition, the
+    /// picks are the longest among those read, not always over all keys.
+    /// [`KeyStats::keys`] counts every key, from counts the scripts keep
+    /// (on a Redis Cluster, each partition's, as [`stats`](Self::stats)
+    /// reads them). For dashboards, not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {

@@ -39,6 +39,9 @@ pub(crate) struct Shards {
     pub(crate) keys: Vec<Arc<QueueKeys>>,
     /// Whether `n` was checked against the queue's record.
     checked: tokio::sync::OnceCell<()>,
+    /// Whether this handle put the queue's name in the prefix's list of
+    /// queues (see `Queue::register`).
+    pub(crate) registered: tokio::sync::OnceCell<()>,
     /// The shard the next claim starts with.
     turn: AtomicUsize,
     /// The shards other than 0 the last reading of the index found with
@@ -65,6 +68,7 @@ impl Shards {
         Self {
             keys,
             checked: tokio::sync::OnceCell::new(),
+            registered: tokio::sync::OnceCell::new(),
             turn: AtomicUsize::new(0),
             due: Mutex::default(),
             backlog: (0..n).map(|_| AtomicBool::new(false)).collect(),

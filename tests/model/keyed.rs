@@ -427,7 +427,9 @@ impl World<'_> {
     }
 
     /// The earliest ready time (above 0) the scripts keep per partition in
-    /// the queue's `keyed:oldest` is each partition's own.
+    /// the queue's `keyed:oldest` is each partition's own, and the keys
+    /// they count (`keyed:counts`' `keys`, `key_stats`' total) are those
+    /// of the partitions' ready sets.
     async fn oldest_agrees(&self, at: &str) -> Result<(), TestCaseError> {
         let queue = self.queue.name();
         let pattern = format!("lockgate:{{*}}:{queue}:ready");
@@ -438,7 +440,10 @@ impl World<'_> {
         let mut partitions: Vec<String> = self.read(at, &["KEYS", &pattern]).await?;
         partitions.sort();
         let mut expected = Vec::new();
+        let mut keys = 0;
         for ready in partitions {
+            let n: usize = self.read(at, &["ZCARD", &ready]).await?;
+            keys += n;
             let first: Vec<(String, String)> = self
                 .read(
                     at,
@@ -466,6 +471,9 @@ impl World<'_> {
             "{}: each partition's earliest ready time",
             at
         );
+        let q = self.queue.clone();
+        let counted = self.retried(at, || q.key_stats(1)).await?.keys;
+        prop_assert_eq!(counted, keys, "{}: keys counted", at);
         Ok(())
     }
 

@@ -28,22 +28,27 @@ const HEAL_BATCH: usize = 1024;
 /// cluster ([`Keyed::heal_index`]).
 const HEAL_WINDOW: usize = 64;
 
-/// Partitions a call that visits every partition of the index (stats,
-/// key loads, a look, a recovery sweep) has in flight at once.
+/// Partitions a call that visits every partition of the index (stats
+/// on a cluster, a look, a recovery sweep) has in flight at once.
 const PARTITIONS_AT_ONCE: usize = 64;
+
+/// Partitions whose keys [`Keyed::loads`] reads (`Queue::key_stats`):
+/// the index's first, whatever the partitions in use.
+pub(crate) const KEY_PARTITIONS: isize = 128;
 
 /// Partitions one call of a recovery sweep looks at, on one server
 /// ([`Keyed::recover`]); each call ends at most 1,000 turns.
 const RECOVER_BLOCKS: usize = 256;
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
-    /// The counts of keyed messages: [in line, delayed, at work, dead], and
+    /// The counts of keyed messages: [in line, delayed, at work, dead, and
+    /// keys in line or at work with a lock (the ready sets' keys)], and
     /// since when the longest-ready key's head may be claimed (server ms,
     /// at `now` or before). The scripts keep them as they change the
     /// partitions (see `lua/keyed.lua`): on one server the queue's, read in
     /// one round trip of two commands whatever the keys; on a cluster each
     /// partition's, read at its own instant.
-    pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 4], Option<i64>)> {
+    pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 5], Option<i64>)> {
         let layout = self.layout().await?;
         if layout == Layout::Server {
             // On one server every partition names the queue's counts.
@@ -52,7 +57,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         }
         let each =
             self.each_partition(|partition| async move { self.counts_in(&partition, now).await });
-        let (mut total, mut oldest) = ([0; 4], None::<i64>);
+        let (mut total, mut oldest) = ([0; 5], None::<i64>);
         for (counts, since) in each.await? {
             for (total, n) in total.iter_mut().zip(counts) {
                 *total += n;
@@ -66,13 +71,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// The counts and the earliest ready time at or before `now` kept in
     /// `partition`'s `counts` and `oldest` (the queue's, on one server).
-    async fn counts_in(&self, partition: &Partition, now: i64) -> Result<([u64; 4], Option<i64>)> {
+    async fn counts_in(&self, partition: &Partition, now: i64) -> Result<([u64; 5], Option<i64>)> {
         let attempted = || format!("reading stats of queue `{}`", self.keys.name);
         let k = &partition.keys;
-        let (counts, first): ([Option<i64>; 4], Vec<(String, i64)>) = redis::pipe()
+        let (counts, first): ([Option<i64>; 5], Vec<(String, i64)>) = redis::pipe()
             .cmd("HMGET")
             .arg(&k[COUNTS])
-            .arg(&["lines", "schedule", "active", "dead"])
+            .arg(&["lines", "schedule", "active", "dead", "keys"])
             // Above 0: a key woken by a release or at work is not kept.
             .zrangebyscore_limit_withscores(&k[OLDEST], "(0", now, 0, 1)
             .query_async(&mut self.conn.clone())
@@ -103,21 +108,35 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .await
     }
 
-    /// The keys with messages in line or at work in every partition of the
-    /// index, with how many of each and how long the first in line has
-    /// waited since its push; at most `most` of each active and ready set.
-    /// Also how many keys the partitions hold in line or at work.
+    /// The keys with messages in line or at work in the index's first
+    /// [`KEY_PARTITIONS`] partitions (lowest entry first: those due, then
+    /// those due soonest, among them those a claim just raised), with how
+    /// many of each and how long the first in line has waited since its
+    /// push; at most `most` of each active and ready set. Also how many
+    /// keys all the partitions hold in line or at work, from the counts
+    /// the scripts keep. Its work is bounded by `most` and
+    /// [`KEY_PARTITIONS`], not by the keys.
     pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
+        use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
-        type Loads = (i64, usize, Vec<(String, u64, u64, i64)>);
-        let each = self.each_partition(|partition| async move {
-            let mut cmd = partition.call(&KEY_LOADS, 0);
+        let layout = self.layout().await?;
+        let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, KEY_PARTITIONS - 1)
+            .query_on(self.conn, attempted)
+            .await?;
+        type Loads = (i64, Vec<(String, u64, u64, i64)>);
+        let read = slots.into_iter().filter(|slot| *slot < SLOTS).map(|slot| {
+            let mut cmd = self.partition_in(slot, layout).call(&KEY_LOADS, 0);
             cmd.arg(most.max(1));
-            self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await
+            async move { self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await }
         });
-        let (mut loads, mut count) = (Vec::new(), 0);
-        for (now, keys_here, keys) in each.await? {
-            count += keys_here;
+        let read = futures_util::stream::iter(read).buffered(PARTITIONS_AT_ONCE);
+        // Any time will do: the earliest ready time is not used here.
+        let (each, counts) =
+            futures_util::future::join(read.try_collect::<Vec<Loads>>(), self.counts(i64::MAX))
+                .await;
+        let (each, (counts, _)) = (each?, counts?);
+        let mut loads = Vec::new();
+        for (now, keys) in each {
             for (key, waiting, at_work, pushed) in keys {
                 let oldest_waiting = (pushed >= 0).then(|| span(now - pushed));
                 loads.push(KeyLoad {
@@ -128,7 +147,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 });
             }
         }
-        Ok((loads, count))
+        Ok((loads, usize::try_from(counts[4]).unwrap_or(usize::MAX)))
     }
 
     /// Deletes every partition in the index, keys' limits included, each

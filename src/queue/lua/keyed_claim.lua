@@ -86,17 +86,17 @@ local function claim_locked(key, id, seq, lock, token, log, rate)
   if value then
     if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
     local pttl = math.max(redis.call('PTTL', lock), 0)
-    redis.call('ZADD', K[READY], now + pttl, key)
+    add_to(READY, now + pttl, key)
     blocked[#blocked + 1] = {key, lock, pttl}
     return
   end
   local wait = rate_wait(rate, log, token, now_us)
   if wait > 0 then
-    redis.call('ZADD', K[READY], now + wait, key)
+    add_to(READY, now + wait, key)
     return
   end
   redis.call('SET', lock, token, 'PX', lease)
-  redis.call('ZADD', K[READY], AT_WORK, key)
+  add_to(READY, AT_WORK, key)
   take(key, id, seq, 0, rate)
 end
 
@@ -105,7 +105,7 @@ end
 local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   local took = take_permit(set, set, token, lease, limit, '0', now)
   if took[1] ~= 1 then
-    redis.call('ZADD', K[READY], now + took[2], key)
+    add_to(READY, now + took[2], key)
     wait_for_permit(line, took[2] + lease)
     blocked[#blocked + 1] = {key, set, took[2]}
     return
@@ -113,19 +113,19 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   local wait = rate_wait(rate, log, token, now_us)
   if wait > 0 then
     redis.call('ZREM', set, token)
-    redis.call('ZADD', K[READY], now + wait, key)
+    add_to(READY, now + wait, key)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
   take(key, id, seq, limit, rate)
   if not head_of(key) then
-    redis.call('ZREM', K[READY], key)
+    remove_from(READY, key)
   else
     -- Full now: the queue's own turns make the key ready as they end;
     -- a permit other code holds wakes it when given back.
     local wait = permit_wait(set, limit, now)
     if wait > 0 then
-      redis.call('ZADD', K[READY], now + wait, key)
+      add_to(READY, now + wait, key)
       wait_for_permit(line, wait + lease)
       blocked[#blocked + 1] = {key, set, wait}
     end
@@ -162,7 +162,7 @@ local function claim_block(c)
       local limit, rate = 0, nil
       if id then limit, rate = limits_of(key) end
       if not id then
-        redis.call('ZREM', K[READY], key)
+        remove_from(READY, key)
       elseif limit > 0 then
         claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3], rate)
       else

@@ -229,7 +229,7 @@ local function continue(nexts, until_ms, renewed)
   counted(ACTIVE, redis.call('ZADD', KEYS[ACTIVE], unpack(active)))
   note_run(lines)
   if limit > 0 and not head_of(key) then
-    redis.call('ZREM', KEYS[READY], key)
+    remove_from(READY, key)
     ready_changed()
   end
   record[#record + 1] = acked

@@ -4,9 +4,8 @@
 -- ms, so no record is read). KEYS[1..13]: the partition
 -- ARGV[1]: the most keys to read from each of the active and ready sets
 -- (the caller's top: the work is bounded by it, not by the keys)
--- Returns {now ms, how many keys are ready or at work with a lock (the
--- ready set's size), {{key, in line, at work, its head's push ms (-1:
--- none)}, ...}}.
+-- Returns {now ms, {{key, in line, at work, its head's push ms (-1: none)},
+-- ...}}.
 local now = now_ms()
 local most = tonumber(ARGV[1])
 local seen, out = {}, {}
@@ -33,4 +32,4 @@ for _, key in ipairs(redis.call('ZRANGE', KEYS[READY], 0, most - 1)) do
   local id, seq = head_of(key)
   e[4] = id and math.floor(tonumber(seq) / 1000) or -1
 end
-return {now, redis.call('ZCARD', KEYS[READY]), out}
+return {now, out}

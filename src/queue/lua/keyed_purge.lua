@@ -8,9 +8,9 @@ redis.call('UNLINK', KEYS[DATA], KEYS[SCHEDULE], KEYS[ACTIVE], KEYS[DEAD], KEYS[
   KEYS[LINES], KEYS[READY], KEYS[KEYOF], KEYS[LIMITS])
 ready_changed()
 tally()
-local counts = redis.call('HMGET', KEYS[COUNTS], 'lines', 'schedule', 'active', 'dead')
-for i = 1, 4 do
-  if counts[i] and counts[i] ~= '0' then return true end
+for _, set in ipairs(COUNTED) do
+  local n = redis.call('HGET', KEYS[COUNTS], set[2])
+  if n and n ~= '0' then return true end
 end
 redis.call('DEL', KEYS[COUNTS])
 return true

@@ -11,7 +11,7 @@ if member ~= '' and remove_from(LINES, member) == 1 then
   -- A key with no line left is no candidate; one at work stays so.
   local from = tonumber(redis.call('ZSCORE', KEYS[READY], key))
   if from and from >= 0 and not head_of(key) then
-    redis.call('ZREM', KEYS[READY], key)
+    remove_from(READY, key)
     ready_changed()
   end
 elseif remove_from(SCHEDULE, id) + remove_from(DEAD, id) > 0 then
