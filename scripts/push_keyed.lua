@@ -521,9 +521,10 @@ end
 
 -- After a key's turn: ready from `from` when its line has a head, else gone
 -- from the ready keys. Returns whether it has a head. `at_work`: the key
--- was at work with its lock (ready at AT_WORK, below every time), so it
--- lowers the earliest ready time or leaves it as it was; else (a key with
--- permits, ready while at work) it may raise it.
+-- was surely at work with its lock (ready at AT_WORK, below every time),
+-- so it lowers the earliest ready time or leaves it as it was; else (a key
+-- with permits, ready while at work; a key whose run recovery made ready
+-- for a message of it whose lease ran out) it may raise it.
 local function after_turn(key, from, at_work)
   if not at_work then ready_changed() end
   if head_of(key) then
@@ -545,11 +546,28 @@ local function limits_of(key)
   return tonumber(limits[1]) or 0, limits[2] or nil
 end
 
+-- The field of `limits` that notes `key`'s run at work (see keyed_done.lua).
+local function run_field(key)
+  return key .. '\0run'
+end
+
+-- The run's line members listed in `run` (the note's value) and its claim.
+local function run_members(run)
+  local claim, from = string.match(run, '^(%d+):()')
+  local members = {}
+  while from and from <= #run do
+    local length, at = string.match(run, '^(%d+):()', from)
+    members[#members + 1] = string.sub(run, at, at + tonumber(length) - 1)
+    from = at + tonumber(length)
+  end
+  return members, claim
+end
+
 -- Forgets a key's limits once nothing of it is left in line or at work (a
 -- message of it out of line brings them back: see aside), and its run's
 -- note, if a run's worker died (see keyed_done.lua).
 local function forget_limits(key)
-  redis.call('HDEL', K[LIMITS], key, key .. '\0rate', key .. '\0run')
+  redis.call('HDEL', K[LIMITS], key, key .. '\0rate', run_field(key))
 end
 
 -- The keyof entry of a message of `key` out of line, with its place `seq`

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use lockgate::worker::Metrics;
-use lockgate::{BoxError, Job, PushOptions, Queue, Worker};
+use lockgate::{BoxError, Job, Locker, PushOptions, Queue, Worker};
 use serde::{Deserialize, Serialize};
 use support::{Holds, eventually, manager, ms, secs, server};
 use tokio::sync::watch;
@@ -192,6 +192,35 @@ async fn a_message_continued_by_an_ack_has_the_lease_the_ack_gives() {
     assert_eq!(third.expect("the key's last message").id(), "m3");
     tokio::time::sleep(ms(200)).await;
     assert_eq!(queue.recover(3).await.unwrap().requeued, 1);
+}
+
+/// A renewal never shortens the key's lock under a run: renewing one
+/// message of a run under a shorter lease than another's left the lock
+/// to lapse while the other was still at work, and other code took the
+/// key from under it.
+#[tokio::test]
+async fn a_renewal_under_a_shorter_lease_keeps_the_lock_for_the_rest_of_the_run() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "chain").unwrap();
+    for n in 1..=3 {
+        let options = PushOptions::new().id(format!("m{n}")).key("k");
+        queue.push_with(format!("m{n}"), options).await.unwrap();
+    }
+    let first = queue.claim(1, secs(30)).await.unwrap().jobs.remove(0);
+    let (held, run) = queue.ack_run(&[first], secs(30), 2).await.unwrap();
+    assert!(held);
+    let ids: Vec<&str> = run.iter().map(|job| job.id()).collect();
+    assert_eq!(ids, ["m2", "m3"]);
+    // m2 renewed under a short lease; m3 is still at work under 30 s.
+    assert_eq!(queue.extend([&run[0]], ms(200)).await.unwrap(), [true]);
+    tokio::time::sleep(ms(400)).await;
+    let locker = Locker::new(conn.clone());
+    assert!(
+        locker.inspect("k").await.unwrap().is_some(),
+        "the key's lock is held while m3 is at work"
+    );
+    assert!(locker.acquire("k").await.unwrap().lease().is_none());
 }
 
 /// Issue 38, item 4: a worker with thousands of keyed messages in flight

@@ -137,19 +137,7 @@ end
 -- key puts those still at work back in line: a caller that settles a
 -- run's message out of turn must not leave the key free while another is
 -- at work.
-local RUN_FIELD = key .. '\0run'
-
--- The run's line members listed in `run` (the field's value) and its claim.
-local function run_members(run)
-  local claim, from = string.match(run, '^(%d+):()')
-  local members = {}
-  while from and from <= #run do
-    local length, at = string.match(run, '^(%d+):()', from)
-    members[#members + 1] = string.sub(run, at, at + tonumber(length) - 1)
-    from = at + tonumber(length)
-  end
-  return members, claim
-end
+local RUN_FIELD = run_field(key)
 
 -- The members of this claim's run (`run`: its note) still at work and not
 -- settled by this call, and the latest of their lease deadlines (nil:
@@ -203,15 +191,28 @@ local function note_run(members)
   end
 end
 
--- Before the key is let go: its run's messages still at work, back in line.
+-- Before the key is let go: its run's messages still at work, back in
+-- line. Returns whether each message of the run is accounted for: this
+-- call's, or still at work until now. Else one left the run before this
+-- call, most likely by recovery (its lease ran out), which made the key
+-- ready while the others were at work.
 local function return_run()
   local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
-  if not run then return end
+  if not run then return true end
   redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
   local members, claim = run_members(run)
+  local this_call = {[at_work] = true}
+  for _, member in ipairs(done_members) do this_call[member] = true end
+  local accounted = true
   for _, member in ipairs(members) do
-    if remove_from(ACTIVE, member .. ':' .. claim) == 1 then add_to(LINES, 0, member) end
+    local full = member .. ':' .. claim
+    if remove_from(ACTIVE, full) == 1 then
+      add_to(LINES, 0, member)
+    elseif not this_call[full] then
+      accounted = false
+    end
   end
+  return accounted
 end
 
 -- Claims `nexts` ({id, seq} each, the key's first in line) under this
@@ -353,8 +354,12 @@ if hand_over then
     end
   end
 end
+-- Whether the key was surely at work with its lock (ready at AT_WORK):
+-- while a run was at work, recovery may have made it ready for a message
+-- of the run whose lease ran out.
+local locked_alone = false
 if limit == 0 then
-  return_run()
+  locked_alone = return_run()
   unlock(KEYS[LOCK], KEYS[WAITERS])
 else
   free_permit(KEYS[LOCK], KEYS[WAITERS], KEYS[FENCES], token, limit, ARGV[9], true, tonumber(ARGV[14]))
@@ -366,6 +371,6 @@ local function ended(status)
   if hand_over then redis.call('SET', KEYS[RECORD], status .. acked, 'PX', ARGV[19]) end
   return {status, acked, false}
 end
-if after_turn(key, from, limit == 0) then return ended(2) end
+if after_turn(key, from, locked_alone) then return ended(2) end
 if limit == 0 then forget_limits(key) end
 return ended(1)
