@@ -337,7 +337,10 @@ end
 --   letters, until they are due and join their key's line)
 -- KEYS[3] active: zset "<line member>:<claim>" -> lease deadline
 -- KEYS[4] dead: zset id -> time buried   KEYS[5] errors: hash id -> last error
--- KEYS[6] claims: the last claim number   KEYS[10] seq: the last seq handed out
+-- KEYS[6] claims: the last claim number   KEYS[10] seq: the last seq handed
+--   out (both the queue's on one server, `<p>:{<q>}:keyed:claims` and
+--   `:keyed:seq`, as the counts below; a claim call over several
+--   partitions takes one number for them all)
 -- KEYS[7] lines: zset of every message in line, score 0, "<key>\0<seq>\0<id>"
 --   (seq: 16 digits, see next_seq): a key's line is a lex range, its head
 --   the range's first
@@ -446,12 +449,26 @@ local function tally_ready()
   lowered_to, reread, first_read = nil, false, nil
 end
 
+-- The last seq handed out by this call, by seq key (see next_seq), until
+-- `tally` writes it: a call reads and writes each seq key once, however
+-- many messages it puts in line.
+local last_seqs = {}
+
+-- Keeps the last seq this call handed out in each seq key.
+local function tally_seqs()
+  for name, seq in pairs(last_seqs) do
+    redis.call('SET', name, string.format('%016d', seq))
+  end
+  last_seqs = {}
+end
+
 -- At the end of a script that changes the partition (see `counted` in
--- src/queue/keyed.rs): adds its moves to the counts, and keeps the
--- partition's earliest ready time in `oldest`.
+-- src/queue/keyed.rs): adds its moves to the counts, keeps the
+-- partition's earliest ready time in `oldest`, and the last seq handed out.
 local function tally()
   tally_counts()
   tally_ready()
+  tally_seqs()
 end
 
 -- Moves the helpers to the partition whose MORE keys (in the order above)
@@ -485,15 +502,16 @@ end
 -- orders as the number): the time `since` (ms) in thousandths, for a
 -- message that takes the place its push time gives it (one deferred into
 -- the line); else the time `now` in thousandths, and always above every
--- seq handed out before (the last one is kept), so that a push goes last
--- in line, whatever the clock does. Equal seqs order by id.
+-- seq handed out before (the last one is kept, see last_seqs), so that a
+-- push goes last in line, whatever the clock does. Equal seqs order by id.
 local function next_seq(now, since)
   if since then return string.format('%016d', since * 1000) end
-  local seq = string.format('%016d',
-    math.max(now * 1000, (tonumber(redis.call('GET', K[SEQ])) or 0) + 1))
-  redis.call('SET', K[SEQ], seq)
-  return seq
+  local last = last_seqs[K[SEQ]] or tonumber(redis.call('GET', K[SEQ])) or 0
+  local seq = math.max(now * 1000, last + 1)
+  last_seqs[K[SEQ]] = seq
+  return string.format('%016d', seq)
 end
+
 
 -- Puts a message in its key's line at `seq` (before the messages pushed
 -- after it); the key becomes ready at `now` unless its head is at work or

@@ -142,7 +142,11 @@ impl Partition {
             "seq", "limits", "counts", "oldest",
         ]
         .map(|name| match (name, layout) {
-            ("counts" | "oldest", Layout::Server) => format!("{}:keyed:{name}", queue.base),
+            // On one server the queue's own: read and written once per
+            // call, whatever partitions it goes over.
+            ("claims" | "seq" | "counts" | "oldest", Layout::Server) => {
+                format!("{}:keyed:{name}", queue.base)
+            }
             _ => format!("{base}:{name}"),
         });
         Self { slot, keys }

@@ -483,7 +483,37 @@ impl World<'_> {
         let q = self.queue.clone();
         let counted = self.retried(at, || q.key_stats(1)).await?.keys;
         prop_assert_eq!(counted, keys, "{}: keys counted", at);
-        self.locks_held(at).await
+        self.locks_held(at).await?;
+        self.seq_kept(at).await
+    }
+
+    /// The last seq handed out is kept (`keyed:seq`, the queue's on one
+    /// server): no message in line or at work has a later one, so that
+    /// the next push goes last.
+    async fn seq_kept(&self, at: &str) -> Result<(), TestCaseError> {
+        let queue = self.queue.name();
+        let kept: Option<String> = self
+            .read(at, &["GET", &format!("lockgate:{{{queue}}}:keyed:seq")])
+            .await?;
+        let kept = kept.unwrap_or_default();
+        for set in ["lines", "active"] {
+            let pattern = format!("lockgate:{{*}}:{queue}:{set}");
+            let sets: Vec<String> = self.read(at, &["KEYS", &pattern]).await?;
+            for name in sets {
+                let members: Vec<String> = self.read(at, &["ZRANGE", &name, "0", "-1"]).await?;
+                for member in members {
+                    let seq = member.split('\0').nth(1).unwrap_or_default();
+                    prop_assert!(
+                        seq <= kept.as_str(),
+                        "{}: seq {} above the kept {:?}",
+                        at,
+                        seq,
+                        kept
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The lock of a key with a message at work under a long lease is

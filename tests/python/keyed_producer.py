@@ -56,17 +56,20 @@ class KeyedProducer:
         self.script = Script(redis, script_path)
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
-        # Where the script keeps the counts: the queue's on one server, the
-        # partition's own on a Redis Cluster.
+        # Where the script keeps the counts (and the claim and seq
+        # counters): the queue's on one server, the partition's own on a
+        # Redis Cluster.
         self.counted = None if cluster else base + ":keyed"
 
     def partition(self, key):
-        """The slot of `key`'s lock and its partition's 13 keys."""
+        """The slot of `key`'s lock and its partition's 13 keys (on one
+        server the counters and counts are the queue's)."""
         slot = crc16(hash_tag(key).encode("utf-8")) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
         counted = self.counted or base
-        return slot, [base + ":" + name for name in self.NAMES] + [
-            counted + ":counts", counted + ":oldest"]
+        own = {"claims", "seq"} if self.counted else set()
+        return slot, [(counted if name in own else base) + ":" + name
+                      for name in self.NAMES] + [counted + ":counts", counted + ":oldest"]
 
     def push_all(self, messages, index=True):
         """Pushes `messages` ([key, id, when, payload] or [key, id, when,

@@ -66,9 +66,17 @@ local function answer(tag, claimed, blocked)
   return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
 end
 
+-- The claim numbers this call took, by claims key: blocks that name the
+-- same one (every block, on one server) share the call's number, taken
+-- once.
+local numbers = {}
+
 -- Moves the head `id` of `key`'s line to the active set, under this claim.
 local function take(key, id, seq, permits, rate)
-  tag = tag or next_claim(K[CLAIMS], now_us)
+  if not tag then
+    numbers[K[CLAIMS]] = numbers[K[CLAIMS]] or next_claim(K[CLAIMS], now_us)
+    tag = numbers[K[CLAIMS]]
+  end
   local member = line_member(key, seq, id)
   remove_from(LINES, member)
   add_to(ACTIVE, deadline, member .. ':' .. tag)
