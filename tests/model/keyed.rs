@@ -182,6 +182,12 @@ struct Model {
     /// depends on which keys the claims looked at, so such a key may or
     /// may not be claimed again: a claim of it is still checked.
     uncertain: [bool; KEYS],
+    /// Keys with a lock whose run lost a message to recovery while another
+    /// of the run went on under a long lease: recovery made the key ready,
+    /// and a claim that looked at it found the lock held (by the run) and
+    /// marked it waited for, so the run's end may let the key go rather
+    /// than hand it over. Until nothing of the key is at work.
+    marked: [bool; KEYS],
     /// Per message at work, how many of its key's ran back to back before
     /// it under the same hold (`ack_and_next` stops at `MAX_RUN`).
     runs: BTreeMap<usize, u32>,
@@ -406,6 +412,10 @@ impl World<'_> {
         }
         if let Op::Claim { .. } = op {
             self.claim_the_rest(at).await?;
+        }
+        for k in 0..KEYS {
+            let idle = self.model.at_work_counts(k) == (0, 0);
+            self.model.marked[k] &= !idle;
         }
         self.counts_agree(at).await
     }
@@ -878,6 +888,7 @@ impl World<'_> {
             let head = waiting.first();
             let must = head.is_some()
                 && !short
+                && !self.model.marked[k]
                 && (permits || self.model.outside[k].is_none())
                 && (!rated || self.model.admitted.1 < RATE)
                 && room > 0;
@@ -1066,6 +1077,10 @@ impl World<'_> {
 
     /// Recovery ended `count` turns: those of short leases.
     fn expired(&mut self, count: usize, at: &str) -> Result<(), TestCaseError> {
+        for k in (0..KEYS).filter(|&k| k != PERMITS_KEY) {
+            let (long, short) = self.model.at_work_counts(k);
+            self.model.marked[k] |= long > 0 && short > 0;
+        }
         let mut ended = 0;
         for (n, m) in self.model.messages.iter_mut() {
             if let State::InLine(Some((_, true))) = m.state {

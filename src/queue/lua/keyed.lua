@@ -104,7 +104,31 @@ local function tally_counts()
   moved = {}
 end
 
--- Keeps the partition's earliest ready time in `oldest`.
+-- The writes to `oldest` this call owes, by oldest key, then by partition
+-- (its ready set's name): {'set', ms}, {'lt', ms} (lowered to ms, or added
+-- if absent) or {'gone'}; `tally` writes them in at most three commands
+-- per oldest key, however many partitions the call went over.
+local owed_oldest = {}
+
+-- Owes `oldest` the partition at hand's `op` (see owed_oldest): a reread
+-- ('set', 'gone') is the partition's as it is now; 'lt' lowers what is
+-- owed already.
+local function owe_oldest(op, ms)
+  local owed = owed_oldest[K[OLDEST]] or {}
+  owed_oldest[K[OLDEST]] = owed
+  local was = owed[K[READY]]
+  if op == 'lt' and was then
+    if was[1] == 'gone' then
+      op = 'set'
+    else
+      op, ms = was[1], math.min(was[2], ms)
+    end
+  end
+  owed[K[READY]] = {op, ms}
+end
+
+-- Keeps the partition's earliest ready time in `oldest` (owed, see
+-- owed_oldest).
 local function tally_ready()
   if reread then
     local first = first_read
@@ -112,15 +136,35 @@ local function tally_ready()
       first = redis.call('ZRANGEBYSCORE', K[READY], '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     end
     if first[2] then
-      redis.call('ZADD', K[OLDEST], first[2], K[READY])
+      owe_oldest('set', tonumber(first[2]))
     else
-      redis.call('ZREM', K[OLDEST], K[READY])
+      owe_oldest('gone')
     end
   elseif lowered_to then
-    -- LT adds a partition that had no entry, and lowers one that had.
-    redis.call('ZADD', K[OLDEST], 'LT', lowered_to, K[READY])
+    owe_oldest('lt', lowered_to)
   end
   lowered_to, reread, first_read = nil, false, nil
+end
+
+-- Writes what this call owes `oldest`.
+local function tally_oldest()
+  for oldest, owed in pairs(owed_oldest) do
+    local set, lt, gone = {}, {}, {}
+    for ready, op in pairs(owed) do
+      if op[1] == 'gone' then
+        gone[#gone + 1] = ready
+      else
+        local to = op[1] == 'set' and set or lt
+        to[#to + 1] = op[2]
+        to[#to + 1] = ready
+      end
+    end
+    if #set > 0 then redis.call('ZADD', oldest, unpack(set)) end
+    -- LT adds a partition that had no entry, and lowers one that had.
+    if #lt > 0 then redis.call('ZADD', oldest, 'LT', unpack(lt)) end
+    if #gone > 0 then redis.call('ZREM', oldest, unpack(gone)) end
+  end
+  owed_oldest = {}
 end
 
 -- The last seq handed out by this call, by seq key (see next_seq), until
@@ -142,6 +186,7 @@ end
 local function tally()
   tally_counts()
   tally_ready()
+  tally_oldest()
   tally_seqs()
 end
 
@@ -216,10 +261,11 @@ end
 -- was surely at work with its lock (ready at AT_WORK, below every time),
 -- so it lowers the earliest ready time or leaves it as it was; else (a key
 -- with permits, ready while at work; a key whose run recovery made ready
--- for a message of it whose lease ran out) it may raise it.
-local function after_turn(key, from, at_work)
+-- for a message of it whose lease ran out) it may raise it. `empty`: the
+-- caller found the key's line empty since its last change (nothing read).
+local function after_turn(key, from, at_work, empty)
   if not at_work then ready_changed() end
-  if head_of(key) then
+  if not empty and head_of(key) then
     add_to(READY, from, key)
     ready_from(from)
     return true

@@ -191,6 +191,11 @@ local function note_run(members)
   end
 end
 
+-- True once this call found the key's line empty (an ack that asked for
+-- the next message, and none was there), until something puts a message
+-- back in it: the turn's end then needs not read it again.
+local line_empty = false
+
 -- Before the key is let go: its run's messages still at work, back in
 -- line. Returns whether each message of the run is accounted for: this
 -- call's, or still at work until now. Else one left the run before this
@@ -208,6 +213,7 @@ local function return_run()
     local full = member .. ':' .. claim
     if remove_from(ACTIVE, full) == 1 then
       add_to(LINES, 0, member)
+      line_empty = false
     elseif not this_call[full] then
       accounted = false
     end
@@ -290,6 +296,7 @@ end
 local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
   local nexts = heads_of(run_max)
+  line_empty = #nexts == 0
   if #nexts > 0 and redis.call('GET', KEYS[LOCK]) == token then
     -- The lock lasts as long as the longest lease of the key's messages
     -- at work: the nexts', and those of the run still at work (code that
@@ -332,7 +339,8 @@ elseif op ~= 'ack' then
 end
 
 if hand_over then
-  local next, next_seq = head_of(key)
+  local next, next_seq = nil, nil
+  if not line_empty then next, next_seq = head_of(key) end
   local rated = next and ARGV[15] == '1'
   local wait = rated and rate_wait(rate_of(key), KEYS[RATE_LOG], ARGV[11], now_us) or 0
   if wait > 0 then from = now + wait end
@@ -371,6 +379,6 @@ local function ended(status)
   if hand_over then redis.call('SET', KEYS[RECORD], status .. acked, 'PX', ARGV[19]) end
   return {status, acked, false}
 end
-if after_turn(key, from, locked_alone) then return ended(2) end
+if after_turn(key, from, locked_alone, line_empty) then return ended(2) end
 if limit == 0 then forget_limits(key) end
 return ended(1)
