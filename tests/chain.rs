@@ -158,6 +158,16 @@ async fn keys_start_again_soon_after_the_server_was_frozen() {
     assert!(drained < secs(10), "drained {drained:?} after the freeze");
 }
 
+/// A queue with messages m1, m2 and m3 on key k, in that order.
+async fn three_on_one_key(conn: &redis::aio::ConnectionManager) -> Queue<String> {
+    let queue: Queue<String> = Queue::new(conn.clone(), "chain").unwrap();
+    for n in 1..=3 {
+        let options = PushOptions::new().id(format!("m{n}")).key("k");
+        queue.push_with(format!("m{n}"), options).await.unwrap();
+    }
+    queue
+}
+
 /// The script behind the fix above: a message an acknowledgement claims
 /// has the lease that acknowledgement gives it, its key's lock renewed
 /// with it, not what was left of the first message's.
@@ -165,11 +175,7 @@ async fn keys_start_again_soon_after_the_server_was_frozen() {
 async fn a_message_continued_by_an_ack_has_the_lease_the_ack_gives() {
     let server = server();
     let conn = manager(&server).await;
-    let queue: Queue<String> = Queue::new(conn.clone(), "chain").unwrap();
-    for n in 1..=3 {
-        let options = PushOptions::new().id(format!("m{n}")).key("k");
-        queue.push_with(format!("m{n}"), options).await.unwrap();
-    }
+    let queue = three_on_one_key(&conn).await;
     let first = queue.claim(1, ms(300)).await.unwrap().jobs.remove(0);
     // Longer than the first's lease: the next outlives it.
     let (held, second) = queue.ack_and_next(&first, secs(30)).await.unwrap();
@@ -202,11 +208,7 @@ async fn a_message_continued_by_an_ack_has_the_lease_the_ack_gives() {
 async fn a_renewal_under_a_shorter_lease_keeps_the_lock_for_the_rest_of_the_run() {
     let server = server();
     let conn = manager(&server).await;
-    let queue: Queue<String> = Queue::new(conn.clone(), "chain").unwrap();
-    for n in 1..=3 {
-        let options = PushOptions::new().id(format!("m{n}")).key("k");
-        queue.push_with(format!("m{n}"), options).await.unwrap();
-    }
+    let queue = three_on_one_key(&conn).await;
     let first = queue.claim(1, secs(30)).await.unwrap().jobs.remove(0);
     let (held, run) = queue.ack_run(&[first], secs(30), 2).await.unwrap();
     assert!(held);

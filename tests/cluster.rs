@@ -1271,3 +1271,23 @@ async fn keyed_counts_are_kept_per_partition_on_a_cluster() {
     queue.purge().await.unwrap();
     assert_eq!(queue.stats().await.unwrap(), Default::default());
 }
+
+/// `queue_names` on a cluster: queues whose keys live on different nodes,
+/// each asked in its own slot (a pipeline over several slots is refused).
+#[tokio::test]
+async fn queue_names_lists_queues_on_every_node() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let names: Vec<String> = (0..6).map(|n| format!("listed-{n}")).collect();
+    let mut nodes = BTreeSet::new();
+    for name in &names {
+        let queue: Queue<u64, _> = Queue::new(conn.clone(), name).unwrap();
+        queue.push(1).await.unwrap();
+        nodes.insert(node_of(&cluster, &conn, &format!("lockgate:{{{}}}:data", tag(name))).await);
+    }
+    assert!(nodes.len() > 1, "the queues span several nodes: {nodes:?}");
+    let listed = lockgate::queue::queue_names(&conn, "lockgate")
+        .await
+        .unwrap();
+    assert_eq!(listed, names);
+}

@@ -335,14 +335,16 @@ where
     if listed.is_empty() {
         return Ok(listed);
     }
-    // Each name's keys are in one slot (its tag): one EXISTS each.
-    let mut exists = redis::pipe();
-    for name in &listed {
+    // Each name's keys are in one slot (its tag): one EXISTS each, all in
+    // flight together (not one pipeline: a cluster refuses one whose
+    // commands go to several slots).
+    let exists = listed.iter().map(|name| {
         let keys = QueueKeys::new(prefix, name);
-        exists.cmd("EXISTS").arg(&named(&keys.base, QUEUE_KEYS));
-    }
-    let found: Vec<u32> =
-        (exists.query_async(&mut conn.clone()).await).map_err(Error::redis(attempted()))?;
+        let mut cmd = redis::cmd("EXISTS");
+        cmd.arg(&named(&keys.base, QUEUE_KEYS));
+        async move { cmd.query_on::<u32, _>(conn, attempted).await }
+    });
+    let found = futures_util::future::try_join_all(exists).await?;
     let pairs = listed.into_iter().zip(found);
     Ok(pairs
         .filter(|(_, n)| *n > 0)
@@ -438,7 +440,7 @@ where
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
         check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_lease(lease)?;
-        self.register().await?;
+        self.register().await;
         let (mut claimed, slots, now) = match self.layout().await?.len() {
             1 => self.claim_plain(max, lease).await?,
             _ => self.claim_shards(max, lease).await?,
@@ -475,15 +477,20 @@ where
 
     /// Puts the queue's name in its prefix's list of queues (see
     /// [`queue_names`]), once per handle and its clones: before their first
-    /// push or claim.
-    pub(crate) async fn register(&self) -> Result<()> {
+    /// push or claim. Tried once: a failure (an ACL without `SADD`, say) is
+    /// logged, and the push or claim goes on; the queue is listed once
+    /// another handle put it there.
+    pub(crate) async fn register(&self) {
         let add = || async {
             let attempted = || format!("listing queue `{}` under its prefix", self.name());
-            redis::Cmd::sadd(registry(&self.keys.prefix), &self.keys.name)
+            let added = redis::Cmd::sadd(registry(&self.keys.prefix), &self.keys.name)
                 .query_on::<(), _>(&self.conn, attempted)
-                .await
+                .await;
+            if let Err(error) = added {
+                tracing::warn!(queue = %self.name(), %error, "could not add the queue to its prefix's list of queues (`lockgate queues`); it works on unlisted");
+            }
         };
-        self.shards.registered.get_or_try_init(add).await.map(drop)
+        self.shards.registered.get_or_init(add).await;
     }
 
     /// Claims unkeyed messages; also returns the keyed partitions that may

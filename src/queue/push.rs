@@ -243,7 +243,7 @@ where
         }
         let count = encoded.len();
         if count > 0 {
-            self.register().await?;
+            self.register().await;
         }
         let (keyed, plain): (Vec<_>, Vec<_>) = encoded
             .into_iter()

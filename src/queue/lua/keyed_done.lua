@@ -196,25 +196,27 @@ end
 -- back in it: the turn's end then needs not read it again.
 local line_empty = false
 
+-- The run's messages this call took out of the active set itself (the
+-- one it settles, those it acknowledged before it): see return_run.
+local ended_here = {[at_work] = true}
+
 -- Before the key is let go: its run's messages still at work, back in
--- line. Returns whether each message of the run is accounted for: this
--- call's, or still at work until now. Else one left the run before this
--- call, most likely by recovery (its lease ran out), which made the key
--- ready while the others were at work.
+-- line. Returns whether each message of the run is accounted for: ended
+-- by this call, or still at work until now. Else one left the run before
+-- this call, most likely by recovery (its lease ran out), which made the
+-- key ready while the others were at work.
 local function return_run()
   local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
   if not run then return true end
   redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
   local members, claim = run_members(run)
-  local this_call = {[at_work] = true}
-  for _, member in ipairs(done_members) do this_call[member] = true end
   local accounted = true
   for _, member in ipairs(members) do
     local full = member .. ':' .. claim
     if remove_from(ACTIVE, full) == 1 then
       add_to(LINES, 0, member)
       line_empty = false
-    elseif not this_call[full] then
+    elseif not ended_here[full] then
       accounted = false
     end
   end
@@ -272,7 +274,10 @@ if op ~= 'return' and not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then retur
 -- caller's mistake), is ready now.
 local gone = {}
 for i, member in ipairs(done_members) do
-  if remove_from(ACTIVE, member) == 1 then gone[#gone + 1] = done_ids[i] end
+  if remove_from(ACTIVE, member) == 1 then
+    gone[#gone + 1] = done_ids[i]
+    ended_here[member] = true
+  end
 end
 if #gone > 0 then
   redis.call('HDEL', KEYS[DATA], unpack(gone))
