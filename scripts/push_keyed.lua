@@ -582,6 +582,17 @@ local function head_of(key)
   return string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)
 end
 
+-- The first `n` messages of a key's line: {id, seq} each.
+local function heads_of(key, n)
+  local firsts = redis.call('ZRANGE', K[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
+    'BYLEX', 'LIMIT', 0, n)
+  local heads = {}
+  for i, first in ipairs(firsts) do
+    heads[i] = {string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)}
+  end
+  return heads
+end
+
 -- After a key's turn: ready from `from` when its line has a head, else gone
 -- from the ready keys. Returns whether it has a head. `at_work`: the key
 -- was surely at work with its lock (ready at AT_WORK, below every time),

@@ -1481,15 +1481,15 @@ async fn a_busy_key_handed_on_by_acknowledgements_is_released_once_at_the_end() 
         .filter(|(kind, ..)| kind != "pushed")
         .map(|(kind, id, _, key, _)| format!("{kind} {id} {}", key.as_deref().unwrap_or("-")))
         .collect();
-    // c1's acknowledgement claims c2 and c3 as a run (`Worker::key_batch`),
-    // whose end acknowledges both and lets the key go.
+    // The claim takes c1, c2 and c3 as a run (`Worker::key_batch`), whose
+    // end acknowledges all three and lets the key go.
     assert_eq!(
         turns,
         [
             "claimed c1 c",
-            "done c1 c",
             "claimed c2 c",
             "claimed c3 c",
+            "done c1 c",
             "done c2 c",
             "done c3 c",
             "key-released c3 c",
@@ -2305,23 +2305,25 @@ async fn a_run_cut_by_a_failure_keeps_push_order_and_loses_nothing() {
     assert_eq!(queue.stats().await.unwrap().dead, 0);
 }
 
-/// In a run, each message's `HeldLock` is its own: the fence it asks for
-/// is issued for it, greater than the one before.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_message_of_a_run_gets_a_fence_of_its_own() {
+/// The fences handlers asked for, one key's `total` messages in a worker
+/// (concurrency 2), each message `n` for which `fenced(n)` asking once and
+/// again (the same): (n, fence) in the order asked.
+async fn fences_asked(total: u32, fenced: fn(u32) -> bool) -> Vec<(u32, u64)> {
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "orders").unwrap();
-    push_keyed(&queue, 20, 1).await;
+    push_keyed(&queue, total, 1).await;
     let fences = Arc::new(Mutex::new(Vec::new()));
     let seen = fences.clone();
     let service = tower::service_fn(move |job: Job<Msg>| {
         let seen = seen.clone();
         async move {
-            let held = HeldLock::current().expect("the key's lock");
-            let fence = held.fence().await?;
-            assert_eq!(held.fence().await?, fence, "issued once per message");
-            seen.lock().unwrap().push((job.n, fence));
+            if fenced(job.n) {
+                let held = HeldLock::current().expect("the key's lock");
+                let fence = held.fence().await?;
+                assert_eq!(held.fence().await?, fence, "issued once per message");
+                seen.lock().unwrap().push((job.n, fence));
+            }
             Ok::<_, BoxError>(())
         }
     });
@@ -2329,11 +2331,36 @@ async fn each_message_of_a_run_gets_a_fence_of_its_own() {
         .concurrency(2)
         .unwrap();
     let running = Running::start(worker);
-    until_len(&fences, 20).await;
+    let expected = (0..total).filter(|n| fenced(*n)).count();
+    until_len(&fences, expected).await;
     running.stop().await;
-    let fences = fences.lock().unwrap();
+    fences.lock().unwrap().clone()
+}
+
+/// In a run, each message's `HeldLock` is its own: the fence it asks for
+/// is issued for it, greater than the one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_message_of_a_run_gets_a_fence_of_its_own() {
+    let fences = fences_asked(20, |_| true).await;
     let order: Vec<u32> = fences.iter().map(|(n, _)| *n).collect();
     assert_eq!(order, (0..20).collect::<Vec<_>>());
+    assert!(
+        fences.windows(2).all(|w| w[0].1 < w[1].1),
+        "fences: {fences:?}"
+    );
+}
+
+/// The same when a run's first message asks for no fence: the run was
+/// taken while the lock had none, under one token, and each later message
+/// that asked got the fence the one before it was issued (equal: a fenced
+/// write refused it as stale). A later message of a run has its fence
+/// issued anew, greater than the one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_message_of_a_run_gets_a_fence_of_its_own() {
+    // Every other message writes behind a fence.
+    let fences = fences_asked(8, |n| n % 2 == 1).await;
+    let order: Vec<u32> = fences.iter().map(|(n, _)| *n).collect();
+    assert_eq!(order, [1, 3, 5, 7]);
     assert!(
         fences.windows(2).all(|w| w[0].1 < w[1].1),
         "fences: {fences:?}"

@@ -255,6 +255,10 @@ pub(crate) struct Ticket {
     fence: OnceLock<u64>,
     /// How many permits the key admits (see [`permits`]); `None` for a lock.
     permits: Option<u32>,
+    /// Held by a later message of a keyed run, under the token of the
+    /// message before it: a fence it asks for is issued anew (see
+    /// `fence.lua`), not the one before's.
+    later_in_run: bool,
 }
 
 impl Ticket {
@@ -606,7 +610,7 @@ where
     /// Prepares an attempt at the lock on `key`.
     pub(crate) fn ticket(&self, key: String) -> Result<Arc<Ticket>> {
         check_key(&key)?;
-        Ok(self.held_ticket(key, Token::random(), None))
+        Ok(self.held_ticket(key, (Token::random(), false), None))
     }
 
     /// A ticket for the lock on `key` (one of its `permits`) with `token`: an
@@ -614,7 +618,7 @@ where
     pub(crate) fn held_ticket(
         &self,
         key: String,
-        token: Token,
+        (token, later_in_run): (Token, bool),
         permits: Option<u32>,
     ) -> Arc<Ticket> {
         Arc::new(Ticket {
@@ -623,6 +627,7 @@ where
             token,
             fence: OnceLock::new(),
             permits,
+            later_in_run,
         })
     }
 
@@ -777,7 +782,8 @@ where
         cmd.arg(ticket.lock_key())
             .arg(record)
             .arg(ticket.token)
-            .arg(millis(FENCE_GRACE));
+            .arg(millis(FENCE_GRACE))
+            .arg(if ticket.later_in_run { "1" } else { "" });
         let key = &ticket.key;
         let fence: i64 = script::run(script, &cmd, &mut self.conn.clone())
             .await

@@ -26,6 +26,7 @@ use crate::lock::{Token, detect_publish};
 use crate::script::{evalsha, run};
 
 mod claim;
+pub(crate) use claim::Terms;
 mod partitions;
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
@@ -327,6 +328,13 @@ pub(crate) struct Claimed {
     pub(crate) turns: Vec<Turn>,
     /// When a waiting key or a delayed message is due next (server ms).
     pub(crate) next_at: Option<i64>,
+}
+
+impl Claimed {
+    /// How many keys' turns it holds (a run's messages count once).
+    pub(crate) fn turns_taken(&self) -> usize {
+        self.turns.iter().filter(|turn| turn.held.run == 0).count()
+    }
 }
 
 impl Claimed {

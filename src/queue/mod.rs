@@ -394,7 +394,36 @@ where
     /// A claimed payload that does not decode as `T` is not returned: it is
     /// buried with the decoding error and counted in [`Claimed::buried`].
     pub async fn claim(&self, max: usize, lease: Duration) -> Result<Claimed<T>> {
+        self.claim_runs(max, lease, 1).await
+    }
+
+    /// Claims as [`claim`](Self::claim) does, but a keyed message's turn
+    /// may bring up to `run` of its key's first messages in line at once,
+    /// all under the key's lock and one claim
+    /// number: a run, as [`ack_run`](Self::ack_run) claims one, for a key
+    /// with a lock and no rate limit (a key with permits or a rate limit
+    /// gives one message a turn). A run's messages come one after another
+    /// in [`Claimed::jobs`], in line order. Handle them one after another
+    /// and settle them as the worker does: all together with
+    /// [`ack_run`](Self::ack_run) after the last, or, when one of them is
+    /// settled otherwise (failed, deferred, handed back), with
+    /// [`cut_run`](Self::cut_run) first. Settling one alone lets go of
+    /// the key and puts the others still at work back in line. `max`
+    /// counts turns: the jobs may number up to `max` × `run`, which must
+    /// not pass [`MAX_BATCH`]; `run` is at most [`MAX_RUN`]. The
+    /// [`Worker`](crate::Worker) claims so, with
+    /// [`key_batch`](crate::Worker::key_batch) as `run` (less where its
+    /// batch would pass those bounds): a key with a backlog pays one claim
+    /// and one acknowledgement per run rather than a hand-over after its
+    /// first message.
+    pub async fn claim_runs(&self, max: usize, lease: Duration, run: usize) -> Result<Claimed<T>> {
         check_count("claim batch", max, 1..=MAX_BATCH)?;
+        check_count("a run's messages", run, 1..=MAX_RUN as usize)?;
+        if max.saturating_mul(run) > MAX_BATCH {
+            return Err(Error::config(format_args!(
+                "a claim of {max} turns of up to {run} messages each may pass MAX_BATCH ({MAX_BATCH})"
+            )));
+        }
         check_lease(lease)?;
         self.register().await;
         let (mut claimed, slots, now) = match self.layout().await?.len() {
@@ -407,7 +436,11 @@ where
         }
         // Then keyed messages, with their keys' locks; those claimed so far
         // are leased, so a failure here must not lose them.
-        let keyed = match self.keyed().claim(&slots, now, room, lease).await {
+        let terms = keyed::Terms {
+            lease,
+            run: u32::try_from(run).unwrap_or(u32::MAX),
+        };
+        let keyed = match self.keyed().claim(&slots, now, room, terms).await {
             Ok(keyed) => keyed,
             Err(error) if claimed.jobs.is_empty() => return Err(error),
             Err(error) => {
@@ -415,11 +448,16 @@ where
                 return Ok(claimed);
             }
         };
-        for turn in keyed.turns {
-            match self.decode_turn(turn).await {
-                Ok(job) => claimed.jobs.push(job),
-                Err(buried) => claimed.buried += usize::from(buried),
-            }
+        for mut run in runs_of(keyed.turns) {
+            let (jobs, buried) = match run.len() {
+                1 => match self.decode_turn(run.remove(0)).await {
+                    Ok(job) => (vec![job], false),
+                    Err(buried) => (Vec::new(), buried),
+                },
+                _ => self.decode_run(run).await,
+            };
+            claimed.jobs.extend(jobs);
+            claimed.buried += usize::from(buried);
         }
         // As many partitions named as a claim names: the index may hold
         // more with work now, which this claim did not see.
@@ -841,6 +879,12 @@ impl ClaimToken {
             .map(|held| (held.key.as_str(), held.token, held.permits))
     }
 
+    /// Whether it follows others of its run, claimed with them (see
+    /// [`Queue::claim_runs`]).
+    pub(crate) fn continues_run(&self) -> bool {
+        self.held.as_ref().is_some_and(|held| held.run > 0)
+    }
+
     /// Non-zero when the message may have an error entry (`ack` then
     /// deletes it): after a failed attempt, and after a lease expiry, which
     /// `recover` records as an error too.
@@ -872,6 +916,11 @@ impl ClaimRef<'_> {
     /// An owned copy.
     pub fn to_token(&self) -> ClaimToken {
         self.0.clone()
+    }
+
+    /// See [`ClaimToken::continues_run`].
+    pub(crate) fn continues_run(&self) -> bool {
+        self.0.continues_run()
     }
 }
 
@@ -918,6 +967,19 @@ fn by_shard<'a>(
 }
 
 /// Refuses a count `n` outside `range` (`what`: the operation's count).
+/// Claimed keyed turns grouped by run: a run's messages (`Held::run` above
+/// 0) follow its first.
+fn runs_of(turns: Vec<keyed::Turn>) -> Vec<Vec<keyed::Turn>> {
+    let mut runs: Vec<Vec<keyed::Turn>> = Vec::new();
+    for turn in turns {
+        match runs.last_mut() {
+            Some(run) if turn.held.run > 0 => run.push(turn),
+            _ => runs.push(vec![turn]),
+        }
+    }
+    runs
+}
+
 fn check_count(what: &str, n: usize, range: std::ops::RangeInclusive<usize>) -> Result<()> {
     if range.contains(&n) {
         return Ok(());

@@ -383,15 +383,16 @@ where
         {
             Settled::Lost => Ok((false, Vec::new())),
             Settled::Done => Ok((true, Vec::new())),
-            Settled::Next(turns) => Ok((true, self.decode_run(turns).await)),
+            Settled::Next(turns) => Ok((true, self.decode_run(turns).await.0)),
         }
     }
 
     /// A run's turns as jobs, up to the first that does not decode: that
     /// one and those after it go back in line under the run's hold
     /// ([`cut_run`](Self::cut_run)), so that it comes first in the next
-    /// run; first in a run, it is buried, once the others went back.
-    async fn decode_run(&self, turns: Vec<Turn>) -> Vec<Job<T>> {
+    /// run; first in a run, it is buried, once the others went back (the
+    /// `bool`: whether it was).
+    pub(super) async fn decode_run(&self, turns: Vec<Turn>) -> (Vec<Job<T>>, bool) {
         let mut jobs: Vec<Job<T>> = Vec::with_capacity(turns.len());
         let mut turns = turns.into_iter();
         while let Some(turn) = turns.next() {
@@ -409,16 +410,16 @@ where
                     let at_work = first.claim_ref().0;
                     let unstarted: Vec<ClaimToken> = std::iter::once(token).chain(rest).collect();
                     self.cut_or_log(at_work, &unstarted).await;
+                    return (jobs, false);
                 }
                 None => {
                     let unstarted: Vec<ClaimToken> = rest.collect();
                     self.cut_or_log(&token, &unstarted).await;
-                    let _ = self.bury_undecodable(*bad).await;
+                    return (jobs, self.bury_undecodable(*bad).await);
                 }
             }
-            return jobs;
         }
-        jobs
+        (jobs, false)
     }
 
     /// Puts a run's `unstarted` messages back in line; a failure is logged

@@ -141,7 +141,8 @@ struct Config {
     sample_every: Option<Duration>,
     /// Whether each shard's depth is sampled too.
     sample_shards: bool,
-    /// How many of a key's next messages an acknowledgement claims at once.
+    /// How many of a key's messages a claim or an acknowledgement takes at
+    /// once (a run).
     key_batch: usize,
 }
 
@@ -238,11 +239,13 @@ where
         self
     }
 
-    /// How many of a keyed message's next messages its acknowledgement
-    /// claims at once, under the key's lock, to run one after another in
-    /// push order with no call between them: a busy key then pays one
-    /// script per run rather than per message (see the README's "Runs of a
-    /// key"). Default 8; 1 claims one at a time. A key with permits or a
+    /// How many of a key's messages a claim (its first ones in line) or an
+    /// acknowledgement (its next ones) takes at once, under the key's
+    /// lock, to run one after another in push order with no call between
+    /// them: a busy key then pays one script per run rather than per
+    /// message (see the README's "Runs of a key", and
+    /// [`Queue::claim_runs`](crate::Queue::claim_runs)). Default 8; 1
+    /// claims one at a time. A key with permits or a
     /// rate limit, or whose lock other code fences or waits for, goes on
     /// one message at a time; code waiting for the lock gets it at the
     /// run's end. Errors outside 1..=[`MAX_BATCH`].
@@ -756,6 +759,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     fn held_lock(&self, seq: u64, token: &ClaimToken) -> Option<HeldLock> {
         let (key, lock_token, permits) = token.held_lock()?;
         let permits = (permits > 0).then_some(permits);
+        let lock_token = (lock_token, token.continues_run());
         let ticket = self.locker.held_ticket(key.to_owned(), lock_token, permits);
         let issuer = crate::layer::fence_issuer(self.locker.clone());
         let held = HeldLock::of_claim(ticket, issuer);

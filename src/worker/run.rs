@@ -142,7 +142,13 @@ where
     ) -> std::result::Result<(), Stop> {
         let shared = &self.shared;
         let sent = Instant::now();
-        let claimed = match shared.queue.claim(max, shared.config.lease).await {
+        let lease = shared.config.lease;
+        // Runs as long as the bounds of one claim allow (see `claim_runs`).
+        let run = (shared.config.key_batch)
+            .min(crate::queue::MAX_RUN as usize)
+            .min(crate::queue::MAX_BATCH / max.max(1))
+            .max(1);
+        let claimed = match shared.queue.claim_runs(max, lease, run).await {
             Ok(claimed) => claimed,
             Err(error) => return Err(self.after_error(error, true, shutdown).await),
         };
@@ -152,16 +158,13 @@ where
             .add(Count::Claimed, claimed.jobs.len() as u64);
         shared.metrics.add(Count::Dead, claimed.buried as u64);
         (self.failures, self.claims_denied) = (0, None);
-        // A full batch: more may be due.
-        self.maybe_due = claimed.jobs.len() == max;
         self.last_look &= claimed.jobs.is_empty();
         self.next_due = claimed.next_due.map(|d| claimed_at + d);
-        let leased_until = sent + shared.config.lease;
-        let mut in_flight = shared.in_flight();
-        for job in claimed.jobs {
-            let seq = shared.track(&mut in_flight, &job, leased_until);
-            self.buffer.push_back((seq, job));
-        }
+        // Each run's first goes in the buffer, the rest wait for it.
+        let firsts = shared.track_claimed(claimed.jobs, sent + lease);
+        // A full batch: more may be due.
+        self.maybe_due = firsts.len() == max;
+        self.buffer.extend(firsts);
         Ok(())
     }
 

@@ -111,6 +111,39 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
+    /// Tracks the jobs a claim took, leased until `leased_until`: each
+    /// run's first (a job of its own, for most) is returned for the
+    /// buffer, the rest of its run kept to start after it, as a run an
+    /// acknowledgement claimed (see `Queue::claim_runs`).
+    pub(super) fn track_claimed(
+        &self,
+        jobs: Vec<Job<T>>,
+        leased_until: Instant,
+    ) -> Vec<(u64, Job<T>)> {
+        let mut firsts: Vec<(u64, Job<T>)> = Vec::with_capacity(jobs.len());
+        let mut runs: Vec<(u64, KeyRun<T>)> = Vec::new();
+        {
+            let mut in_flight = self.in_flight();
+            for job in jobs {
+                let seq = self.track(&mut in_flight, &job, leased_until);
+                let first = firsts.last().map(|(first, _)| *first);
+                match (first, job.claim_ref().continues_run()) {
+                    (Some(first), true) => match runs.last_mut() {
+                        Some((of, run)) if *of == first => run.rest.push_back((seq, job)),
+                        _ => {
+                            let rest = VecDeque::from([(seq, job)]);
+                            let handled = Vec::new();
+                            runs.push((first, KeyRun { handled, rest }));
+                        }
+                    },
+                    _ => firsts.push((seq, job)),
+                }
+            }
+        }
+        self.runs().extend(runs);
+        firsts
+    }
+
     /// Tracks a run an acknowledgement claimed, leased until
     /// `leased_until`, and hands its first message to the loop.
     fn start_run(&self, jobs: Vec<Job<T>>, leased_until: Instant) {

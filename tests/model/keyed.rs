@@ -75,9 +75,12 @@ enum Op {
         first: usize,
         later: bool,
     },
+    /// `claim_runs`: up to `max` turns, each key with a lock and no rate
+    /// limit giving up to `run` of its first messages (a run).
     Claim {
         max: usize,
         short: bool,
+        run: usize,
     },
     Ack(usize),
     /// `ack_and_next` (`max` 1) or `ack_run` of one message: the key's
@@ -128,7 +131,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..KEYS).prop_map(Op::Backlog),
         2 => (0..IDS / KEYS, prop::bool::weighted(0.1))
             .prop_map(|(row, later)| Op::PushAll { first: row * KEYS, later }),
-        5 => (1..=3usize, prop::bool::weighted(0.3)).prop_map(|(max, short)| Op::Claim { max, short }),
+        5 => (1..=3usize, prop::bool::weighted(0.3), prop_oneof![Just(1usize), 2..=4usize])
+            .prop_map(|(max, short, run)| Op::Claim { max, short, run }),
         3 => job.clone().prop_map(Op::Ack),
         3 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckNext { job, short, max }),
         2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckRun { job, short, max }),
@@ -612,10 +616,13 @@ impl World<'_> {
                     Box::pin(self.step(push, lost, at)).await?;
                 }
             }
-            Op::Claim { max, short } => {
+            Op::Claim { max, short, run } => {
                 let lease = if short { SHORT } else { LONG };
-                let jobs = self.retried(at, || q.claim(max, lease)).await?.jobs;
-                self.claimed(jobs, max, short, lost, at)?;
+                let jobs = self
+                    .retried(at, || q.claim_runs(max, lease, run))
+                    .await?
+                    .jobs;
+                self.claimed(jobs, (max, run), short, lost, at)?;
             }
             Op::Ack(j) | Op::Bury(j) => {
                 let Some((job, generation)) = self.job(j) else {
@@ -906,11 +913,6 @@ impl World<'_> {
         }
         let taken: Vec<usize> = next.iter().map(|next| *next.payload() as usize).collect();
         let most = if permits || rated { 1 } else { max.min(room) };
-        eprintln!(
-            "RUNSTAT k={k} max={max} waiting={} taken={} short={short}",
-            waiting.len(),
-            taken.len()
-        );
         prop_assert!(
             taken.len() <= most,
             "{}: {} next jobs, at most {}",
@@ -972,29 +974,45 @@ impl World<'_> {
         })
     }
 
+    /// Checks the jobs a claim of up to `max` turns took, each a run of up
+    /// to `run` messages of a key with a lock and no rate limit.
     fn claimed(
         &mut self,
         jobs: Vec<Job<u64>>,
-        max: usize,
+        (max, run): (usize, usize),
         short: bool,
         lost: bool,
         at: &str,
     ) -> Result<(), TestCaseError> {
-        prop_assert!(jobs.len() <= max, "{}: {} jobs for {}", at, jobs.len(), max);
         // A claim asks its partitions for shares of its batch, and those
-        // that filled theirs again: each job is a head of a key with room
+        // that filled theirs again: each turn is a head of a key with room
         // once the jobs before it are at work (so the key with permits may
-        // give two, its first two in line).
+        // give two, its first two in line); a key with a lock and no rate
+        // limit gives its first `run` in line (all it has, if fewer), one
+        // after another under one claim.
         let last_claim = self.last_claim;
+        let (mut turns, mut taking): (usize, Option<(usize, u64, u32)>) = (0, None);
         for job in jobs {
             let k = self.key_index(&job);
             let n = *job.payload() as usize;
-            prop_assert!(
-                self.model.with_room().contains(&k),
-                "{}: {} of a key without room",
-                at,
-                job.id()
-            );
+            let runs = k != PERMITS_KEY && k != RATED_KEY;
+            let follows = taking.filter(|(of, _, _)| *of == k && runs);
+            if let Some((_, claim, i)) = follows {
+                prop_assert_eq!(job.claim(), claim, "{}: a run under one claim", at);
+                prop_assert!((i as usize) < run, "{}: a run longer than {}", at, run);
+                taking = Some((k, claim, i + 1));
+            } else {
+                self.run_taken(taking.take(), run, at)?;
+                turns += 1;
+                prop_assert!(turns <= max, "{}: over {} turns", at, max);
+                prop_assert!(
+                    self.model.with_room().contains(&k),
+                    "{}: {} of a key without room",
+                    at,
+                    job.id()
+                );
+                taking = Some((k, job.claim(), 1));
+            }
             prop_assert_eq!(self.model.first_waiting(k), Some(n), "{}: not the head", at);
             let key = self.key(k);
             prop_assert_eq!(job.key(), Some(key.as_str()), "{}: the key", at);
@@ -1014,13 +1032,40 @@ impl World<'_> {
             }
             let m = self.model.messages.get_mut(&n).expect("known");
             m.state = State::InLine(Some((job.claim(), short)));
-            self.model.runs.remove(&n);
+            match taking {
+                Some((_, _, i)) if i > 1 => drop(self.model.runs.insert(n, i - 1)),
+                _ => drop(self.model.runs.remove(&n)),
+            }
             // A lost reply never reached the worker: the message stays at
             // work until its lease runs out (a long one: for the history).
             if !lost {
                 let generation = self.model.messages[&n].generation;
                 self.hands.push((job, generation));
             }
+        }
+        self.run_taken(taking, run, at)
+    }
+
+    /// After a turn of key `k` (`taking`: the key, its claim, how many it
+    /// took): one with a lock and no rate limit took all it could, up to
+    /// `run`.
+    fn run_taken(
+        &self,
+        taking: Option<(usize, u64, u32)>,
+        run: usize,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        let Some((k, _, took)) = taking else {
+            return Ok(());
+        };
+        if k != PERMITS_KEY && k != RATED_KEY && (took as usize) < run {
+            prop_assert_eq!(
+                self.model.first_waiting(k),
+                None,
+                "{}: a run of {} left messages in line",
+                at,
+                took
+            );
         }
         Ok(())
     }
@@ -1034,7 +1079,7 @@ impl World<'_> {
             if jobs.is_empty() {
                 break;
             }
-            self.claimed(jobs, 3, false, false, at)?;
+            self.claimed(jobs, (3, 1), false, false, at)?;
         }
         let mut room = self.model.surely_with_room();
         room.retain(|k| !self.model.uncertain[*k]);
@@ -1139,6 +1184,7 @@ fn a_run_keeps_its_lock_when_one_of_it_is_renewed_shorter() {
         Op::Claim {
             max: 1,
             short: long,
+            run: 1,
         },
         Op::AckRun {
             job: 0,

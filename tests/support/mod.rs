@@ -306,6 +306,18 @@ impl Holds {
             .collect()
     }
 
+    /// Asserts that each key's messages started in push order (numbered
+    /// in the order they were pushed).
+    #[allow(dead_code)]
+    pub fn assert_push_order(&self) {
+        for (key, list) in self.inner().intervals.iter_mut() {
+            list.sort_by_key(|(start, _, _)| *start);
+            let ns: Vec<u32> = list.iter().map(|(_, _, n)| *n).collect();
+            let in_order = ns.windows(2).all(|pair| pair[0] < pair[1]);
+            assert!(in_order, "key {key:?} started out of push order: {ns:?}");
+        }
+    }
+
     /// Asserts that no two handler runs of one key overlapped.
     pub fn assert_exclusive(&self) {
         for (key, list) in self.inner().intervals.iter_mut() {

@@ -146,7 +146,8 @@ where
     pub(crate) fn permit_ticket(&self, key: String, permits: u32) -> Result<Arc<Ticket>> {
         super::check_key(&key)?;
         let permits = check_permits(permits)?;
-        Ok(self.held_ticket(key, super::Token::random(), Some(permits)))
+        let token = (super::Token::random(), false);
+        Ok(self.held_ticket(key, token, Some(permits)))
     }
 
     pub(crate) async fn release_permit(

@@ -69,6 +69,15 @@ impl Block {
     }
 }
 
+/// What a claim asks of each turn: its lease, and how many of a key's
+/// messages it may take at once (a run, for a key with a lock and no rate
+/// limit; 1: its head alone).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Terms {
+    pub(crate) lease: Duration,
+    pub(crate) run: u32,
+}
+
 /// How many ready keys a claim of up to `max` turns in a partition names
 /// for its next call.
 fn names_for(max: usize) -> usize {
@@ -76,9 +85,10 @@ fn names_for(max: usize) -> usize {
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
-    /// Claims up to `max` heads of ready keys' lines across the partitions
+    /// Claims up to `max` turns of ready keys across the partitions
     /// `slots` (named by the queue's claim as due at the server's `now`),
-    /// each with its key's lock for `lease`. The partitions' index entries
+    /// each with its key's lock for `terms.lease`: a key's head, or a run
+    /// of its first messages (`terms.run`), in line order. The partitions' index entries
     /// are raised [`CLAIMING_MS`] ahead before the claims and settled after
     /// them, in one round trip: lowered to what each claim saw; where
     /// nothing waits, left raised while a message is at work (the end of
@@ -91,7 +101,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         slots: &[u16],
         now: i64,
         max: usize,
-        lease: Duration,
+        terms: Terms,
     ) -> Result<Claimed> {
         let slots: Vec<u16> = slots.iter().copied().filter(|s| *s < SLOTS).collect();
         if slots.is_empty() {
@@ -111,7 +121,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             false => Some(raise),
         };
         let (seen, claimed, mut failed) =
-            (self.claim_shares(&slots, (now, max, lease), (cluster, first))).await;
+            (self.claim_shares(&slots, (now, max, terms), (cluster, first))).await;
         let (mut lowered, mut idle) = (Vec::new(), Vec::new());
         for (slot, saw) in seen {
             // A partition not visited (or not claimed) is due as it was.
@@ -143,7 +153,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn claim_shares(
         &self,
         slots: &[u16],
-        (now, max, lease): (i64, usize, Duration),
+        (now, max, terms): (i64, usize, Terms),
         (cluster, mut first): (bool, Option<Cmd>),
     ) -> (Vec<(u16, (Option<i64>, Holds))>, Claimed, Option<Error>) {
         let mut seen: Vec<(u16, (Option<i64>, Holds))> = slots
@@ -157,7 +167,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             visits.retain(|(_, share)| *share > 0);
             let wave = visits.iter().map(|(i, share)| (seen[*i].0, *share));
             let wave = wave.collect();
-            let results = (self.claim_wave(wave, (now, lease), (cluster, first.take()))).await;
+            let results = (self.claim_wave(wave, (now, terms), (cluster, first.take()))).await;
             let mut full = Vec::new();
             for ((i, share), (result, took)) in visits.iter().zip(results) {
                 match result {
@@ -166,12 +176,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                         failed.get_or_insert(error);
                     }
                 }
-                if took.turns.len() == *share {
+                if took.turns_taken() == *share {
                     full.push(*i);
                 }
                 claimed.absorb(took);
             }
-            let room = max - claimed.turns.len();
+            let room = max.saturating_sub(claimed.turns_taken());
             if failed.is_some() || room == 0 || full.is_empty() {
                 break;
             }
@@ -221,13 +231,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn claim_wave(
         &self,
         visits: Vec<(u16, usize)>,
-        (now, lease): (i64, Duration),
+        (now, terms): (i64, Terms),
         (cluster, mut first): (bool, Option<Cmd>),
     ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
         let per_call = if cluster { 1 } else { visits.len().max(1) };
         let calls = visits.chunks(per_call).map(|visits| {
             let first = first.take();
-            async move { self.claim_visits(visits, (now, lease), first).await }
+            async move { self.claim_visits(visits, (now, terms), first).await }
         });
         let calls: Vec<_> = calls.collect();
         let results = futures_util::future::join_all(calls).await;
@@ -248,7 +258,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn claim_visits(
         &self,
         visits: &[(u16, usize)],
-        (now, lease): (i64, Duration),
+        (now, terms): (i64, Terms),
         first: Option<Cmd>,
     ) -> Vec<(Result<(Option<i64>, Holds)>, Claimed)> {
         let mut took: Vec<Claimed> = visits.iter().map(|_| Claimed::default()).collect();
@@ -262,7 +272,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Ok(blocks) => blocks,
             Err(error) => return failed(error, took),
         };
-        let mut replies = match self.claim_blocks(&blocks, (lease, first), &mut took).await {
+        let mut replies = match self.claim_blocks(&blocks, (terms, first), &mut took).await {
             Ok(replies) => replies,
             Err(error) => return failed(error, took),
         };
@@ -278,7 +288,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 more.push(Block::new(&blocks[*i], named));
             }
             let mut more_took: Vec<Claimed> = more.iter().map(|_| Claimed::default()).collect();
-            let result = (self.claim_blocks(&more, (lease, None), &mut more_took)).await;
+            let result = (self.claim_blocks(&more, (terms, None), &mut more_took)).await;
             for (i, took_again) in again.iter().zip(more_took) {
                 took[*i].absorb(took_again);
             }
@@ -356,18 +366,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// One claim call over `blocks` (one partition each, all on one
     /// server; after `first`, in the same round trip), resent unchanged
-    /// while no answer comes: each block's record answers a resend (see
+    /// while no answer comes: the call's record answers a resend (see
     /// `lua/keyed_claim.lua`). Each block's turns go to its `took`;
     /// returns each block's answer.
     async fn claim_blocks(
         &self,
         blocks: &[Block],
-        (lease, first): (Duration, Option<Cmd>),
+        (terms, first): (Terms, Option<Cmd>),
         took: &mut [Claimed],
     ) -> Result<Vec<Answer>> {
         let prefix = &self.keys.prefix;
-        let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len() + 1);
-        let mut cmd = evalsha(&CLAIM, keys.sum());
+        let Some(head) = blocks.first() else {
+            return Ok(Vec::new());
+        };
+        let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len());
+        let mut cmd = evalsha(&CLAIM, keys.sum::<usize>() + 1);
         for block in blocks {
             cmd.arg(&block.partition.keys[..]);
             for key in &block.candidates {
@@ -377,10 +390,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                     .arg(format!("{set}:waiters"))
                     .arg(keys::rate_key(prefix, key));
             }
-            cmd.arg(block.partition.record());
         }
-        let window = crate::script::resend_window(lease);
-        cmd.arg(millis(lease)).arg(millis(window));
+        // One record for the call, in the first block's slot (a call over
+        // several blocks is on one server).
+        cmd.arg(head.partition.record());
+        let window = crate::script::resend_window(terms.lease);
+        cmd.arg(millis(terms.lease))
+            .arg(millis(window))
+            .arg(terms.run.max(1));
         for block in blocks {
             let share = block.share;
             cmd.arg(share)
@@ -486,11 +503,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// The turns a claim script took in `block`; each key is one of its
-    /// candidates, claimed with its token.
+    /// candidates, claimed with its token; a run's messages count the
+    /// messages before them (`Held::run`).
     fn turns(&self, block: &Block, claim: u64, taken: Vec<Taken>) -> Vec<Turn> {
         let text = |bytes: Vec<u8>| String::from_utf8(bytes).ok();
         let (candidates, tokens) = (&block.candidates, &block.tokens);
-        let mut turns = Vec::with_capacity(taken.len());
+        let mut turns: Vec<Turn> = Vec::with_capacity(taken.len());
         for (key, id, seq, permits, rated, record) in taken {
             let found = candidates.iter().position(|k| k.as_bytes() == key);
             let (Some(i), Some(stored), Some(seq)) = (found, text(id), text(seq)) else {
@@ -499,13 +517,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 tracing::error!(queue = %self.keys.name, "keyed claim returned a malformed entry");
                 continue;
             };
+            // A run's messages follow its first, under one token.
+            let run = match turns.last() {
+                Some(last) if last.held.key == candidates[i] => last.held.run.saturating_add(1),
+                _ => 0,
+            };
             let held = Held {
                 key: candidates[i].clone(),
                 token: tokens[i],
                 permits,
                 rated,
                 partition: block.partition.clone(),
-                run: 0,
+                run,
                 seq,
             };
             turns.push(Turn {

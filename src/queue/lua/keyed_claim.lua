@@ -1,13 +1,16 @@
 -- Claims the heads of ready keys' lines with the keys' locks or permits
 -- (see keyed.lua), after moving the messages that became due into their
 -- lines: in one partition, or in several at once on one server (a block
--- each, claimed in turn).
+-- each, claimed in turn). A key with a lock and no rate limit gives up to
+-- ARGV[3] of its first messages at once, a run under one lock and claim
+-- number (see keyed_done.lua), noted as a hand-over's run is.
 -- KEYS, per block: the partition's 13 keys; per candidate key, its lock,
--- its permits' set, the set's line of waiters and its rate limit log; the
--- block's record
+-- its permits' set, the set's line of waiters and its rate limit log; then
+-- the call's record, last
 -- ARGV[1]: lease in ms (the lock's or permit's too)
 -- ARGV[2]: how long to keep a record (ms)
--- ARGV[3..], per block: how many at most; how many candidates to name for
+-- ARGV[3]: how many messages of a key with a lock a turn may take (a run)
+-- ARGV[4..], per block: how many turns at most; how many candidates to name for
 -- its next call; how many candidates it has; per candidate, its key and a
 -- fresh token, in KEYS' order
 -- A candidate is claimed when it is ready (a head in line, no delay to wait
@@ -20,40 +23,44 @@
 -- call: one with room left is named again for the next.
 -- Returns per block {claim, when a key or a delayed message is due next
 -- (ms, -1 for none), {candidate keys}, {key, id, seq, permits (0: the
--- lock), 1 if the key has a rate limit else 0, record, ...}, {key that
+-- lock), 1 if the key has a rate limit else 0, record, ...} (a run's
+-- messages one after another, in line order), {key that
 -- other code keeps full, the lock or set to watch, ms until its first
 -- lease ends, ...}, what the partition holds: 0 no message at all, 1 a
 -- message at work, 2 messages, none at work}.
--- A block's record ("<claim>:<lease deadline>:<count>"), named by the
--- caller for this call alone, makes the call safe to resend (see
--- claim.lua): a resend answers the turns the first call took that still
--- hold, and takes nothing more.
+-- The call's record ("<lease deadline>", then ";<claim>:<count>" per
+-- block, "0:0" for one that took nothing), named by the caller for this
+-- call alone, makes the call safe to resend (see claim.lua): a resend
+-- answers the turns the first call took that still hold, and takes
+-- nothing more. One record per call, however many blocks: read once,
+-- written once.
 local now, now_us = server_time()
-local lease = tonumber(ARGV[1])
+local lease, RUN = tonumber(ARGV[1]), math.max(tonumber(ARGV[3]) or 1, 1)
+local RECORD = KEYS[#KEYS]
 -- The block at hand: where its keys and arguments start (KEYS[kb + 1],
--- ARGV[ab + 1]), its most turns, its record; what it claimed, found
--- blocked, its claim number, its leases' deadline.
-local kb, ab, max, RECORD = 0, 2, 0, nil
-local claimed, blocked, tag, deadline = {}, {}, nil, now + lease
+-- ARGV[ab + 1]), its most turns; what it claimed (messages), found
+-- blocked, its claim number, its leases' deadline, its turns taken.
+local kb, ab, max = 0, 3, 0
+local claimed, blocked, tag, deadline, turns = {}, {}, nil, now + lease, 0
 
 -- The answer after the turns `claimed` (and the keys `blocked`): the keys
--- to name next, when one is due next, what the partition holds.
--- Under a backlog it reads two things: the ready keys (the first of them
--- is the earliest) and the schedule's head; the rest only when those leave
--- it open.
-local function answer(tag, claimed, blocked)
+-- to name next, when one is due next, what the partition holds. `due`:
+-- the schedule's head as the block last read it (false: read it here).
+-- Under a backlog it reads one thing: the first ready keys, whether ready
+-- now or later (the first of them is the earliest); the rest only when
+-- that leaves it open.
+local function answer(tag, claimed, blocked, due)
   local name = tonumber(ARGV[ab + 2])
-  local ready = redis.call('ZRANGEBYSCORE', K[READY], 0, now, 'WITHSCORES', 'LIMIT', 0,
+  local ready = redis.call('ZRANGEBYSCORE', K[READY], 0, '+inf', 'WITHSCORES', 'LIMIT', 0,
     math.max(name, 1))
   local candidates = {}
-  for i = 1, math.min(#ready / 2, name) do candidates[i] = ready[2 * i - 1] end
-  first_read = {ready[1], ready[2]}
-  if not ready[2] then
-    first_read = redis.call('ZRANGEBYSCORE', K[READY], '(' .. now, '+inf', 'WITHSCORES',
-      'LIMIT', 0, 1)
+  for i = 1, math.min(#ready / 2, name) do
+    if tonumber(ready[2 * i]) > now then break end
+    candidates[i] = ready[2 * i - 1]
   end
+  first_read = {ready[1], ready[2]}
   local next_at = tonumber(first_read[2]) or -1
-  local due = head_due(K[SCHEDULE])
+  if due == false then due = head_due(K[SCHEDULE]) end
   if due and (next_at < 0 or due < next_at) then next_at = due end
   -- What it holds: a turn it just took is at work; a ready key or a
   -- delayed message is a message.
@@ -71,25 +78,41 @@ end
 -- once.
 local numbers = {}
 
--- Moves the head `id` of `key`'s line to the active set, under this claim.
-local function take(key, id, seq, permits, rate)
+-- Moves `heads` ({id, seq} each, the first of `key`'s line) to the active
+-- set, under this claim: one turn; a run of several is noted (see
+-- keyed_done.lua), so that whatever lets go of the key puts those still
+-- at work back in line.
+local function take(key, heads, permits, rate)
   if not tag then
     numbers[K[CLAIMS]] = numbers[K[CLAIMS]] or next_claim(K[CLAIMS], now_us)
     tag = numbers[K[CLAIMS]]
   end
-  local member = line_member(key, seq, id)
-  remove_from(LINES, member)
-  add_to(ACTIVE, deadline, member .. ':' .. tag)
-  claimed[#claimed + 1] = key
-  claimed[#claimed + 1] = id
-  claimed[#claimed + 1] = seq
-  claimed[#claimed + 1] = permits
-  claimed[#claimed + 1] = rate and 1 or 0
-  claimed[#claimed + 1] = redis.call('HGET', K[DATA], id) or ''
+  local members, active, ids, note = {}, {}, {}, {tag, ':'}
+  for i, head in ipairs(heads) do
+    local member = line_member(key, head[2], head[1])
+    members[i], ids[i] = member, head[1]
+    active[2 * i - 1], active[2 * i] = deadline, member .. ':' .. tag
+    note[#note + 1] = #member .. ':' .. member
+  end
+  counted(LINES, -redis.call('ZREM', K[LINES], unpack(members)))
+  counted(ACTIVE, redis.call('ZADD', K[ACTIVE], unpack(active)))
+  if #heads > 1 then redis.call('HSET', K[LIMITS], run_field(key), table.concat(note)) end
+  local records = redis.call('HMGET', K[DATA], unpack(ids))
+  for i, head in ipairs(heads) do
+    append(claimed, key, head[1], head[2], permits, rate and 1 or 0, records[i] or '')
+  end
+  turns = turns + 1
 end
 
--- A key with a lock: its head with the lock, if free.
-local function claim_locked(key, id, seq, lock, token, log, rate)
+-- A key with a lock: its `heads` (a run: without a rate limit; else its
+-- head alone) with the lock, if free (without a rate limit to ask first,
+-- taken at once where free).
+local function claim_locked(key, heads, lock, token, log, rate)
+  if not rate and redis.call('SET', lock, token, 'NX', 'PX', lease) then
+    add_to(READY, AT_WORK, key)
+    take(key, heads, 0, rate)
+    return
+  end
   local value = redis.call('GET', lock)
   if value then
     if string.byte(value, -1) ~= 33 then redis.call('APPEND', lock, '!') end
@@ -105,7 +128,7 @@ local function claim_locked(key, id, seq, lock, token, log, rate)
   end
   redis.call('SET', lock, token, 'PX', lease)
   add_to(READY, AT_WORK, key)
-  take(key, id, seq, 0, rate)
+  take(key, rate and {heads[1]} or heads, 0, rate)
 end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
@@ -125,7 +148,7 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
-  take(key, id, seq, limit, rate)
+  take(key, {{id, seq}}, limit, rate)
   if not head_of(key) then
     remove_from(READY, key)
   else
@@ -140,55 +163,77 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
   end
 end
 
+-- A resend's answer for the block at hand, from the first call's record
+-- of it (`was`: "<claim>:<count>"; `was_deadline`): the turns it took
+-- that still hold.
+local function answer_again(was, was_deadline)
+  local was_tag, count = string.match(was, '^(%d+):(%d+)$')
+  local taken = {}
+  for _, member in ipairs(leases_of(K[ACTIVE], was_tag, was_deadline, tonumber(count))) do
+    local key, seq, id = string.match(member, '^([^%z]*)%z(%d+)%z(.*)$')
+    local limit, rate = limits_of(key)
+    append(taken, key, id, seq, limit, rate and 1 or 0, redis.call('HGET', K[DATA], id) or '')
+  end
+  return answer(was_tag, taken, {}, false)
+end
+
 -- Claims in the block at hand, whose `c` candidates follow its keys.
 local function claim_block(c)
   -- Keys it claims or finds blocked change their ready time either way.
   ready_changed()
-  max, RECORD = tonumber(ARGV[ab + 1]), KEYS[kb + MORE + 4 * c + 1]
-  claimed, blocked, tag = {}, {}, nil
-  local kept = redis.call('GET', RECORD)
-  if kept then
-    local was, was_deadline, count = string.match(kept, '^(%d+):(%d+):(%d+)$')
-    local taken = {}
-    for _, member in ipairs(leases_of(K[ACTIVE], was, was_deadline, tonumber(count))) do
-      local key, seq, id = string.match(member, '^([^%z]*)%z(%d+)%z(.*)$')
-      local limit, rate = limits_of(key)
-      append(taken, key, id, seq, limit, rate and 1 or 0, redis.call('HGET', K[DATA], id) or '')
-    end
-    return answer(was, taken, {})
-  end
+  max = tonumber(ARGV[ab + 1])
+  claimed, blocked, tag, turns = {}, {}, nil, 0
   -- As many due messages join their lines as the claim may take: the
   -- work is bounded by the claim's own batch; the rest, still due, keep
-  -- the partition due (`head_due` below) for the next claim.
-  promote(now, max)
+  -- the partition due (`head_due` in the answer) for the next claim.
+  local due = head_due(K[SCHEDULE])
+  if due and due <= now then
+    promote(now, max)
+    due = false
+  end
   for i = 1, c do
-    if #claimed >= 6 * max then break end
+    if turns >= max then break end
     local key, token, at = ARGV[ab + 2 + 2 * i], ARGV[ab + 3 + 2 * i], kb + MORE - 3 + 4 * i
     local from = tonumber(redis.call('ZSCORE', K[READY], key))
     if from and from >= 0 and from <= now then
-      local id, seq = head_of(key)
+      local heads = heads_of(key, RUN)
       local limit, rate = 0, nil
-      if id then limit, rate = limits_of(key) end
-      if not id then
+      if heads[1] then limit, rate = limits_of(key) end
+      if not heads[1] then
         remove_from(READY, key)
       elseif limit > 0 then
+        local id, seq = heads[1][1], heads[1][2]
         claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3], rate)
       else
-        claim_locked(key, id, seq, KEYS[at], token, KEYS[at + 3], rate)
+        claim_locked(key, heads, KEYS[at], token, KEYS[at + 3], rate)
       end
     end
   end
-  if #claimed > 0 then
-    redis.call('SET', RECORD, string.format('%s:%d:%d', tag, deadline, #claimed / 6), 'PX', ARGV[2])
-  end
-  return answer(tag, claimed, blocked)
+  return answer(tag, claimed, blocked, due), string.format('%s:%d', tag or 0, #claimed / 6)
 end
 
-local answers = {}
+-- A resend: each block answered from the record, nothing claimed.
+local kept = redis.call('GET', RECORD)
+local was_deadline, was_blocks = nil, {}
+if kept then
+  local from
+  was_deadline, from = string.match(kept, '^(%d+)()')
+  for was in string.gmatch(string.sub(kept, from), ';([^;]*)') do was_blocks[#was_blocks + 1] = was end
+end
+
+local answers, record, took = {}, {deadline}, false
 while ab < #ARGV do
   local c = tonumber(ARGV[ab + 3])
   enter_partition(kb)
-  answers[#answers + 1] = claim_block(c)
-  kb, ab = kb + MORE + 4 * c + 1, ab + 3 + 2 * c
+  if kept then
+    answers[#answers + 1] = answer_again(was_blocks[#answers + 1] or '0:0', was_deadline)
+  else
+    local block_answer, took_here = claim_block(c)
+    answers[#answers + 1] = block_answer
+    record[#record + 1] = took_here
+    took = took or block_answer[4][1] ~= nil
+  end
+  kb, ab = kb + MORE + 4 * c, ab + 3 + 2 * c
 end
+if took then redis.call('SET', RECORD, table.concat(record, ';'), 'PX', ARGV[2]) end
 return answers

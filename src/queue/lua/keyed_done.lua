@@ -120,17 +120,6 @@ local done_ids, done_members, returned_from = listed(21)
 local returned_ids, returned_members = listed(returned_from)
 local acked = ''
 
--- The first `n` messages of the key's line: {id, seq} each.
-local function heads_of(n)
-  local firsts = redis.call('ZRANGE', KEYS[LINES], '[' .. key .. '\0', '(' .. key .. '\1',
-    'BYLEX', 'LIMIT', 0, n)
-  local heads = {}
-  for i, first in ipairs(firsts) do
-    heads[i] = {string.sub(first, #key + 19), string.sub(first, #key + 2, #key + 17)}
-  end
-  return heads
-end
-
 -- While more than one message of the key is at work under this claim (a
 -- run), the limits hash lists them ("<key>\0run" -> "<claim>:" then
 -- "<#member>:<member>" per line member), so that whatever lets go of the
@@ -267,7 +256,24 @@ local function unlock(lock, line)
   redis.call(ARGV[9], lock, next)
 end
 
-if op ~= 'return' and not redis.call('ZSCORE', KEYS[ACTIVE], at_work) then return resent() end
+-- The message itself leaves the active set first: if it was not there,
+-- the claim is no longer held (or this is a resend).
+-- After some of the run left it (acknowledged, back in line) while the
+-- message goes on: the key's lock lasts as long as the longest lease of
+-- the run's messages still at work, no longer (a hand-over may have given
+-- those that left a longer one): a worker that dies now leaves the key
+-- locked no longer than its own lease.
+local function fit_lock()
+  local value = redis.call('GET', KEYS[LOCK])
+  if not value or not owns(value, token) then return end
+  local latest = tonumber(redis.call('ZSCORE', KEYS[ACTIVE], at_work))
+  local others = run_before().latest
+  if others and (not latest or others > latest) then latest = others end
+  local left = latest and latest - now_ms()
+  if left and left > 0 then redis.call('PEXPIRE', KEYS[LOCK], left) end
+end
+
+if op ~= 'return' and remove_from(ACTIVE, at_work) == 0 then return resent() end
 
 -- The run's earlier messages, acknowledged; its messages not started, back
 -- in line at their place: the key stays at work, or, let go meanwhile (a
@@ -289,9 +295,11 @@ for i, member in ipairs(returned_members) do
     rejoin(key, ARGV[returned_from + 2 * i], returned_ids[i], returned_at)
   end
 end
-if op == 'return' then return {1, '', false} end
+if op == 'return' then
+  if limit == 0 and (#gone > 0 or #returned_ids > 0) then fit_lock() end
+  return {1, '', false}
+end
 
-remove_from(ACTIVE, at_work)
 if op == 'ack' then
   if ARGV[16] == '1' then acked = redis.call('HGET', KEYS[DATA], id) or '' end
   redis.call('HDEL', KEYS[DATA], id)
@@ -300,7 +308,7 @@ end
 
 local hand_over = op == 'ack' and ARGV[10] ~= ''
 if hand_over and limit == 0 and ARGV[15] ~= '1' then
-  local nexts = heads_of(run_max)
+  local nexts = heads_of(key, run_max)
   line_empty = #nexts == 0
   if #nexts > 0 and redis.call('GET', KEYS[LOCK]) == token then
     -- The lock lasts as long as the longest lease of the key's messages
