@@ -411,3 +411,55 @@ async fn a_worker_runs_a_claimed_run_with_one_acknowledgement_per_key() {
     eprintln!("{calls} script calls for {keys} keys of 3");
     assert!(calls < 400, "{calls} script calls for {keys} keys of 3");
 }
+
+/// A `LockLayer` inside a keyed worker's handler that defers a run's later
+/// message in place (another key it needs is busy) settles it by its own
+/// token, which lets the key go: that put the run's messages handled
+/// before it back in line, and they ran again. Such a settlement now
+/// acknowledges them first (`ClaimToken`'s run before it, set by the
+/// worker), as the worker's own cut of the run does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_member_deferred_in_place_does_not_run_the_ones_before_it_again() {
+    use lockgate::{LockLayer, OnConflict};
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "chain").unwrap();
+    push_backlog(&queue, 5, 1).await;
+    // Message 2 also needs "other", held elsewhere for 300 ms.
+    let holder = Locker::new(conn.clone()).ttl(ms(300)).unwrap();
+    assert!(holder.acquire("other").await.unwrap().lease().is_some());
+    let key_of = |job: &Job<Msg>| match job.n {
+        2 => "other".to_owned(),
+        n => format!("free-{n}"),
+    };
+    let layer = LockLayer::new(Locker::new(conn.clone()), key_of)
+        .on_conflict(OnConflict::defer(queue.clone(), ms(50)));
+    let holds = Holds::default();
+    let recorded = holds.clone();
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service_fn(move |job: Job<Msg>| {
+            let holds = recorded.clone();
+            async move {
+                let now = Instant::now();
+                holds.record(&job.key, job.n, now, now);
+                Ok::<_, BoxError>(())
+            }
+        });
+    let (stop, stopped) = watch::channel(false);
+    let mut stopped_too = stopped.clone();
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let run = tokio::spawn(worker.run_until(async move {
+        let _ = stopped_too.wait_for(|stop| *stop).await;
+    }));
+    until_handled(&holds, 5, secs(20)).await;
+    // Long enough for a message put back in line to run again.
+    tokio::time::sleep(ms(300)).await;
+    stop.send_replace(true);
+    run.await.unwrap().unwrap();
+    drop(stopped);
+    holds.assert_each_once(5);
+    holds.assert_push_order();
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.active, stats.later), (0, 0, 0));
+}

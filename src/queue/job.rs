@@ -104,6 +104,7 @@ impl<T: DeserializeOwned> Job<T> {
             stalls: r.stalls,
             held,
             shard,
+            run_before: None,
         };
         let job = Job {
             token,
@@ -129,6 +130,13 @@ impl<T: DeserializeOwned> Job<T> {
 }
 
 impl<T> Job<T> {
+    /// Gives it the messages of its run handled before it (see
+    /// `ClaimToken::run_before`): the worker does, before handing it to
+    /// its service.
+    pub(crate) fn set_run_before(&mut self, handled: Arc<[ClaimToken]>) {
+        self.token.run_before = Some(handled);
+    }
+
     /// The message id.
     pub fn id(&self) -> &str {
         &self.token.id

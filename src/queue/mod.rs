@@ -610,6 +610,7 @@ where
             stalls: 0,
             held: Some(turn.held.clone()),
             shard: 0,
+            run_before: None,
         }
     }
 
@@ -858,6 +859,13 @@ pub struct ClaimToken {
     held: Option<Arc<Held>>,
     /// The shard it was claimed from (0 for a keyed message).
     shard: u16,
+    /// For a keyed message a worker runs later in a run: the messages of
+    /// the run handled before it, not acknowledged yet. Whatever settles
+    /// it by this token (a `LockLayer` that defers it in place, say)
+    /// acknowledges them first, as the worker's cut of the run would: the
+    /// settlement lets the key go, and would otherwise put them back in
+    /// line to run again.
+    run_before: Option<Arc<[ClaimToken]>>,
 }
 
 impl ClaimToken {
@@ -877,6 +885,12 @@ impl ClaimToken {
         self.held
             .as_ref()
             .map(|held| (held.key.as_str(), held.token, held.permits))
+    }
+
+    /// The messages of its run handled before it, not acknowledged yet
+    /// (see `run_before`).
+    pub(crate) fn run_before(&self) -> &[ClaimToken] {
+        self.run_before.as_deref().unwrap_or_default()
     }
 
     /// Whether it follows others of its run, claimed with them (see

@@ -438,8 +438,14 @@ where
         outcome: Outcome<'_>,
     ) -> Result<bool> {
         let member = (job.id.as_str(), job.claim, job.failures());
+        // The run's messages handled before it, acknowledged first (a
+        // worker's job handed to a service, see `ClaimToken::run_before`).
+        let run = RunArgs {
+            handled: job.run_before(),
+            ..RunArgs::ONE
+        };
         let settled = (self.keyed())
-            .done(held, member, outcome, (None, RunArgs::ONE))
+            .done(held, member, outcome, (None, run))
             .await?;
         Ok(settled != Settled::Lost)
     }

@@ -67,11 +67,16 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
     {
         return shared.ack_and_continue((seq, flight), token, acks).await;
     }
+    let Some(settlement) = settlement else {
+        // Rescheduled in place by a `LockLayer`, by the job's own token:
+        // that settlement acknowledged the run's messages handled before
+        // it and put the rest back in line as it let the key go.
+        return shared.drop_run(seq);
+    };
     shared.cut_run(seq, &token).await;
     match settlement {
-        Some(Settlement::Ack(done)) => shared.queue_ack(&acks, token, done).await,
-        Some(settlement) => shared.settle(&token, settlement).await,
-        None => {}
+        Settlement::Ack(done) => shared.queue_ack(&acks, token, done).await,
+        settlement => shared.settle(&token, settlement).await,
     }
 }
 

@@ -249,7 +249,19 @@ where
     }
 
     /// Calls the service with `job` and spawns the call's handling.
-    fn start(&mut self, seq: u64, job: Job<T>, token: ClaimToken, permit: OwnedSemaphorePermit) {
+    fn start(
+        &mut self,
+        seq: u64,
+        mut job: Job<T>,
+        token: ClaimToken,
+        permit: OwnedSemaphorePermit,
+    ) {
+        // A later message of a run: whatever settles it by its own token
+        // acknowledges the run's messages handled before it (the worker's
+        // `token` does not: it cuts the run itself).
+        if let Some(handled) = self.shared.handled_before(seq) {
+            job.set_run_before(handled);
+        }
         // Field names of OpenTelemetry's messaging conventions, so an
         // OpenTelemetry subscriber shows them as they are.
         let queue = self.shared.queue.name();

@@ -9,8 +9,8 @@
 //! line, and the key's lock stays with it until its own settlement.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 
 use tokio::time::Instant;
 
@@ -109,6 +109,14 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                 self.queue_ack(&acks, token, true).await;
             }
         }
+    }
+
+    /// The messages of message `seq`'s run handled before it, not
+    /// acknowledged yet; `None` for none.
+    pub(super) fn handled_before(&self, seq: u64) -> Option<Arc<[ClaimToken]>> {
+        let runs = self.runs();
+        let handled = &runs.get(&seq)?.handled;
+        (!handled.is_empty()).then(|| handled.iter().map(|(_, token)| token.clone()).collect())
     }
 
     /// Tracks the jobs a claim took, leased until `leased_until`: each
