@@ -404,7 +404,7 @@ async fn activity_counts_the_newest_messages_of_a_busy_queue() {
 /// Each second's counts go to the bucket it ends in: the current second to
 /// the newest bucket, a second 25 s ago to the bucket of 30 to 40 s ago
 /// counted from the window's start; a slot last written an hour ago reads
-/// as zero. (The counts are the README's `activity` hash, written here
+/// as zero. (The counts are the `activity` hash of docs/internals.md, written here
 /// directly at known seconds.)
 #[tokio::test]
 async fn activity_puts_each_second_in_its_bucket() {

@@ -479,7 +479,7 @@ async fn force_unlock_of_a_long_line_does_not_block_the_server() {
 }
 
 // ---------------------------------------------------------------------------
-// The rule, read from the scripts themselves (the README's "Key layout"):
+// The rule, read from the scripts themselves (docs/internals.md, "Key layout"):
 // every script's work is bounded by its arguments (a batch size, a LIMIT or
 // COUNT, a constant stated next to it), never by the data.
 

@@ -1,5 +1,5 @@
 //! A producer in another language (Python, standard library only) pushes
-//! through the shipped `scripts/push.lua`, as the README tells it to; the
+//! through the shipped `scripts/push.lua`, as docs/internals.md tells it to; the
 //! Rust side claims. Every message is claimed exactly once, and pushing an
 //! id again (a duplicate, a retried push, or after a worker claimed it)
 //! never puts it back on the schedule.

@@ -202,7 +202,7 @@ async fn under_a_backlog_each_claim_is_one_shards_batch_and_the_shards_take_turn
     }
 }
 
-/// CRC16-XMODEM, the hash slot function (the README's recipe).
+/// CRC16-XMODEM, the hash slot function (the recipe in docs/cluster.md).
 fn crc16(text: &str) -> u64 {
     let mut crc: u16 = 0;
     for byte in text.bytes() {

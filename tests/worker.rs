@@ -396,7 +396,7 @@ async fn a_job_behind_a_buffer_is_deferred_in_place() {
     );
 }
 
-/// The other placement (the README's "Composing"): tower's `Buffer` inside
+/// The other placement (docs/layer.md, "Composing"): tower's `Buffer` inside
 /// the LockLayer over the `Job`. A deferral reschedules the claimed job in
 /// place (no copy); the handler's `call` runs on the buffer's task, where
 /// `HeldLock::current()` is not set, but the future it returns runs in the

@@ -376,8 +376,8 @@ struct ClusterRun {
 /// Runs the sharded-queue workload on a cluster whose masters are
 /// `masters` (a connection to each): one queue in one slot, then the same
 /// queue over as many shards as masters, each pushed `messages` and drained
-/// by a worker at concurrency 50 (see README, "One queue across a Redis
-/// Cluster").
+/// by a worker at concurrency 50 (see docs/cluster.md, "One queue across a
+/// Redis Cluster").
 pub async fn run_cluster(
     client: &redis::cluster::ClusterClient,
     conn: &redis::cluster_async::ClusterConnection,

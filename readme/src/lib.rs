@@ -1,14 +1,16 @@
-//! Every ```rust block of lockgate's README, compiled by `cargo test`.
+//! Every ```rust block of lockgate's README and of its guides under `docs/`,
+//! compiled by `cargo test`.
 //!
-//! The README's blocks are excerpts: they use names its prose introduces
+//! The blocks are excerpts: they use names the prose introduces
 //! (`client`, `conn`, `queue`, `locker`, an `Order` type, a `handle_order`
 //! handler). The build script pastes each block, unchanged, into an `async
 //! fn` of its own after `src/prelude.rs.in`, which binds those names; this
 //! module declares the types and functions they refer to. The functions are
 //! type-checked, never run (every value comes from `any()`), so a block
 //! that no longer compiles against lockgate's API fails the build, and the
-//! error names its README line. Blocks are checked, not run: what they do is
-//! the business of the tests beside the features they show.
+//! error names its file and line (`// docs/layer.md line 23`). Blocks are
+//! checked, not run: what they do is the business of the tests beside the
+//! features they show.
 #![forbid(unsafe_code)]
 
 #[cfg(test)]
@@ -37,7 +39,7 @@ mod blocks {
 
     /// A value of any type, for code that is compiled and never run.
     fn any<T>() -> T {
-        unreachable!("README blocks are compiled, not run")
+        unreachable!("README and guide blocks are compiled, not run")
     }
 
     /// The README's message types.
@@ -101,13 +103,36 @@ mod blocks {
 
     include!(concat!(env!("OUT_DIR"), "/blocks.rs"));
 
-    /// The extraction missed no block: as many compiled as the README has.
+    /// The extraction missed no block: as many compiled from each file as
+    /// it has, the README's and every guide's under `docs/`.
     #[test]
     fn every_rust_block_of_the_readme_is_compiled() {
         let readme = include_str!("../../README.md");
-        let found = readme.lines().filter(|l| l.starts_with("```rust")).count();
-        assert!(found > 0, "the README has no ```rust block");
-        assert_eq!(BLOCK_LINES.len(), found, "blocks at lines {BLOCK_LINES:?}");
+        assert!(
+            readme.lines().any(|l| l.starts_with("```rust")),
+            "the README has no ```rust block"
+        );
+        assert_eq!(SOURCES[0].0, "README.md");
+        assert!(
+            SOURCES[1..]
+                .iter()
+                .all(|(name, _)| name.starts_with("docs/")),
+            "{:?}",
+            SOURCES.iter().map(|(name, _)| name).collect::<Vec<_>>()
+        );
+        let guides = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"))
+            .expect("reading docs/")
+            .filter(|entry| {
+                let path = entry.as_ref().expect("reading docs/").path();
+                path.extension().is_some_and(|ext| ext == "md")
+            })
+            .count();
+        assert_eq!(SOURCES.len(), 1 + guides, "every guide is read");
+        for (name, text) in SOURCES {
+            let found = text.lines().filter(|l| l.starts_with("```rust")).count();
+            let compiled = BLOCK_LINES.iter().filter(|(file, _)| file == name).count();
+            assert_eq!(compiled, found, "{name}: blocks at {BLOCK_LINES:?}");
+        }
     }
 }
 

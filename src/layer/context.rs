@@ -168,7 +168,7 @@ impl HeldLock {
     ///
     /// The lock is lost when Redis answers a renewal that it is not this
     /// call's any more, or when the lease's conservative expiry passes
-    /// without a confirmed renewal (the README's "The LockLayer", renewal):
+    /// without a confirmed renewal (docs/layer.md, "The LockLayer", renewal):
     /// from that moment another process may hold the key. A keyed
     /// message's lock (held by the [`Worker`](crate::Worker)) also counts as
     /// lost once the message's handler returned: a clone that outlives the

@@ -13,7 +13,7 @@
 //! with jittered backoff (woken by the release), or defer the message into a
 //! [`Queue`](crate::Queue), answering [`Outcome::Deferred`](crate::Outcome);
 //! or retry first, then fail or defer. The watchdog's exact rules, the
-//! retry budget and wake on release: the README's "The LockLayer".
+//! retry budget and wake on release: docs/layer.md, "The LockLayer".
 //!
 //! # Example
 //!
@@ -81,7 +81,7 @@ pub use self::strategy::{Defer, DeferDelay, Fail, GiveUp, OnConflict};
 /// a copy redelivered after a crash between the deferral and the
 /// acknowledgement is not pushed twice ([`Queue::push_with`] adds nothing
 /// for an id that exists); the layer answers [`Outcome::Deferred`] either
-/// way. See the README's "The worker" (a broker in front).
+/// way. See docs/worker.md, "The worker" (a broker in front).
 ///
 /// ```no_run
 /// # async fn demo<S: tower::Service<String>>(mut service: S) -> Result<(), S::Error> {
@@ -352,7 +352,7 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// [`Locker::connect`] or [`Locker::connect_cluster`] brings its own
     /// listener, used by default: call this only to share one listener
     /// between lockers made by [`Locker::new`], or to use another
-    /// connection. See the README's "The LockLayer" (wake on release).
+    /// connection. See docs/layer.md, "The LockLayer" (wake on release).
     pub fn wake_on_release(mut self, listener: crate::ReleaseListener) -> Self {
         self.wake = Wake::Listener(listener);
         self
@@ -375,8 +375,8 @@ impl<C, F, D> LockLayer<C, F, D> {
     /// Everything else is as for a lock (lease, watchdog, release,
     /// [`HeldLock`], the strategy when all are taken). One key shared by
     /// every call makes a global limit:
-    /// `LockLayer::new(locker, |_: &Job| "emails").permits(20)`. See the
-    /// README's "Permits". Errors on 0, or more than
+    /// `LockLayer::new(locker, |_: &Job| "emails").permits(20)`. See
+    /// docs/limits.md, "Permits". Errors on 0, or more than
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS).
     pub fn permits(mut self, permits: u32) -> crate::Result<Self> {
         self.permits = Some(crate::lock::permits::check_permits(permits)?);

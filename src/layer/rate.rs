@@ -60,7 +60,7 @@ impl RateSlot {
 /// [`Error::Config`](crate::Error::Config). Nothing is held while the
 /// handler runs: stack it outside a [`LockLayer`](crate::LockLayer) for "at
 /// most n at a time and at most r per second" per key. A key function
-/// returning `None` calls through. See the README's "Rate limits per key".
+/// returning `None` calls through. See docs/limits.md, "Rate limits per key".
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]

@@ -93,7 +93,7 @@ impl OnConflict<Fail> {
     /// deferral, not a failed attempt. A `Job` of another queue is pushed
     /// into `queue` as a new message (its worker acknowledges the original);
     /// any other request, a payload `T` among them, is pushed as a new
-    /// message. See the README's "The worker" (how in-place deferral finds
+    /// message. See docs/worker.md, "The worker" (how in-place deferral finds
     /// the job).
     pub fn defer<T, C>(
         queue: Queue<T, C>,
@@ -187,7 +187,7 @@ impl DeferDelay {
     /// lock (or one of its permits), which the layer over it uses instead
     /// of contending again. Needs a [`Worker`](crate::Worker) on the queue.
     /// For locks only: a [`RateLimitLayer`](crate::layer::RateLimitLayer)
-    /// refuses it. See the README's "The LockLayer" (into the key's line).
+    /// refuses it. See docs/layer.md, "The LockLayer" (into the key's line).
     pub fn until_released() -> Self {
         DeferDelay::UntilReleased
     }

@@ -4,9 +4,9 @@
 //! token NX PX ttl` (one round trip when free; a second, the `contend.lua`
 //! script, when held). A random token identifies its holder; release and
 //! renewal compare it inside a script, so a holder whose lock expired can
-//! never delete or extend the next holder's. The README's "Locks and fencing
-//! tokens" and "The LockLayer" describe the cycle, the line of waiters and
-//! the hand-off on release.
+//! never delete or extend the next holder's. docs/locks.md ("Locks and
+//! fencing tokens") and docs/layer.md ("The LockLayer") describe the cycle,
+//! the line of waiters and the hand-off on release.
 //!
 //! # Fencing tokens, and what they guarantee
 //!
@@ -25,7 +25,7 @@
 //! latest fences, by more than the failover's duration. A failover can still
 //! let a second holder in while the first believes it holds the lock; the
 //! second's fence is higher ([`Locker::require_replicas`] narrows that
-//! window). The README's "Locks under failover" has the details.
+//! window). docs/locks.md, "Locks under failover", has the details.
 //!
 //! Every command is safe to run twice, as redis-rs' cluster connections do
 //! when a reply was lost. **Upgrading:** stop processes of older versions
@@ -424,7 +424,7 @@ where
     /// fewer confirm in time, or the pipeline fails after the script may have
     /// run: the lock is released (token-checked) and the call returns
     /// [`Error::NotReplicated`] (retryable). This narrows, but cannot close,
-    /// the window in which a failover loses a lock: see the README's "Locks
+    /// the window in which a failover loses a lock: see docs/locks.md, "Locks
     /// under failover".
     ///
     /// Checks at once, within `timeout`, that the server accepts `WAIT`

@@ -38,7 +38,7 @@ fn with_presence(names: &[String]) -> Vec<String> {
 /// connection, closed when the last clone (and the last waiter) is dropped.
 ///
 /// A waiter listens on a channel named like the lock key while it waits (and
-/// a second longer): see the README's "The LockLayer" for the line and the
+/// a second longer): see docs/layer.md, "The LockLayer", for the line and the
 /// hand-off. The listener reconnects with backoff when its connection drops,
 /// waking every waiter: a lost message only means a waiter wakes on the
 /// holder's TTL, or the hand-off's end, instead.

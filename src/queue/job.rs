@@ -155,7 +155,7 @@ impl<T> Job<T> {
     /// The payload, by value, without the claim: a plain message from here
     /// on. A `LockLayer` deferring it pushes it as a new message; to defer
     /// the job in place, put the layer over the `Job` and take the payload
-    /// out below it (see the README, "How in-place deferral finds the job").
+    /// out below it (see docs/worker.md, "How in-place deferral finds the job").
     pub fn into_payload(self) -> T {
         self.payload
     }

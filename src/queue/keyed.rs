@@ -1,4 +1,4 @@
-//! The keyed queue's storage (see the README's "Keyed messages"): a message
+//! The keyed queue's storage (see docs/keyed.md, "Keyed messages"): a message
 //! pushed with a key waits in its key's line, in a partition of the queue
 //! in the hash slot of the key's lock (`<prefix>:{<slot tag>}:<queue>:…`,
 //! keys in `lua/keyed.lua`), so one script sees the lock and the line on a

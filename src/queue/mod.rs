@@ -31,7 +31,7 @@
 //! Messages are claimed in (due ms, id byte-wise) order: one process's
 //! generated ids in its push order. [`Waiter`] waits for work without
 //! polling; the [`Worker`](crate::Worker) drives a tower service from a
-//! queue. More: the README's "The queue".
+//! queue. More: docs/queue.md, "The queue".
 
 mod dead;
 mod events;
@@ -356,8 +356,8 @@ where
     /// fixed when the queue is first used with it and recorded in Redis; a
     /// handle with another count is refused ([`Error::Config`]) on its first
     /// call. One shard, the default, is the plain queue. Errors when `n` is
-    /// not 1..=[`MAX_SHARDS`]. See the README's "One queue across a Redis
-    /// Cluster".
+    /// not 1..=[`MAX_SHARDS`]. See docs/cluster.md, "One queue across a
+    /// Redis Cluster".
     pub fn shards(self, n: usize) -> Result<Self> {
         shards::check_count(n)?;
         Ok(Self {
@@ -741,7 +741,7 @@ where
     /// newest) and none buried more than `max_age` ago (`None`, the
     /// default: no limit). Applied by the scripts that bury, about a
     /// hundred letters per burial at most. Every process that buries should
-    /// use the same setting. See the README's "The queue".
+    /// use the same setting. See docs/queue.md, "The queue".
     pub fn dead_retention(mut self, max_count: Option<usize>, max_age: Option<Duration>) -> Self {
         self.recording.dead = Retention { max_count, max_age };
         self
@@ -751,7 +751,7 @@ where
     /// makes is appended to the queue's events stream, capped near
     /// `max_len` entries; follow them with [`events`](Self::events). Turn it
     /// on for every handle that changes the queue: one without it leaves
-    /// gaps. Errors on 0. See the README's "Lifecycle events".
+    /// gaps. Errors on 0. See docs/queue.md, "Lifecycle events".
     pub fn record_events(mut self, max_len: usize) -> Result<Self> {
         check_count("the events stream's cap", max_len, 1..=MAX_KEPT)?;
         self.recording.events = Some(max_len);
@@ -761,7 +761,7 @@ where
     /// Keeps the last `max_count` completed messages, and those of the last
     /// `max_age`, on the queue's completed stream, trimmed by the
     /// acknowledgement; read them with [`completed`](Self::completed).
-    /// Errors when both are `None` or on a count of 0. See the README's
+    /// Errors when both are `None` or on a count of 0. See docs/queue.md,
     /// "Keeping completed messages".
     pub fn keep_completed(
         mut self,

@@ -73,7 +73,7 @@ impl PushOptions {
     /// Claimed before due messages of lower priorities: 1 to
     /// [`MAX_PRIORITY`] (9), higher first; 0, the default, is none (claimed
     /// last). Kept on retries, deferrals, recovery and re-drives. Pushing
-    /// fails with [`Error::Config`] above 9. See the README's "The queue".
+    /// fails with [`Error::Config`] above 9. See docs/queue.md, "The queue".
     pub fn priority(mut self, priority: u8) -> Self {
         self.priority = priority;
         self
@@ -84,7 +84,7 @@ impl PushOptions {
     /// handler then holds ([`HeldLock::current`](crate::HeldLock::current)),
     /// so no two messages of a key run at once and they start in push
     /// order. Keys must be non-empty and free of NUL; a keyed message has
-    /// no priority (else [`Error::Config`]). See the README's "Keyed
+    /// no priority (else [`Error::Config`]). See docs/keyed.md, "Keyed
     /// messages".
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
@@ -99,7 +99,7 @@ impl PushOptions {
     /// [`MAX_PERMITS`](crate::lock::permits::MAX_PERMITS), else pushing fails
     /// with [`Error::Config`]. `permits(1)` is one permit, not the key's
     /// lock (as with [`LockLayer::permits`](crate::LockLayer::permits)).
-    /// See the README's "Keyed messages" (n at a time per key).
+    /// See docs/keyed.md, "Keyed messages" (n at a time per key).
     pub fn permits(mut self, n: u32) -> Self {
         self.permits = Some(n);
         self
@@ -110,7 +110,7 @@ impl PushOptions {
     /// claim that starts a message counts (a retry too). Give every message
     /// of a key the same rate (the last push sets it). Needs
     /// [`key`](Self::key), else pushing fails with [`Error::Config`]. See
-    /// the README's "Keyed messages" (at most r per period per key).
+    /// docs/keyed.md, "Keyed messages" (at most r per period per key).
     pub fn rate(mut self, rate: crate::lock::rate::Rate) -> Self {
         self.rate = Some(rate);
         self

@@ -292,7 +292,7 @@ where
     /// cure ([`Error::is_denied`]). `EventsFrom::Now` is resolved before
     /// this returns. One stream entry ([`Event::entry`]) holds the events of
     /// one script call: store it for [`EventsFrom::After`] once every event
-    /// of it is handled. See the README's "Lifecycle events".
+    /// of it is handled. See docs/queue.md, "Lifecycle events".
     pub async fn events<K: Connector>(
         &self,
         connector: K,

@@ -276,7 +276,7 @@ where
     /// key has permits. No next job when there is none, when other code
     /// waits for the lock, when the key's limits leave no room, or after
     /// [`MAX_RUN`] in a row. Returns whether `job`'s claim was held, and
-    /// the next job. See the README's "Keyed messages".
+    /// the next job. See docs/keyed.md, "Keyed messages".
     pub async fn ack_and_next<J: Claim>(
         &self,
         job: &J,
@@ -297,7 +297,7 @@ where
     /// handled one after another; when one of them fails, settle the
     /// others with [`cut_run`](Self::cut_run) first. A key with permits
     /// or a rate limit, or whose lock another fenced or waited for, goes
-    /// on one message at a time. See the README's "Keyed messages".
+    /// on one message at a time. See docs/keyed.md, "Keyed messages".
     pub async fn ack_run<J: Claim>(
         &self,
         run: &[J],

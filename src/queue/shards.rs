@@ -1,5 +1,5 @@
-//! A queue spread over shards (see the README's "One queue across a Redis
-//! Cluster"). Shard 0 is the queue's own keys, `<prefix>:{<queue>}:…`, so a
+//! A queue spread over shards (see docs/cluster.md, "One queue across a
+//! Redis Cluster"). Shard 0 is the queue's own keys, `<prefix>:{<queue>}:…`, so a
 //! queue of one shard is the plain queue; shard `i` of `n` keeps the same
 //! keys under `<prefix>:{<t>}#<i>:<queue>:…`, where `<t>` is the tag of the
 //! slot `(CRC16(tag(queue)) mod 16384 + i × 16384 / n) mod 16384` (`tag`:

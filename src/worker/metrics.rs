@@ -58,7 +58,7 @@ pub struct MetricsSnapshot {
     /// transport and whose resend the server refused: the earlier attempt
     /// may have been applied (its reply was lost), or the lease ran out in
     /// between. Not counted as lost leases (an ack in that situation is
-    /// decided by what the server holds: see the README's "The worker").
+    /// decided by what the server holds: see docs/worker.md, "The worker").
     pub unconfirmed: u64,
     /// Messages of dead workers recovered (requeued or buried) by this one.
     pub recovered: u64,

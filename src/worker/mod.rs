@@ -8,7 +8,7 @@
 //! backoff and buries after `max_attempts`. One timer renews every lease and
 //! recovers dead workers' messages. Idle, it sleeps on a timer and the
 //! queue's doorbell ([`Waiter`](crate::queue::Waiter)), never polling. Redis
-//! errors, shutdown and metrics: the README's "The worker".
+//! errors, shutdown and metrics: docs/worker.md, "The worker".
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), lockgate::BoxError> {
@@ -243,7 +243,7 @@ where
     /// acknowledgement (its next ones) takes at once, under the key's
     /// lock, to run one after another in push order with no call between
     /// them: a busy key then pays one script per run rather than per
-    /// message (see the README's "Runs of a key", and
+    /// message (see docs/keyed.md, "Runs of a key", and
     /// [`Queue::claim_runs`](crate::Queue::claim_runs)). Default 8; 1
     /// claims one at a time. A key with permits or a
     /// rate limit, or whose lock other code fences or waits for, goes on
@@ -307,7 +307,7 @@ where
     /// the message) before it becomes a dead letter, counted apart from
     /// failed attempts. Default 3: one crash expires the leases of every
     /// message the worker held, most of them innocent; 3 bounds what a
-    /// poison message costs to 3 worker crashes (see the README's "The
+    /// poison message costs to 3 worker crashes (see docs/worker.md, "The
     /// worker"). Errors on zero.
     pub fn max_stalls(mut self, n: u32) -> Result<Self> {
         self.config.max_stalls = at_least_one("max_stalls", n)?;

@@ -1,7 +1,8 @@
-"""A producer in another language pushing keyed messages, as the README
-describes it: load scripts/push_keyed.lua and call it with EVALSHA on the
-partition of each key's lock slot, then mark the partition in the queue's
-index and ring the queue's doorbell. Standard library only.
+"""A producer in another language pushing keyed messages, as
+docs/internals.md describes it: load scripts/push_keyed.lua and call it
+with EVALSHA on the partition of each key's lock slot, then mark the
+partition in the queue's index and ring the queue's doorbell. Standard
+library only.
 
 usage: keyed_producer.py <port> <queue> <path to push_keyed.lua> [--no-index]
 stdin: JSON list of [key, id, when, payload] or [key, id, when, payload,

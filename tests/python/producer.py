@@ -1,4 +1,4 @@
-"""A producer in another language, as the README describes it: load
+"""A producer in another language, as docs/internals.md describes it: load
 scripts/push.lua and call it with EVALSHA. Standard library only (a minimal
 RESP client), so it runs wherever python3 does.
 

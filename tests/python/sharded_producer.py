@@ -1,8 +1,8 @@
-"""A producer in another language pushing to a queue of n shards, as the
-README describes it: check n against the queue's record, pick the shard of
-each message by its id, call scripts/push.lua with EVALSHA on that shard's
-keys, then, for a shard other than 0, lower the shard's entry in the
-queue's index and ring the queue's doorbell. Standard library only.
+"""A producer in another language pushing to a queue of n shards, as
+docs/cluster.md describes it: check n against the queue's record, pick the
+shard of each message by its id, call scripts/push.lua with EVALSHA on that
+shard's keys, then, for a shard other than 0, lower the shard's entry in
+the queue's index and ring the queue's doorbell. Standard library only.
 
 usage: sharded_producer.py <port> <queue> <shards> <path to push.lua>
 stdin: JSON list of [id, when, payload] (payload any JSON value)

@@ -4,10 +4,10 @@
 //! tokens scored by the end of their leases (server clock, ms), with its line
 //! of waiters `<set>:waiters` and its fences `<set>:fences`. A holder that
 //! died gives its permit back when its lease ends, and never before.
-//! Waiters, hand-offs, fences and resends work as for locks (see the README's
-//! "Permits"). Each acquire says how many holders it admits, so callers that
-//! disagree on n for one key each apply their own. A permit on `k` does not
-//! exclude a lock on `k`.
+//! Waiters, hand-offs, fences and resends work as for locks (see
+//! docs/limits.md, "Permits"). Each acquire says how many holders it
+//! admits, so callers that disagree on n for one key each apply their own.
+//! A permit on `k` does not exclude a lock on `k`.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! Rate limits per key: at most r admissions in any window of a period, by
-//! the server's clock (see the README's "Rate limits per key").
+//! the server's clock (see docs/limits.md, "Rate limits per key").
 //!
 //! A key's admissions are one sorted set, `<prefix>:rate:{<key>}`, of
 //! admission times in µs (a sliding-window log), kept by one script. A
