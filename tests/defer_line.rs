@@ -418,6 +418,10 @@ async fn messages_in_line_take_the_permits_as_they_free_in_line_order() {
         .await;
     }
 
+    // Enough that some are left to run two at a time once the second
+    // permit frees, however late this test sees the first ones run (a
+    // loaded machine: six were sometimes all but one gone by then).
+    const MESSAGES: u32 = 12;
     let log: Log = Default::default();
     let worker = tokio::spawn(line_worker(
         &server,
@@ -427,7 +431,7 @@ async fn messages_in_line_take_the_permits_as_they_free_in_line_order() {
         Some(2),
         log.clone(),
     ));
-    for n in 1..=6 {
+    for n in 1..=MESSAGES {
         queue.push(msg(n, "A")).await.unwrap();
         eventually("the message joins A's line", BOUNDED, async || {
             let len = in_line(&queue, "A").await;
@@ -461,7 +465,7 @@ async fn messages_in_line_take_the_permits_as_they_free_in_line_order() {
     }
     eventually("every message ran", BOUNDED, async || {
         let n = log.lock().unwrap().len();
-        done_if(n == 6, n)
+        done_if(n == MESSAGES as usize, n)
     })
     .await;
     let mut runs = log.lock().unwrap().clone();
