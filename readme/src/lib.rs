@@ -178,3 +178,175 @@ mod dependencies {
         );
     }
 }
+
+#[cfg(test)]
+mod links {
+    //! Every relative link of the README and the guides reaches a file
+    //! that exists, and every `#anchor` a heading (or an `<a id>`) of it:
+    //! moving a section between files must not leave a reader at a dead
+    //! link.
+
+    use std::collections::HashSet;
+    use std::path::{Path, PathBuf};
+
+    /// The lines outside fenced code blocks (fences and code blanked),
+    /// with inline code blanked too.
+    fn prose(text: &str) -> Vec<String> {
+        let mut fence: Option<&str> = None;
+        let mut lines = Vec::new();
+        for line in text.lines() {
+            let trimmed = line.trim_start();
+            let opens = ["```", "~~~"].into_iter().find(|f| trimmed.starts_with(f));
+            match (fence, opens) {
+                (None, Some(f)) => {
+                    fence = Some(f);
+                    lines.push(String::new());
+                }
+                (Some(f), _) => {
+                    if trimmed.starts_with(f) {
+                        fence = None;
+                    }
+                    lines.push(String::new());
+                }
+                (None, None) => lines.push(blank_inline_code(line)),
+            }
+        }
+        lines
+    }
+
+    fn blank_inline_code(line: &str) -> String {
+        let mut inside = false;
+        line.chars()
+            .map(|c| {
+                if c == '`' {
+                    inside = !inside;
+                    ' '
+                } else if inside {
+                    ' '
+                } else {
+                    c
+                }
+            })
+            .collect()
+    }
+
+    /// GitHub's anchor of a heading: lowercased, links reduced to their
+    /// text, HTML tags and punctuation other than `-` and `_` dropped,
+    /// spaces turned into `-`.
+    fn slug(heading: &str) -> String {
+        let mut text = String::new();
+        let mut chars = heading.trim().chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '<' => {
+                    for c in chars.by_ref() {
+                        if c == '>' {
+                            break;
+                        }
+                    }
+                }
+                ']' if chars.peek() == Some(&'(') => {
+                    for c in chars.by_ref() {
+                        if c == ')' {
+                            break;
+                        }
+                    }
+                }
+                c => text.push(c),
+            }
+        }
+        let kept = text.to_lowercase();
+        kept.chars()
+            .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+            .map(|c| if c == ' ' { '-' } else { c })
+            .collect()
+    }
+
+    /// The anchors of a markdown file: its headings' (repeats numbered
+    /// `-1`, `-2`, ...) and its `<a id="...">`s.
+    fn anchors(text: &str) -> HashSet<String> {
+        let mut found = HashSet::new();
+        let mut seen = std::collections::HashMap::<String, usize>::new();
+        for line in prose(text) {
+            let hashes = line.chars().take_while(|c| *c == '#').count();
+            if (1..=6).contains(&hashes) && line[hashes..].starts_with(' ') {
+                let s = slug(line[hashes..].trim_end_matches('#'));
+                let n = seen.entry(s.clone()).or_default();
+                found.insert(if *n == 0 {
+                    s.clone()
+                } else {
+                    format!("{s}-{n}")
+                });
+                *n += 1;
+            }
+            for tag in ["<a id=\"", "<a name=\""] {
+                for (at, _) in line.match_indices(tag) {
+                    let rest = &line[at + tag.len()..];
+                    if let Some((id, _)) = rest.split_once('"') {
+                        found.insert(id.to_owned());
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// The targets of the inline links of `line`: `[text](target)`.
+    fn targets(line: &str) -> Vec<String> {
+        let mut found = Vec::new();
+        for (at, _) in line.match_indices("](") {
+            let rest = &line[at + 2..];
+            let Some(end) = rest.find(')') else { continue };
+            let target = rest[..end].trim().trim_start_matches('<');
+            let target = target.split_whitespace().next().unwrap_or("");
+            found.push(target.trim_end_matches('>').to_owned());
+        }
+        found
+    }
+
+    #[test]
+    fn every_relative_link_of_the_readme_and_the_guides_resolves() {
+        let root = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        let mut files = vec![root.join("README.md")];
+        let mut guides: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+            .expect("reading docs/")
+            .map(|entry| entry.expect("reading docs/").path())
+            .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
+            .collect();
+        guides.sort();
+        files.extend(guides);
+        let read = |path: &Path| std::fs::read_to_string(path).expect("reading a markdown file");
+        let (mut broken, mut checked) = (Vec::new(), 0);
+        for file in &files {
+            let text = read(file);
+            for (n, line) in prose(&text).iter().enumerate() {
+                for target in targets(line) {
+                    let scheme = target.split_once(':').is_some_and(|(s, _)| {
+                        !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '+')
+                    });
+                    if target.is_empty() || scheme {
+                        continue;
+                    }
+                    checked += 1;
+                    let (path, anchor) = target.split_once('#').unwrap_or((&target, ""));
+                    let dest = match path {
+                        "" => file.clone(),
+                        path => file.parent().expect("a file's directory").join(path),
+                    };
+                    let name = file.strip_prefix(&root).unwrap_or(file).display();
+                    let at = format!("{name}:{}: {target}", n + 1);
+                    if !dest.exists() {
+                        broken.push(format!("{at}: no such file"));
+                    } else if !anchor.is_empty()
+                        && (dest.extension().is_none_or(|ext| ext != "md")
+                            || !anchors(&read(&dest)).contains(anchor))
+                    {
+                        broken.push(format!("{at}: no such heading"));
+                    }
+                }
+            }
+        }
+        assert!(checked > 50, "only {checked} links found: the parser broke");
+        assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    }
+}
