@@ -449,6 +449,7 @@ async fn a_run_member_deferred_in_place_does_not_run_the_ones_before_it_again() 
     let (stop, stopped) = watch::channel(false);
     let mut stopped_too = stopped.clone();
     let worker = Worker::new(server.client(), queue.clone(), service);
+    let metrics = worker.metrics();
     let run = tokio::spawn(worker.run_until(async move {
         let _ = stopped_too.wait_for(|stop| *stop).await;
     }));
@@ -462,4 +463,6 @@ async fn a_run_member_deferred_in_place_does_not_run_the_ones_before_it_again() 
     holds.assert_push_order();
     let stats = queue.stats().await.unwrap();
     assert_eq!((stats.due, stats.active, stats.later), (0, 0, 0));
+    // Those the deferral acknowledged count as done too.
+    assert_eq!(metrics.snapshot().done, 5);
 }

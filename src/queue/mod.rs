@@ -849,8 +849,9 @@ pub trait Claim {
 }
 
 /// An owned proof of a claim: what a worker keeps of a job it handed to a
-/// service, to settle it afterwards.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// service, to settle it afterwards. Two tokens are equal when they prove
+/// the same claim.
+#[derive(Debug, Clone)]
 pub struct ClaimToken {
     id: String,
     claim: u64,
@@ -907,6 +908,29 @@ impl ClaimToken {
     }
     fn member(&self) -> String {
         format!("{}:{}", self.id, self.claim)
+    }
+}
+
+impl ClaimToken {
+    /// What identifies the claim (not `run_before`, which the worker adds
+    /// to the copy it hands its service).
+    fn identity(&self) -> (&str, u64, u32, u32, &Option<Arc<Held>>, u16) {
+        let (id, claim, failures) = (self.id.as_str(), self.claim, self.failures);
+        (id, claim, failures, self.stalls, &self.held, self.shard)
+    }
+}
+
+impl PartialEq for ClaimToken {
+    fn eq(&self, other: &Self) -> bool {
+        self.identity() == other.identity()
+    }
+}
+
+impl Eq for ClaimToken {}
+
+impl std::hash::Hash for ClaimToken {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.identity().hash(state);
     }
 }
 

@@ -71,7 +71,7 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
         // Rescheduled in place by a `LockLayer`, by the job's own token:
         // that settlement acknowledged the run's messages handled before
         // it and put the rest back in line as it let the key go.
-        return shared.drop_run(seq);
+        return shared.forget_deferred_run(seq);
     };
     shared.cut_run(seq, &token).await;
     match settlement {

@@ -251,6 +251,19 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
+    /// Forgets the run of message `seq`, which a `LockLayer` deferred in
+    /// place by the job's own token: that settlement acknowledged the
+    /// messages handled before it (counted done here) and put the rest
+    /// back in line.
+    pub(super) fn forget_deferred_run(&self, seq: u64) {
+        let Some(run) = self.runs().remove(&seq) else {
+            return;
+        };
+        self.metrics.add(Count::Done, run.handled.len() as u64);
+        self.forget(run.handled.iter().map(|(seq, _)| *seq));
+        self.forget(run.rest.iter().map(|(seq, _)| *seq));
+    }
+
     /// Forgets the run of message `seq`, whose claim was lost: its other
     /// messages' claims went with it (they come back after their lease).
     pub(super) fn drop_run(&self, seq: u64) {
