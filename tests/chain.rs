@@ -255,6 +255,24 @@ async fn a_run_cut_short_keeps_the_lock_no_longer_than_what_stays_at_work() {
     assert_eq!(ids, ["m2"], "the key is free once nothing of it is at work");
 }
 
+/// The same when the message left at work had its lease run out before
+/// the cut (a loaded machine, a stalled worker): the lock then has no live
+/// lease to last for, and lapses at once (a late renewal takes it again
+/// while it is free), where it kept the long lease of the messages put
+/// back.
+#[tokio::test]
+async fn a_run_cut_after_the_rest_of_its_lease_ran_out_frees_the_key() {
+    let server = server();
+    let conn = manager(&server).await;
+    let (queue, run) = m2_renewed_short_in_a_run(&conn).await;
+    tokio::time::sleep(ms(400)).await;
+    queue.cut_run(&run[0], &[], &run[1..]).await.unwrap();
+    assert_eq!(queue.recover(5).await.unwrap().requeued, 1);
+    let jobs = queue.claim(1, secs(30)).await.unwrap().jobs;
+    let ids: Vec<&str> = jobs.iter().map(|job| job.id()).collect();
+    assert_eq!(ids, ["m2"], "the key is free once nothing of it is at work");
+}
+
 /// Issue 38, item 4: a worker with thousands of keyed messages in flight
 /// renews them all within its lease (the renewals go out together, not one
 /// round trip after another), so none runs twice beside a second worker

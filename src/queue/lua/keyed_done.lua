@@ -262,15 +262,16 @@ end
 -- message goes on: the key's lock lasts as long as the longest lease of
 -- the run's messages still at work, no longer (a hand-over may have given
 -- those that left a longer one): a worker that dies now leaves the key
--- locked no longer than its own lease.
+-- locked no longer than its own lease. A lease that ran out already
+-- leaves the lock a millisecond: a late renewal takes it again if it is
+-- still free (see keyed_extend.lua), as any lapsed lease's does.
 local function fit_lock()
   local value = redis.call('GET', KEYS[LOCK])
   if not value or not owns(value, token) then return end
   local latest = tonumber(redis.call('ZSCORE', KEYS[ACTIVE], at_work))
   local others = run_before().latest
   if others and (not latest or others > latest) then latest = others end
-  local left = latest and latest - now_ms()
-  if left and left > 0 then redis.call('PEXPIRE', KEYS[LOCK], left) end
+  if latest then redis.call('PEXPIRE', KEYS[LOCK], math.max(latest - now_ms(), 1)) end
 end
 
 if op ~= 'return' and remove_from(ACTIVE, at_work) == 0 then return resent() end
