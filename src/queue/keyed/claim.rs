@@ -375,38 +375,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         (terms, first): (Terms, Option<Cmd>),
         took: &mut [Claimed],
     ) -> Result<Vec<Answer>> {
-        let prefix = &self.keys.prefix;
-        let Some(head) = blocks.first() else {
+        if blocks.is_empty() {
             return Ok(Vec::new());
-        };
-        let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len());
-        let mut cmd = evalsha(&CLAIM, keys.sum::<usize>() + 1);
-        for block in blocks {
-            cmd.arg(&block.partition.keys[..]);
-            for key in &block.candidates {
-                let set = crate::lock::permits::permits_key(prefix, key);
-                cmd.arg(keys::lock_key(prefix, key))
-                    .arg(&set)
-                    .arg(format!("{set}:waiters"))
-                    .arg(keys::rate_key(prefix, key));
-            }
         }
-        // One record for the call, in the first block's slot (a call over
-        // several blocks is on one server).
-        cmd.arg(head.partition.record());
         let window = crate::script::resend_window(terms.lease);
-        cmd.arg(millis(terms.lease))
-            .arg(millis(window))
-            .arg(terms.run.max(1));
-        for block in blocks {
-            let share = block.share;
-            cmd.arg(share)
-                .arg(names_for(share))
-                .arg(block.candidates.len());
-            for (key, token) in block.candidates.iter().zip(&block.tokens) {
-                cmd.arg(key).arg(token.as_str());
-            }
-        }
+        let cmd = self.claim_call(blocks, terms, window);
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
         let send = || async {
             let conn = &mut self.conn.clone();
@@ -452,6 +425,44 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             self.record(log).await;
         }
         Ok(answers)
+    }
+
+    /// The claim script's call over `blocks` (see `lua/keyed_claim.lua`):
+    /// each block's partition and candidates' keys, the call's record, then
+    /// the arguments; `window`: how long the record is kept.
+    fn claim_call(&self, blocks: &[Block], terms: Terms, window: Duration) -> Cmd {
+        let prefix = &self.keys.prefix;
+        let Some(head) = blocks.first() else {
+            return evalsha(&CLAIM, 0);
+        };
+        let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len());
+        let mut cmd = evalsha(&CLAIM, keys.sum::<usize>() + 1);
+        for block in blocks {
+            cmd.arg(&block.partition.keys[..]);
+            for key in &block.candidates {
+                let set = crate::lock::permits::permits_key(prefix, key);
+                cmd.arg(keys::lock_key(prefix, key))
+                    .arg(&set)
+                    .arg(format!("{set}:waiters"))
+                    .arg(keys::rate_key(prefix, key));
+            }
+        }
+        // One record for the call, in the first block's slot (a call over
+        // several blocks is on one server).
+        cmd.arg(head.partition.record());
+        cmd.arg(millis(terms.lease))
+            .arg(millis(window))
+            .arg(terms.run.max(1));
+        for block in blocks {
+            let share = block.share;
+            cmd.arg(share)
+                .arg(names_for(share))
+                .arg(block.candidates.len());
+            for (key, token) in block.candidates.iter().zip(&block.tokens) {
+                cmd.arg(key).arg(token.as_str());
+            }
+        }
+        cmd
     }
 
     /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
