@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lockgate::worker::Metrics;
@@ -438,11 +439,24 @@ async fn a_worker_runs_a_claimed_run_with_one_acknowledgement_per_key() {
 /// worker), as the worker's own cut of the run does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_member_deferred_in_place_does_not_run_the_ones_before_it_again() {
+    deferred_in_place(5, 8).await;
+}
+
+/// The same in a run that reads ahead (runs of 2, twelve messages): the
+/// messages read ahead go back in line with the deferred one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_member_deferred_in_place_while_its_run_reads_ahead_loses_nothing() {
+    deferred_in_place(12, 2).await;
+}
+
+/// `total` messages of one key, run `key_batch` at a time, message 2
+/// deferred in place once.
+async fn deferred_in_place(total: u32, key_batch: usize) {
     use lockgate::{LockLayer, OnConflict};
     let server = server();
     let conn = manager(&server).await;
     let queue: Queue<Msg> = Queue::new(conn.clone(), "chain").unwrap();
-    push_backlog(&queue, 5, 1).await;
+    push_backlog(&queue, total, 1).await;
     // Message 2 also needs "other", held elsewhere for 300 ms.
     let holder = Locker::new(conn.clone()).ttl(ms(300)).unwrap();
     assert!(holder.acquire("other").await.unwrap().lease().is_some());
@@ -467,20 +481,73 @@ async fn a_run_member_deferred_in_place_does_not_run_the_ones_before_it_again() 
     let (stop, stopped) = watch::channel(false);
     let mut stopped_too = stopped.clone();
     let worker = Worker::new(server.client(), queue.clone(), service);
+    let worker = worker.key_batch(key_batch).unwrap();
     let metrics = worker.metrics();
     let run = tokio::spawn(worker.run_until(async move {
         let _ = stopped_too.wait_for(|stop| *stop).await;
     }));
-    until_handled(&holds, 5, secs(20)).await;
+    until_handled(&holds, total as usize, secs(20)).await;
     // Long enough for a message put back in line to run again.
     tokio::time::sleep(ms(300)).await;
     stop.send_replace(true);
     run.await.unwrap().unwrap();
     drop(stopped);
-    holds.assert_each_once(5);
+    holds.assert_each_once(total as usize);
     holds.assert_push_order();
     let stats = queue.stats().await.unwrap();
     assert_eq!((stats.due, stats.active, stats.later), (0, 0, 0));
     // Those the deferral acknowledged count as done too.
-    assert_eq!(metrics.snapshot().done, 5);
+    assert_eq!(metrics.snapshot().done, u64::from(total));
+}
+
+/// A busy key's run reads ahead (issue 35, item 4): as the last message
+/// of its run the worker knows starts, the messages handled before it are
+/// acknowledged and the key's next ones claimed into the run while it
+/// runs, so the worker starts the next with no call in between. With runs
+/// of 2: while message 1 runs, message 0 is acknowledged and messages 2
+/// and 3 are at work with it; before, message 0 waited at work for the
+/// run's end, and the next run was claimed only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_keys_run_reads_ahead_while_its_last_known_message_runs() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<Msg> = Queue::new(conn.clone(), "ahead").unwrap();
+    push_backlog(&queue, 10, 1).await;
+    let holds = Holds::default();
+    let (recorded, seen) = (holds.clone(), Arc::new(Mutex::new(None)));
+    let (reader, seen_in) = (queue.clone(), seen.clone());
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        let (holds, reader, seen) = (recorded.clone(), reader.clone(), seen_in.clone());
+        async move {
+            let start = Instant::now();
+            if job.n == 1 {
+                // What the queue holds while message 1 runs, once the read
+                // ahead landed (or after 5 s, when none comes).
+                let mut stats = reader.stats().await?;
+                while (stats.active, stats.due) != (3, 6) && start.elapsed() < secs(5) {
+                    tokio::time::sleep(ms(10)).await;
+                    stats = reader.stats().await?;
+                }
+                *seen.lock().unwrap() = Some((stats.active, stats.due));
+            }
+            holds.record(&job.key, job.n, start, Instant::now());
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service);
+    let worker = worker.key_batch(2).unwrap();
+    tokio::time::timeout(secs(30), worker.run_until_idle())
+        .await
+        .expect("the backlog drains")
+        .unwrap();
+    holds.assert_each_once(10);
+    holds.assert_exclusive();
+    holds.assert_push_order();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some((3, 6)),
+        "(at work, in line) while message 1 runs"
+    );
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.active, stats.later), (0, 0, 0));
 }

@@ -397,6 +397,36 @@ fn summary(handled: &[Handled], commands: u64) -> Summary {
         busy.push(list.iter().map(|h| h.end - h.start).sum::<f64>() / (last - first));
     }
     let total: f64 = handled.iter().map(|h| h.end - h.start).sum();
+    if std::env::var_os("GROUPMQ_GAPS").is_some() {
+        // Where a key's idle time went, summed over keys (ms): before its
+        // first start, between its messages by gap size, after its last end.
+        let bounds = [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, f64::INFINITY];
+        let (mut sums, mut counts) = (vec![0.0; bounds.len()], vec![0usize; bounds.len()]);
+        let (mut head, mut tail) = (0.0, 0.0);
+        for list in by_key.values() {
+            head += list[0].start - first;
+            tail += last - list.iter().map(|h| h.end).fold(0.0, f64::max);
+            for pair in list.windows(2) {
+                let gap = (pair[1].start - pair[0].end).max(0.0);
+                let i = bounds.iter().position(|b| gap < *b).unwrap_or(0);
+                sums[i] += gap;
+                counts[i] += 1;
+            }
+        }
+        let span = (last - first) * by_key.len() as f64;
+        eprintln!(
+            "idle share of key time: head {:.2}% tail {:.2}%",
+            head / span * 100.0,
+            tail / span * 100.0
+        );
+        for (i, b) in bounds.iter().enumerate() {
+            eprintln!(
+                "  gaps < {b} ms: {} gaps, {:.2}%",
+                counts[i],
+                sums[i] / span * 100.0
+            );
+        }
+    }
     if std::env::var_os("GROUPMQ_TIMELINE").is_some() {
         // Messages ended per 100 ms, from the first start.
         let mut buckets = vec![0usize; ((last - first) / 100.0) as usize + 1];

@@ -66,6 +66,12 @@ impl ClaimToken {
         self.held.as_ref().is_some_and(|held| held.run > 0)
     }
 
+    /// Whether its run may read ahead ([`Queue::extend_run`]): a keyed
+    /// message under its key's lock, no rate limit.
+    pub(crate) fn reads_ahead(&self) -> bool {
+        (self.held.as_ref()).is_some_and(|held| held.permits == 0 && !held.rated)
+    }
+
     /// Non-zero when the message may have an error entry (`ack` then
     /// deletes it): after a failed attempt, and after a lease expiry, which
     /// `recover` records as an error too.

@@ -216,6 +216,9 @@ pub(crate) enum Outcome<'a> {
     /// Nothing for the message: it goes on at work (the rest of its run
     /// is settled, see [`Keyed::settle_run`]).
     Return,
+    /// As `Return`, and the key's next messages claimed into the run while
+    /// the message goes on (see [`Keyed::read_ahead`]).
+    Ahead,
 }
 
 /// How [`Keyed::done`] went.
@@ -665,21 +668,61 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// line (see `lua/keyed_done.lua`); each only while still at work
     /// under the run's claim.
     pub(crate) async fn settle_run(&self, at_work: &ClaimToken, others: RunArgs<'_>) -> Result<()> {
+        self.run_call(at_work, others, None).await.map(drop)
+    }
+
+    /// Reads ahead in `at_work`'s run: settles the rest of the run as
+    /// [`settle_run`](Self::settle_run) does, and while `at_work` goes on,
+    /// claims up to `others.max` of its key's next messages into the run,
+    /// leased for `lease` (see `lua/keyed_done.lua`, "ahead"). `Next` with
+    /// them; `Done` when none came; `Lost` when `at_work`'s claim is gone.
+    pub(crate) async fn read_ahead(
+        &self,
+        at_work: &ClaimToken,
+        others: RunArgs<'_>,
+        lease: Duration,
+    ) -> Result<Settled> {
+        self.run_call(at_work, others, Some(lease)).await
+    }
+
+    /// [`settle_run`](Self::settle_run), or with `next` set
+    /// [`read_ahead`](Self::read_ahead) (resent unchanged while no answer
+    /// comes: its record answers a resend).
+    async fn run_call(
+        &self,
+        at_work: &ClaimToken,
+        others: RunArgs<'_>,
+        next: Option<Duration>,
+    ) -> Result<Settled> {
         let Some(held) = at_work.held.as_ref() else {
-            return Ok(());
+            return Ok(Settled::Done);
         };
         let attempted = || format!("settling the run of keyed message `{}`", at_work.id);
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
             .map_err(Error::redis(attempted()))?;
         let member = (at_work.id.as_str(), at_work.claim, at_work.failures);
-        let (mut cmd, _, _) =
-            self.done_call(held, member, Outcome::Return, (None, &held.token), publish);
+        let outcome = if next.is_some() {
+            Outcome::Ahead
+        } else {
+            Outcome::Return
+        };
+        let next_token = Token::random();
+        let (mut cmd, _, _) = self.done_call(held, member, outcome, (next, &next_token), publish);
         cmd.arg(others.max);
         others.add_to(&mut cmd, &held.key);
         let completed = self.completed_of(held, others.handled).await?;
-        let _: DoneReply = self.run(&DONE, &cmd, attempted).await?;
-        if self.recording.events.is_some() || !completed.is_empty() {
+        let reply: DoneReply = match next {
+            Some(lease) => {
+                let send = || async { run(&DONE, &cmd, &mut self.conn.clone()).await };
+                let window = crate::script::resend_window(lease);
+                (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))?
+            }
+            None => self.run(&DONE, &cmd, attempted).await?,
+        };
+        let claim = (at_work.claim, next_token);
+        let (_, settled) = self.settled(held, claim, reply, attempted).await?;
+        if settled != Settled::Lost && (self.recording.events.is_some() || !completed.is_empty()) {
             let mut log = Log {
                 completed,
                 ..Log::default()
@@ -687,9 +730,15 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             for token in others.handled {
                 log.event(EventKind::Done, &held.key, (&token.id, token.attempt()));
             }
+            if let Settled::Next(turns) = &settled {
+                for turn in turns {
+                    let next = (turn.id.as_str(), attempt_of(&turn.record));
+                    log.event(EventKind::Claimed, &held.key, next);
+                }
+            }
             self.record(log).await;
         }
-        Ok(())
+        Ok(settled)
     }
 
     /// The done script's call (see [`done`](Self::done)), with the event
@@ -718,6 +767,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Outcome::Release => ("release", EventKind::Released, None, ""),
             Outcome::Bury { error } => ("bury", EventKind::Dead, None, error),
             Outcome::Return => ("return", EventKind::Released, None, ""),
+            Outcome::Ahead => ("ahead", EventKind::Claimed, None, ""),
         };
         let (dead_count, dead_age) = self.recording.dead.args();
         let flag = |on: bool| if on { "1" } else { "" };

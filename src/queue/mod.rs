@@ -457,7 +457,7 @@ where
                     Ok(job) => (vec![job], false),
                     Err(buried) => (Vec::new(), buried),
                 },
-                _ => self.decode_run(run).await,
+                _ => self.decode_run(run, None).await,
             };
             claimed.jobs.extend(jobs);
             claimed.buried += usize::from(buried);

@@ -350,6 +350,65 @@ where
         self.keyed().settle_run(at_work, run).await
     }
 
+    /// Reads ahead in a run ([`ack_run`](Self::ack_run)): while `at_work`,
+    /// the last message of its run known so far, goes on at work,
+    /// acknowledges `handled` (the run's messages before it) and claims
+    /// up to `max` of the key's next messages in line into the run, under
+    /// the same lock and claim number, leased for `lease`: a worker knows
+    /// them before `at_work`'s handler returns, and starts the first at
+    /// once. They come after `at_work` in the run: acknowledge them with
+    /// [`ack_run`](Self::ack_run) (`at_work` first), or settle them with
+    /// [`cut_run`](Self::cut_run). Returns whether `at_work`'s claim was
+    /// held, and the messages claimed: none when the key has no more in
+    /// line, has permits or a rate limit, when its lock was fenced or
+    /// other code waits for it, or after [`MAX_RUN`] in a row. A resend
+    /// whose first call ran answers what that call claimed. See
+    /// docs/keyed.md, "Runs".
+    pub async fn extend_run<J: Claim>(
+        &self,
+        at_work: &J,
+        handled: &[J],
+        lease: Duration,
+        max: usize,
+    ) -> Result<(bool, Vec<Job<T>>)> {
+        check_lease(lease)?;
+        check_count("a run's next messages", max, 1..=MAX_BATCH)?;
+        let handled: Vec<ClaimToken> = handled.iter().map(|j| token(j).clone()).collect();
+        (self.extend_run_with(token(at_work), &handled, lease, (false, max))).await
+    }
+
+    /// [`extend_run`](Self::extend_run) with the tokens; `run_on` lifts
+    /// [`MAX_RUN`], as for [`ack_run_with`](Self::ack_run_with).
+    pub(crate) async fn extend_run_with(
+        &self,
+        at_work: &ClaimToken,
+        handled: &[ClaimToken],
+        lease: Duration,
+        (run_on, max): (bool, usize),
+    ) -> Result<(bool, Vec<Job<T>>)> {
+        let Some(held) = at_work.held.as_ref() else {
+            return Err(Error::config(
+                "extend_run needs a keyed message at work, got one without a key",
+            ));
+        };
+        let max = u32::try_from(max).unwrap_or(u32::MAX);
+        let max = if run_on {
+            max
+        } else {
+            max.min(MAX_RUN.saturating_sub(held.run))
+        };
+        let run = RunArgs {
+            max,
+            handled,
+            unstarted: &[],
+        };
+        match self.keyed().read_ahead(at_work, run, lease).await? {
+            Settled::Lost => Ok((false, Vec::new())),
+            Settled::Done => Ok((true, Vec::new())),
+            Settled::Next(turns) => Ok((true, self.decode_run(turns, Some(at_work)).await.0)),
+        }
+    }
+
     /// [`ack_run`](Self::ack_run) of `handled` then `job`; `run_on` lifts
     /// [`MAX_RUN`] (the worker has a slot free for the keys that wait).
     pub(crate) async fn ack_run_with(
@@ -383,7 +442,7 @@ where
         {
             Settled::Lost => Ok((false, Vec::new())),
             Settled::Done => Ok((true, Vec::new())),
-            Settled::Next(turns) => Ok((true, self.decode_run(turns).await.0)),
+            Settled::Next(turns) => Ok((true, self.decode_run(turns, None).await.0)),
         }
     }
 
@@ -391,8 +450,14 @@ where
     /// one and those after it go back in line under the run's hold
     /// ([`cut_run`](Self::cut_run)), so that it comes first in the next
     /// run; first in a run, it is buried, once the others went back (the
-    /// `bool`: whether it was).
-    pub(super) async fn decode_run(&self, turns: Vec<Turn>) -> (Vec<Job<T>>, bool) {
+    /// `bool`: whether it was). `at_work`: the run's message that goes on
+    /// at work while these were read ahead: the first goes back under it
+    /// too, as its burial would let the key go.
+    pub(super) async fn decode_run(
+        &self,
+        turns: Vec<Turn>,
+        at_work: Option<&ClaimToken>,
+    ) -> (Vec<Job<T>>, bool) {
         let mut jobs: Vec<Job<T>> = Vec::with_capacity(turns.len());
         let mut turns = turns.into_iter();
         while let Some(turn) = turns.next() {
@@ -405,9 +470,8 @@ where
             };
             let token = bad.0.claim_ref().to_token();
             let rest = turns.map(|turn| Self::turn_token_of(&turn));
-            match jobs.first() {
-                Some(first) => {
-                    let at_work = first.claim_ref().0;
+            match jobs.first().map(|first| first.claim_ref().0).or(at_work) {
+                Some(at_work) => {
                     let unstarted: Vec<ClaimToken> = std::iter::once(token).chain(rest).collect();
                     self.cut_or_log(at_work, &unstarted).await;
                     return (jobs, false);

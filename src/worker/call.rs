@@ -23,7 +23,7 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
         impl Future<Output = std::result::Result<R, E>> + Send,
         Instant,
     ),
-    _permit: OwnedSemaphorePermit,
+    permit: OwnedSemaphorePermit,
 ) where
     R: WorkerResponse,
     E: Into<BoxError>,
@@ -43,6 +43,9 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
     if let Some(instruments) = shared.metrics.instruments() {
         instruments.handler.record(started.elapsed().as_secs_f64());
     }
+    // A read ahead of its run in flight lands first: the lease is renewed
+    // meanwhile, and what it brought is the run's.
+    shared.ahead_landed(seq).await;
     // Settling starts: stop renewing the lease. A renewal that found the
     // claim gone while the handler ran left a mark; what it means depends
     // on the outcome. A keyed message's lock is not the call's any more:
@@ -65,7 +68,7 @@ pub(super) async fn handle<T: Payload, C: Conn, R, E>(
     if let Some(Settlement::Ack(true)) = settlement
         && token.held_lock().is_some()
     {
-        return shared.ack_and_continue((seq, flight), token, acks).await;
+        return (shared.ack_and_continue((seq, flight), token, acks, permit)).await;
     }
     let Some(settlement) = settlement else {
         // Rescheduled in place by a `LockLayer`, by the job's own token:

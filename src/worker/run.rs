@@ -161,7 +161,7 @@ where
         self.last_look &= claimed.jobs.is_empty();
         self.next_due = claimed.next_due.map(|d| claimed_at + d);
         // Each run's first goes in the buffer, the rest wait for it.
-        let firsts = shared.track_claimed(claimed.jobs, sent + lease);
+        let firsts = shared.track_claimed(claimed.jobs, sent + lease, run);
         // A full batch: more may be due.
         self.maybe_due = firsts.len() == max;
         self.buffer.extend(firsts);

@@ -1,17 +1,23 @@
-//! Runs of a key's messages. An acknowledgement claims up to
-//! [`Worker::key_batch`](super::Worker::key_batch) of its key's next
-//! messages under the same lock ([`Queue::ack_run`](crate::Queue::ack_run));
-//! they start one after another, each as soon as the handler before it
-//! returns, with no call in between, and the last one's acknowledgement
-//! settles them all and claims the next run. A message settled any other
-//! way (failed, buried, handed back) cuts its run first: the ones handled
-//! before it are acknowledged, those after it go back to their place in
-//! line, and the key's lock stays with it until its own settlement.
+//! Runs of a key's messages. A claim, or an acknowledgement, claims up to
+//! [`Worker::key_batch`](super::Worker::key_batch) of a key's messages
+//! under one lock ([`Queue::ack_run`](crate::Queue::ack_run)); they start
+//! one after another, each as soon as the handler before it returns, with
+//! no call in between. As the last one known starts, the run reads ahead
+//! ([`Queue::extend_run`](crate::Queue::extend_run)): the ones handled are
+//! acknowledged and the key's next messages join the run while it runs,
+//! so a busy key goes on with no round trip between its messages. A run
+//! that finds nothing more ends with its last one's acknowledgement,
+//! which claims the next run if messages came meanwhile. A message
+//! settled any other way (failed, buried, handed back) cuts its run
+//! first: the ones handled before it are acknowledged, those after it go
+//! back to their place in line, and the key's lock stays with it until
+//! its own settlement.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
 use tokio::time::Instant;
 
 use super::metrics::Count;
@@ -26,6 +32,29 @@ pub(super) struct KeyRun<T> {
     handled: Vec<(u64, ClaimToken)>,
     /// Still to start, in line order; tracked (renewed) already.
     rest: VecDeque<(u64, Job<T>)>,
+    /// Whether the call that claimed its last messages got all it asked
+    /// for: the key may have more in line, worth reading ahead for (a key
+    /// with fewer pays no call for nothing).
+    full: bool,
+    /// A read ahead in flight: closed once its answer is in the run.
+    ahead: Option<oneshot::Receiver<()>>,
+    /// A read ahead whose answer never came: it may have claimed messages
+    /// this worker does not know of, so the run ends without a hand-over
+    /// (which would claim messages after them); the key's lock let go
+    /// puts them back in line.
+    unsure: bool,
+}
+
+impl<T> KeyRun<T> {
+    fn new(handled: Vec<(u64, ClaimToken)>, rest: VecDeque<(u64, Job<T>)>, full: bool) -> Self {
+        KeyRun {
+            handled,
+            rest,
+            full,
+            ahead: None,
+            unsure: false,
+        }
+    }
 }
 
 /// The runs at work, by in-flight number.
@@ -48,10 +77,12 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         (seq, flight): (u64, Option<InFlight>),
         token: ClaimToken,
         acks: AckQueue,
+        permit: OwnedSemaphorePermit,
     ) {
-        let (mut handled, mut rest) = match self.runs().remove(&seq) {
-            Some(run) => (run.handled, run.rest),
-            None => (Vec::new(), VecDeque::new()),
+        self.ahead_landed(seq).await;
+        let (mut handled, mut rest, full, hand_over) = match self.runs().remove(&seq) {
+            Some(run) => (run.handled, run.rest, run.full, !run.unsure),
+            None => (Vec::new(), VecDeque::new(), false, true),
         };
         let stopping = self.stopping.load(Ordering::Relaxed);
         if !stopping && let Some((next_seq, next)) = rest.pop_front() {
@@ -66,8 +97,24 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                 );
             }
             handled.push((seq, token));
-            self.runs().insert(next_seq, KeyRun { handled, rest });
-            return self.continue_with(next_seq, next);
+            let at_work = next.claim_ref().to_token();
+            if !rest.is_empty() || !full || !at_work.reads_ahead() {
+                self.runs()
+                    .insert(next_seq, KeyRun::new(handled, rest, full));
+                return self.continue_with(next_seq, next);
+            }
+            // The last one known starts: read ahead while it runs.
+            let done: Vec<(u64, ClaimToken)> = handled.clone();
+            let (landed, ahead) = oneshot::channel();
+            let run = KeyRun {
+                ahead: Some(ahead),
+                ..KeyRun::new(handled, rest, full)
+            };
+            self.runs().insert(next_seq, run);
+            // Its slot is the next one's: the read ahead needs none.
+            drop(permit);
+            self.continue_with(next_seq, next);
+            return self.read_ahead((next_seq, at_work), done, landed).await;
         }
         if stopping {
             self.cut(&token, handled, rest).await;
@@ -77,6 +124,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
         let (lease, batch) = (self.config.lease, self.config.key_batch);
+        let batch = if hand_over { batch } else { 0 };
         let tokens: Vec<ClaimToken> = handled.iter().map(|(_, token)| token.clone()).collect();
         let sent = Instant::now();
         let answer = (self.queue)
@@ -111,6 +159,77 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
     }
 
+    /// Reads ahead in the run of message `seq` (`at_work`), the last one
+    /// known, as it starts: acknowledges `done`, the run's messages before
+    /// it, and claims the key's next messages into the run; closes
+    /// `landed` once the answer is in the run. A message that ended
+    /// meanwhile waited for it ([`ahead_landed`](Self::ahead_landed)); one
+    /// settled otherwise cut its run already: what came back goes back in
+    /// line under its claim.
+    async fn read_ahead(
+        &self,
+        (seq, at_work): (u64, ClaimToken),
+        done: Vec<(u64, ClaimToken)>,
+        landed: oneshot::Sender<()>,
+    ) {
+        let run_on = self.slots.available_permits() > 0;
+        let (lease, batch) = (self.config.lease, self.config.key_batch);
+        let tokens: Vec<ClaimToken> = done.iter().map(|(_, token)| token.clone()).collect();
+        let sent = Instant::now();
+        let answer = (self.queue)
+            .extend_run_with(&at_work, &tokens, lease, (run_on, batch))
+            .await;
+        let jobs = match answer {
+            Ok((true, jobs)) => jobs,
+            // Its own settlement finds the claim gone, and says so.
+            Ok((false, _)) => return,
+            Err(error) => {
+                self.metrics.count(Count::RedisErrors);
+                tracing::warn!(%error, id = %at_work.id(), "could not read ahead in a keyed run; the run ends with this message");
+                if let Some(run) = self.runs().get_mut(&seq) {
+                    run.unsure = true;
+                }
+                return;
+            }
+        };
+        // Acknowledged: no longer renewed. The ones claimed are, from now.
+        self.forget(done.iter().map(|(seq, _)| *seq));
+        self.metrics.add(Count::Done, done.len() as u64);
+        let full = jobs.len() >= batch;
+        self.metrics.add(Count::Claimed, jobs.len() as u64);
+        let tracked: Vec<(u64, Job<T>)> = {
+            let mut in_flight = self.in_flight();
+            let track = |job: Job<T>| (self.track(&mut in_flight, &job, sent + lease), job);
+            jobs.into_iter().map(track).collect()
+        };
+        let cut = {
+            let mut runs = self.runs();
+            match runs.get_mut(&seq) {
+                Some(run) => {
+                    run.handled.clear();
+                    run.rest.extend(tracked);
+                    run.full = full;
+                    None
+                }
+                None => Some(tracked),
+            }
+        };
+        if let Some(tracked) = cut {
+            self.cut(&at_work, Vec::new(), tracked.into()).await;
+        }
+        drop(landed);
+    }
+
+    /// Waits for the read ahead in flight in message `seq`'s run, if any,
+    /// to land in the run.
+    pub(super) async fn ahead_landed(&self, seq: u64) {
+        let ahead = self.runs().get_mut(&seq).and_then(|run| run.ahead.take());
+        if let Some(ahead) = ahead {
+            // Closed once landed, whichever way the call went.
+            let _ = ahead.await;
+        }
+    }
+
     /// The messages of message `seq`'s run handled before it, not
     /// acknowledged yet; `None` for none.
     pub(super) fn handled_before(&self, seq: u64) -> Option<Arc<[ClaimToken]>> {
@@ -127,6 +246,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         &self,
         jobs: Vec<Job<T>>,
         leased_until: Instant,
+        run: usize,
     ) -> Vec<(u64, Job<T>)> {
         let mut firsts: Vec<(u64, Job<T>)> = Vec::with_capacity(jobs.len());
         let mut runs: Vec<(u64, KeyRun<T>)> = Vec::new();
@@ -141,12 +261,15 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                         _ => {
                             let rest = VecDeque::from([(seq, job)]);
                             let handled = Vec::new();
-                            runs.push((first, KeyRun { handled, rest }));
+                            runs.push((first, KeyRun::new(handled, rest, false)));
                         }
                     },
                     _ => firsts.push((seq, job)),
                 }
             }
+        }
+        for (_, key_run) in &mut runs {
+            key_run.full = 1 + key_run.rest.len() >= run;
         }
         self.runs().extend(runs);
         firsts
@@ -165,11 +288,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             return;
         };
         if !run.is_empty() {
-            let rest = KeyRun {
-                handled: Vec::new(),
-                rest: run,
-            };
-            self.runs().insert(seq, rest);
+            let full = 1 + run.len() >= self.config.key_batch;
+            self.runs().insert(seq, KeyRun::new(Vec::new(), run, full));
         }
         self.continue_with(seq, first);
     }
@@ -183,6 +303,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     /// that goes on with its run: settles the rest of its run while the
     /// key's lock is still its own.
     pub(super) async fn cut_run(&self, seq: u64, token: &ClaimToken) {
+        self.ahead_landed(seq).await;
         let Some(run) = self.runs().remove(&seq) else {
             return;
         };

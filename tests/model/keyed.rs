@@ -98,6 +98,15 @@ enum Op {
         short: bool,
         max: usize,
     },
+    /// `extend_run`: while `job` goes on at work, the worker's other jobs
+    /// of its key and claim before it acknowledged, and up to `max` of the
+    /// key's next messages claimed into its run (read ahead), leased short
+    /// or long.
+    ExtendRun {
+        job: usize,
+        short: bool,
+        max: usize,
+    },
     /// `cut_run`: while `job` (one the model says is held) goes on, the
     /// other jobs of its key and claim before it in line acknowledged,
     /// those after it back in line.
@@ -136,6 +145,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => job.clone().prop_map(Op::Ack),
         3 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckNext { job, short, max }),
         2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckRun { job, short, max }),
+        2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::ExtendRun { job, short, max }),
         3 => job.clone().prop_map(Op::CutRun),
         2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
         1 => job.clone().prop_map(Op::Defer),
@@ -405,7 +415,7 @@ impl World<'_> {
         let repeated = fault == Fault::Repeated
             && matches!(
                 op,
-                Op::Claim { .. } | Op::AckNext { .. } | Op::AckRun { .. }
+                Op::Claim { .. } | Op::AckNext { .. } | Op::AckRun { .. } | Op::ExtendRun { .. }
             );
         for call in 0..calls {
             let lost = fault == Fault::Resent && call == 0;
@@ -694,6 +704,40 @@ impl World<'_> {
                 if let_go {
                     self.model.let_go(k, job.claim());
                 }
+            }
+            Op::ExtendRun {
+                job: j,
+                short: next_short,
+                max,
+            } => {
+                let Some((job, generation)) = self.job(j) else {
+                    return Ok(());
+                };
+                let lease = if next_short { SHORT } else { LONG };
+                let (handled, _) = self.run_of(&job);
+                let done: Vec<Job<u64>> = handled.iter().map(|(job, _)| job.clone()).collect();
+                let (held, next) =
+                    (self.retried(at, || q.extend_run(&job, &done, lease, max))).await?;
+                prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
+                if !held {
+                    prop_assert!(next.is_empty(), "{}: a next job for a lost claim", at);
+                    return Ok(());
+                }
+                let n = *job.payload() as usize;
+                let short = self.model.short(n, job.claim());
+                let k = self.key_index(&job);
+                self.acknowledged(&handled);
+                if k == PERMITS_KEY || k == RATED_KEY {
+                    prop_assert!(
+                        next.is_empty(),
+                        "{}: read ahead under permits or a rate",
+                        at
+                    );
+                    return Ok(());
+                }
+                // The job goes on at work; the next ones join its run.
+                let before = self.model.runs.get(&n).copied().unwrap_or(0);
+                self.continued(&job, (short, before), (next, next_short, max), lost, at)?;
             }
             Op::CutRun(j) => {
                 // As the worker does: for a message of a run at work (one
@@ -1195,6 +1239,33 @@ fn a_run_keeps_its_lock_when_one_of_it_is_renewed_shorter() {
         Op::Extend {
             job: 2,
             short: true,
+        },
+        Op::Lapse,
+        Op::Hold(0),
+    ];
+    let history: Vec<(Op, Fault)> = history.into_iter().map(|op| (op, Fault::None)).collect();
+    let ran = runtime.block_on(run_history(&server, &conn, 0, &history));
+    assert!(ran.is_ok(), "{ran:?}");
+}
+
+/// A run read ahead under a long lease from a message claimed under a
+/// short one: the key's lock lasts as long as the messages it took.
+#[test]
+fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
+    let server = RefCell::new(support::server());
+    let runtime = crate::runtime();
+    let conn = runtime.block_on(support::reconnecting_manager(&server.borrow()));
+    let history = [
+        Op::Backlog(0),
+        Op::Claim {
+            max: 1,
+            short: true,
+            run: 1,
+        },
+        Op::ExtendRun {
+            job: 0,
+            short: false,
+            max: 2,
         },
         Op::Lapse,
         Op::Hold(0),

@@ -32,7 +32,7 @@
 --   instead of a lost claim and next messages leased to nobody until
 --   their lease runs out.
 -- ARGV[20]: how many of the key's next messages a hand-over may claim at
---   once (a run, see below), 1 or more
+--   once (a run, see below), 1 or more (0 for none, read ahead)
 -- ARGV[21]: how many earlier messages of the same run (the same key, hold
 --   and claim number) the caller handled before this one, then each one's
 --   stored id and seq: acknowledged first, in the same call
@@ -42,6 +42,12 @@
 --   message stays at work, the key's lock held for it); each listed
 --   message is settled only while at work under this claim number (which
 --   no other claim ever has), so it answers 1 whatever it found.
+-- Or "ahead" (read ahead): the messages handled before this one are
+--   acknowledged, and, while this one goes on at work, the usual
+--   hand-over claims the key's next messages into its run at once, so
+--   that they are known before it ends (see below). Answers status 3 with
+--   them, 1 when none came (the lists applied all the same), 0 when this
+--   message's claim is gone. The hand-over's record answers a resend.
 -- A run of more than one message is noted (see note_run): whatever lets
 -- go of the key puts the run's messages still at work back in line, so
 -- that the key is never free while a message of it is at work.
@@ -75,7 +81,9 @@
 local LOCK, WAITERS, FENCES, RATE_LOG, RECORD = MORE + 1, MORE + 2, MORE + 3, MORE + 4, MORE + 5
 local op, key, id, seq, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[6]
 local limit = tonumber(ARGV[13])
-local at_work = line_member(key, seq, id) .. ':' .. ARGV[5]
+local own_member = line_member(key, seq, id)
+local at_work = own_member .. ':' .. ARGV[5]
+local ahead = op == 'ahead'
 local run_max = math.max(tonumber(ARGV[20]) or 1, 1)
 
 -- The run's messages listed from ARGV[`from`] on (a count, then stored id
@@ -133,7 +141,8 @@ local RUN_FIELD = run_field(key)
 -- none).
 local function run_at_work(run)
   local at_work_now, latest = {}, nil
-  local settled = {[at_work] = true}
+  -- Read ahead, the message stays at work: it is one of them.
+  local settled = {[at_work] = not ahead}
   for _, member in ipairs(done_members) do settled[member] = true end
   for _, member in ipairs(returned_members) do settled[member] = true end
   local earlier, claim = run_members(run)
@@ -158,7 +167,9 @@ local function run_before()
     local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
     local members, latest = {}, nil
     if run then members, latest = run_at_work(run) end
-    run_seen = {run = run, members = members, latest = latest}
+    local members_set = {}
+    for _, member in ipairs(members) do members_set[member] = true end
+    run_seen = {run = run, members = members, members_set = members_set, latest = latest}
   end
   return run_seen
 end
@@ -171,6 +182,9 @@ local function note_run(members)
   local at_work_now = {}
   for _, member in ipairs(before.members) do at_work_now[#at_work_now + 1] = member end
   for _, member in ipairs(members) do at_work_now[#at_work_now + 1] = member end
+  if ahead and not before.members_set[own_member] then
+    at_work_now[#at_work_now + 1] = own_member
+  end
   if #at_work_now > 1 then
     local parts = {ARGV[5], ':'}
     for _, member in ipairs(at_work_now) do parts[#parts + 1] = #member .. ':' .. member end
@@ -274,7 +288,15 @@ local function fit_lock()
   if latest then redis.call('PEXPIRE', KEYS[LOCK], math.max(latest - now_ms(), 1)) end
 end
 
-if op ~= 'return' and remove_from(ACTIVE, at_work) == 0 then return resent() end
+local own_deadline = nil
+if ahead then
+  -- Still at work, it stays; its record says this call ran already.
+  if redis.call('EXISTS', KEYS[RECORD]) == 1 then return resent() end
+  own_deadline = tonumber(redis.call('ZSCORE', KEYS[ACTIVE], at_work))
+  if not own_deadline then return {0, '', false} end
+elseif op ~= 'return' and remove_from(ACTIVE, at_work) == 0 then
+  return resent()
+end
 
 -- The run's earlier messages, acknowledged; its messages not started, back
 -- in line at their place: the key stays at work, or, let go meanwhile (a
@@ -298,6 +320,31 @@ for i, member in ipairs(returned_members) do
 end
 if op == 'return' then
   if limit == 0 and (#gone > 0 or #returned_ids > 0) then fit_lock() end
+  return {1, '', false}
+end
+
+-- Read ahead: a run that goes on as long as its key has messages in line
+-- and the lock stays as the run took it (no fence issued, nobody waiting
+-- in its line, no permits, no rate limit), a run's worth at a time, each
+-- claimed while the last one known is at work: the worker starts it as
+-- soon as that one's handler returns, with no call in between.
+if ahead then
+  local room = ARGV[20] ~= '0' and limit == 0 and ARGV[15] ~= '1'
+  if room and redis.call('GET', KEYS[LOCK]) == token then
+    local nexts = heads_of(key, run_max)
+    if #nexts > 0 then
+      local now = now_ms()
+      -- As long as the longest lease at work: the new ones', this one's,
+      -- the rest of the run's (code that drives the queue itself may read
+      -- ahead under a shorter lease than one of them has).
+      local ttl, latest = tonumber(ARGV[10]), run_before().latest
+      if own_deadline > (latest or 0) then latest = own_deadline end
+      if latest - now > ttl then ttl = latest - now end
+      redis.call('PEXPIRE', KEYS[LOCK], ttl)
+      return continue(nexts, now + tonumber(ARGV[10]), false)
+    end
+  end
+  if limit == 0 and #gone > 0 then fit_lock() end
   return {1, '', false}
 end
 
