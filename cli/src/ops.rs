@@ -89,6 +89,14 @@ where
         // refresh waits on the server is seen at the next tick instead of
         // lost.
         let mut interrupted = std::pin::pin!(tokio::signal::ctrl_c());
+        // Polled once now, which installs its handler: until then a Ctrl-C
+        // gets the default one, which kills the process (a loaded machine
+        // may not poll the loop's select before the first Ctrl-C comes).
+        tokio::select! {
+            biased;
+            _ = &mut interrupted => return Ok(()),
+            () = std::future::ready(()) => {}
+        }
         let mut rates = Rates::new(&q).await?;
         loop {
             tokio::select! {

@@ -101,6 +101,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             if !rest.is_empty() || !full || !at_work.reads_ahead() {
                 self.runs()
                     .insert(next_seq, KeyRun::new(handled, rest, full));
+                // Its slot is the next one's, free before the loop looks.
+                drop(permit);
                 return self.continue_with(next_seq, next);
             }
             // The last one known starts: read ahead while it runs.
