@@ -391,14 +391,8 @@ where
                 "extend_run needs a keyed message at work, got one without a key",
             ));
         };
-        let max = u32::try_from(max).unwrap_or(u32::MAX);
-        let max = if run_on {
-            max
-        } else {
-            max.min(MAX_RUN.saturating_sub(held.run))
-        };
         let run = RunArgs {
-            max,
+            max: run_room(held, (run_on, max)),
             handled,
             unstarted: &[],
         };
@@ -421,13 +415,7 @@ where
         let Some(held) = job.held.as_ref() else {
             return Ok((self.ack(job).await?, Vec::new()));
         };
-        // Without a slot free, the key lets go after MAX_RUN in a row.
-        let max = u32::try_from(max).unwrap_or(u32::MAX);
-        let max = if run_on {
-            max
-        } else {
-            max.min(MAX_RUN.saturating_sub(held.run))
-        };
+        let max = run_room(held, (run_on, max));
         let next = (max > 0).then_some(lease);
         let run = RunArgs {
             max: max.max(1),
@@ -512,5 +500,17 @@ where
             .done(held, member, outcome, (None, run))
             .await?;
         Ok(settled != Settled::Lost)
+    }
+}
+
+/// How many more messages a run under `held` may claim: `max`, and
+/// without a slot free (`run_on` false) no more than [`MAX_RUN`] in a row,
+/// after which the key lets go.
+fn run_room(held: &Held, (run_on, max): (bool, usize)) -> u32 {
+    let max = u32::try_from(max).unwrap_or(u32::MAX);
+    if run_on {
+        max
+    } else {
+        max.min(MAX_RUN.saturating_sub(held.run))
     }
 }

@@ -98,30 +98,40 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             }
             handled.push((seq, token));
             let at_work = next.claim_ref().to_token();
-            if !rest.is_empty() || !full || !at_work.reads_ahead() {
-                self.runs()
-                    .insert(next_seq, KeyRun::new(handled, rest, full));
-                // Its slot is the next one's, free before the loop looks.
-                drop(permit);
-                return self.continue_with(next_seq, next);
-            }
+            let mut run = KeyRun::new(handled, rest, full);
             // The last one known starts: read ahead while it runs.
-            let done: Vec<(u64, ClaimToken)> = handled.clone();
-            let (landed, ahead) = oneshot::channel();
-            let run = KeyRun {
-                ahead: Some(ahead),
-                ..KeyRun::new(handled, rest, full)
-            };
+            let reading = (run.rest.is_empty() && full && at_work.reads_ahead()).then(|| {
+                let (landed, ahead) = oneshot::channel();
+                run.ahead = Some(ahead);
+                (landed, run.handled.clone())
+            });
             self.runs().insert(next_seq, run);
-            // Its slot is the next one's: the read ahead needs none.
+            // Its slot is the next one's, free before the loop looks (a
+            // read ahead needs none).
             drop(permit);
             self.continue_with(next_seq, next);
-            return self.read_ahead((next_seq, at_work), done, landed).await;
+            if let Some((landed, done)) = reading {
+                self.read_ahead((next_seq, at_work), done, landed).await;
+            }
+            return;
         }
         if stopping {
             self.cut(&token, handled, rest).await;
             return self.queue_ack(&acks, token, true).await;
         }
+        self.end_run(token, handled, hand_over, &acks).await;
+    }
+
+    /// The end of a run (`token`'s, after `handled`): acknowledges them
+    /// all and, with `hand_over`, claims the key's next run, which the
+    /// loop starts before anything else.
+    async fn end_run(
+        &self,
+        token: ClaimToken,
+        handled: Vec<(u64, ClaimToken)>,
+        hand_over: bool,
+        acks: &AckQueue,
+    ) {
         // With a slot free here, a key that waits is claimed here: the busy
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
@@ -156,7 +166,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                     .zip(tokens)
                     .map(|((seq, _), t)| (seq, t));
                 self.cut(&token, handled.collect(), VecDeque::new()).await;
-                self.queue_ack(&acks, token, true).await;
+                self.queue_ack(acks, token, true).await;
             }
         }
     }
