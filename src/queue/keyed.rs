@@ -694,27 +694,37 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         self.mark_ready(partition.slot, attempted).await
     }
 
-    /// Extends a turn's lease and its key's lock; `false` when either is lost.
+    /// Extends turns' leases and their keys' locks or permits in one call
+    /// (`lua/keyed_extend.lua`): `turns` (each a hold, the message's id
+    /// and its claim) all on one server, or all in one slot on a cluster.
+    /// Per turn, `false` when its claim or its hold is lost.
     pub(crate) async fn extend(
         &self,
-        held: &Held,
-        (id, claim): (&str, u64),
+        turns: &[(&Held, &str, u64)],
         lease: Duration,
-    ) -> Result<bool> {
-        let mut cmd = held.partition.call(&EXTEND, 1);
-        let member = format!(
-            "{}\0{}\0{}:{claim}",
-            held.key,
-            held.seq,
-            stored_id(&held.key, id)
-        );
-        cmd.arg(held.lock_key(&self.keys.prefix))
-            .arg(&member)
-            .arg(held.token.as_str())
-            .arg(millis(lease))
-            .arg(held.permits);
-        let attempted = || format!("extending keyed message `{member}`");
-        self.run(&EXTEND, &cmd, attempted).await
+    ) -> Result<Vec<bool>> {
+        let mut cmd = evalsha(&EXTEND, turns.len() * (MORE + 1));
+        for (held, ..) in turns {
+            cmd.arg(&held.partition.keys[..])
+                .arg(held.lock_key(&self.keys.prefix));
+        }
+        cmd.arg(millis(lease));
+        for (held, id, claim) in turns {
+            let member = format!(
+                "{}\0{}\0{}:{claim}",
+                held.key,
+                held.seq,
+                stored_id(&held.key, id)
+            );
+            cmd.arg(member).arg(held.token.as_str()).arg(held.permits);
+        }
+        let attempted = || format!("extending {} keyed message(s)", turns.len());
+        let held: Vec<i64> = self.run(&EXTEND, &cmd, attempted).await?;
+        if held.len() != turns.len() {
+            let detail = format_args!("{} values for {} leases", held.len(), turns.len());
+            return Err(Error::reply(attempted(), detail));
+        }
+        Ok(held.into_iter().map(|held| held == 1).collect())
     }
 }
 

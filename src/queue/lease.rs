@@ -1,18 +1,25 @@
 //! Renewing the leases of claimed messages: in one call per batch of
-//! messages without a key (per shard), and all at once for keyed ones (one
-//! script each, sent together over the multiplexed connection), so that a
-//! failing shard or partition holds up none of the others.
+//! messages without a key (per shard), and for keyed ones in calls of many
+//! partitions on one server (of one slot on a cluster), sent together over
+//! the multiplexed connection, so that a failing shard or slot holds up
+//! none of the others.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::keyed::{Held, Layout};
 use super::scripts::{self, Query};
 use super::{Claim, ClaimToken, MAX_BATCH, Queue, by_shard, check_lease, token};
 use crate::error::{Error, Result};
 use crate::lock::millis;
+
+/// How many keyed messages one renewal call renews at most, on one server:
+/// a few commands each, a millisecond or two of the server's time a call.
+const EXTEND_BLOCKS: usize = 256;
 
 /// What a renewal found, per message: `Some(held)` when the server
 /// answered, `None` when its call failed (its error is among `errors`).
@@ -65,21 +72,34 @@ where
                 }
             }
         }
-        let keyed: Vec<(usize, &ClaimToken)> = (jobs.iter().copied().enumerate())
-            .filter(|(_, job)| job.held.is_some())
+        let keyed: Vec<(usize, Turn<'_>)> = (jobs.iter().enumerate())
+            .filter_map(|(n, job)| Some((n, (&**job.held.as_ref()?, &job.id[..], job.claim))))
             .collect();
+        if keyed.is_empty() {
+            return renewed;
+        }
         let conn = self.keyed();
-        for batch in keyed.chunks(MAX_BATCH) {
-            let calls = batch.iter().map(|(_, job)| {
-                let held = job.held.as_ref().expect("filtered on held");
-                conn.extend(held, (&job.id, job.claim), lease)
-            });
-            let answers = futures_util::future::join_all(calls).await;
-            for ((n, _), answer) in batch.iter().zip(answers) {
-                match answer {
-                    Ok(held) => renewed.held[*n] = Some(held),
-                    Err(error) => renewed.errors.push(error),
+        let groups = match conn.layout().await {
+            Ok(layout) => keyed_calls(keyed, layout),
+            Err(error) => {
+                renewed.errors.push(error);
+                return renewed;
+            }
+        };
+        let calls = groups.iter().map(|group| {
+            let turns: Vec<Turn<'_>> = group.iter().map(|(_, turn)| *turn).collect();
+            let conn = &conn;
+            async move { conn.extend(&turns, lease).await }
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        for (group, answer) in groups.iter().zip(answers) {
+            match answer {
+                Ok(held) => {
+                    for ((n, _), held) in group.iter().zip(held) {
+                        renewed.held[*n] = Some(held);
+                    }
                 }
+                Err(error) => renewed.errors.push(error),
             }
         }
         renewed
@@ -107,4 +127,28 @@ where
         }
         Ok(held.into_iter().map(|held| held == 1).collect())
     }
+}
+
+/// A keyed message's renewal: its hold, its id and its claim.
+type Turn<'a> = (&'a Held, &'a str, u64);
+
+/// Keyed renewals grouped into script calls: on one server up to
+/// [`EXTEND_BLOCKS`] messages a call, whatever their partitions; on a
+/// cluster, where a script reaches one slot, a call per slot's messages.
+fn keyed_calls(keyed: Vec<(usize, Turn<'_>)>, layout: Layout) -> Vec<Vec<(usize, Turn<'_>)>> {
+    let mut by_slot: BTreeMap<u16, Vec<(usize, Turn<'_>)>> = BTreeMap::new();
+    for (n, turn) in keyed {
+        let slot = match layout {
+            Layout::Server => 0,
+            Layout::Cluster => turn.0.partition.slot,
+        };
+        by_slot.entry(slot).or_default().push((n, turn));
+    }
+    let chunks = |turns: Vec<_>| {
+        turns
+            .chunks(EXTEND_BLOCKS)
+            .map(<[_]>::to_vec)
+            .collect::<Vec<_>>()
+    };
+    by_slot.into_values().flat_map(chunks).collect()
 }

@@ -3,8 +3,9 @@
 //! leases, acknowledged (also with the key's next message claimed in the
 //! same script, as the worker does, under a short or a long lease of its
 //! own: a chain whose lease runs out is recovered like any turn, issue
-//! 35), retried, deferred, released, buried, extended and recovered when
-//! their lease ran out, while code outside the queue takes and releases
+//! 35), retried, deferred, released, buried, extended (one, or every job
+//! the worker holds in one call) and recovered when their lease ran out
+//! (a run whole), while code outside the queue takes and releases
 //! the keys' locks; each step possibly resent (its reply lost, the same
 //! call made again) or made over a connection the server just dropped.
 //!
@@ -122,6 +123,11 @@ enum Op {
         job: usize,
         short: bool,
     },
+    /// Every job the worker holds (stale ones too) renewed in one
+    /// `extend`: on one server, one script call over their partitions.
+    ExtendAll {
+        short: bool,
+    },
     /// Waits out the short leases, then recovers.
     Expire,
     /// Waits out the short leases, and recovers nothing: a lock only short
@@ -152,6 +158,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => job.clone().prop_map(Op::Release),
         1 => job.clone().prop_map(Op::Bury),
         2 => (job, any::<bool>()).prop_map(|(job, short)| Op::Extend { job, short }),
+        1 => any::<bool>().prop_map(|short| Op::ExtendAll { short }),
         1 => Just(Op::Expire),
         2 => Just(Op::Lapse),
         1 => (0..KEYS).prop_map(Op::Hold),
@@ -202,6 +209,11 @@ struct Model {
     /// marked it waited for, so the run's end may let the key go rather
     /// than hand it over. Until nothing of the key is at work.
     marked: [bool; KEYS],
+    /// Keys with a lock whose run recovery ended while one of it was at
+    /// work under a long lease: the dead run's lock outlives its messages
+    /// (it lasts as long as the longest lease at work), for the rest of
+    /// the history.
+    dead_run: [bool; KEYS],
     /// Per message at work, how many of its key's ran back to back before
     /// it under the same hold (`ack_and_next` stops at `MAX_RUN`).
     runs: BTreeMap<usize, u32>,
@@ -238,7 +250,7 @@ impl Model {
             // A message of its run still at work keeps the key's lock,
             // its head back in line or not (a short lease may be gone).
             let (long, short) = self.at_work_counts(k);
-            let busy = long > 0 || (count_short && short > 0);
+            let busy = long > 0 || (count_short && short > 0) || self.dead_run[k];
             return head.is_some_and(|id| self.messages[id].state == State::InLine(None))
                 && !busy
                 && !self.waiting[k]
@@ -796,24 +808,16 @@ impl World<'_> {
                 };
                 let lease = if short { SHORT } else { LONG };
                 let held = self.retried(at, || q.extend([&job], lease)).await?[0];
-                // A renewal keeps the claim, and takes the key's lock again
-                // if its lease ran out, unless other code took the lock (a
-                // permit: unless the key's permits were all taken since).
-                let k = self.key_index(&job);
-                let holds = self.holds(&job, generation);
-                let was_short = self.model.short(*job.payload() as usize, job.claim());
-                if k != PERMITS_KEY {
-                    let outside = self.model.outside[k].is_some();
-                    prop_assert_eq!(held, holds && !outside, "{}: extended", at);
-                } else if !was_short {
-                    prop_assert_eq!(held, holds, "{}: extended", at);
-                } else {
-                    prop_assert!(holds || !held, "{}: extended a claim not held", at);
-                }
-                if held {
-                    let n = job.payload().to_owned() as usize;
-                    let m = self.model.messages.get_mut(&n).expect("known");
-                    m.state = State::InLine(Some((job.claim(), short)));
+                self.extended((&job, generation), held, short, at)?;
+            }
+            Op::ExtendAll { short } => {
+                let hands = self.hands.clone();
+                let lease = if short { SHORT } else { LONG };
+                let jobs = || hands.iter().map(|(job, _)| job);
+                let held = self.retried(at, || q.extend(jobs(), lease)).await?;
+                prop_assert_eq!(held.len(), hands.len(), "{}: answers", at);
+                for ((job, generation), held) in hands.iter().zip(held) {
+                    self.extended((job, *generation), held, short, at)?;
                 }
             }
             Op::Lapse => {}
@@ -852,10 +856,13 @@ impl World<'_> {
                         prop_assert!(self.model.outside[k].is_none(), "{}: held twice", at);
                         // A short lease may have run out already: its lock too.
                         prop_assert!(at_work != Some(false), "{}: the queue holds {}", at, key);
+                        prop_assert!(!self.model.dead_run[k], "{}: a dead run's lock lapsed", at);
                         self.model.outside[k] = Some(lease);
                     }
                     Acquisition::Contended(_) => prop_assert!(
-                        self.model.outside[k].is_some() || at_work.is_some(),
+                        self.model.outside[k].is_some()
+                            || at_work.is_some()
+                            || self.model.dead_run[k],
                         "{}: {} busy for nobody",
                         at,
                         key
@@ -1164,24 +1171,70 @@ impl World<'_> {
         Ok(())
     }
 
-    /// Recovery ended `count` turns: those of short leases.
-    fn expired(&mut self, count: usize, at: &str) -> Result<(), TestCaseError> {
-        for k in (0..KEYS).filter(|&k| k != PERMITS_KEY) {
-            let (long, short) = self.model.at_work_counts(k);
-            self.model.marked[k] |= long > 0 && short > 0;
+    /// A renewal of `job` under a short or long lease answered `held`:
+    /// it keeps the claim, and takes the key's lock again if its lease ran
+    /// out, unless other code took the lock (a permit: unless the key's
+    /// permits were all taken since).
+    fn extended(
+        &mut self,
+        (job, generation): (&Job<u64>, u64),
+        held: bool,
+        short: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        let k = self.key_index(job);
+        let holds = self.holds(job, generation);
+        let was_short = self.model.short(*job.payload() as usize, job.claim());
+        if k != PERMITS_KEY {
+            let outside = self.model.outside[k].is_some();
+            prop_assert_eq!(held, holds && !outside, "{}: extended", at);
+        } else if !was_short {
+            prop_assert_eq!(held, holds, "{}: extended", at);
+        } else {
+            prop_assert!(holds || !held, "{}: extended a claim not held", at);
         }
+        if held {
+            let n = job.payload().to_owned() as usize;
+            let m = self.model.messages.get_mut(&n).expect("known");
+            m.state = State::InLine(Some((job.claim(), short)));
+        }
+        Ok(())
+    }
+
+    /// Recovery ended `count` turns: those of short leases, and the rest
+    /// of their runs (the messages of their key with a lock at work under
+    /// the same claim, long leases included: `keyed_recover.lua`).
+    fn expired(&mut self, count: usize, at: &str) -> Result<(), TestCaseError> {
+        let runs: BTreeSet<(usize, u64)> = (self.model.messages.iter())
+            .filter_map(|(n, m)| match m.state {
+                State::InLine(Some((claim, true))) if n % KEYS != PERMITS_KEY => {
+                    Some((n % KEYS, claim))
+                }
+                _ => None,
+            })
+            .collect();
         let mut ended = 0;
         for (n, m) in self.model.messages.iter_mut() {
-            if let State::InLine(Some((_, true))) = m.state {
-                ended += 1;
-                m.stalls += 1;
-                if m.stalls >= MAX_STALLS {
-                    m.state = State::Dead;
-                    self.model.lines[n % KEYS].retain(|i| i != n);
-                } else {
-                    m.state = State::InLine(None);
-                }
+            let State::InLine(Some((claim, short))) = m.state else {
+                continue;
+            };
+            if !short && !runs.contains(&(n % KEYS, claim)) {
+                continue;
             }
+            ended += 1;
+            self.model.dead_run[n % KEYS] |= !short;
+            m.stalls += 1;
+            if m.stalls >= MAX_STALLS {
+                m.state = State::Dead;
+                self.model.lines[n % KEYS].retain(|i| i != n);
+            } else {
+                m.state = State::InLine(None);
+            }
+        }
+        // A key whose recovered turn left another of it at work under a
+        // long lease (not of its run) was made ready while held.
+        for &(k, _) in &runs {
+            self.model.marked[k] |= self.model.at_work_counts(k).0 > 0;
         }
         prop_assert_eq!(count, ended, "{}: recovered", at);
         Ok(())
@@ -1269,6 +1322,39 @@ fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
         },
         Op::Lapse,
         Op::Hold(0),
+    ];
+    let history: Vec<(Op, Fault)> = history.into_iter().map(|op| (op, Fault::None)).collect();
+    let ran = runtime.block_on(run_history(&server, &conn, 0, &history));
+    assert!(ran.is_ok(), "{ran:?}");
+}
+
+/// A run read ahead under a long lease from a message claimed under a
+/// short one, whose worker died: once the short lease ran out, recovery
+/// puts the whole run back in line, where it put back the expired message
+/// alone and a claim took the key's messages after the run's first.
+#[test]
+fn a_run_read_ahead_goes_back_in_line_whole_when_its_first_lease_runs_out() {
+    let server = RefCell::new(support::server());
+    let runtime = crate::runtime();
+    let conn = runtime.block_on(support::reconnecting_manager(&server.borrow()));
+    let history = [
+        Op::Backlog(0),
+        Op::Claim {
+            max: 1,
+            short: true,
+            run: 1,
+        },
+        Op::ExtendRun {
+            job: 0,
+            short: false,
+            max: 2,
+        },
+        Op::Expire,
+        Op::Claim {
+            max: 1,
+            short: false,
+            run: 4,
+        },
     ];
     let history: Vec<(Op, Fault)> = history.into_iter().map(|op| (op, Fault::None)).collect();
     let ran = runtime.block_on(run_history(&server, &conn, 0, &history));

@@ -1,8 +1,9 @@
 -- Ends the turns whose lease ran out (their worker died or stalled) in a
 -- partition, or in several at once on one server (see keyed.lua): the
--- message goes back first in its key's line and its key is ready at once
--- (the key's lock or permit ran out with the lease), counting a stall; one
--- that stalled ARGV[1] times is buried.
+-- message goes back first in its key's line, with the rest of its run (see
+-- recover_run), and its key is ready at once (the key's lock or permit ran
+-- out with the lease), counting a stall; one that stalled ARGV[1] times is
+-- buried.
 -- KEYS: the partition's 13 keys; or 13 for each of several partitions, in
 -- turn   ARGV[1]: max stalls   ARGV[2]: how many at most, over the call
 -- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for no
@@ -12,35 +13,67 @@
 local now = now_ms()
 local max_stalls, room = tonumber(ARGV[1]), tonumber(ARGV[2])
 
--- Ends the expired turns of the partition at hand, up to `room` of them.
+-- Ends the turn of `entry` (an active member "<line member>:<claim>"),
+-- whose lease ran out: its message back in line, or buried. Appends what
+-- it did to `out`; returns 1 when buried, else 0; nil when the entry was
+-- not at work (ended with its run, see recover_run).
+local function recover_entry(entry, out)
+  if remove_from(ACTIVE, entry) == 0 then return nil end
+  local member = string.match(entry, '^(.*):%d+$')
+  local key, id = string.match(member or '', '^(.-)%z%d+%z(.*)$')
+  local record = id and redis.call('HGET', K[DATA], id)
+  if not record then return 0 end
+  local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
+  stalls = stalls + 1
+  redis.call('HSET', K[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
+  local error, buried = '', 0
+  if stalls >= max_stalls then
+    local limit = tonumber(redis.call('HGET', K[LIMITS], key)) or 0
+    error = 'lease expired ' .. stalls .. ' times (limit ' .. max_stalls
+      .. '): its worker died or stalled every time it held the message'
+    redis.call('HSET', K[KEYOF], id, aside(key, '', limit))
+    add_to(DEAD, now, id)
+    redis.call('HSET', K[ERRORS], id, error)
+    buried = 1
+  else
+    redis.call('HSET', K[ERRORS], id, 'lease expired: the worker died or stalled')
+    rejoin(key, string.match(member, '%z(%d+)%z'), id, now)
+  end
+  after_turn(key, now, false)
+  out[#out + 1] = {key, id, failures + 1, error}
+  return buried
+end
+
+-- Ends the rest of the run of `entry`, whose lease ran out, if it was one
+-- (see keyed_done.lua): a run's messages are leased at different times
+-- (one read ahead later than the one at work), but its worker renews them
+-- all, so one that ran out means the worker died or stalled. Put back one
+-- at a time, the first would be claimed again once the lock lapsed,
+-- followed by the messages after the run's, before the run's others came
+-- back: out of line order. Returns how many were buried.
+local function recover_run(entry, out)
+  local member, claim = string.match(entry, '^(.*):(%d+)$')
+  local key = member and string.match(member, '^(.-)%z')
+  local run = key and redis.call('HGET', K[LIMITS], run_field(key))
+  if not run then return 0 end
+  local members, noted = run_members(run)
+  if noted ~= claim then return 0 end
+  redis.call('HDEL', K[LIMITS], run_field(key))
+  local buried = 0
+  for _, other in ipairs(members) do
+    buried = buried + (recover_entry(other .. ':' .. claim, out) or 0)
+  end
+  return buried
+end
+
+-- Ends the expired turns of the partition at hand, up to `room` of them
+-- (and the rest of their runs).
 local function recover_partition()
   local expired = redis.call('ZRANGEBYSCORE', K[ACTIVE], '-inf', now, 'LIMIT', 0, room)
   local out, buried = {}, 0
   for _, entry in ipairs(expired) do
-    remove_from(ACTIVE, entry)
-    local member = string.match(entry, '^(.*):%d+$')
-    local key, id = string.match(member or '', '^(.-)%z%d+%z(.*)$')
-    local record = id and redis.call('HGET', K[DATA], id)
-    if record then
-      local enq, failures, deferrals, stalls, payload = parse_or_keep(record)
-      stalls = stalls + 1
-      redis.call('HSET', K[DATA], id, make_record(enq, failures, deferrals, stalls, payload))
-      local error = ''
-      if stalls >= max_stalls then
-        local limit = tonumber(redis.call('HGET', K[LIMITS], key)) or 0
-        error = 'lease expired ' .. stalls .. ' times (limit ' .. max_stalls
-          .. '): its worker died or stalled every time it held the message'
-        redis.call('HSET', K[KEYOF], id, aside(key, '', limit))
-        add_to(DEAD, now, id)
-        redis.call('HSET', K[ERRORS], id, error)
-        buried = buried + 1
-      else
-        redis.call('HSET', K[ERRORS], id, 'lease expired: the worker died or stalled')
-        rejoin(key, string.match(member, '%z(%d+)%z'), id, now)
-      end
-      after_turn(key, now, false)
-      out[#out + 1] = {key, id, failures + 1, error}
-    end
+    local ended = recover_entry(entry, out)
+    if ended then buried = buried + ended + recover_run(entry, out) end
   end
   if buried > 0 then
     counted(DEAD, -trim_dead(K[DEAD], K[DATA], K[ERRORS], now, ARGV[3], ARGV[4], 100 + buried,
