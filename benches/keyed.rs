@@ -53,6 +53,20 @@ async fn main() -> Result<(), BoxError> {
             claim_cost(keys).await?;
         }
     }
+    if runs("renew") {
+        println!(
+            "\n## renewing the leases of messages in flight, keyed (one per key) beside unkeyed"
+        );
+        println!(
+            "median of 5 `Queue::extend` calls over all of them; commands and the server's time in `EVALSHA` per call (`INFO commandstats`)"
+        );
+        println!(
+            "| in flight | keyed | its commands | its server time | unkeyed | its commands | its server time |\n|---|---|---|---|---|---|---|"
+        );
+        for n in [size(1_000, 10), size(10_000, 20)] {
+            renew_cost(n).await?;
+        }
+    }
     if runs("hot") {
         println!(
             "\n## one hot key, handlers of 2 ms: messages per second beside 1 / (handler + round trip)"
@@ -110,6 +124,69 @@ where
     // Each INFO call counts itself once.
     let ran = commands(conn).await? - before - 1;
     Ok((median(times), ran / 5))
+}
+
+/// The server's time in `EVALSHA` so far, in µs (`INFO commandstats`).
+async fn script_us(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    let line = info
+        .lines()
+        .find(|line| line.starts_with("cmdstat_evalsha:"));
+    let usec = line.and_then(|line| line.split_once("usec=")?.1.split(',').next()?.parse().ok());
+    Ok(usec.unwrap_or(0))
+}
+
+/// Claims `n` messages of `queue`, all of them in line.
+async fn claim_all(queue: &Queue<Msg>, n: usize) -> Result<Vec<Job<Msg>>, BoxError> {
+    let mut jobs = Vec::with_capacity(n);
+    while jobs.len() < n {
+        let claimed = queue.claim(1000, Duration::from_secs(60)).await?.jobs;
+        if claimed.is_empty() {
+            return Err(format!("claimed {} of {n}", jobs.len()).into());
+        }
+        jobs.extend(claimed);
+    }
+    Ok(jobs)
+}
+
+/// One `extend` over `n` messages in flight, keyed on `n` keys, beside
+/// `n` without a key, on one fresh server: what a worker's renewal of
+/// its in-flight messages costs every third of its lease.
+async fn renew_cost(n: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let keyed: Queue<Msg> = Queue::new(conn.clone(), "keyed")?;
+    let plain: Queue<Msg> = Queue::new(conn.clone(), "plain")?;
+    let msg = |key: String| Msg { key, pushed: 0 };
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let msgs = chunk.iter().map(|k| {
+            (
+                msg(format!("k{k}")),
+                PushOptions::new().key(format!("k{k}")),
+            )
+        });
+        keyed.push_many_with(msgs).await?;
+        plain
+            .push_many(chunk.iter().map(|_| msg(String::new())))
+            .await?;
+    }
+    let lease = Duration::from_secs(60);
+    let mut row = format!("| {n} |");
+    for queue in [&keyed, &plain] {
+        let jobs = claim_all(queue, n).await?;
+        let before = script_us(&conn).await?;
+        let (took, commands) = timed(&conn, || async {
+            queue.extend(&jobs, lease).await.map(|_| ())
+        })
+        .await?;
+        let server_ms = (script_us(&conn).await? - before) as f64 / 5_000.0;
+        row += &format!(" {took:.1} ms | {commands} | {server_ms:.1} ms |");
+    }
+    println!("{row}");
+    Ok(())
 }
 
 /// `stats()` of a queue of `n` messages on `n` keys beside one of `n`

@@ -287,8 +287,7 @@ impl<C: ConnectionLike + Send> ConnectionLike for Faulty<C> {
 }
 
 /// Whether `args` is an `EVALSHA` over `keys` keys (a keyed script over a
-/// partition takes its 13 keys and more: the extension 14, the
-/// settlement 18).
+/// partition takes its 14 keys and more: the settlement 19).
 fn is_script(args: &[Vec<u8>], keys: usize) -> bool {
     args.len() > 2 && args[0] == b"EVALSHA" && args[2] == keys.to_string().as_bytes()
 }
@@ -440,9 +439,21 @@ async fn a_failing_partition_does_not_stop_the_renewal_of_the_healthy_ones() {
     let slots: BTreeSet<u16> = keys.iter().map(|k| slot_of(k)).collect();
     assert_eq!(slots.len(), 6, "the healthy keys share slots: {keys:?}");
     let bad = active_of(slot_of("k0"));
-    // The renewal: 14 keys, the last a lock (a claim naming no key has
-    // 14 too, the last its record).
-    let renews = |args: &[Vec<u8>]| is_script(args, 14) && args[16].starts_with(b"lockgate:lock:");
+    // The renewal: 15 keys per message, the 15th a lock (a claim naming no
+    // key has 15 too, the last its record). The worker renews its keyed
+    // messages in one call; that call fails, and so does each message of
+    // the bad partition renewed alone after it.
+    let renews = |args: &[Vec<u8>]| {
+        if args.len() < 18 {
+            return false;
+        }
+        let keys = std::str::from_utf8(&args[2])
+            .ok()
+            .and_then(|n| n.parse::<usize>().ok());
+        args[0] == b"EVALSHA"
+            && keys.is_some_and(|keys| keys > 0 && keys % 15 == 0)
+            && args[17].starts_with(b"lockgate:lock:")
+    };
     let rule = move |args: &[Vec<u8>]| match renews(args) && names(args, &bad) {
         true => Fault::Fail,
         false => Fault::Pass,
@@ -591,12 +602,12 @@ where
 
 /// Whether `args` is the keyed claim script taking key k's head.
 fn claims_k(args: &[Vec<u8>]) -> bool {
-    is_script(args, 18) && names(args, &lock_of("k")) && !names(args, "PUBLISH")
+    is_script(args, 19) && names(args, &lock_of("k")) && !names(args, "PUBLISH")
 }
 
 /// Whether `args` is the keyed settlement acknowledging a message of key k.
 fn acks_k(args: &[Vec<u8>]) -> bool {
-    is_script(args, 18) && names(args, &lock_of("k")) && names(args, "ack")
+    is_script(args, 19) && names(args, &lock_of("k")) && names(args, "ack")
 }
 
 /// The server is paused for 1 s (`CLIENT PAUSE 1000 ALL`) just before the
@@ -859,7 +870,7 @@ async fn a_held_lock_outliving_its_message_does_not_share_the_next_one_s_fence()
 async fn jobs_continued_during_shutdown_do_not_lapse() {
     let server = server();
     let lock = lock_of("k");
-    let rule = move |args: &[Vec<u8>]| match is_script(args, 18)
+    let rule = move |args: &[Vec<u8>]| match is_script(args, 19)
         && names(args, "ack")
         && names(args, &lock)
     {

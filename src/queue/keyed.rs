@@ -29,6 +29,7 @@ mod claim;
 pub(crate) use claim::Terms;
 mod done;
 mod partitions;
+pub(crate) use partitions::Sweep;
 
 /// A keyed script's source as loaded: the queue's prelude, the keyed
 /// helpers, the script.
@@ -88,6 +89,7 @@ static REMOVE: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_r
 static PURGE: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_purge.lua"))));
 static INDEX_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_settle.lua")));
 static INDEX_HEAL: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_heal.lua")));
+static LEASES_DUE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/keyed_leases_due.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;
@@ -97,8 +99,9 @@ const KEYOF: usize = 8;
 
 const COUNTS: usize = 11;
 const OLDEST: usize = 12;
+const LEASES: usize = 13;
 /// The keys of a partition (its scripts' own keys follow them).
-const MORE: usize = 13;
+const MORE: usize = 14;
 
 /// What serves the queue: where its partitions' scripts keep the counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,12 +144,12 @@ impl Partition {
         let base = format!("{}:{{{tag}}}:{}", queue.prefix, keys::tag(&queue.name));
         let keys = [
             "data", "schedule", "active", "dead", "errors", "claims", "lines", "ready", "keyof",
-            "seq", "limits", "counts", "oldest",
+            "seq", "limits", "counts", "oldest", "leases",
         ]
         .map(|name| match (name, layout) {
             // On one server the queue's own: read and written once per
             // call, whatever partitions it goes over.
-            ("claims" | "seq" | "counts" | "oldest", Layout::Server) => {
+            ("claims" | "seq" | "counts" | "oldest" | "leases", Layout::Server) => {
                 format!("{}:keyed:{name}", queue.base)
             }
             _ => format!("{base}:{name}"),

@@ -11,7 +11,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::keyed::{Held, Layout};
+use super::keyed::{Held, Keyed, Layout};
 use super::scripts::{self, Query};
 use super::{Claim, ClaimToken, MAX_BATCH, Queue, by_shard, check_lease, token};
 use crate::error::{Error, Result};
@@ -72,37 +72,37 @@ where
                 }
             }
         }
+        self.renew_keyed(jobs, lease, &mut renewed).await;
+        renewed
+    }
+
+    /// Renews `jobs`' keyed messages into `renewed` (see [`keyed_calls`]),
+    /// all calls at once.
+    async fn renew_keyed(&self, jobs: &[&ClaimToken], lease: Duration, renewed: &mut Renewed) {
         let keyed: Vec<(usize, Turn<'_>)> = (jobs.iter().enumerate())
             .filter_map(|(n, job)| Some((n, (&**job.held.as_ref()?, &job.id[..], job.claim))))
             .collect();
         if keyed.is_empty() {
-            return renewed;
+            return;
         }
-        let conn = self.keyed();
+        let conn = &self.keyed();
         let groups = match conn.layout().await {
             Ok(layout) => keyed_calls(keyed, layout),
-            Err(error) => {
-                renewed.errors.push(error);
-                return renewed;
-            }
+            Err(error) => return renewed.errors.push(error),
         };
-        let calls = groups.iter().map(|group| {
+        let calls = groups.iter().map(|group| async move {
             let turns: Vec<Turn<'_>> = group.iter().map(|(_, turn)| *turn).collect();
-            let conn = &conn;
-            async move { conn.extend(&turns, lease).await }
+            extend_group(conn, &turns, lease).await
         });
         let answers = futures_util::future::join_all(calls).await;
-        for (group, answer) in groups.iter().zip(answers) {
-            match answer {
-                Ok(held) => {
-                    for ((n, _), held) in group.iter().zip(held) {
-                        renewed.held[*n] = Some(held);
-                    }
+        for (group, answers) in groups.iter().zip(answers) {
+            for ((n, _), answer) in group.iter().zip(answers) {
+                match answer {
+                    Ok(held) => renewed.held[*n] = Some(held),
+                    Err(error) => renewed.errors.push(error),
                 }
-                Err(error) => renewed.errors.push(error),
             }
         }
-        renewed
     }
 
     /// Renews one batch of shard `shard`'s messages without a key.
@@ -126,6 +126,31 @@ where
             return Err(Error::reply(attempted(), detail));
         }
         Ok(held.into_iter().map(|held| held == 1).collect())
+    }
+}
+
+/// Renews `turns` in one call; if it fails, each alone, once: one
+/// partition's failure (a damaged key, say) must not cost the others their
+/// leases. Per turn, whether its claim was held.
+async fn extend_group<C>(
+    conn: &Keyed<'_, C>,
+    turns: &[Turn<'_>],
+    lease: Duration,
+) -> Vec<Result<bool>>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match conn.extend(turns, lease).await {
+        Ok(held) => held.into_iter().map(Ok).collect(),
+        Err(error) if turns.len() == 1 => vec![Err(error)],
+        Err(_) => {
+            let alone = turns
+                .iter()
+                .map(|turn| conn.extend(std::slice::from_ref(turn), lease));
+            let answers = futures_util::future::join_all(alone).await;
+            let held = |answer: Result<Vec<bool>>| answer.map(|held| held.first() == Some(&true));
+            answers.into_iter().map(held).collect()
+        }
     }
 }
 

@@ -48,7 +48,7 @@ pub use push::{MAX_PRIORITY, PushOptions, Pushed};
 mod read;
 mod settle;
 pub use keyed::MAX_RUN;
-use keyed::{Held, Keyed, KeyedState};
+use keyed::{Held, Keyed, KeyedState, Sweep};
 use read::span;
 pub use read::{Activity, Completed, KeyLoad, KeyStats, Peek, Peeked, Stats};
 pub(crate) mod scripts;
@@ -92,6 +92,11 @@ pub const MAX_KEYS_READ: usize = 10_000;
 /// The least time between two sweeps for keyed partitions missing from the
 /// index (see `Queue::heal_in_turn`): each asks all 16,384 slots.
 pub(crate) const HEAL_EVERY: Duration = Duration::from_secs(5);
+
+/// How often the workers' recovery turns visit every keyed partition
+/// (`Queue::recover_in_turn`), not only those the leases index names: the
+/// safety net for messages leased by a version that kept no such index.
+const FULL_SWEEP_EVERY: Duration = Duration::from_secs(300);
 
 /// A Redis delay queue of `T` messages.
 ///
@@ -623,6 +628,12 @@ where
     /// least once) is buried instead. Loops over script calls of
     /// [`MAX_BATCH`] until none is left; safe to run from many processes.
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
+        self.recover_with(max_stalls, Sweep::Due).await
+    }
+
+    /// [`recover`](Self::recover), visiting the keyed partitions `sweep`
+    /// names.
+    async fn recover_with(&self, max_stalls: u32, sweep: Sweep) -> Result<Recovered> {
         let mut total = Recovered::default();
         let shards = self.layout().await?;
         self.index_shards().await?;
@@ -634,7 +645,7 @@ where
             total.requeued += recovered.requeued;
             total.buried += recovered.buried;
         }
-        let (requeued, buried) = self.keyed().recover(max_stalls.max(1)).await?;
+        let (requeued, buried) = self.keyed().recover(max_stalls.max(1), sweep).await?;
         total.requeued += requeued;
         total.buried += buried;
         if total.requeued + total.buried > 0 {
@@ -669,7 +680,21 @@ where
         let Some(_) = taken else {
             return Ok(Recovered::default());
         };
-        self.recover(max_stalls).await
+        // One turn in FULL_SWEEP_EVERY visits every keyed partition, the
+        // others those the leases index names.
+        let mut full = redis::cmd("SET");
+        full.arg(format!("{}:full", self.keys.recovering));
+        full.arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(FULL_SWEEP_EVERY));
+        let full: Option<String> = full.query_on(&self.conn, attempted).await?;
+        let sweep = if full.is_some() {
+            Sweep::Full
+        } else {
+            Sweep::Due
+        };
+        self.recover_with(max_stalls, sweep).await
     }
 
     /// Sweeps for keyed partitions missing from the index

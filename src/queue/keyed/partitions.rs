@@ -11,8 +11,8 @@ use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LINES, Layout, Log, MORE, OLDEST, PEEK,
-    PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
+    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LEASES, LEASES_DUE, LINES, Layout, Log,
+    MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
 };
 use crate::error::{Error, Result};
 use crate::keys::SLOTS;
@@ -39,6 +39,24 @@ pub(crate) const KEY_PARTITIONS: isize = 128;
 /// Partitions one call of a recovery sweep looks at, on one server
 /// ([`Keyed::recover`]); each call ends at most 1,000 turns.
 const RECOVER_BLOCKS: usize = 256;
+
+/// Due partitions one read of the leases index names ([`Keyed::recover`]).
+const DUE_AT_ONCE: usize = 4 * RECOVER_BLOCKS;
+
+/// Reads of the leases index a sweep makes at most: every partition
+/// (16,384) four times over.
+const DUE_ROUNDS: usize = 4 * SLOTS as usize / DUE_AT_ONCE;
+
+/// Which partitions a recovery sweep visits ([`Keyed::recover`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sweep {
+    /// Those where a lease may have run out, by the leases index (on one
+    /// server; on a cluster, every partition).
+    Due,
+    /// Every partition of the index: also those whose messages were leased
+    /// by a version that kept no leases index.
+    Full,
+}
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// The counts of keyed messages: [in line, delayed, at work, dead, and
@@ -271,22 +289,62 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(slots.into_iter().filter(|slot| *slot < SLOTS).collect())
     }
 
-    /// Ends the turns whose lease ran out in every partition of the index;
-    /// returns how many went back to the head of their line, and were
-    /// buried. On one server a call looks at [`RECOVER_BLOCKS`] partitions
-    /// (a sweep over 16,384 partitions: 64 calls); on a cluster, where a
-    /// script reaches one slot, a call per partition,
-    /// [`PARTITIONS_AT_ONCE`] at a time.
-    pub(crate) async fn recover(&self, max_stalls: u32) -> Result<(usize, usize)> {
+    /// Ends the turns whose lease ran out; returns how many went back to
+    /// the head of their line, and were buried. `Sweep::Due` visits, on
+    /// one server, only the partitions whose entry in the queue's leases
+    /// index is due (see `lua/keyed.lua`): a quiet queue's sweep costs a
+    /// few commands, whatever its keys. `Sweep::Full`, and any sweep on a
+    /// cluster (where each partition keeps its own entry), visit every
+    /// partition of the index.
+    pub(crate) async fn recover(&self, max_stalls: u32, sweep: Sweep) -> Result<(usize, usize)> {
+        let layout = self.layout().await?;
+        if (layout, sweep) != (Layout::Server, Sweep::Due) {
+            let slots = self.slots().await?;
+            return self.recover_slots(&slots, layout, max_stalls).await;
+        }
+        let mut total = (0, 0);
+        // A visit moves a partition's entry past now (or removes it), so
+        // the next read finds those beyond the limit; one with more expired
+        // turns than a call ends stays due for the next round.
+        for _ in 0..DUE_ROUNDS {
+            let slots = self.due_slots().await?;
+            let (requeued, buried) = self.recover_slots(&slots, layout, max_stalls).await?;
+            total = (total.0 + requeued, total.1 + buried);
+            if slots.len() < DUE_AT_ONCE {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    /// The slots of the partitions whose entry in the leases index is due
+    /// (one server; see `lua/keyed_leases_due.lua`), up to [`DUE_AT_ONCE`].
+    async fn due_slots(&self) -> Result<Vec<u16>> {
+        let attempted = || format!("reading the leases index of queue `{}`", self.keys.name);
+        let leases = &self.partition_in(0, Layout::Server).keys[LEASES];
+        let mut cmd = evalsha(&LEASES_DUE, 1);
+        cmd.arg(leases).arg(DUE_AT_ONCE);
+        let tags: Vec<String> = self.run(&LEASES_DUE, &cmd, attempted).await?;
+        Ok(tags.iter().map(|tag| crate::keys::slot_of(tag)).collect())
+    }
+
+    /// Ends the turns whose lease ran out in the partitions of `slots`: on
+    /// one server [`RECOVER_BLOCKS`] partitions a call (a sweep over
+    /// 16,384 partitions: 64 calls); on a cluster, where a script reaches
+    /// one slot, a call per partition, [`PARTITIONS_AT_ONCE`] at a time.
+    async fn recover_slots(
+        &self,
+        slots: &[u16],
+        layout: Layout,
+        max_stalls: u32,
+    ) -> Result<(usize, usize)> {
         use futures_util::{StreamExt, TryStreamExt};
         let (count, age) = self.recording.dead.args();
         let (count, age) = (&count, &age);
-        let layout = self.layout().await?;
         let per_call = match layout {
             Layout::Server => RECOVER_BLOCKS,
             Layout::Cluster => 1,
         };
-        let slots = self.slots().await?;
         let groups: Vec<Vec<Partition>> = (slots.chunks(per_call))
             .map(|slots| {
                 let partition = |slot: &u16| Partition::new(self.keys, *slot, layout);
@@ -294,7 +352,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             })
             .collect();
         let calls = groups.into_iter().map(|partitions| async move {
-            self.recover_in(&partitions, max_stalls, (count, age)).await
+            self.recover_in((&partitions, layout), max_stalls, (count, age))
+                .await
         });
         let at_once = (PARTITIONS_AT_ONCE / per_call).max(2);
         let ended: Vec<(usize, usize)> = futures_util::stream::iter(calls)
@@ -314,7 +373,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// back in line, and were buried.
     async fn recover_in(
         &self,
-        partitions: &[Partition],
+        (partitions, layout): (&[Partition], Layout),
         max_stalls: u32,
         (count, age): (&String, &String),
     ) -> Result<(usize, usize)> {
@@ -323,7 +382,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for partition in partitions {
             cmd.arg(&partition.keys[..]);
         }
-        cmd.arg(max_stalls).arg(1000).arg(count).arg(age);
+        // One server keeps the leases index (a cluster's sweeps visit
+        // every partition).
+        let keeps_index = u8::from(layout == Layout::Server);
+        cmd.arg(max_stalls)
+            .arg(1000)
+            .arg(count)
+            .arg(age)
+            .arg(keeps_index);
         type Ended = Vec<(String, String, u32, String)>;
         let answers: Vec<(usize, Ended)> = self.run(&RECOVER, &cmd, attempted).await?;
         let (mut requeued, mut buried, mut marks) = (0, 0, Vec::new());

@@ -34,6 +34,13 @@
 --   partitions), on a Redis Cluster the partition's own
 -- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
 --   ready time above 0 (see tally), as counts: the queue's on one server
+-- KEYS[14] leases: zset partition (its tag, the text between the braces
+--   of its keys' names) -> at most its earliest lease deadline (ms), kept
+--   by every script that leases a message (see leased_until) and set by
+--   recovery to the partition's earliest one (none: removed), so that a
+--   recovery sweep visits only the partitions where a lease may have run
+--   out: the queue's on one server; on a cluster, where a sweep visits
+--   every partition, the partition's own, lowered and never read
 -- A script's own keys follow, from KEYS[MORE + 1] on. The helpers below
 -- name the partition's keys through K, the partition at hand: KEYS itself,
 -- unless a call over several partitions moved to another (see
@@ -44,7 +51,7 @@
 -- expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
-local COUNTS, OLDEST, MORE = 12, 13, 13
+local COUNTS, OLDEST, LEASES, MORE = 12, 13, 14, 14
 local AT_WORK = -1
 local K = KEYS
 
@@ -180,13 +187,48 @@ local function tally_seqs()
   last_seqs = {}
 end
 
+-- The tag of the partition whose active set is `active` (its member in
+-- `leases`).
+local function tag_of(active)
+  return string.match(active, '{(.-)}')
+end
+
+-- The earliest lease deadline this call gave in each partition, by leases
+-- key, then partition, until `tally` writes them: one command per call,
+-- however many partitions it leased in.
+local owed_leases = {}
+
+-- A message of the partition at hand is leased until `deadline` (ms).
+local function leased_until(deadline)
+  local owed = owed_leases[K[LEASES]] or {}
+  owed_leases[K[LEASES]] = owed
+  local tag = tag_of(K[ACTIVE])
+  if not owed[tag] or deadline < owed[tag] then owed[tag] = deadline end
+end
+
+-- Lowers the partitions' entries in `leases` to the deadlines this call
+-- gave (`LT` adds a partition that had none).
+local function tally_leases()
+  for leases, owed in pairs(owed_leases) do
+    local args = {}
+    for tag, deadline in pairs(owed) do
+      args[#args + 1] = deadline
+      args[#args + 1] = tag
+    end
+    redis.call('ZADD', leases, 'LT', unpack(args))
+  end
+  owed_leases = {}
+end
+
 -- At the end of a script that changes the partition (see `counted` in
 -- src/queue/keyed.rs): adds its moves to the counts, keeps the
--- partition's earliest ready time in `oldest`, and the last seq handed out.
+-- partition's earliest ready time in `oldest`, the earliest lease
+-- deadlines in `leases`, and the last seq handed out.
 local function tally()
   tally_counts()
   tally_ready()
   tally_oldest()
+  tally_leases()
   tally_seqs()
 end
 

@@ -4,7 +4,7 @@
 -- each, claimed in turn). A key with a lock and no rate limit gives up to
 -- ARGV[3] of its first messages at once, a run under one lock and claim
 -- number (see keyed_done.lua), noted as a hand-over's run is.
--- KEYS, per block: the partition's 13 keys; per candidate key, its lock,
+-- KEYS, per block: the partition's 14 keys; per candidate key, its lock,
 -- its permits' set, the set's line of waiters and its rate limit log; then
 -- the call's record, last
 -- ARGV[1]: lease in ms (the lock's or permit's too)
@@ -96,6 +96,7 @@ local function take(key, heads, permits, rate)
   end
   counted(LINES, -redis.call('ZREM', K[LINES], unpack(members)))
   counted(ACTIVE, redis.call('ZADD', K[ACTIVE], unpack(active)))
+  leased_until(deadline)
   if #heads > 1 then redis.call('HSET', K[LIMITS], run_field(key), table.concat(note)) end
   local records = redis.call('HMGET', K[DATA], unpack(ids))
   for i, head in ipairs(heads) do

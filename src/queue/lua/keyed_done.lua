@@ -6,10 +6,10 @@
 -- the lock going to the first waiter in its line as a `Locker`'s release
 -- hands it (release.lua), so that a key's messages and other code take
 -- turns. The caller bounds such runs (MAX_RUN, see keyed.rs).
--- KEYS[1..13]: the partition   KEYS[14] (LOCK): the key's lock, or its
--- permits' set   KEYS[15] (WAITERS): the lock's or the set's line of waiters
--- KEYS[16] (FENCES): the set's fences (for a lock: the lock)
--- KEYS[17] (RATE_LOG): the key's rate limit log
+-- KEYS[1..14]: the partition   KEYS[15] (LOCK): the key's lock, or its
+-- permits' set   KEYS[16] (WAITERS): the lock's or the set's line of waiters
+-- KEYS[17] (FENCES): the set's fences (for a lock: the lock)
+-- KEYS[18] (RATE_LOG): the key's rate limit log
 -- ARGV[1]: "ack", "retry" (a failed attempt), "defer" (no attempt used),
 --   "release" (back as it was) or "bury"
 -- ARGV[2..6]: the key, the id, its seq, its claim, the lock's (permit's) token
@@ -23,7 +23,7 @@
 -- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
--- KEYS[18] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
+-- KEYS[19] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
 --   next message: "<status><acknowledged record>", or for status 3
 --   "3<renewed 0/1><count>:" then per next message "<seq (16 digits)><#id>:<id>",
 --   then the acknowledged record. It makes the call safe to resend (see
@@ -239,6 +239,7 @@ local function continue(nexts, until_ms, renewed)
   end
   counted(LINES, -redis.call('ZREM', KEYS[LINES], unpack(lines)))
   counted(ACTIVE, redis.call('ZADD', KEYS[ACTIVE], unpack(active)))
+  leased_until(until_ms)
   note_run(lines)
   if limit > 0 and not head_of(key) then
     remove_from(READY, key)

@@ -7,8 +7,8 @@
 -- lease, or the longest lease of the other messages of its run still at
 -- work if longer (see keyed_done.lua): the key's lock outlives each of its
 -- messages at work, whichever a renewal names.
--- KEYS, per message: its partition's 13 keys, then its key's lock or its
--- permits' set
+-- KEYS, per message: its partition's keys (MORE), then its key's lock or
+-- its permits' set
 -- ARGV[1]: lease in ms; per message, from ARGV[2]: the active member
 -- "<line member>:<claim>", the token, the key's permits ("0": its lock)
 -- Returns per message 1 when extended, 0 when the claim or the lock is
@@ -37,7 +37,8 @@ end
 -- Extends one message's lease (`active`, under `token`) and its hold: the
 -- block from KEYS[base + 1].
 local function extend(base, active, token, limit)
-  if not redis.call('ZSCORE', KEYS[base + ACTIVE], active) then return 0 end
+  local was = tonumber(redis.call('ZSCORE', KEYS[base + ACTIVE], active))
+  if not was then return 0 end
   local hold = KEYS[base + MORE + 1]
   if limit > 0 then
     if redis.call('ZSCORE', hold, token) then
@@ -57,6 +58,11 @@ local function extend(base, active, token, limit)
     end
   end
   redis.call('ZADD', KEYS[base + ACTIVE], 'XX', now + ttl, active)
+  -- A shorter lease than the one it replaces may run out before the
+  -- partition's entry in `leases` says.
+  if now + ttl < was then
+    redis.call('ZADD', KEYS[base + LEASES], 'LT', now + ttl, tag_of(KEYS[base + ACTIVE]))
+  end
   return 1
 end
 

@@ -1,7 +1,7 @@
 -- Reads a partition's keys for a view (see keyed.lua), changing nothing:
 -- each key with messages in line or at work, how many of each, and when the
 -- first in its line was pushed (its seq: the push time in thousandths of a
--- ms, so no record is read). KEYS[1..13]: the partition
+-- ms, so no record is read). KEYS[1..14]: the partition
 -- ARGV[1]: the most keys to read from each of the active and ready sets
 -- (the caller's top: the work is bounded by it, not by the keys)
 -- Returns {now ms, {{key, in line, at work, its head's push ms (-1: none)},

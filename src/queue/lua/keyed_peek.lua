@@ -2,7 +2,7 @@
 -- the heads of its keys' lines (the next claim's candidates first: ready
 -- soonest, then keys at work), its delayed messages, soonest due first, and
 -- its messages at work, soonest lease end first.
--- KEYS[1..13]: the partition   ARGV[1]: how many of each at most
+-- KEYS[1..14]: the partition   ARGV[1]: how many of each at most
 -- Returns {n waiting, {{id, ms, key, record or false}, ...}}, the n
 -- waiting first: a head's ms is when its key may be claimed from (now for
 -- a key at work), a delayed message's its due time, one at work's its lease end.

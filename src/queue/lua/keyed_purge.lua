@@ -2,10 +2,11 @@
 -- messages out of the counts, which go too once they are all 0. Its claim
 -- and line counters stay (as the queue's claim counter does), so that a
 -- claim from before the purge never matches a message pushed after it.
--- KEYS[1..13]: the partition
+-- KEYS[1..MORE]: the partition
 for _, set in ipairs(COUNTED) do counted(set[1], -redis.call('ZCARD', KEYS[set[1]])) end
 redis.call('UNLINK', KEYS[DATA], KEYS[SCHEDULE], KEYS[ACTIVE], KEYS[DEAD], KEYS[ERRORS],
   KEYS[LINES], KEYS[READY], KEYS[KEYOF], KEYS[LIMITS])
+redis.call('ZREM', KEYS[LEASES], tag_of(KEYS[ACTIVE]))
 ready_changed()
 tally()
 for _, set in ipairs(COUNTED) do

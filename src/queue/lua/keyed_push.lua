@@ -2,7 +2,7 @@
 -- keyed.lua); an id that exists already under the same key is left as it
 -- is (de-duplication, as push.lua); under another key it is another
 -- message.
--- KEYS[1..13]: the partition; or 13 keys for each of n partitions, in
+-- KEYS[1..14]: the partition; or 14 keys for each of n partitions, in
 -- turn (all on one server: a cluster refuses keys of several slots)
 -- ARGV: with n partitions, first n counts, how many of the quintuples
 -- that follow go to each partition, in KEYS' order (with one partition,

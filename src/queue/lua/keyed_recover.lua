@@ -3,11 +3,14 @@
 -- message goes back first in its key's line, with the rest of its run (see
 -- recover_run), and its key is ready at once (the key's lock or permit ran
 -- out with the lease), counting a stall; one that stalled ARGV[1] times is
--- buried.
--- KEYS: the partition's 13 keys; or 13 for each of several partitions, in
+-- buried. On one server, sets each partition's entry in `leases` to its
+-- earliest lease left (none: removed), so that the next sweep visits it
+-- only when that lease may have run out (see keyed.lua).
+-- KEYS: the partition's 14 keys; or 14 for each of several partitions, in
 -- turn   ARGV[1]: max stalls   ARGV[2]: how many at most, over the call
 -- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for no
--- limit), applied after a burial
+-- limit), applied after a burial   ARGV[5]: "1" to keep `leases` (one server; a
+-- cluster's sweep visits every partition, and needs none)
 -- Returns per partition {examined, {{key, id, attempt, error}, ...}}: the
 -- error "" when it went back in line, else the one it was buried with.
 local now = now_ms()
@@ -66,10 +69,25 @@ local function recover_run(entry, out)
   return buried
 end
 
+-- The partitions' entries in `leases` this call knows exactly, by leases
+-- key, then partition: the earliest lease deadline left, or false (none
+-- left at work). Written at the end, a command or two per leases key.
+local known = {}
+
+-- The earliest lease deadline in the partition at hand's active set, or
+-- nil.
+local function earliest()
+  return tonumber(redis.call('ZRANGE', K[ACTIVE], 0, 0, 'WITHSCORES')[2])
+end
+
 -- Ends the expired turns of the partition at hand, up to `room` of them
--- (and the rest of their runs).
+-- (and the rest of their runs), and notes its earliest lease left.
 local function recover_partition()
-  local expired = redis.call('ZRANGEBYSCORE', K[ACTIVE], '-inf', now, 'LIMIT', 0, room)
+  local first = earliest()
+  local expired = {}
+  if first and first <= now then
+    expired = redis.call('ZRANGEBYSCORE', K[ACTIVE], '-inf', now, 'LIMIT', 0, room)
+  end
   local out, buried = {}, 0
   for _, entry in ipairs(expired) do
     local ended = recover_entry(entry, out)
@@ -79,8 +97,28 @@ local function recover_partition()
     counted(DEAD, -trim_dead(K[DEAD], K[DATA], K[ERRORS], now, ARGV[3], ARGV[4], 100 + buried,
       K[KEYOF]))
   end
+  if #expired > 0 then first = earliest() end
+  known[K[LEASES]] = known[K[LEASES]] or {}
+  known[K[LEASES]][tag_of(K[ACTIVE])] = first or false
   room = room - #expired
   return {#expired, out}
+end
+
+-- Writes the entries of `known`.
+local function write_known()
+  for leases, entries in pairs(known) do
+    local set, gone = {}, {}
+    for tag, deadline in pairs(entries) do
+      if deadline then
+        set[#set + 1] = deadline
+        set[#set + 1] = tag
+      else
+        gone[#gone + 1] = tag
+      end
+    end
+    if #set > 0 then redis.call('ZADD', leases, unpack(set)) end
+    if #gone > 0 then redis.call('ZREM', leases, unpack(gone)) end
+  end
 end
 
 local answers, changed = {}, false
@@ -94,7 +132,8 @@ for base = 0, #KEYS - MORE, MORE do
     answers[#answers + 1] = {0, {}}
   end
 end
+if ARGV[5] == '1' then write_known() end
 -- Nothing expired, nothing changed: a sweep's look at a quiet partition
--- costs one command.
+-- costs one command (and the call one or two for `leases`).
 if changed then tally() end
 return answers

@@ -1,6 +1,6 @@
 -- Deletes a keyed message that waits (in its key's line, or delayed) or is
 -- dead, in a partition (see keyed.lua); one at work is left to its worker,
--- as remove.lua leaves an active message. KEYS[1..13]: the partition
+-- as remove.lua leaves an active message. KEYS[1..14]: the partition
 -- ARGV[1]: the id   ARGV[2]: its place in line, "<key>\0<seq>\0<id>", as the
 -- caller found it ("" for none)
 -- Returns the message's key when it was removed, else false.

@@ -5,7 +5,7 @@
 -- its counts, counts the deferral and loses a priority (a key's messages
 -- start in push order). An id here already (a resend) is left as it is. The
 -- caller then removes the message from the queue.
--- KEYS[1..13]: the partition   ARGV[1]: the key   ARGV[2]: its limits (as
+-- KEYS[1..14]: the partition   ARGV[1]: the key   ARGV[2]: its limits (as
 -- keyed_push.lua's)   ARGV[3]: the id   ARGV[4]: the delay in ms before it
 -- joins the line   ARGV[5]: its record in the queue
 -- Returns {added (1|0), due ms}.
