@@ -360,6 +360,13 @@ end
 --   partitions), on a Redis Cluster the partition's own
 -- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
 --   ready time above 0 (see tally), as counts: the queue's on one server
+-- KEYS[14] leases: zset partition (its tag, the text between the braces
+--   of its keys' names) -> at most its earliest lease deadline (ms), kept
+--   by every script that leases a message (see leased_until) and set by
+--   recovery to the partition's earliest one (none: removed), so that a
+--   recovery sweep visits only the partitions where a lease may have run
+--   out: the queue's on one server; on a cluster, where a sweep visits
+--   every partition, the partition's own, lowered and never read
 -- A script's own keys follow, from KEYS[MORE + 1] on. The helpers below
 -- name the partition's keys through K, the partition at hand: KEYS itself,
 -- unless a call over several partitions moved to another (see
@@ -370,7 +377,10 @@ end
 -- expired lease put it back at its place, first in line.
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
-local COUNTS, OLDEST, MORE = 12, 13, 13
+local COUNTS, OLDEST, LEASES, MORE = 12, 13, 14, 14
+-- A push names a partition's keys but `leases` (it leases nothing): the
+-- 13 keys producers in other languages send (docs/internals.md).
+local PUSH_KEYS = 13
 local AT_WORK = -1
 local K = KEYS
 
@@ -506,24 +516,59 @@ local function tally_seqs()
   last_seqs = {}
 end
 
+-- The tag of the partition whose active set is `active` (its member in
+-- `leases`).
+local function tag_of(active)
+  return string.match(active, '{(.-)}')
+end
+
+-- The earliest lease deadline this call gave in each partition, by leases
+-- key, then partition, until `tally` writes them: one command per call,
+-- however many partitions it leased in.
+local owed_leases = {}
+
+-- A message of the partition at hand is leased until `deadline` (ms).
+local function leased_until(deadline)
+  local owed = owed_leases[K[LEASES]] or {}
+  owed_leases[K[LEASES]] = owed
+  local tag = tag_of(K[ACTIVE])
+  if not owed[tag] or deadline < owed[tag] then owed[tag] = deadline end
+end
+
+-- Lowers the partitions' entries in `leases` to the deadlines this call
+-- gave (`LT` adds a partition that had none).
+local function tally_leases()
+  for leases, owed in pairs(owed_leases) do
+    local args = {}
+    for tag, deadline in pairs(owed) do
+      args[#args + 1] = deadline
+      args[#args + 1] = tag
+    end
+    redis.call('ZADD', leases, 'LT', unpack(args))
+  end
+  owed_leases = {}
+end
+
 -- At the end of a script that changes the partition (see `counted` in
 -- src/queue/keyed.rs): adds its moves to the counts, keeps the
--- partition's earliest ready time in `oldest`, and the last seq handed out.
+-- partition's earliest ready time in `oldest`, the earliest lease
+-- deadlines in `leases`, and the last seq handed out.
 local function tally()
   tally_counts()
   tally_ready()
   tally_oldest()
+  tally_leases()
   tally_seqs()
 end
 
--- Moves the helpers to the partition whose MORE keys (in the order above)
--- follow KEYS[base] in a call over several, after keeping the earliest
--- ready time of the one left; its moves are added to the counts once its
--- successor keeps others (on one server every partition keeps the
--- queue's: added once, at the end).
-local function enter_partition(base)
+-- Moves the helpers to the partition whose `width` keys (MORE, or
+-- PUSH_KEYS for a push; in the order above) follow KEYS[base] in a call
+-- over several, after keeping the earliest ready time of the one left;
+-- its moves are added to the counts once its successor keeps others (on
+-- one server every partition keeps the queue's: added once, at the end).
+local function enter_partition(base, width)
   local next = {}
-  for i = 1, MORE do next[i] = KEYS[base + i] end
+  for i = 1, width or MORE do next[i] = KEYS[base + i] end
   tally_ready()
   if next[COUNTS] ~= K[COUNTS] then tally_counts() end
   K = next
@@ -732,8 +777,9 @@ local function changes()
 -- keyed.lua); an id that exists already under the same key is left as it
 -- is (de-duplication, as push.lua); under another key it is another
 -- message.
--- KEYS[1..13]: the partition; or 13 keys for each of n partitions, in
--- turn (all on one server: a cluster refuses keys of several slots)
+-- KEYS[1..13]: the partition's keys but `leases` (PUSH_KEYS); or 13 keys
+-- for each of n partitions, in turn (all on one server: a cluster refuses
+-- keys of several slots)
 -- ARGV: with n partitions, first n counts, how many of the quintuples
 -- that follow go to each partition, in KEYS' order (with one partition,
 -- no count: every quintuple goes to it); then quintuples (key, limits,
@@ -753,9 +799,9 @@ local function changes()
 -- (in line, at work, or dead).
 -- Bad arguments are refused before anything is written, with an error reply
 -- starting "lockgate push:" that names the message and the argument.
-local partitions = #KEYS / MORE
-if partitions < 1 or #KEYS % MORE ~= 0 then
-  return redis.error_reply('ERR lockgate push: keys must be ' .. MORE
+local partitions = #KEYS / PUSH_KEYS
+if partitions < 1 or #KEYS % PUSH_KEYS ~= 0 then
+  return redis.error_reply('ERR lockgate push: keys must be ' .. PUSH_KEYS
     .. ' per partition, got ' .. #KEYS)
 end
 -- Where each partition's quintuples end (ARGV positions), and the first.
@@ -824,7 +870,7 @@ local out, p = {}, 1
 for i = first, #ARGV, 5 do
   while i > ends[p] do
     p = p + 1
-    enter_partition((p - 1) * MORE)
+    enter_partition((p - 1) * PUSH_KEYS, PUSH_KEYS)
   end
   local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])

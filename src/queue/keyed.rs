@@ -102,6 +102,9 @@ const OLDEST: usize = 12;
 const LEASES: usize = 13;
 /// The keys of a partition (its scripts' own keys follow them).
 const MORE: usize = 14;
+/// The keys of a partition a push names: all but `leases` (it leases
+/// nothing), the 13 that producers in other languages send.
+const PUSH_KEYS: usize = LEASES;
 
 /// What serves the queue: where its partitions' scripts keep the counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -520,9 +523,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .iter()
             .map(|(slot, _)| self.partition_in(*slot, layout));
         let partitions: Vec<Arc<Partition>> = partitions.collect();
-        let mut cmd = evalsha(&PUSH, partitions.len() * MORE);
+        let mut cmd = evalsha(&PUSH, partitions.len() * PUSH_KEYS);
         for partition in &partitions {
-            cmd.arg(&partition.keys[..]);
+            cmd.arg(&partition.keys[..PUSH_KEYS]);
         }
         if parts.len() > 1 {
             for (_, messages) in parts {

@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures_util::StreamExt;
+
 use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -20,6 +22,9 @@ use crate::lock::millis;
 /// How many keyed messages one renewal call renews at most, on one server:
 /// a few commands each, a millisecond or two of the server's time a call.
 const EXTEND_BLOCKS: usize = 256;
+
+/// Keyed renewal calls in flight at once (on a cluster, a call per slot).
+const CALLS_AT_ONCE: usize = 64;
 
 /// What a renewal found, per message: `Some(held)` when the server
 /// answered, `None` when its call failed (its error is among `errors`).
@@ -90,11 +95,18 @@ where
             Ok(layout) => keyed_calls(keyed, layout),
             Err(error) => return renewed.errors.push(error),
         };
-        let calls = groups.iter().map(|group| async move {
-            let turns: Vec<Turn<'_>> = group.iter().map(|(_, turn)| *turn).collect();
-            extend_group(conn, &turns, lease).await
-        });
-        let answers = futures_util::future::join_all(calls).await;
+        let calls: Vec<_> = (groups.iter())
+            .map(|group| {
+                let turns: Vec<Turn<'_>> = group.iter().map(|(_, turn)| *turn).collect();
+                async move { extend_group(conn, &turns, lease).await }
+            })
+            .collect();
+        // On a cluster a call per slot: a window of them at a time, lest
+        // the last wait past a response timeout behind the first.
+        let answers: Vec<Vec<Result<bool>>> = futures_util::stream::iter(calls)
+            .buffered(CALLS_AT_ONCE)
+            .collect()
+            .await;
         for (group, answers) in groups.iter().zip(answers) {
             for ((n, _), answer) in group.iter().zip(answers) {
                 match answer {
@@ -143,7 +155,8 @@ where
     match conn.extend(turns, lease).await {
         Ok(held) => held.into_iter().map(Ok).collect(),
         Err(error) if turns.len() == 1 => vec![Err(error)],
-        Err(_) => {
+        Err(error) => {
+            tracing::debug!(%error, messages = turns.len(), "a keyed renewal call failed; renewing its messages one by one");
             let alone = turns
                 .iter()
                 .map(|turn| conn.extend(std::slice::from_ref(turn), lease));

@@ -627,13 +627,11 @@ where
     /// started). A message whose lease ran out `max_stalls` times (at
     /// least once) is buried instead. Loops over script calls of
     /// [`MAX_BATCH`] until none is left; safe to run from many processes.
+    /// On one server it visits the keyed partitions where a lease may have
+    /// run out, by the index the scripts keep of their earliest leases;
+    /// once every few minutes, between all the queue's handles, every
+    /// partition (docs/keyed.md, "Recovery sweeps").
     pub async fn recover(&self, max_stalls: u32) -> Result<Recovered> {
-        self.recover_with(max_stalls, Sweep::Due).await
-    }
-
-    /// [`recover`](Self::recover), visiting the keyed partitions `sweep`
-    /// names.
-    async fn recover_with(&self, max_stalls: u32, sweep: Sweep) -> Result<Recovered> {
         let mut total = Recovered::default();
         let shards = self.layout().await?;
         self.index_shards().await?;
@@ -645,6 +643,7 @@ where
             total.requeued += recovered.requeued;
             total.buried += recovered.buried;
         }
+        let sweep = self.sweep().await?;
         let (requeued, buried) = self.keyed().recover(max_stalls.max(1), sweep).await?;
         total.requeued += requeued;
         total.buried += buried;
@@ -652,6 +651,26 @@ where
             tracing::info!(queue = %self.name(), requeued = total.requeued, buried = total.buried, "recovered messages whose lease ran out");
         }
         Ok(total)
+    }
+
+    /// Which keyed partitions a recovery visits: every one in the first
+    /// turn of each [`FULL_SWEEP_EVERY`] between the queue's handles (the
+    /// safety net for leases given by a version without the leases index),
+    /// else those the index names.
+    async fn sweep(&self) -> Result<Sweep> {
+        let mut full = redis::cmd("SET");
+        full.arg(format!("{}:full", self.keys.recovering));
+        full.arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(FULL_SWEEP_EVERY));
+        let attempted = || format!("recovering expired leases in queue `{}`", self.name());
+        let full: Option<String> = full.query_on(&self.conn, attempted).await?;
+        Ok(if full.is_some() {
+            Sweep::Full
+        } else {
+            Sweep::Due
+        })
     }
 
     /// [`recover`](Self::recover), unless a handle of the queue with the
@@ -680,21 +699,7 @@ where
         let Some(_) = taken else {
             return Ok(Recovered::default());
         };
-        // One turn in FULL_SWEEP_EVERY visits every keyed partition, the
-        // others those the leases index names.
-        let mut full = redis::cmd("SET");
-        full.arg(format!("{}:full", self.keys.recovering));
-        full.arg(1)
-            .arg("NX")
-            .arg("PX")
-            .arg(millis(FULL_SWEEP_EVERY));
-        let full: Option<String> = full.query_on(&self.conn, attempted).await?;
-        let sweep = if full.is_some() {
-            Sweep::Full
-        } else {
-            Sweep::Due
-        };
-        self.recover_with(max_stalls, sweep).await
+        self.recover(max_stalls).await
     }
 
     /// Sweeps for keyed partitions missing from the index

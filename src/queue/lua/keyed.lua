@@ -52,6 +52,9 @@
 local DATA, SCHEDULE, ACTIVE, DEAD, ERRORS, CLAIMS = 1, 2, 3, 4, 5, 6
 local LINES, READY, KEYOF, SEQ, LIMITS = 7, 8, 9, 10, 11
 local COUNTS, OLDEST, LEASES, MORE = 12, 13, 14, 14
+-- A push names a partition's keys but `leases` (it leases nothing): the
+-- 13 keys producers in other languages send (docs/internals.md).
+local PUSH_KEYS = 13
 local AT_WORK = -1
 local K = KEYS
 
@@ -232,14 +235,14 @@ local function tally()
   tally_seqs()
 end
 
--- Moves the helpers to the partition whose MORE keys (in the order above)
--- follow KEYS[base] in a call over several, after keeping the earliest
--- ready time of the one left; its moves are added to the counts once its
--- successor keeps others (on one server every partition keeps the
--- queue's: added once, at the end).
-local function enter_partition(base)
+-- Moves the helpers to the partition whose `width` keys (MORE, or
+-- PUSH_KEYS for a push; in the order above) follow KEYS[base] in a call
+-- over several, after keeping the earliest ready time of the one left;
+-- its moves are added to the counts once its successor keeps others (on
+-- one server every partition keeps the queue's: added once, at the end).
+local function enter_partition(base, width)
   local next = {}
-  for i = 1, MORE do next[i] = KEYS[base + i] end
+  for i = 1, width or MORE do next[i] = KEYS[base + i] end
   tally_ready()
   if next[COUNTS] ~= K[COUNTS] then tally_counts() end
   K = next

@@ -2,8 +2,9 @@
 -- keyed.lua); an id that exists already under the same key is left as it
 -- is (de-duplication, as push.lua); under another key it is another
 -- message.
--- KEYS[1..14]: the partition; or 14 keys for each of n partitions, in
--- turn (all on one server: a cluster refuses keys of several slots)
+-- KEYS[1..13]: the partition's keys but `leases` (PUSH_KEYS); or 13 keys
+-- for each of n partitions, in turn (all on one server: a cluster refuses
+-- keys of several slots)
 -- ARGV: with n partitions, first n counts, how many of the quintuples
 -- that follow go to each partition, in KEYS' order (with one partition,
 -- no count: every quintuple goes to it); then quintuples (key, limits,
@@ -23,9 +24,9 @@
 -- (in line, at work, or dead).
 -- Bad arguments are refused before anything is written, with an error reply
 -- starting "lockgate push:" that names the message and the argument.
-local partitions = #KEYS / MORE
-if partitions < 1 or #KEYS % MORE ~= 0 then
-  return redis.error_reply('ERR lockgate push: keys must be ' .. MORE
+local partitions = #KEYS / PUSH_KEYS
+if partitions < 1 or #KEYS % PUSH_KEYS ~= 0 then
+  return redis.error_reply('ERR lockgate push: keys must be ' .. PUSH_KEYS
     .. ' per partition, got ' .. #KEYS)
 end
 -- Where each partition's quintuples end (ARGV positions), and the first.
@@ -94,7 +95,7 @@ local out, p = {}, 1
 for i = first, #ARGV, 5 do
   while i > ends[p] do
     p = p + 1
-    enter_partition((p - 1) * MORE)
+    enter_partition((p - 1) * PUSH_KEYS, PUSH_KEYS)
   end
   local key, id, due = ARGV[i], stored_id(ARGV[i], ARGV[i + 2]), dues[i]
   set_limits(key, permits[i], rates[i])

@@ -90,6 +90,9 @@ local function recover_partition()
   end
   local out, buried = {}, 0
   for _, entry in ipairs(expired) do
+    -- The rest of a run ends with it, and counts: the call ends about
+    -- `room` turns, a run more at most; those left stay due.
+    if #out >= room then break end
     local ended = recover_entry(entry, out)
     if ended then buried = buried + ended + recover_run(entry, out) end
   end
@@ -100,7 +103,7 @@ local function recover_partition()
   if #expired > 0 then first = earliest() end
   known[K[LEASES]] = known[K[LEASES]] or {}
   known[K[LEASES]][tag_of(K[ACTIVE])] = first or false
-  room = room - #expired
+  room = room - math.max(#expired, #out)
   return {#expired, out}
 end
 
