@@ -656,8 +656,12 @@ where
     /// Which keyed partitions a recovery visits: every one in the first
     /// turn of each [`FULL_SWEEP_EVERY`] between the queue's handles (the
     /// safety net for leases given by a version without the leases index),
-    /// else those the index names.
+    /// else those the index names. A cluster keeps no index: every
+    /// partition, without asking.
     async fn sweep(&self) -> Result<Sweep> {
+        if self.keyed().layout().await? == keyed::Layout::Cluster {
+            return Ok(Sweep::Full);
+        }
         let mut full = redis::cmd("SET");
         full.arg(format!("{}:full", self.keys.recovering));
         full.arg(1)

@@ -1341,10 +1341,9 @@ fn a_run_keeps_its_lock_when_one_of_it_is_renewed_shorter() {
 }
 
 /// A run read ahead under a long lease from a message claimed under a
-/// short one: the key's lock lasts as long as the messages it took.
-#[test]
-fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
-    let history = [
+/// short one, then `rest`.
+fn read_ahead_from_a_short_claim(rest: &[Op]) {
+    let mut history = vec![
         Op::Backlog(0),
         Op::Claim {
             max: 1,
@@ -1356,10 +1355,16 @@ fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
             short: false,
             max: 2,
         },
-        Op::Lapse,
-        Op::Hold(0),
     ];
+    history.extend_from_slice(rest);
     run_directed(&history);
+}
+
+/// A run read ahead under a long lease from a message claimed under a
+/// short one: the key's lock lasts as long as the messages it took.
+#[test]
+fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
+    read_ahead_from_a_short_claim(&[Op::Lapse, Op::Hold(0)]);
 }
 
 /// A run read ahead under a long lease from a message claimed under a
@@ -1368,26 +1373,12 @@ fn a_run_read_ahead_keeps_its_lock_for_the_messages_it_took() {
 /// alone and a claim took the key's messages after the run's first.
 #[test]
 fn a_run_read_ahead_goes_back_in_line_whole_when_its_first_lease_runs_out() {
-    let history = [
-        Op::Backlog(0),
-        Op::Claim {
-            max: 1,
-            short: true,
-            run: 1,
-        },
-        Op::ExtendRun {
-            job: 0,
-            short: false,
-            max: 2,
-        },
-        Op::Expire,
-        Op::Claim {
-            max: 1,
-            short: false,
-            run: 4,
-        },
-    ];
-    run_directed(&history);
+    let claim = Op::Claim {
+        max: 1,
+        short: false,
+        run: 4,
+    };
+    read_ahead_from_a_short_claim(&[Op::Expire, claim]);
 }
 
 #[test]
