@@ -1449,6 +1449,51 @@ async fn keyed_messages_record_their_events_key_releases_and_completed_entries()
     assert_eq!((activity.done[0], activity.failed[0]), (1, 2));
 }
 
+/// A message of a run acknowledged by a read ahead is named again by a
+/// later settlement of the run: a service settling a run member by its own
+/// token carries the list the member started with. It is done once, and
+/// the events say so once: a settlement reports only the messages it
+/// acknowledged itself.
+#[tokio::test]
+async fn a_run_message_named_twice_is_done_once_in_the_events() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q")
+        .unwrap()
+        .record_events(1000)
+        .unwrap();
+    for n in 1..=3 {
+        let options = PushOptions::new().id(format!("m{n}")).key("k");
+        queue.push_with(format!("m{n}"), options).await.unwrap();
+    }
+    let run = queue.claim_runs(1, secs(10), 3).await.unwrap().jobs;
+    assert_eq!(ids(&run), ["m1", "m2", "m3"]);
+    // m2 starts with m1 handled before it; the run reads ahead, which
+    // acknowledges m1.
+    let (held, ahead) = queue
+        .extend_run(&run[1], &run[..1], secs(10), 8)
+        .await
+        .unwrap();
+    assert!(held);
+    assert!(ahead.is_empty(), "nothing more in line");
+    // m2's own settlement names m1 again, as does the run's last.
+    queue.cut_run(&run[1], &run[..1], &[]).await.unwrap();
+    let (held, next) = queue.ack_run(&run, secs(10), 8).await.unwrap();
+    assert!(held);
+    assert!(next.is_empty());
+    let log = event_log(&queue).await;
+    for id in ["m1", "m2"] {
+        assert_eq!(
+            events_of(&log, id),
+            ["pushed 1 k", "claimed 1 k", "done 1 k"],
+            "{id}"
+        );
+    }
+    assert_eq!(
+        events_of(&log, "m3"),
+        ["pushed 1 k", "claimed 1 k", "done 1 k", "key-released 1 k"]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_key_handed_on_by_acknowledgements_is_released_once_at_the_end() {
     let server = server();

@@ -302,8 +302,16 @@ impl Held {
 /// a rate limit, and the record.
 type Taken = (Vec<u8>, Vec<u8>, Vec<u8>, u32, bool, Vec<u8>);
 
-/// The done script's reply (see `lua/keyed_done.lua`).
-type DoneReply = (u8, Vec<u8>, Option<(u8, Vec<(String, String, Vec<u8>)>)>);
+/// The done script's reply (see `lua/keyed_done.lua`): status, the
+/// acknowledged record, the next messages claimed, and which of the run's
+/// messages handled before this one it acknowledged (`None`: a resend,
+/// whose first call did).
+type DoneReply = (
+    u8,
+    Vec<u8>,
+    Option<(u8, Vec<(String, String, Vec<u8>)>)>,
+    Option<String>,
+);
 
 /// A key runs at most this many messages back to back under one hold
 /// (claimed by acknowledgements, one or a run at a time) while its worker
@@ -437,6 +445,31 @@ impl Log {
     /// Logs `kind` for message `id` (`attempt`) of `key` ("" for none).
     pub(crate) fn event(&mut self, kind: EventKind, key: &str, (id, attempt): (&str, u32)) {
         self.with_error(kind, key, "", (id, attempt));
+    }
+
+    /// Logs `Done` (and the completed entry, of those `completed` holds)
+    /// for each of the run's messages `handled` that the done script
+    /// acknowledged: by `flags`, one `1` or `0` each, in order (`None`, a
+    /// resend's: all of them, the first call did). One listed may have
+    /// left its turn before: acknowledged by an earlier call that listed
+    /// it, or back in line after its lease ran out.
+    fn handled(
+        &mut self,
+        held: &Held,
+        handled: &[ClaimToken],
+        flags: Option<&str>,
+        mut completed: Vec<(String, Vec<u8>)>,
+    ) {
+        let acked = |n: usize| flags.is_none_or(|f| f.as_bytes().get(n) == Some(&b'1'));
+        let mut skipped = HashSet::new();
+        for (n, token) in handled.iter().enumerate() {
+            match acked(n) {
+                true => self.event(EventKind::Done, &held.key, (&token.id, token.attempt())),
+                false => _ = skipped.insert(token.id.as_str()),
+            }
+        }
+        completed.retain(|(id, _)| !skipped.contains(id.as_str()));
+        self.completed.extend(completed);
     }
 
     fn with_error(&mut self, kind: EventKind, key: &str, error: &str, (id, attempt): (&str, u32)) {

@@ -36,6 +36,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use lockgate::queue::EventKind;
 use lockgate::testing::RedisServer;
 use lockgate::{Acquisition, Job, Lease, Locker, PushOptions, Queue};
 use proptest::prelude::*;
@@ -318,6 +319,9 @@ struct World<'a> {
     last_claim: u64,
     /// The history's keys (see [`keys`]).
     keys: [String; KEYS],
+    /// How many times each message was acknowledged (a message pushed
+    /// again after its acknowledgement is another).
+    acks: BTreeMap<usize, usize>,
 }
 
 fn rate() -> lockgate::lock::rate::Rate {
@@ -530,6 +534,41 @@ impl World<'_> {
     /// (`keyed:leases`, the queue's on one server) at or before its
     /// earliest lease deadline: a recovery sweep, which visits the
     /// partitions the index names, misses no lease that ran out.
+    /// A message's `done` events: one per acknowledgement the model made,
+    /// at most (a lost reply's resend logs what the first call did, an
+    /// event call that failed logs nothing), never one for a message that a
+    /// settlement named but did not acknowledge (acknowledged before, or
+    /// back in line after its lease).
+    async fn done_once(&self) -> Result<(), TestCaseError> {
+        let events = self.queue.events_after("0", 100_000).await;
+        let events = events.map_err(|e| TestCaseError::fail(format!("events: {e}")))?;
+        let mut done = BTreeMap::<usize, usize>::new();
+        for event in events.iter().filter(|e| e.kind == EventKind::Done) {
+            let k = (self.keys.iter()).position(|key| event.key.as_deref() == Some(key.as_str()));
+            let m = event
+                .id
+                .strip_prefix('m')
+                .and_then(|m| m.parse::<usize>().ok());
+            let (Some(k), Some(m)) = (k, m) else {
+                return Err(TestCaseError::fail(format!(
+                    "a done event of no message: {event:?}"
+                )));
+            };
+            *done.entry(m * KEYS + k).or_default() += 1;
+        }
+        for (n, times) in done {
+            let acks = self.acks.get(&n).copied().unwrap_or(0);
+            prop_assert!(
+                times <= acks,
+                "message {}: done {} times, acknowledged {}",
+                n,
+                times,
+                acks
+            );
+        }
+        Ok(())
+    }
+
     async fn leases_indexed(&self, at: &str) -> Result<(), TestCaseError> {
         let queue = self.queue.name();
         let leases = format!("lockgate:{{{queue}}}:keyed:leases");
@@ -693,7 +732,10 @@ impl World<'_> {
                     let k = self.key_index(&job);
                     self.model.lines[k].retain(|i| *i != n);
                     match op {
-                        Op::Ack(_) => drop(self.model.messages.remove(&n)),
+                        Op::Ack(_) => {
+                            self.model.messages.remove(&n);
+                            *self.acks.entry(n).or_default() += 1;
+                        }
                         _ => self.model.messages.get_mut(&n).expect("known").state = State::Dead,
                     }
                     self.model.let_go(k, job.claim());
@@ -743,6 +785,7 @@ impl World<'_> {
                 self.acknowledged(&run);
                 self.model.lines[k].retain(|i| *i != n);
                 self.model.messages.remove(&n);
+                *self.acks.entry(n).or_default() += 1;
                 let before = self.model.runs.remove(&n).unwrap_or(0);
                 let let_go = next.is_empty();
                 self.continued(&job, (short, before), (next, next_short, max), lost, at)?;
@@ -931,6 +974,7 @@ impl World<'_> {
                 let n = *job.payload() as usize;
                 self.model.lines[n % KEYS].retain(|i| *i != n);
                 self.model.messages.remove(&n);
+                *self.acks.entry(n).or_default() += 1;
             }
         }
     }
@@ -1281,7 +1325,9 @@ async fn run_history(
     history: &[(Op, Fault)],
 ) -> Result<(), TestCaseError> {
     let twice = crate::Twice::new(conn.clone());
-    let queue = Queue::new(twice.clone(), format!("keyed-{n}")).expect("a queue");
+    let queue = Queue::new(twice.clone(), format!("keyed-{n}"))
+        .and_then(|queue| queue.record_events(100_000))
+        .expect("a queue");
     let mut world = World {
         server,
         conn: conn.clone(),
@@ -1292,12 +1338,13 @@ async fn run_history(
         hands: Vec::new(),
         last_claim: 0,
         keys: keys(n),
+        acks: BTreeMap::new(),
     };
     for (i, step) in history.iter().enumerate() {
         let at = format!("step {i}: {step:?}");
         world.run(*step, &at).await?;
     }
-    Ok(())
+    world.done_once().await
 }
 
 /// Runs one history without faults on a server of its own; fails where the

@@ -43,15 +43,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         others.add_to(&mut cmd, &held.key);
         let completed = self.completed_of(held, others.handled).await?;
         let reply = self.send_done(&cmd, next, attempted).await?;
+        let flags = reply.3.clone();
         let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
         // Nothing to build on the hot path unless something is recorded.
         if self.recording.events.is_some() || !acked.is_empty() || !completed.is_empty() {
             let mut log = Log::default();
             if settled != Settled::Lost {
-                for token in others.handled {
-                    log.event(EventKind::Done, &held.key, (&token.id, token.attempt()));
-                }
-                log.completed = completed;
+                log.handled(held, others.handled, flags.as_deref(), completed);
             }
             log.append(outcome_log(
                 held,
@@ -140,16 +138,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         others.add_to(&mut cmd, &held.key);
         let completed = self.completed_of(held, others.handled).await?;
         let reply = self.send_done(&cmd, next, attempted).await?;
+        let flags = reply.3.clone();
         let claim = (at_work.claim, next_token);
         let (_, settled) = self.settled(held, claim, reply, attempted).await?;
         if settled != Settled::Lost && (self.recording.events.is_some() || !completed.is_empty()) {
-            let mut log = Log {
-                completed,
-                ..Log::default()
-            };
-            for token in others.handled {
-                log.event(EventKind::Done, &held.key, (&token.id, token.attempt()));
-            }
+            let mut log = Log::default();
+            log.handled(held, others.handled, flags.as_deref(), completed);
             if let Settled::Next(turns) = &settled {
                 for turn in turns {
                     let next = (turn.id.as_str(), attempt_of(&turn.record));
@@ -238,7 +232,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         &self,
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
-        (status, acked, next): DoneReply,
+        (status, acked, next, _): DoneReply,
         attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled)> {
         let settled = match (status, next) {

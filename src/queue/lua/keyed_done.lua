@@ -24,9 +24,12 @@
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
 -- KEYS[19] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
---   next message: "<status><acknowledged record>", or for status 3
---   "3<renewed 0/1><count>:" then per next message "<seq (16 digits)><#id>:<id>",
---   then the acknowledged record. It makes the call safe to resend (see
+--   next message: "<status>f<#flags>:<flags>" (which of the messages
+--   handled before it the call acknowledged, as its reply says) then
+--   "<acknowledged record>", or for status 3 "<renewed 0/1><count>:" then
+--   per next message "<seq (16 digits)><#id>:<id>", then the acknowledged
+--   record (a record without the "f" part, an earlier version's, says
+--   nothing of them). It makes the call safe to resend (see
 --   claim.lua): a resend, finding its claim gone, answers what the first
 --   call did (the next messages it claimed, those that still hold),
 --   instead of a lost claim and next messages leased to nobody until
@@ -65,7 +68,10 @@
 -- meanwhile, the delayed one aside on the schedule until it is due.
 -- Returns {status, the acknowledged record or "", for status 3 {1 when
 -- held under the new token ARGV[11] or 0 under ARGV[6], {{each next
--- message's id, seq and record}, ...}}, else false}. Status 0: the claim is no longer held
+-- message's id, seq and record}, ...}}, else false, which of the messages
+-- listed as handled before this one it acknowledged: "1" or "0" each, in
+-- their order (a resend: what the first call's record says; false when it
+-- says nothing)}. Status 0: the claim is no longer held
 -- (nothing changed); 1: done, the key let go; 2: the same, and the key
 -- ready for a claim; 3: the key's next message claimed under the same lock
 -- and claim number.
@@ -103,11 +109,15 @@ end
 -- it claimed while that still holds (else the ack alone).
 local function resent()
   local kept = ARGV[10] ~= '' and redis.call('GET', KEYS[RECORD])
-  if not kept then return {0, '', false} end
-  local status = tonumber(string.sub(kept, 1, 1))
-  if status ~= 3 then return {status, string.sub(kept, 2), false} end
-  local renewed = tonumber(string.sub(kept, 2, 2))
-  local count, from = string.match(kept, '^(%d+):()', 3)
+  if not kept then return {0, '', false, false} end
+  local status, flags, rest = tonumber(string.sub(kept, 1, 1)), false, 2
+  if string.sub(kept, 2, 2) == 'f' then
+    local length, at = string.match(kept, '^(%d+):()', 3)
+    flags, rest = string.sub(kept, at, at + tonumber(length) - 1), at + tonumber(length)
+  end
+  if status ~= 3 then return {status, string.sub(kept, rest), false, flags} end
+  local renewed = tonumber(string.sub(kept, rest, rest))
+  local count, from = string.match(kept, '^(%d+):()', rest + 1)
   local nexts = {}
   for _ = 1, tonumber(count) do
     local next_seq = string.sub(kept, from, from + 15)
@@ -119,14 +129,23 @@ local function resent()
     end
   end
   local record = string.sub(kept, from)
-  if #nexts == 0 then return {1, record, false} end
-  return {3, record, {renewed, nexts}}
+  if #nexts == 0 then return {1, record, false, flags} end
+  return {3, record, {renewed, nexts}, flags}
 end
 
 -- The run's messages listed: handled before this one, not started.
 local done_ids, done_members, returned_from = listed(21)
 local returned_ids, returned_members = listed(returned_from)
 local acked = ''
+-- Which of those handled before it this call acknowledged (see the
+-- reply): one listed may have left the active set before (acknowledged
+-- by an earlier call that listed it, or back in line after its lease).
+local done_here = false
+
+-- The record's part that keeps `done_here` (see KEYS[RECORD]).
+local function flagged()
+  return 'f' .. #done_here .. ':' .. done_here
+end
 
 -- While more than one message of the key is at work under this claim (a
 -- run), the limits hash lists them ("<key>\0run" -> "<claim>:" then
@@ -230,7 +249,7 @@ end
 -- claim number, leased until `until_ms`; `renewed`: under the new token.
 local function continue(nexts, until_ms, renewed)
   local lines, active, ids = {}, {}, {}
-  local record = {'3', renewed and 1 or 0, #nexts, ':'}
+  local record = {'3', flagged(), renewed and 1 or 0, #nexts, ':'}
   for i, next in ipairs(nexts) do
     local member = line_member(key, next[2], next[1])
     lines[i], ids[i] = member, next[1]
@@ -250,7 +269,7 @@ local function continue(nexts, until_ms, renewed)
   local records = redis.call('HMGET', KEYS[DATA], unpack(ids))
   local answer = {}
   for i, next in ipairs(nexts) do answer[i] = {next[1], next[2], records[i] or ''} end
-  return {3, acked, {renewed and 1 or 0, answer}}
+  return {3, acked, {renewed and 1 or 0, answer}, done_here}
 end
 
 -- Lets go of the key's lock, held by `token`: to the first live waiter in
@@ -294,7 +313,7 @@ if ahead then
   -- Still at work, it stays; its record says this call ran already.
   if redis.call('EXISTS', KEYS[RECORD]) == 1 then return resent() end
   own_deadline = tonumber(redis.call('ZSCORE', KEYS[ACTIVE], at_work))
-  if not own_deadline then return {0, '', false} end
+  if not own_deadline then return {0, '', false, false} end
 elseif op ~= 'return' and remove_from(ACTIVE, at_work) == 0 then
   return resent()
 end
@@ -302,13 +321,15 @@ end
 -- The run's earlier messages, acknowledged; its messages not started, back
 -- in line at their place: the key stays at work, or, let go meanwhile (a
 -- caller's mistake), is ready now.
-local gone = {}
+local gone, flags = {}, {}
 for i, member in ipairs(done_members) do
-  if remove_from(ACTIVE, member) == 1 then
+  flags[i] = remove_from(ACTIVE, member)
+  if flags[i] == 1 then
     gone[#gone + 1] = done_ids[i]
     ended_here[member] = true
   end
 end
+done_here = table.concat(flags)
 if #gone > 0 then
   redis.call('HDEL', KEYS[DATA], unpack(gone))
   redis.call('HDEL', KEYS[ERRORS], unpack(gone))
@@ -321,7 +342,7 @@ for i, member in ipairs(returned_members) do
 end
 if op == 'return' then
   if limit == 0 and (#gone > 0 or #returned_ids > 0) then fit_lock() end
-  return {1, '', false}
+  return {1, '', false, done_here}
 end
 
 -- Read ahead: a run that goes on as long as its key has messages in line
@@ -346,7 +367,7 @@ if ahead then
     end
   end
   if limit == 0 and #gone > 0 then fit_lock() end
-  return {1, '', false}
+  return {1, '', false, done_here}
 end
 
 if op == 'ack' then
@@ -438,8 +459,8 @@ end
 -- The turn's end, `status` 1 or 2; recorded for an ack that asked for the
 -- next message (see KEYS[18]).
 local function ended(status)
-  if hand_over then redis.call('SET', KEYS[RECORD], status .. acked, 'PX', ARGV[19]) end
-  return {status, acked, false}
+  if hand_over then redis.call('SET', KEYS[RECORD], status .. flagged() .. acked, 'PX', ARGV[19]) end
+  return {status, acked, false, done_here}
 end
 if after_turn(key, from, locked_alone, line_empty) then return ended(2) end
 if limit == 0 then forget_limits(key) end
