@@ -987,3 +987,51 @@ async fn a_failed_index_update_after_a_keyed_retry_is_no_lost_lease_and_stalls_n
         failed.elapsed()
     );
 }
+
+// ---------------------------------------------------------------------------
+// The first recovery of 5 minutes visits every keyed partition
+// ---------------------------------------------------------------------------
+
+/// The first recovery of every 5 minutes visits every keyed partition, the
+/// safety net for a lease missing from the leases index. Its turn was
+/// taken before the sweep ran: a sweep that failed left the next full one
+/// 5 minutes away. A failed full sweep now gives its turn back.
+#[tokio::test]
+async fn a_full_recovery_sweep_that_fails_is_the_next_recoverys_to_make() {
+    let server = server();
+    let conn = manager(&server).await;
+    // Armed by the first SET that takes the full sweep's turn, the next
+    // script call (the sweep's first) fails, once.
+    let armed = Arc::new(AtomicBool::new(false));
+    let rule = {
+        let (armed, once) = (armed.clone(), AtomicBool::new(true));
+        move |args: &[Vec<u8>]| {
+            let takes_turn = args.first().is_some_and(|a| a == b"SET")
+                && args
+                    .get(1)
+                    .is_some_and(|key| key.ends_with(b":recovering:full"));
+            if takes_turn && once.swap(false, Ordering::SeqCst) {
+                armed.store(true, Ordering::SeqCst);
+            } else if args.first().is_some_and(|a| a == b"EVALSHA")
+                && armed.swap(false, Ordering::SeqCst)
+            {
+                return Fault::Fail;
+            }
+            Fault::Pass
+        }
+    };
+    let queue: Queue<Msg, Faulty> = Queue::new(Faulty::new(conn.clone(), rule), QUEUE).unwrap();
+    push_keyed(&queue, &[(1, "a")]).await;
+    // Claimed by a worker that dies; its lease is missing from the index.
+    assert_eq!(queue.claim(1, ms(100)).await.unwrap().jobs.len(), 1);
+    let index: Vec<String> = raw(&conn, &["KEYS", "*:keyed:leases"]).await;
+    assert_eq!(index.len(), 1, "{index:?}");
+    let _: i64 = raw(&conn, &["DEL", &index[0]]).await;
+    sleep(ms(200)).await;
+    assert!(queue.recover(3).await.is_err(), "the full sweep failed");
+    let recovered = queue.recover(3).await.unwrap();
+    assert_eq!(
+        recovered.requeued, 1,
+        "the next recovery sweeps every partition"
+    );
+}

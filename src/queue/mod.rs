@@ -644,7 +644,16 @@ where
             total.buried += recovered.buried;
         }
         let sweep = self.sweep().await?;
-        let (requeued, buried) = self.keyed().recover(max_stalls.max(1), sweep).await?;
+        let recovered = self.keyed().recover(max_stalls.max(1), sweep).await;
+        let (requeued, buried) = match recovered {
+            Ok(recovered) => recovered,
+            Err(error) => {
+                if sweep == Sweep::Full {
+                    self.give_back_full_sweep().await;
+                }
+                return Err(error);
+            }
+        };
         total.requeued += requeued;
         total.buried += buried;
         if total.requeued + total.buried > 0 {
@@ -675,6 +684,24 @@ where
         } else {
             Sweep::Due
         })
+    }
+
+    /// After a full sweep that failed: its turn back, for the next
+    /// recovery to take (else the next is [`FULL_SWEEP_EVERY`] away). A
+    /// failure here leaves it so, and says so.
+    async fn give_back_full_sweep(&self) {
+        let key = format!("{}:full", self.keys.recovering);
+        let mut del = redis::cmd("DEL");
+        del.arg(&key);
+        let attempted = || {
+            format!(
+                "giving back the full sweep's turn of queue `{}`",
+                self.name()
+            )
+        };
+        if let Err(error) = del.query_on::<(), _>(&self.conn, attempted).await {
+            tracing::warn!(%error, queue = %self.name(), "a full recovery sweep failed, and its turn stays taken: the next one comes in 5 minutes");
+        }
     }
 
     /// [`recover`](Self::recover), unless a handle of the queue with the
