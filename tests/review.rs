@@ -193,6 +193,10 @@ enum Fault {
     SlowReply(Duration),
     /// Pauses the server for 1 s (`CLIENT PAUSE 1000 ALL`), then sends it.
     PauseFirst,
+    /// Sends it twice and hands back the second reply: the first lost on
+    /// the way, the call resent unchanged (as the library resends a call
+    /// that is safe to resend).
+    Twice,
 }
 
 type Rule = Arc<dyn Fn(&[Vec<u8>]) -> Fault + Send + Sync>;
@@ -247,6 +251,7 @@ impl<C: ConnectionLike + Send> ConnectionLike for Faulty<C> {
             match fault {
                 Fault::Fail => return Err(injected()),
                 Fault::PauseFirst => pause_server(&mut self.inner).await?,
+                Fault::Twice => drop(self.inner.req_packed_command(cmd).await),
                 _ => {}
             }
             let reply = self.inner.req_packed_command(cmd).await;
@@ -268,6 +273,10 @@ impl<C: ConnectionLike + Send> ConnectionLike for Faulty<C> {
             match fault {
                 Fault::Fail => return Err(injected()),
                 Fault::PauseFirst => pause_server(&mut self.inner).await?,
+                Fault::Twice => {
+                    let first = self.inner.req_packed_commands(pipeline, offset, count);
+                    drop(first.await);
+                }
                 _ => {}
             }
             let reply = self
@@ -1034,4 +1043,36 @@ async fn a_full_recovery_sweep_that_fails_is_the_next_recoverys_to_make() {
         recovered.requeued, 1,
         "the next recovery sweeps every partition"
     );
+}
+
+/// A read ahead that acknowledged a run's earlier message and found
+/// nothing more in line, its reply lost and the call resent: the resend
+/// finds the message gone, and answered that it acknowledged nothing, so
+/// the message's `done` event was never recorded. The call now keeps what
+/// it acknowledged in its record, which answers the resend.
+#[tokio::test]
+async fn a_read_ahead_resent_after_a_lost_reply_records_what_it_acknowledged() {
+    let server = server();
+    let rule = |args: &[Vec<u8>]| match is_script(args, 19) && names(args, "ahead") {
+        true => Fault::Twice,
+        false => Fault::Pass,
+    };
+    let queue: Queue<Msg, Faulty> = Queue::new(Faulty::new(manager(&server).await, rule), QUEUE)
+        .unwrap()
+        .record_events(100)
+        .unwrap();
+    push_keyed(&queue, &[(1, "k"), (2, "k")]).await;
+    let run = queue.claim_runs(1, secs(10), 2).await.unwrap().jobs;
+    assert_eq!(run.len(), 2);
+    let (held, ahead) = queue
+        .extend_run(&run[1], &run[..1], secs(10), 8)
+        .await
+        .unwrap();
+    assert!(held && ahead.is_empty());
+    let events = queue.events_after("0", 100).await.unwrap();
+    let done: Vec<&str> = (events.iter())
+        .filter(|e| e.kind == lockgate::queue::EventKind::Done)
+        .map(|e| e.id.as_str())
+        .collect();
+    assert_eq!(done, [run[0].id()], "{events:?}");
 }

@@ -643,12 +643,12 @@ where
             total.requeued += recovered.requeued;
             total.buried += recovered.buried;
         }
-        let sweep = self.sweep().await?;
+        let (sweep, turn) = self.sweep().await?;
         let recovered = self.keyed().recover(max_stalls.max(1), sweep).await;
         let (requeued, buried) = match recovered {
             Ok(recovered) => recovered,
             Err(error) => {
-                if sweep == Sweep::Full {
+                if turn {
                     self.give_back_full_sweep().await;
                 }
                 return Err(error);
@@ -665,11 +665,11 @@ where
     /// Which keyed partitions a recovery visits: every one in the first
     /// turn of each [`FULL_SWEEP_EVERY`] between the queue's handles (the
     /// safety net for leases given by a version without the leases index),
-    /// else those the index names. A cluster keeps no index: every
-    /// partition, without asking.
-    async fn sweep(&self) -> Result<Sweep> {
+    /// else those the index names; and whether it took the full sweep's
+    /// turn. A cluster keeps no index: every partition, without asking.
+    async fn sweep(&self) -> Result<(Sweep, bool)> {
         if self.keyed().layout().await? == keyed::Layout::Cluster {
-            return Ok(Sweep::Full);
+            return Ok((Sweep::Full, false));
         }
         let mut full = redis::cmd("SET");
         full.arg(format!("{}:full", self.keys.recovering));
@@ -679,10 +679,9 @@ where
             .arg(millis(FULL_SWEEP_EVERY));
         let attempted = || format!("recovering expired leases in queue `{}`", self.name());
         let full: Option<String> = full.query_on(&self.conn, attempted).await?;
-        Ok(if full.is_some() {
-            Sweep::Full
-        } else {
-            Sweep::Due
+        Ok(match full {
+            Some(_) => (Sweep::Full, true),
+            None => (Sweep::Due, false),
         })
     }
 

@@ -24,7 +24,7 @@
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
 -- KEYS[19] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
---   next message: "<status>f<#flags>:<flags>" (which of the messages
+--   next message, and by a read ahead that took or acknowledged any: "<status>f<#flags>:<flags>" (which of the messages
 --   handled before it the call acknowledged, as its reply says) then
 --   "<acknowledged record>", or for status 3 "<renewed 0/1><count>:" then
 --   per next message "<seq (16 digits)><#id>:<id>", then the acknowledged
@@ -367,6 +367,9 @@ if ahead then
     end
   end
   if limit == 0 and #gone > 0 then fit_lock() end
+  -- What it acknowledged, for a resend after a lost reply (which finds
+  -- them gone).
+  if #gone > 0 then redis.call('SET', KEYS[RECORD], '1' .. flagged(), 'PX', ARGV[19]) end
   return {1, '', false, done_here}
 end
 
