@@ -306,12 +306,11 @@ type Taken = (Vec<u8>, Vec<u8>, Vec<u8>, u32, bool, Vec<u8>);
 /// acknowledged record, the next messages claimed, and which of the run's
 /// messages handled before this one it acknowledged (`None`: a resend,
 /// whose first call did).
-type DoneReply = (
-    u8,
-    Vec<u8>,
-    Option<(u8, Vec<(String, String, Vec<u8>)>)>,
-    Option<String>,
-);
+type DoneReply = (u8, Vec<u8>, Next, Option<String>);
+
+/// The next messages a done script's call claimed: whether under a new
+/// token, and each one's stored id, seq and record.
+type Next = Option<(u8, Vec<(String, String, Vec<u8>)>)>;
 
 /// A key runs at most this many messages back to back under one hold
 /// (claimed by acknowledgements, one or a run at a time) while its worker

@@ -10,8 +10,8 @@ use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    DONE, DoneReply, Held, Keyed, Log, Outcome, RunArgs, Settled, Turn, attempt_of, millis, own_id,
-    stored_id,
+    DONE, DoneReply, Held, Keyed, Log, Next, Outcome, RunArgs, Settled, Turn, attempt_of, millis,
+    own_id, stored_id,
 };
 use crate::error::{Error, Result};
 use crate::keys;
@@ -42,8 +42,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd.arg(others.max);
         others.add_to(&mut cmd, &held.key);
         let completed = self.completed_of(held, others.handled).await?;
-        let reply = self.send_done(&cmd, next, attempted).await?;
-        let flags = reply.3.clone();
+        let (status, acked, nexts, flags) = self.send_done(&cmd, next, attempted).await?;
+        let reply = (status, acked, nexts);
         let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
         // Nothing to build on the hot path unless something is recorded.
         if self.recording.events.is_some() || !acked.is_empty() || !completed.is_empty() {
@@ -137,10 +137,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd.arg(others.max);
         others.add_to(&mut cmd, &held.key);
         let completed = self.completed_of(held, others.handled).await?;
-        let reply = self.send_done(&cmd, next, attempted).await?;
-        let flags = reply.3.clone();
+        let (status, acked, nexts, flags) = self.send_done(&cmd, next, attempted).await?;
         let claim = (at_work.claim, next_token);
-        let (_, settled) = self.settled(held, claim, reply, attempted).await?;
+        let (_, settled) = (self.settled(held, claim, (status, acked, nexts), attempted)).await?;
         if settled != Settled::Lost && (self.recording.events.is_some() || !completed.is_empty()) {
             let mut log = Log::default();
             log.handled(held, others.handled, flags.as_deref(), completed);
@@ -232,7 +231,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         &self,
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
-        (status, acked, next, _): DoneReply,
+        (status, acked, next): (u8, Vec<u8>, Next),
         attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled)> {
         let settled = match (status, next) {

@@ -23,9 +23,10 @@
 -- ARGV[16]: "1" to answer an acknowledged message's record (completed stream)
 -- ARGV[17], ARGV[18]: the dead letters' max count and max age in ms ("" for
 --   no limit), which a burial applies to the partition
--- KEYS[19] (RECORD): this call's record, kept ARGV[19] ms by an ack asking for the
---   next message, and by a read ahead that took or acknowledged any: "<status>f<#flags>:<flags>" (which of the messages
---   handled before it the call acknowledged, as its reply says) then
+-- KEYS[19] (RECORD): this call's record, kept ARGV[19] ms by an ack asking
+--   for the next message, and by a read ahead that took or acknowledged
+--   any: "<status>f<#flags>:<flags>" (which of the messages handled
+--   before it the call acknowledged, as its reply says) then
 --   "<acknowledged record>", or for status 3 "<renewed 0/1><count>:" then
 --   per next message "<seq (16 digits)><#id>:<id>", then the acknowledged
 --   record (a record without the "f" part, an earlier version's, says
