@@ -392,6 +392,67 @@ async fn a_key_hands_out_one_message_at_a_time_in_push_order() {
 }
 
 #[tokio::test]
+async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    push_lines(&queue).await;
+    for id in ["c1", "c2"] {
+        let options = PushOptions::new().id(id).key("c");
+        queue.push_with(id.to_owned(), options).await.unwrap();
+    }
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1", "c1"]);
+    // c1's claim is lost meanwhile (acknowledged alone): its run answers
+    // so, and the others go on.
+    assert!(queue.ack(&jobs[2]).await.unwrap());
+    let calls = evalsha_calls(&server);
+    let runs: Vec<&[Job<String>]> = jobs.iter().map(std::slice::from_ref).collect();
+    let answers = queue.ack_runs(&runs, secs(10), 2).await.unwrap();
+    assert_eq!(evalsha_calls(&server), calls + 1, "one script call");
+    let answers: Vec<(bool, Vec<&str>)> = (answers.iter())
+        .map(|(held, next)| (*held, ids(next)))
+        .collect();
+    assert_eq!(
+        answers,
+        [
+            (true, vec!["a2", "a3"]),
+            (true, vec!["b2"]),
+            (false, vec![])
+        ],
+        "each key's next run, in line order, under its own lock"
+    );
+    let c2 = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&c2), ["c2"], "a and b at work, c let go by c1's ack");
+    let empty: Vec<&[Job<String>]> = Vec::new();
+    assert!(
+        queue
+            .ack_runs(&empty, secs(10), 1)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let none: [&[Job<String>]; 1] = [&[]];
+    let refused = queue.ack_runs(&none, secs(10), 1).await;
+    assert!(
+        matches!(refused, Err(lockgate::Error::Config(_))),
+        "{refused:?}"
+    );
+}
+
+/// How many `EVALSHA` calls `server` has run.
+fn evalsha_calls(server: &lockgate::testing::RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut server.client().get_connection().unwrap())
+        .unwrap();
+    let line = info
+        .lines()
+        .find(|line| line.starts_with("cmdstat_evalsha:"));
+    let calls = line.and_then(|line| line.split("calls=").nth(1)?.split(',').next());
+    calls.map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test]
 async fn a_retried_message_stays_first_in_its_line() {
     let server = server();
     let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();

@@ -28,6 +28,7 @@ use crate::script::{evalsha, run};
 mod claim;
 pub(crate) use claim::Terms;
 mod done;
+pub(crate) use done::Ending;
 mod partitions;
 pub(crate) use partitions::Sweep;
 
@@ -259,14 +260,14 @@ impl RunArgs<'_> {
         unstarted: &[],
     };
 
-    /// Adds the two lists to the done script's call: a count, then each
+    /// Adds the two lists to a done script's block: a count, then each
     /// message's stored id and seq.
-    fn add_to(&self, cmd: &mut Cmd, key: &str) {
+    fn add_to(&self, args: &mut Vec<String>, key: &str) {
         for list in [self.handled, self.unstarted] {
-            cmd.arg(list.len());
+            args.push(list.len().to_string());
             for token in list {
                 let seq = token.held.as_ref().map_or("", |held| held.seq.as_str());
-                cmd.arg(stored_id(key, &token.id)).arg(seq);
+                args.extend([stored_id(key, &token.id), seq.to_owned()]);
             }
         }
     }
@@ -664,8 +665,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// for its index entry's next look: 2 s at most after a claim found a
     /// message at work there (see [`CLAIMING_MS`]).
     async fn mark_after(&self, slot: u16) {
+        self.mark_all_after(&[slot]).await;
+    }
+
+    /// Marks partitions as having a ready key after a change (see
+    /// [`mark_after`](Self::mark_after)).
+    async fn mark_all_after(&self, slots: &[u16]) {
         let attempted = || format!("marking a partition of queue `{}` ready", self.keys.name);
-        if let Err(error) = self.mark_ready(slot, attempted).await {
+        if let Err(error) = self.mark_all_ready(slots, attempted).await {
             tracing::warn!(queue = %self.keys.name, %error, "could not mark a keyed partition ready after a change; the index's next look finds it");
         }
     }

@@ -51,6 +51,7 @@ pub use keyed::MAX_RUN;
 use keyed::{Held, Keyed, KeyedState, Sweep};
 use read::span;
 pub use read::{Activity, Completed, KeyLoad, KeyStats, Peek, Peeked, Stats};
+pub(crate) use settle::RunEnd;
 pub(crate) mod scripts;
 mod shards;
 pub use shards::MAX_SHARDS;

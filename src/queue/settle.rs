@@ -8,7 +8,7 @@ use redis::aio::ConnectionLike;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::keyed::{Held, MAX_RUN, Outcome, RunArgs, Settled, Turn};
+use super::keyed::{Ending, Held, MAX_RUN, Outcome, RunArgs, Settled, Turn};
 use super::scripts::{self, Query};
 use super::{
     Acked, Claim, ClaimToken, Job, MAX_BATCH, Queue, QueueKeys, by_shard, check_count, check_lease,
@@ -410,28 +410,120 @@ where
         job: &ClaimToken,
         handled: &[ClaimToken],
         lease: Duration,
-        (run_on, max): (bool, usize),
+        room: (bool, usize),
     ) -> Result<(bool, Vec<Job<T>>)> {
-        let Some(held) = job.held.as_ref() else {
+        if job.held.is_none() {
             return Ok((self.ack(job).await?, Vec::new()));
-        };
-        let max = run_room(held, (run_on, max));
-        let next = (max > 0).then_some(lease);
-        let run = RunArgs {
-            max: max.max(1),
-            handled,
-            unstarted: &[],
-        };
-        let member = (job.id.as_str(), job.claim, job.failures());
-        match self
-            .keyed()
-            .done(held, member, Outcome::Ack, (next, run))
-            .await?
-        {
-            Settled::Lost => Ok((false, Vec::new())),
-            Settled::Done => Ok((true, Vec::new())),
-            Settled::Next(turns) => Ok((true, self.decode_run(turns, None).await.0)),
         }
+        let end = RunEnd { job, handled, room };
+        let calls = self.ack_runs_with(&[end], lease).await?;
+        let answer = calls.into_iter().next().map(|(_, answers)| answers);
+        let attempted = || format!("acknowledging keyed message `{}`", job.id);
+        let answers = answer.ok_or_else(|| Error::reply(attempted(), "no call"))??;
+        (answers.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))
+    }
+
+    /// Acknowledges several keys' runs in one round trip, each as
+    /// [`ack_run`](Self::ack_run) acknowledges one (`run`, oldest first),
+    /// claiming up to `max` of each key's next messages under its lock:
+    /// one script call on one server, one per partition on a Redis
+    /// Cluster, however many keys. Answers per run, in order: whether its
+    /// last message's claim was held, and its key's next run. At most
+    /// [`MAX_BATCH`] runs, every message keyed. A failed call fails the
+    /// whole batch, though another call of it may have run (see
+    /// [`ack_many`](Self::ack_many)).
+    pub async fn ack_runs<J: Claim>(
+        &self,
+        runs: &[&[J]],
+        lease: Duration,
+        max: usize,
+    ) -> Result<Vec<(bool, Vec<Job<T>>)>> {
+        check_lease(lease)?;
+        check_count("an ack_runs batch", runs.len(), 0..=MAX_BATCH)?;
+        check_count("a run's next messages", max, 1..=MAX_BATCH)?;
+        let mut lasts = Vec::with_capacity(runs.len());
+        for run in runs {
+            let Some((last, handled)) = run.split_last() else {
+                return Err(Error::config(
+                    "ack_runs needs each run's messages, got none",
+                ));
+            };
+            let handled: Vec<ClaimToken> = handled.iter().map(|j| token(j).clone()).collect();
+            lasts.push((token(last), handled));
+        }
+        let ends: Vec<RunEnd<'_>> = (lasts.iter())
+            .map(|(job, handled)| RunEnd {
+                job,
+                handled,
+                room: (false, max),
+            })
+            .collect();
+        let mut answers: Vec<Option<(bool, Vec<Job<T>>)>> = runs.iter().map(|_| None).collect();
+        for (indexes, call) in self.ack_runs_with(&ends, lease).await? {
+            for (n, answer) in indexes.into_iter().zip(call?) {
+                answers[n] = Some(answer);
+            }
+        }
+        let attempted = || format!("acknowledging {} keyed runs", runs.len());
+        let all = answers
+            .into_iter()
+            .map(|answer| answer.ok_or_else(|| Error::reply(attempted(), "no reply")));
+        all.collect()
+    }
+
+    /// [`ack_runs`](Self::ack_runs) of `ends`, each with its own room
+    /// (see [`ack_run_with`](Self::ack_run_with)). Answers per call: the
+    /// indexes of its runs, and their answers in that order, or the call's
+    /// error (the others' answers stand).
+    pub(crate) async fn ack_runs_with(
+        &self,
+        ends: &[RunEnd<'_>],
+        lease: Duration,
+    ) -> Result<Vec<(Vec<usize>, Result<Vec<(bool, Vec<Job<T>>)>>)>> {
+        let mut endings = Vec::with_capacity(ends.len());
+        for end in ends {
+            let Some(held) = end.job.held.as_ref() else {
+                return Err(Error::config(format!(
+                    "ack_runs takes keyed messages; `{}` has no key",
+                    end.job.id
+                )));
+            };
+            let max = run_room(held, end.room);
+            endings.push(Ending {
+                held,
+                member: (end.job.id.as_str(), end.job.claim, end.job.failures()),
+                outcome: Outcome::Ack,
+                next: (max > 0).then_some(lease),
+                run: RunArgs {
+                    max: max.max(1),
+                    handled: end.handled,
+                    unstarted: &[],
+                },
+            });
+        }
+        let mut calls = Vec::new();
+        for (indexes, settled) in self.keyed().done_many(&endings).await? {
+            let answers = match settled {
+                Ok(settled) => Ok(self.runs_of(settled).await),
+                Err(error) => Err(error),
+            };
+            calls.push((indexes, answers));
+        }
+        Ok(calls)
+    }
+
+    /// What acknowledging runs came to, per run: whether its claim was
+    /// held, and the next run its call claimed.
+    async fn runs_of(&self, settled: Vec<Settled>) -> Vec<(bool, Vec<Job<T>>)> {
+        let mut answers = Vec::with_capacity(settled.len());
+        for one in settled {
+            answers.push(match one {
+                Settled::Lost => (false, Vec::new()),
+                Settled::Done => (true, Vec::new()),
+                Settled::Next(turns) => (true, self.decode_run(turns, None).await.0),
+            });
+        }
+        answers
     }
 
     /// A run's turns as jobs, up to the first that does not decode: that
@@ -501,6 +593,16 @@ where
             .await?;
         Ok(settled != Settled::Lost)
     }
+}
+
+/// A run to acknowledge in [`Queue::ack_runs_with`]: its last message,
+/// those handled before it, and its room for the key's next messages
+/// (`run_on`, `max`, see [`Queue::ack_run_with`]).
+#[derive(Clone, Copy)]
+pub(crate) struct RunEnd<'a> {
+    pub(crate) job: &'a ClaimToken,
+    pub(crate) handled: &'a [ClaimToken],
+    pub(crate) room: (bool, usize),
 }
 
 /// How many more messages a run under `held` may claim: `max`, and

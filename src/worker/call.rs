@@ -16,7 +16,7 @@ use crate::queue::ClaimToken;
 /// Runs one handler call and settles its message.
 pub(super) async fn handle<T: Payload, C: Conn, R, E>(
     shared: Arc<Shared<T, C>>,
-    acks: AckQueue,
+    acks: AckQueue<T>,
     seq: u64,
     token: ClaimToken,
     (call, started): (

@@ -578,9 +578,9 @@ impl<T: Payload, C: Conn> Shared<T, C> {
 
     /// Queues an acknowledgement for the acker; writes it here when the
     /// acker is gone.
-    async fn queue_ack(&self, acks: &AckQueue, token: ClaimToken, done: bool) {
-        if let Err(mpsc::error::SendError(ack)) = acks.send((token, done)) {
-            self.ack(&[ack]).await;
+    async fn queue_ack(&self, acks: &AckQueue<T>, token: ClaimToken, done: bool) {
+        if acks.send(Write::Ack(token.clone(), done)).is_err() {
+            self.ack(&[(token, done)]).await;
         }
     }
 
@@ -873,20 +873,41 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     }
 }
 
-/// Acknowledgements waiting to be written, and whether each counts as done
-/// (not so for a message deferred by pushing it as a new message).
-type AckQueue = mpsc::UnboundedSender<(ClaimToken, bool)>;
+/// Writes waiting for the acker.
+type AckQueue<T> = mpsc::UnboundedSender<Write<T>>;
 
-/// Writes acknowledgements in batches: everything queued while the previous
-/// batch was in flight goes in the next, one round trip for many messages.
+/// A write the acker batches.
+enum Write<T> {
+    /// An acknowledgement, and whether it counts as done (not so for a
+    /// message deferred by pushing it as a new message).
+    Ack(ClaimToken, bool),
+    /// The end of a keyed run, answered on its channel.
+    EndRun(runs::RunEnding<T>),
+}
+
+/// Writes acknowledgements and the ends of keyed runs in batches:
+/// everything queued while the previous batch was in flight goes in the
+/// next, one round trip for many messages (the runs' ends in one script
+/// call on one server, however many keys).
 async fn acker<T: Payload, C: Conn>(
     shared: Arc<Shared<T, C>>,
-    mut queued: mpsc::UnboundedReceiver<(ClaimToken, bool)>,
+    mut queued: mpsc::UnboundedReceiver<Write<T>>,
 ) {
     let mut batch = Vec::new();
     while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        shared.ack(&batch).await;
-        batch.clear();
+        let (mut acks, mut ends) = (Vec::new(), Vec::new());
+        for write in batch.drain(..) {
+            match write {
+                Write::Ack(token, done) => acks.push((token, done)),
+                Write::EndRun(end) => ends.push(end),
+            }
+        }
+        let acks = async {
+            if !acks.is_empty() {
+                shared.ack(&acks).await;
+            }
+        };
+        futures_util::future::join(acks, shared.end_runs(ends)).await;
     }
 }
 

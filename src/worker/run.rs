@@ -34,7 +34,7 @@ const DENIED_GRACE: Duration = Duration::from_secs(5);
 pub(super) struct Run<T, C, K: Connector, S> {
     pub(super) service: S,
     pub(super) shared: Arc<Shared<T, C>>,
-    pub(super) acks: AckQueue,
+    pub(super) acks: AckQueue<T>,
     pub(super) waiter: Waiter<K, C>,
     pub(super) tasks: JoinSet<()>,
     /// Claimed jobs waiting for a free handler slot: leased (and renewed)

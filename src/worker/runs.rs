@@ -17,12 +17,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
-use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::metrics::Count;
-use super::{AckQueue, Conn, HAND_BACK_TIMEOUT, InFlight, Payload, Shared};
-use crate::queue::{Claim, ClaimToken, Job};
+use super::{AckQueue, Conn, HAND_BACK_TIMEOUT, InFlight, Payload, Shared, Write};
+use crate::queue::{Claim, ClaimToken, Job, RunEnd};
 
 /// The rest of a run, kept under the in-flight number of its message now
 /// at work (or about to start).
@@ -57,6 +57,22 @@ impl<T> KeyRun<T> {
     }
 }
 
+/// The end of a run, waiting for the acker (see [`Shared::end_run`]).
+pub(super) struct RunEnding<T> {
+    /// The run's last message, and the ones handled before it.
+    token: ClaimToken,
+    handled: Vec<ClaimToken>,
+    /// Whether a slot is free here, and how many of the key's next
+    /// messages to claim (see `Queue::ack_run_with`).
+    room: (bool, usize),
+    /// When it was queued: the next run's lease runs at least from then.
+    sent: Instant,
+    answer: oneshot::Sender<Answer<T>>,
+}
+
+/// What ending a run came to (see [`Shared::end_runs`]).
+pub(super) type Answer<T> = Option<((bool, Vec<Job<T>>), Instant)>;
+
 /// The runs at work, by in-flight number.
 pub(super) type Runs<T> = std::sync::Mutex<HashMap<u64, KeyRun<T>>>;
 
@@ -76,7 +92,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         &self,
         (seq, flight): (u64, Option<InFlight>),
         token: ClaimToken,
-        acks: AckQueue,
+        acks: AckQueue<T>,
         permit: OwnedSemaphorePermit,
     ) {
         self.ahead_landed(seq).await;
@@ -124,40 +140,47 @@ impl<T: Payload, C: Conn> Shared<T, C> {
 
     /// The end of a run (`token`'s, after `handled`): acknowledges them
     /// all and, with `hand_over`, claims the key's next run, which the
-    /// loop starts before anything else.
+    /// loop starts before anything else. Written by the acker, with the
+    /// other runs that end meanwhile (here when the acker is gone).
     async fn end_run(
         &self,
         token: ClaimToken,
         handled: Vec<(u64, ClaimToken)>,
         hand_over: bool,
-        acks: &AckQueue,
+        acks: &AckQueue<T>,
     ) {
         // With a slot free here, a key that waits is claimed here: the busy
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
-        let (lease, batch) = (self.config.lease, self.config.key_batch);
-        let batch = if hand_over { batch } else { 0 };
+        let batch = if hand_over { self.config.key_batch } else { 0 };
         let tokens: Vec<ClaimToken> = handled.iter().map(|(_, token)| token.clone()).collect();
-        let sent = Instant::now();
-        let answer = (self.queue)
-            .ack_run_with(&token, &tokens, lease, (run_on, batch))
-            .await;
+        let (answer, answered) = oneshot::channel();
+        let ending = RunEnding {
+            token: token.clone(),
+            handled: tokens.clone(),
+            room: (run_on, batch),
+            sent: Instant::now(),
+            answer,
+        };
+        if let Err(mpsc::error::SendError(Write::EndRun(ending))) = acks.send(Write::EndRun(ending))
+        {
+            self.end_runs(vec![ending]).await;
+        }
+        let answer = answered.await.ok().flatten();
         self.forget(handled.iter().map(|(seq, _)| *seq));
         match answer {
-            Ok((true, next)) => {
+            Some(((true, next), sent)) => {
                 self.metrics.add(Count::Done, 1 + tokens.len() as u64);
                 // Renewed from now on, not once the loop takes them: the
                 // script gave them a whole lease, which must not lapse
                 // while they wait for the loop.
-                self.start_run(next, sent + lease);
+                self.start_run(next, sent + self.config.lease);
             }
-            Ok((false, _)) => {
+            Some(((false, _), _)) => {
                 self.metrics.add(Count::LostLeases, 1 + tokens.len() as u64);
                 tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
             }
-            Err(error) => {
-                self.metrics.count(Count::RedisErrors);
-                tracing::warn!(%error, id = %token.id(), "could not acknowledge a keyed message; retrying in the next batch");
+            None => {
                 // The run's earlier messages first, the key kept: this
                 // one's acknowledgement lets the key go, and with it any
                 // message of the run still at work.
@@ -169,6 +192,59 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                 self.queue_ack(acks, token, true).await;
             }
         }
+    }
+
+    /// Writes the ends of runs (see [`end_run`](Self::end_run)) in one
+    /// round trip, answering each on its channel: whether its claim was
+    /// held, the key's next run, and when the call was sent; `None` when
+    /// the call failed (logged here).
+    pub(super) async fn end_runs(&self, ends: Vec<RunEnding<T>>) {
+        if ends.is_empty() {
+            return;
+        }
+        let sent = ends
+            .iter()
+            .map(|end| end.sent)
+            .min()
+            .unwrap_or_else(Instant::now);
+        let runs: Vec<RunEnd<'_>> = (ends.iter())
+            .map(|end| RunEnd {
+                job: &end.token,
+                handled: &end.handled,
+                room: end.room,
+            })
+            .collect();
+        let calls = self.queue.ack_runs_with(&runs, self.config.lease).await;
+        let mut answers: Vec<Answer<T>> = ends.iter().map(|_| None).collect();
+        match calls {
+            Ok(calls) => {
+                for (indexes, call) in calls {
+                    match call {
+                        Ok(call) => {
+                            for (n, answer) in indexes.into_iter().zip(call) {
+                                answers[n] = Some((answer, sent));
+                            }
+                        }
+                        Err(error) => self.run_ends_failed(&error, indexes.len()),
+                    }
+                }
+            }
+            Err(error) => self.run_ends_failed(&error, ends.len()),
+        }
+        for (end, answer) in ends.into_iter().zip(answers) {
+            // Nobody waits for it (its task was aborted at shutdown): the
+            // run claimed is tracked all the same, to be handed back.
+            if let Err(Some(((true, next), sent))) = end.answer.send(answer) {
+                self.start_run(next, sent + self.config.lease);
+            }
+        }
+    }
+
+    /// Notes that a call ending `n` runs failed: each falls back to the
+    /// batched acknowledgement, which retries.
+    fn run_ends_failed(&self, error: &crate::Error, n: usize) {
+        self.metrics.count(Count::RedisErrors);
+        tracing::warn!(%error, runs = n, "could not acknowledge keyed messages; retrying in the next batch");
     }
 
     /// Reads ahead in the run of message `seq` (`at_work`), the last one

@@ -102,6 +102,13 @@ enum Op {
         short: bool,
         max: usize,
     },
+    /// `ack_runs`: several keys' runs acknowledged in one call, each as
+    /// `AckRun` acknowledges one (the jobs `jobs` picks, one per key).
+    AckRuns {
+        jobs: [usize; 3],
+        short: bool,
+        max: usize,
+    },
     /// `extend_run`: while `job` goes on at work, the worker's other jobs
     /// of its key and claim before it acknowledged, and up to `max` of the
     /// key's next messages claimed into its run (read ahead), leased short
@@ -154,6 +161,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => job.clone().prop_map(Op::Ack),
         3 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckNext { job, short, max }),
         2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::AckRun { job, short, max }),
+        2 => ([job.clone(), job.clone(), job.clone()], prop::bool::weighted(0.3), 1..=3usize).prop_map(|(jobs, short, max)| Op::AckRuns { jobs, short, max }),
         2 => (job.clone(), prop::bool::weighted(0.3), 1..=3usize).prop_map(|(job, short, max)| Op::ExtendRun { job, short, max }),
         3 => job.clone().prop_map(Op::CutRun),
         2 => (job.clone(), prop::bool::weighted(0.3)).prop_map(|(job, later)| Op::Retry { job, later }),
@@ -433,7 +441,11 @@ impl World<'_> {
         let repeated = fault == Fault::Repeated
             && matches!(
                 op,
-                Op::Claim { .. } | Op::AckNext { .. } | Op::AckRun { .. } | Op::ExtendRun { .. }
+                Op::Claim { .. }
+                    | Op::AckNext { .. }
+                    | Op::AckRun { .. }
+                    | Op::AckRuns { .. }
+                    | Op::ExtendRun { .. }
             );
         for call in 0..calls {
             let lost = fault == Fault::Resent && call == 0;
@@ -773,24 +785,38 @@ impl World<'_> {
                     }
                     _ => self.retried(at, || q.ack_run(&jobs, lease, max)).await?,
                 };
-                prop_assert_eq!(held, self.holds(&job, generation), "{}: held", at);
-                if !held {
-                    prop_assert!(next.is_empty(), "{}: a next job for a lost claim", at);
-                    return Ok(());
+                let acked = ((&job, generation), &run[..]);
+                self.ran(acked, (held, next), (next_short, max), lost, at)?;
+            }
+            Op::AckRuns {
+                jobs: picks,
+                short: next_short,
+                max,
+            } => {
+                let mut chosen: Vec<(Job<u64>, u64)> = Vec::new();
+                for (job, generation) in picks.into_iter().filter_map(|j| self.job(j)) {
+                    if chosen.iter().all(|(other, _)| other.key() != job.key()) {
+                        chosen.push((job, generation));
+                    }
                 }
-                let n = *job.payload() as usize;
-                let short = self.model.short(n, job.claim());
-                let k = self.key_index(&job);
-                // The run's jobs the model still holds go with it.
-                self.acknowledged(&run);
-                self.model.lines[k].retain(|i| *i != n);
-                self.model.messages.remove(&n);
-                *self.acks.entry(n).or_default() += 1;
-                let before = self.model.runs.remove(&n).unwrap_or(0);
-                let let_go = next.is_empty();
-                self.continued(&job, (short, before), (next, next_short, max), lost, at)?;
-                if let_go {
-                    self.model.let_go(k, job.claim());
+                let lease = if next_short { SHORT } else { LONG };
+                let runs: Vec<Vec<(Job<u64>, u64)>> = (chosen.iter())
+                    .map(|(job, generation)| {
+                        let (before, after) = self.run_of(job);
+                        let last = std::iter::once((job.clone(), *generation));
+                        before.into_iter().chain(after).chain(last).collect()
+                    })
+                    .collect();
+                let jobs: Vec<Vec<Job<u64>>> = (runs.iter())
+                    .map(|run| run.iter().map(|(job, _)| job.clone()).collect())
+                    .collect();
+                let slices: Vec<&[Job<u64>]> = jobs.iter().map(Vec::as_slice).collect();
+                let answers = self.retried(at, || q.ack_runs(&slices, lease, max)).await?;
+                prop_assert_eq!(answers.len(), runs.len(), "{}: an answer per run", at);
+                // Each block as its own call would have settled it, in order.
+                for (((job, generation), run), answer) in chosen.iter().zip(&runs).zip(answers) {
+                    let acked = ((job, *generation), &run[..]);
+                    self.ran(acked, answer, (next_short, max), lost, at)?;
                 }
             }
             Op::ExtendRun {
@@ -965,6 +991,40 @@ impl World<'_> {
             (0, _) => Some(true),
             _ => Some(false),
         }
+    }
+
+    /// Checks what acknowledging `run` (ending with `job`, of its message's
+    /// `generation`) answered: whether its claim was `held`, and the `next`
+    /// run claimed, leased short when `next_short`, at most `max`.
+    #[allow(clippy::type_complexity)]
+    fn ran(
+        &mut self,
+        ((job, generation), run): ((&Job<u64>, u64), &[(Job<u64>, u64)]),
+        (held, next): (bool, Vec<Job<u64>>),
+        (next_short, max): (bool, usize),
+        lost: bool,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        prop_assert_eq!(held, self.holds(job, generation), "{}: held", at);
+        if !held {
+            prop_assert!(next.is_empty(), "{}: a next job for a lost claim", at);
+            return Ok(());
+        }
+        let n = *job.payload() as usize;
+        let short = self.model.short(n, job.claim());
+        let k = self.key_index(job);
+        // The run's jobs the model still holds go with it.
+        self.acknowledged(run);
+        self.model.lines[k].retain(|i| *i != n);
+        self.model.messages.remove(&n);
+        *self.acks.entry(n).or_default() += 1;
+        let before = self.model.runs.remove(&n).unwrap_or(0);
+        let let_go = next.is_empty();
+        self.continued(job, (short, before), (next, next_short, max), lost, at)?;
+        if let_go {
+            self.model.let_go(k, job.claim());
+        }
+        Ok(())
     }
 
     /// Those of `jobs` whose claim the model says is held, acknowledged.

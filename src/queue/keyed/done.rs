@@ -3,6 +3,7 @@
 //! retry, a deferral, a release or a burial; and the rest of a run
 //! settled, or read ahead, while one of its messages goes on.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,14 +11,28 @@ use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    DONE, DoneReply, Held, Keyed, Log, Next, Outcome, RunArgs, Settled, Turn, attempt_of, millis,
-    own_id, stored_id,
+    DONE, DoneReply, Held, Keyed, Layout, Log, Next, Outcome, RunArgs, Settled, Turn, attempt_of,
+    millis, own_id, stored_id,
 };
 use crate::error::{Error, Result};
-use crate::keys;
+use crate::keys::rate_key;
 use crate::lock::{Token, detect_publish};
 use crate::queue::{ClaimToken, EventKind};
-use crate::script::run;
+use crate::script::{evalsha, run};
+
+/// A keyed message's turn to end in a done script's call (see
+/// [`Keyed::done_many`]): its hold, its id, claim and failed attempts
+/// before this one, how it ends, and the rest of its run. With `next` set
+/// (an ack), the key's next messages (up to `run.max`) are claimed at once
+/// under the same lock, leased for `next`.
+#[derive(Clone, Copy)]
+pub(crate) struct Ending<'a> {
+    pub(crate) held: &'a Arc<Held>,
+    pub(crate) member: (&'a str, u64, u32),
+    pub(crate) outcome: Outcome<'a>,
+    pub(crate) next: Option<Duration>,
+    pub(crate) run: RunArgs<'a>,
+}
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// Ends a turn with `outcome`, and settles the rest of its run as
@@ -27,39 +42,163 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     pub(crate) async fn done(
         &self,
         held: &Arc<Held>,
-        (id, claim, failures): (&str, u64, u32),
+        member: (&str, u64, u32),
         outcome: Outcome<'_>,
-        (next, others): (Option<Duration>, RunArgs<'_>),
+        (next, run): (Option<Duration>, RunArgs<'_>),
     ) -> Result<Settled> {
-        let attempted = || format!("settling keyed message `{id}`");
+        let ending = Ending {
+            held,
+            member,
+            outcome,
+            next,
+            run,
+        };
+        let calls = self.done_many(&[ending]).await?;
+        let attempted = || format!("settling keyed message `{}`", member.0);
+        let settled = calls.into_iter().next().map(|(_, settled)| settled);
+        let settled = settled.ok_or_else(|| Error::reply(attempted(), "no call"))??;
+        (settled.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))
+    }
+
+    /// Ends several turns, each as [`done`](Self::done) ends one: the
+    /// acknowledgements that claim the key's next messages in one script
+    /// call (on a Redis Cluster, one per partition), every other ending in
+    /// a call of its own (only a call that claims keeps the record that
+    /// answers a resend, see `lua/keyed_done.lua`). Answers per call: the
+    /// indexes of its endings, and their settlements in that order, or the
+    /// call's error.
+    pub(crate) async fn done_many(&self, endings: &[Ending<'_>]) -> Result<Calls> {
+        let describe = |n: usize| match endings {
+            [one] => format!("settling keyed message `{}`", one.member.0),
+            _ => format!("settling {n} keyed messages"),
+        };
         let publish = detect_publish(&self.state.publish, self.conn)
             .await
-            .map_err(Error::redis(attempted()))?;
-        let next_token = Token::random();
-        let member = (id, claim, failures);
-        let (mut cmd, kind, error) =
-            self.done_call(held, member, outcome, (next, &next_token), publish);
-        cmd.arg(others.max);
-        others.add_to(&mut cmd, &held.key);
-        let completed = self.completed_of(held, others.handled).await?;
-        let (status, acked, nexts, flags) = self.send_done(&cmd, next, attempted).await?;
-        let reply = (status, acked, nexts);
-        let (acked, settled) = (self.settled(held, (claim, next_token), reply, attempted)).await?;
-        // Nothing to build on the hot path unless something is recorded.
-        if self.recording.events.is_some() || !acked.is_empty() || !completed.is_empty() {
-            let mut log = Log::default();
-            if settled != Settled::Lost {
-                log.handled(held, others.handled, flags.as_deref(), completed);
+            .map_err(Error::redis(describe(endings.len())))?;
+        let cluster = self.layout().await? == Layout::Cluster;
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut joined: HashMap<u16, usize> = HashMap::new();
+        for (n, ending) in endings.iter().enumerate() {
+            let slot = if cluster {
+                ending.held.partition.slot
+            } else {
+                0
+            };
+            match ending.next.and(joined.get(&slot)) {
+                Some(&group) => groups[group].push(n),
+                None => {
+                    if ending.next.is_some() {
+                        joined.insert(slot, groups.len());
+                    }
+                    groups.push(vec![n]);
+                }
             }
-            log.append(outcome_log(
-                held,
-                (id, failures),
-                (kind, error),
-                (acked, &settled),
-            ));
-            self.record(log).await;
         }
-        Ok(settled)
+        let calls = groups.iter().map(|group| {
+            let endings: Vec<&Ending<'_>> = group.iter().map(|&n| &endings[n]).collect();
+            self.done_call(endings, publish, describe)
+        });
+        let answers = futures_util::future::join_all(calls).await;
+        let mut marks = Vec::new();
+        let mut calls = Vec::with_capacity(groups.len());
+        for (group, answer) in groups.into_iter().zip(answers) {
+            let settled = answer.map(|answer| {
+                let (settled, mark): (Vec<Settled>, Vec<Option<u16>>) = answer.into_iter().unzip();
+                marks.extend(mark.into_iter().flatten());
+                settled
+            });
+            calls.push((group, settled));
+        }
+        if !marks.is_empty() {
+            marks.sort_unstable();
+            marks.dedup();
+            self.mark_all_after(&marks).await;
+        }
+        Ok(calls)
+    }
+
+    /// Ends `endings` in one call (see [`done_many`](Self::done_many)):
+    /// each one's answer, and the partition to mark ready after it, if
+    /// any.
+    async fn done_call(
+        &self,
+        endings: Vec<&Ending<'_>>,
+        publish: &str,
+        describe: impl Fn(usize) -> String + Copy,
+    ) -> Result<Vec<(Settled, Option<u16>)>> {
+        let attempted = || describe(endings.len());
+        let tokens: Vec<Token> = endings.iter().map(|_| Token::random()).collect();
+        let mut blocks = Vec::with_capacity(endings.len());
+        let mut completed = Vec::with_capacity(endings.len());
+        for (ending, next_token) in endings.iter().zip(&tokens) {
+            blocks.push(self.done_block(ending, next_token, publish));
+            completed.push(self.completed_of(ending.held, ending.run.handled).await?);
+        }
+        let cmd = call_of(&blocks);
+        // Resent while no answer comes only when every block claims (each
+        // keeps the record that answers a resend): within the shortest
+        // lease's window.
+        let resend = endings.iter().map(|ending| ending.next).min().flatten();
+        let replies: Vec<DoneReply> = self.send_done(&cmd, resend, attempted).await?;
+        if replies.len() != endings.len() {
+            return Err(Error::reply(
+                attempted(),
+                format_args!("{} replies", replies.len()),
+            ));
+        }
+        let mut answers = Vec::with_capacity(endings.len());
+        let mut log = Log::default();
+        let parts = endings.iter().zip(tokens).zip(completed);
+        for (((ending, next_token), completed), reply) in parts.zip(replies) {
+            let (settled, mark) =
+                self.ended(ending, next_token, completed, reply, &mut log, attempted)?;
+            answers.push((settled, mark));
+        }
+        // Every block's events in one write.
+        self.record(log).await;
+        Ok(answers)
+    }
+
+    /// What a block's `reply` says of `ending` (see
+    /// [`settled`](Self::settled)), its events added to `log`: the turn's
+    /// settlement, and the partition to mark ready after it, if any.
+    fn ended(
+        &self,
+        ending: &Ending<'_>,
+        next_token: Token,
+        completed: Vec<(String, Vec<u8>)>,
+        (status, acked, nexts, flags): DoneReply,
+        log: &mut Log,
+        attempted: impl Fn() -> String + Copy,
+    ) -> Result<(Settled, Option<u16>)> {
+        let (id, claim, failures) = ending.member;
+        let held = ending.held;
+        let reply = (status, acked, nexts);
+        let (acked, settled, mark) = self.settled(held, (claim, next_token), reply, attempted)?;
+        // Nothing to build on the hot path unless something is recorded.
+        if self.recording.events.is_none() && acked.is_empty() && completed.is_empty() {
+            return Ok((settled, mark));
+        }
+        if settled != Settled::Lost {
+            log.handled(held, ending.run.handled, flags.as_deref(), completed);
+        }
+        match (ending.outcome, &settled) {
+            // The run's rest settled while a message goes on: the messages
+            // read ahead are its only events.
+            (Outcome::Return | Outcome::Ahead, Settled::Next(turns)) => {
+                for turn in turns {
+                    let next = (turn.id.as_str(), attempt_of(&turn.record));
+                    log.event(EventKind::Claimed, &held.key, next);
+                }
+            }
+            (Outcome::Return | Outcome::Ahead, _) => {}
+            (outcome, _) => {
+                let (kind, error) = event_of(outcome);
+                let ended = (acked, &settled);
+                log.append(outcome_log(held, (id, failures), (kind, error), ended));
+            }
+        }
+        Ok((settled, mark))
     }
 
     /// The records of a run's messages `handled` before this call, for the
@@ -116,42 +255,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn run_call(
         &self,
         at_work: &ClaimToken,
-        others: RunArgs<'_>,
+        run: RunArgs<'_>,
         next: Option<Duration>,
     ) -> Result<Settled> {
         let Some(held) = at_work.held.as_ref() else {
             return Ok(Settled::Done);
         };
-        let attempted = || format!("settling the run of keyed message `{}`", at_work.id);
-        let publish = detect_publish(&self.state.publish, self.conn)
-            .await
-            .map_err(Error::redis(attempted()))?;
-        let member = (at_work.id.as_str(), at_work.claim, at_work.failures);
-        let outcome = if next.is_some() {
-            Outcome::Ahead
-        } else {
-            Outcome::Return
+        let outcome = match next {
+            Some(_) => Outcome::Ahead,
+            None => Outcome::Return,
         };
-        let next_token = Token::random();
-        let (mut cmd, _, _) = self.done_call(held, member, outcome, (next, &next_token), publish);
-        cmd.arg(others.max);
-        others.add_to(&mut cmd, &held.key);
-        let completed = self.completed_of(held, others.handled).await?;
-        let (status, acked, nexts, flags) = self.send_done(&cmd, next, attempted).await?;
-        let claim = (at_work.claim, next_token);
-        let (_, settled) = (self.settled(held, claim, (status, acked, nexts), attempted)).await?;
-        if settled != Settled::Lost && (self.recording.events.is_some() || !completed.is_empty()) {
-            let mut log = Log::default();
-            log.handled(held, others.handled, flags.as_deref(), completed);
-            if let Settled::Next(turns) = &settled {
-                for turn in turns {
-                    let next = (turn.id.as_str(), attempt_of(&turn.record));
-                    log.event(EventKind::Claimed, &held.key, next);
-                }
-            }
-            self.record(log).await;
-        }
-        Ok(settled)
+        let member = (at_work.id.as_str(), at_work.claim, at_work.failures);
+        self.done(held, member, outcome, (next, run)).await
     }
 
     /// Runs the done script's call `cmd`. One that claims (`next`, the
@@ -163,7 +278,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd: &Cmd,
         next: Option<Duration>,
         attempted: impl Fn() -> String + Copy,
-    ) -> Result<DoneReply> {
+    ) -> Result<Vec<DoneReply>> {
         let Some(lease) = next else {
             return self.run(&DONE, cmd, attempted).await;
         };
@@ -172,80 +287,85 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))
     }
 
-    /// The done script's call (see [`done`](Self::done)), with the event
-    /// and the error it records.
-    fn done_call<'o>(
-        &self,
-        held: &Held,
-        (id, claim, failures): (&str, u64, u32),
-        outcome: Outcome<'o>,
-        (next, next_token): (Option<Duration>, &Token),
-        publish: &str,
-    ) -> (Cmd, EventKind, &'o str) {
-        let mut cmd = held.partition.call(&DONE, 5);
+    /// `ending`'s block of a done script's call, the key's next messages
+    /// (if it claims any) to be held under `next_token`.
+    fn done_block(&self, ending: &Ending<'_>, next_token: &Token, publish: &str) -> Block {
+        let (held, (id, claim, failures)) = (ending.held, ending.member);
         let lock = held.lock_key(&self.keys.prefix);
-        cmd.arg(&lock).arg(format!("{lock}:waiters"));
-        match held.permits {
-            0 => cmd.arg(&lock),
-            _ => cmd.arg(format!("{lock}:fences")),
+        let fences = match held.permits {
+            0 => lock.clone(),
+            _ => format!("{lock}:fences"),
         };
-        cmd.arg(keys::rate_key(&self.keys.prefix, &held.key));
-        cmd.arg(held.partition.record_of(next_token));
-        let (op, kind, delay, error) = match outcome {
-            Outcome::Ack => ("ack", EventKind::Done, None, ""),
-            Outcome::Retry { delay, error } => ("retry", EventKind::Retried, Some(delay), error),
-            Outcome::Defer { delay } => ("defer", EventKind::Deferred, Some(delay), ""),
-            Outcome::Release => ("release", EventKind::Released, None, ""),
-            Outcome::Bury { error } => ("bury", EventKind::Dead, None, error),
-            Outcome::Return => ("return", EventKind::Released, None, ""),
-            Outcome::Ahead => ("ahead", EventKind::Claimed, None, ""),
+        let (waiters, rate) = (
+            format!("{lock}:waiters"),
+            rate_key(&self.keys.prefix, &held.key),
+        );
+        let mut keys = held.partition.keys.to_vec();
+        let record = held.partition.record_of(next_token);
+        keys.extend([lock, waiters, fences, rate, record]);
+        let (op, delay) = match ending.outcome {
+            Outcome::Ack => ("ack", None),
+            Outcome::Retry { delay, .. } => ("retry", Some(delay)),
+            Outcome::Defer { delay } => ("defer", Some(delay)),
+            Outcome::Release => ("release", None),
+            Outcome::Bury { .. } => ("bury", None),
+            Outcome::Return => ("return", None),
+            Outcome::Ahead => ("ahead", None),
         };
+        let (_, error) = event_of(ending.outcome);
         let (dead_count, dead_age) = self.recording.dead.args();
-        let flag = |on: bool| if on { "1" } else { "" };
+        let flag = |on: bool| String::from(if on { "1" } else { "" });
         let ms = |d: Option<Duration>| d.map_or(String::new(), |d| millis(d).to_string());
-        cmd.arg(op)
-            .arg(&held.key)
-            .arg(stored_id(&held.key, id))
-            .arg(&held.seq)
-            .arg(claim)
-            .arg(held.token.as_str())
-            .arg(ms(delay))
-            .arg(error)
-            .arg(publish)
-            .arg(ms(next))
-            .arg(next_token.as_str())
-            .arg(flag(failures > 0))
-            .arg(held.permits)
-            .arg(millis(crate::lock::HANDOFF))
-            .arg(flag(held.rated))
-            .arg(flag(self.recording.completed.is_some()))
-            .arg(dead_count)
-            .arg(dead_age)
-            .arg(ms(next.map(crate::script::resend_window)));
-        (cmd, kind, error)
+        let next = ending.next;
+        let mut args = vec![
+            op.to_owned(),
+            held.key.clone(),
+            stored_id(&held.key, id),
+            held.seq.clone(),
+            claim.to_string(),
+            held.token.as_str().to_owned(),
+            ms(delay),
+            error.to_owned(),
+            publish.to_owned(),
+            ms(next),
+            next_token.as_str().to_owned(),
+            flag(failures > 0),
+            held.permits.to_string(),
+            millis(crate::lock::HANDOFF).to_string(),
+            flag(held.rated),
+            flag(self.recording.completed.is_some()),
+            dead_count,
+            dead_age,
+            ms(next.map(crate::script::resend_window)),
+            ending.run.max.to_string(),
+        ];
+        ending.run.add_to(&mut args, &held.key);
+        Block { keys, args }
     }
 
-    /// What the done script answered: the acknowledged record (if asked),
-    /// and how the turn ended, the next one claimed with `next_token`.
-    async fn settled(
+    /// What the done script answered for a block: the acknowledged record
+    /// (if asked), how the turn ended (the next one claimed with
+    /// `next_token`), and the partition to mark ready after it, if any.
+    fn settled(
         &self,
         held: &Arc<Held>,
         (claim, next_token): (u64, Token),
         (status, acked, next): (u8, Vec<u8>, Next),
         attempted: impl Fn() -> String + Copy,
-    ) -> Result<(Vec<u8>, Settled)> {
+    ) -> Result<(Vec<u8>, Settled, Option<u16>)> {
+        let mut mark = None;
         let settled = match (status, next) {
             (0, None) => {
                 // Most often a resend whose first attempt ran (its reply
                 // lost): that one let the key go, and its mark of the
-                // partition never came. Marked here, at worst in vain.
-                self.mark_after(held.partition.slot).await;
+                // partition never came. Marked after, at worst in vain.
+                mark = Some(held.partition.slot);
                 Settled::Lost
             }
             (1, None) => Settled::Done,
             (2, None) => {
                 // The key is ready for the next claim, whoever makes it.
-                self.mark_after(held.partition.slot).await;
+                mark = Some(held.partition.slot);
                 Settled::Done
             }
             (3, Some((renewed, nexts))) if !nexts.is_empty() => {
@@ -274,7 +394,45 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             other => return Err(Error::reply(attempted(), format_args!("{other:?}"))),
         };
-        Ok((acked, settled))
+        Ok((acked, settled, mark))
+    }
+}
+
+/// [`Keyed::done_many`]'s answer: per call, the indexes of its endings
+/// and their settlements, or the call's error.
+pub(crate) type Calls = Vec<(Vec<usize>, Result<Vec<Settled>>)>;
+
+/// One block of a done script's call: its keys (the partition's, then its
+/// own) and its arguments.
+struct Block {
+    keys: Vec<String>,
+    args: Vec<String>,
+}
+
+/// The done script's call of `blocks` (see `lua/keyed_done.lua`): every
+/// block's keys, then per block its arguments' count and its arguments.
+fn call_of(blocks: &[Block]) -> Cmd {
+    let keys: usize = blocks.iter().map(|block| block.keys.len()).sum();
+    let mut cmd = evalsha(&DONE, keys);
+    for block in blocks {
+        cmd.arg(&block.keys[..]);
+    }
+    for block in blocks {
+        cmd.arg(block.args.len()).arg(&block.args[..]);
+    }
+    cmd
+}
+
+/// The event a turn that ends with `outcome` records, and its error.
+fn event_of(outcome: Outcome<'_>) -> (EventKind, &str) {
+    match outcome {
+        Outcome::Ack => (EventKind::Done, ""),
+        Outcome::Retry { error, .. } => (EventKind::Retried, error),
+        Outcome::Defer { .. } => (EventKind::Deferred, ""),
+        Outcome::Release => (EventKind::Released, ""),
+        Outcome::Bury { error } => (EventKind::Dead, error),
+        Outcome::Return => (EventKind::Released, ""),
+        Outcome::Ahead => (EventKind::Claimed, ""),
     }
 }
 

@@ -14,14 +14,17 @@
 -- "idle" and "empty" apply only while the entry is still the one the
 -- claim raised it to: a push since then lowered it, and that mark stays.
 -- Returns how many entries left the index.
+-- The entries lowered go in two commands, whatever their number: those
+-- due by now (one that changed rings the doorbell), and the others.
 local raised, now = tonumber(ARGV[1]), tonumber(ARGV[3])
-local forgotten, due = 0, false
+local forgotten, due_now, later = 0, {}, {}
 for i = 4, #ARGV, 2 do
   local member, seen = ARGV[i], ARGV[i + 1]
   local at = tonumber(seen)
   if at then
-    local lowered = redis.call('ZADD', KEYS[1], 'XX', 'LT', 'CH', at, member)
-    due = due or (lowered == 1 and at <= now)
+    local lowered = at <= now and due_now or later
+    lowered[#lowered + 1] = at
+    lowered[#lowered + 1] = member
   elseif tonumber(redis.call('ZSCORE', KEYS[1], member)) == raised then
     if seen == 'empty' then
       forgotten = forgotten + redis.call('ZREM', KEYS[1], member)
@@ -30,7 +33,8 @@ for i = 4, #ARGV, 2 do
     end
   end
 end
-if due then
+if #later > 0 then redis.call('ZADD', KEYS[1], 'XX', 'LT', unpack(later)) end
+if #due_now > 0 and redis.call('ZADD', KEYS[1], 'XX', 'LT', 'CH', unpack(due_now)) > 0 then
   redis.call('LPUSH', KEYS[2], 1)
   redis.call('LTRIM', KEYS[2], 0, 0)
 end
