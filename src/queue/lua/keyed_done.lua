@@ -250,9 +250,14 @@ local function settle(KEYS, ARGV)
   -- line. Returns whether each message of the run is accounted for: ended
   -- by this call, or still at work until now. Else one left the run before
   -- this call, most likely by recovery (its lease ran out), which made the
-  -- key ready while the others were at work.
+  -- key ready while the others were at work. Notes in `limits_left`
+  -- whether the key's limits hash fields other than the run's note are
+  -- there (a rate limit), for its turn's end to forget them.
+  local limits_left = false
   local function return_run()
-    local run = redis.call('HGET', KEYS[LIMITS], RUN_FIELD)
+    local fields = redis.call('HMGET', KEYS[LIMITS], key, key .. '\0rate', RUN_FIELD)
+    limits_left = fields[1] or fields[2]
+    local run = fields[3]
     if not run then return true end
     redis.call('HDEL', KEYS[LIMITS], RUN_FIELD)
     local members, claim = run_members(run)
@@ -499,7 +504,7 @@ local function settle(KEYS, ARGV)
     return {status, acked, false, done_here}
   end
   if after_turn(key, from, locked_alone, line_empty) then return ended(2) end
-  if limit == 0 then forget_limits(key) end
+  if limit == 0 and limits_left then forget_limits(key) end
   return ended(1)
 end
 
