@@ -427,11 +427,13 @@ where
     /// [`ack_run`](Self::ack_run) acknowledges one (`run`, oldest first),
     /// claiming up to `max` of each key's next messages under its lock:
     /// one script call on one server, one per partition on a Redis
-    /// Cluster, however many keys. Answers per run, in order: whether its
-    /// last message's claim was held, and its key's next run. At most
-    /// [`MAX_BATCH`] runs, every message keyed. A failed call fails the
-    /// whole batch, though another call of it may have run (see
-    /// [`ack_many`](Self::ack_many)).
+    /// Cluster, however many keys (a run that may claim no more, after
+    /// [`MAX_RUN`] in a row, goes in a call of its own). Answers per run,
+    /// in order: whether its last message's claim was held, and its key's
+    /// next run. At most [`MAX_BATCH`] runs, every message keyed. A failed
+    /// call fails the whole batch, though another call of it may have run
+    /// (see [`ack_many`](Self::ack_many)): the next runs that one claimed
+    /// come back after their lease.
     pub async fn ack_runs<J: Claim>(
         &self,
         runs: &[&[J]],

@@ -387,7 +387,10 @@ where
             background.spawn(sample_depth(self.queue.clone(), metrics, sampling));
         }
         let (acks, ack_queue) = mpsc::unbounded_channel();
+        let (ends, end_queue) = mpsc::unbounded_channel();
         let acker = tokio::spawn(acker(shared.clone(), ack_queue));
+        let ender = tokio::spawn(run_ender(shared.clone(), end_queue));
+        let acks = AckQueue { acks, ends };
         let mut run = run::Run {
             waiter: self.queue.waiter(connector),
             service: self.service,
@@ -436,8 +439,8 @@ where
             result = work => result,
             never = watch_shutdown => match never {},
         };
-        // Every handler has finished: let the acker write what is queued.
-        let _ = acker.await;
+        // Every handler has finished: let the writers write what is queued.
+        let _ = tokio::join!(acker, ender);
         drop(background);
         result
     }
@@ -579,8 +582,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     /// Queues an acknowledgement for the acker; writes it here when the
     /// acker is gone.
     async fn queue_ack(&self, acks: &AckQueue<T>, token: ClaimToken, done: bool) {
-        if acks.send(Write::Ack(token.clone(), done)).is_err() {
-            self.ack(&[(token, done)]).await;
+        if let Err(mpsc::error::SendError(ack)) = acks.acks.send((token, done)) {
+            self.ack(&[ack]).await;
         }
     }
 
@@ -873,41 +876,46 @@ impl<T: Payload, C: Conn> Shared<T, C> {
     }
 }
 
-/// Writes waiting for the acker.
-type AckQueue<T> = mpsc::UnboundedSender<Write<T>>;
-
-/// A write the acker batches.
-enum Write<T> {
-    /// An acknowledgement, and whether it counts as done (not so for a
-    /// message deferred by pushing it as a new message).
-    Ack(ClaimToken, bool),
-    /// The end of a keyed run, answered on its channel.
-    EndRun(runs::RunEnding<T>),
+/// Writes waiting to be batched, each kind by a task of its own (neither
+/// waits for the other's retries): acknowledgements, and whether each
+/// counts as done (not so for a message deferred by pushing it as a new
+/// message); the ends of keyed runs, each answered on its channel.
+struct AckQueue<T> {
+    acks: mpsc::UnboundedSender<(ClaimToken, bool)>,
+    ends: mpsc::UnboundedSender<runs::RunEnding<T>>,
 }
 
-/// Writes acknowledgements and the ends of keyed runs in batches:
-/// everything queued while the previous batch was in flight goes in the
-/// next, one round trip for many messages (the runs' ends in one script
-/// call on one server, however many keys).
+impl<T> Clone for AckQueue<T> {
+    fn clone(&self) -> Self {
+        AckQueue {
+            acks: self.acks.clone(),
+            ends: self.ends.clone(),
+        }
+    }
+}
+
+/// Writes acknowledgements in batches: everything queued while the previous
+/// batch was in flight goes in the next, one round trip for many messages.
 async fn acker<T: Payload, C: Conn>(
     shared: Arc<Shared<T, C>>,
-    mut queued: mpsc::UnboundedReceiver<Write<T>>,
+    mut queued: mpsc::UnboundedReceiver<(ClaimToken, bool)>,
 ) {
     let mut batch = Vec::new();
     while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        let (mut acks, mut ends) = (Vec::new(), Vec::new());
-        for write in batch.drain(..) {
-            match write {
-                Write::Ack(token, done) => acks.push((token, done)),
-                Write::EndRun(end) => ends.push(end),
-            }
-        }
-        let acks = async {
-            if !acks.is_empty() {
-                shared.ack(&acks).await;
-            }
-        };
-        futures_util::future::join(acks, shared.end_runs(ends)).await;
+        shared.ack(&batch).await;
+        batch.clear();
+    }
+}
+
+/// Writes the ends of keyed runs in batches, as the acker does
+/// acknowledgements: on one server in one script call, however many keys.
+async fn run_ender<T: Payload, C: Conn>(
+    shared: Arc<Shared<T, C>>,
+    mut queued: mpsc::UnboundedReceiver<runs::RunEnding<T>>,
+) {
+    let mut batch = Vec::new();
+    while queued.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        shared.end_runs(std::mem::take(&mut batch)).await;
     }
 }
 

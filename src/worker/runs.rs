@@ -21,7 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::metrics::Count;
-use super::{AckQueue, Conn, HAND_BACK_TIMEOUT, InFlight, Payload, Shared, Write};
+use super::{AckQueue, Conn, HAND_BACK_TIMEOUT, InFlight, Payload, Shared};
 use crate::queue::{Claim, ClaimToken, Job, RunEnd};
 
 /// The rest of a run, kept under the in-flight number of its message now
@@ -57,7 +57,7 @@ impl<T> KeyRun<T> {
     }
 }
 
-/// The end of a run, waiting for the acker (see [`Shared::end_run`]).
+/// The end of a run, waiting for its writer (see [`Shared::end_run`]).
 pub(super) struct RunEnding<T> {
     /// The run's last message, and the ones handled before it.
     token: ClaimToken,
@@ -140,8 +140,8 @@ impl<T: Payload, C: Conn> Shared<T, C> {
 
     /// The end of a run (`token`'s, after `handled`): acknowledges them
     /// all and, with `hand_over`, claims the key's next run, which the
-    /// loop starts before anything else. Written by the acker, with the
-    /// other runs that end meanwhile (here when the acker is gone).
+    /// loop starts before anything else. Written by the run ender, with
+    /// the other runs that end meanwhile (here when it is gone).
     async fn end_run(
         &self,
         token: ClaimToken,
@@ -162,8 +162,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             sent: Instant::now(),
             answer,
         };
-        if let Err(mpsc::error::SendError(Write::EndRun(ending))) = acks.send(Write::EndRun(ending))
-        {
+        if let Err(mpsc::error::SendError(ending)) = acks.ends.send(ending) {
             self.end_runs(vec![ending]).await;
         }
         let answer = answered.await.ok().flatten();
@@ -233,10 +232,22 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         }
         for (end, answer) in ends.into_iter().zip(answers) {
             // Nobody waits for it (its task was aborted at shutdown): the
-            // run claimed is tracked all the same, to be handed back.
-            if let Err(Some(((true, next), sent))) = end.answer.send(answer) {
-                self.start_run(next, sent + self.config.lease);
+            // run claimed goes back in line.
+            if let Err(Some(((true, next), _))) = end.answer.send(answer) {
+                self.hand_back_run(&next).await;
             }
+        }
+    }
+
+    /// Hands back a run claimed for nobody: its first message released
+    /// lets go of the key and puts the others back in line (see
+    /// `Queue::cut_run`); failing that, they come back after their lease.
+    async fn hand_back_run(&self, run: &[Job<T>]) {
+        let Some(first) = run.first() else {
+            return;
+        };
+        if let Err(error) = self.queue.release(first).await {
+            tracing::warn!(%error, id = %first.id(), "could not hand back a run claimed at shutdown; it comes back after its lease");
         }
     }
 

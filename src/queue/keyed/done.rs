@@ -128,12 +128,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     ) -> Result<Vec<(Settled, Option<u16>)>> {
         let attempted = || describe(endings.len());
         let tokens: Vec<Token> = endings.iter().map(|_| Token::random()).collect();
-        let mut blocks = Vec::with_capacity(endings.len());
-        let mut completed = Vec::with_capacity(endings.len());
-        for (ending, next_token) in endings.iter().zip(&tokens) {
-            blocks.push(self.done_block(ending, next_token, publish));
-            completed.push(self.completed_of(ending.held, ending.run.handled).await?);
-        }
+        let blocks: Vec<Block> = (endings.iter().zip(&tokens))
+            .map(|(ending, next_token)| self.done_block(ending, next_token, publish))
+            .collect();
+        let completed =
+            (endings.iter()).map(|ending| self.completed_of(ending.held, ending.run.handled));
+        let completed = futures_util::future::try_join_all(completed).await?;
         let cmd = call_of(&blocks);
         // Resent while no answer comes only when every block claims (each
         // keeps the record that answers a resend): within the shortest
