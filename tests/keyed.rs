@@ -439,6 +439,38 @@ async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
     );
 }
 
+#[tokio::test]
+async fn a_run_whose_end_fails_in_the_script_leaves_the_others_settled() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"]);
+    // b's lock turned into a hash: its end's `GET` of the lock is refused.
+    let lock = Locker::new(conn.clone()).lock_key("b");
+    let _: () = redis::pipe()
+        .del(&lock)
+        .hset(&lock, "x", 1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    // b's first: the block after it runs all the same.
+    let runs: Vec<&[Job<String>]> = jobs.iter().rev().map(std::slice::from_ref).collect();
+    let refused = queue.ack_runs(&runs, secs(10), 2).await;
+    assert!(
+        matches!(&refused, Err(lockgate::Error::UnexpectedReply { detail, .. }) if detail.contains("WRONGTYPE")),
+        "{refused:?}"
+    );
+    // a's run ended all the same, in the same call: a1 acknowledged, its
+    // next run (a2, a3) claimed under its lock.
+    assert!(
+        !queue.ack(&jobs[0]).await.unwrap(),
+        "a1 acknowledged already"
+    );
+    assert!(claim_ids(&queue, secs(10)).await.is_empty());
+}
+
 /// How many `EVALSHA` calls `server` has run.
 fn evalsha_calls(server: &lockgate::testing::RedisServer) -> u64 {
     let info: String = redis::cmd("INFO")

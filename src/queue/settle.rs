@@ -420,7 +420,7 @@ where
         let answer = calls.into_iter().next().map(|(_, answers)| answers);
         let attempted = || format!("acknowledging keyed message `{}`", job.id);
         let answers = answer.ok_or_else(|| Error::reply(attempted(), "no call"))??;
-        (answers.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))
+        (answers.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))?
     }
 
     /// Acknowledges several keys' runs in one round trip, each as
@@ -463,7 +463,7 @@ where
         let mut answers: Vec<Option<(bool, Vec<Job<T>>)>> = runs.iter().map(|_| None).collect();
         for (indexes, call) in self.ack_runs_with(&ends, lease).await? {
             for (n, answer) in indexes.into_iter().zip(call?) {
-                answers[n] = Some(answer);
+                answers[n] = Some(answer?);
             }
         }
         let attempted = || format!("acknowledging {} keyed runs", runs.len());
@@ -475,13 +475,14 @@ where
 
     /// [`ack_runs`](Self::ack_runs) of `ends`, each with its own room
     /// (see [`ack_run_with`](Self::ack_run_with)). Answers per call: the
-    /// indexes of its runs, and their answers in that order, or the call's
-    /// error (the others' answers stand).
+    /// indexes of its runs, and their answers in that order (or the error
+    /// a run's block met), or the call's error (the others' answers
+    /// stand).
     pub(crate) async fn ack_runs_with(
         &self,
         ends: &[RunEnd<'_>],
         lease: Duration,
-    ) -> Result<Vec<(Vec<usize>, Result<Vec<(bool, Vec<Job<T>>)>>)>> {
+    ) -> Result<Vec<(Vec<usize>, Result<Vec<RunAnswer<T>>>)>> {
         let mut endings = Vec::with_capacity(ends.len());
         for end in ends {
             let Some(held) = end.job.held.as_ref() else {
@@ -516,13 +517,14 @@ where
 
     /// What acknowledging runs came to, per run: whether its claim was
     /// held, and the next run its call claimed.
-    async fn runs_of(&self, settled: Vec<Settled>) -> Vec<(bool, Vec<Job<T>>)> {
+    async fn runs_of(&self, settled: Vec<Result<Settled>>) -> Vec<RunAnswer<T>> {
         let mut answers = Vec::with_capacity(settled.len());
         for one in settled {
             answers.push(match one {
-                Settled::Lost => (false, Vec::new()),
-                Settled::Done => (true, Vec::new()),
-                Settled::Next(turns) => (true, self.decode_run(turns, None).await.0),
+                Ok(Settled::Lost) => Ok((false, Vec::new())),
+                Ok(Settled::Done) => Ok((true, Vec::new())),
+                Ok(Settled::Next(turns)) => Ok((true, self.decode_run(turns, None).await.0)),
+                Err(error) => Err(error),
             });
         }
         answers
@@ -596,6 +598,10 @@ where
         Ok(settled != Settled::Lost)
     }
 }
+
+/// What acknowledging a run came to: whether its claim was held, and the
+/// next run claimed.
+pub(crate) type RunAnswer<T> = Result<(bool, Vec<Job<T>>)>;
 
 /// A run to acknowledge in [`Queue::ack_runs_with`]: its last message,
 /// those handled before it, and its room for the key's next messages

@@ -221,7 +221,10 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                     match call {
                         Ok(call) => {
                             for (n, answer) in indexes.into_iter().zip(call) {
-                                answers[n] = Some((answer, sent));
+                                match answer {
+                                    Ok(answer) => answers[n] = Some((answer, sent)),
+                                    Err(error) => self.run_ends_failed(&error, 1),
+                                }
                             }
                         }
                         Err(error) => self.run_ends_failed(&error, indexes.len()),

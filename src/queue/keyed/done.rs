@@ -57,7 +57,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let attempted = || format!("settling keyed message `{}`", member.0);
         let settled = calls.into_iter().next().map(|(_, settled)| settled);
         let settled = settled.ok_or_else(|| Error::reply(attempted(), "no call"))??;
-        (settled.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))
+        (settled.into_iter().next()).ok_or_else(|| Error::reply(attempted(), "no reply"))?
     }
 
     /// Ends several turns, each as [`done`](Self::done) ends one: the
@@ -65,8 +65,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// call (on a Redis Cluster, one per partition), every other ending in
     /// a call of its own (only a call that claims keeps the record that
     /// answers a resend, see `lua/keyed_done.lua`). Answers per call: the
-    /// indexes of its endings, and their settlements in that order, or the
-    /// call's error.
+    /// indexes of its endings, and their settlements in that order (each
+    /// one's, or the error its block met), or the call's error.
     pub(crate) async fn done_many(&self, endings: &[Ending<'_>]) -> Result<Calls> {
         let describe = |n: usize| match endings {
             [one] => format!("settling keyed message `{}`", one.member.0),
@@ -103,9 +103,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut calls = Vec::with_capacity(groups.len());
         for (group, answer) in groups.into_iter().zip(answers) {
             let settled = answer.map(|answer| {
-                let (settled, mark): (Vec<Settled>, Vec<Option<u16>>) = answer.into_iter().unzip();
-                marks.extend(mark.into_iter().flatten());
-                settled
+                let settled = answer.into_iter().map(|one| {
+                    one.map(|(settled, mark)| {
+                        marks.extend(mark);
+                        settled
+                    })
+                });
+                settled.collect()
             });
             calls.push((group, settled));
         }
@@ -119,13 +123,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Ends `endings` in one call (see [`done_many`](Self::done_many)):
     /// each one's answer, and the partition to mark ready after it, if
-    /// any.
+    /// any; or the error its block met.
     async fn done_call(
         &self,
         endings: Vec<&Ending<'_>>,
         publish: &str,
         describe: impl Fn(usize) -> String + Copy,
-    ) -> Result<Vec<(Settled, Option<u16>)>> {
+    ) -> Result<Vec<Result<(Settled, Option<u16>)>>> {
         let attempted = || describe(endings.len());
         let tokens: Vec<Token> = endings.iter().map(|_| Token::random()).collect();
         let blocks: Vec<Block> = (endings.iter().zip(&tokens))
@@ -150,9 +154,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut log = Log::default();
         let parts = endings.iter().zip(tokens).zip(completed);
         for (((ending, next_token), completed), reply) in parts.zip(replies) {
-            let (settled, mark) =
-                self.ended(ending, next_token, completed, reply, &mut log, attempted)?;
-            answers.push((settled, mark));
+            answers.push(self.ended(ending, next_token, completed, reply, &mut log, attempted));
         }
         // Every block's events in one write.
         self.record(log).await;
@@ -353,6 +355,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         (status, acked, next): (u8, Vec<u8>, Next),
         attempted: impl Fn() -> String + Copy,
     ) -> Result<(Vec<u8>, Settled, Option<u16>)> {
+        if status == BLOCK_FAILED {
+            let error = String::from_utf8_lossy(&acked);
+            return Err(Error::reply(
+                attempted(),
+                format_args!("the script failed: {error}"),
+            ));
+        }
         let mut mark = None;
         let settled = match (status, next) {
             (0, None) => {
@@ -398,9 +407,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 }
 
+/// The status of a block whose settlement failed in the script (its error
+/// in place of the acknowledged record), see `lua/keyed_done.lua`.
+const BLOCK_FAILED: u8 = 255;
+
 /// [`Keyed::done_many`]'s answer: per call, the indexes of its endings
-/// and their settlements, or the call's error.
-pub(crate) type Calls = Vec<(Vec<usize>, Result<Vec<Settled>>)>;
+/// and their settlements (or the error each one's block met), or the
+/// call's error.
+pub(crate) type Calls = Vec<(Vec<usize>, Result<Vec<Result<Settled>>>)>;
 
 /// One block of a done script's call: its keys (the partition's, then its
 /// own) and its arguments.

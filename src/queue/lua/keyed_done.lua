@@ -515,7 +515,14 @@ while ab < #ARGV do
   for i = 1, MORE + 5 do keys[i] = KEYS[kb + i] end
   for i = 1, n do args[i] = ARGV[ab + 1 + i] end
   enter_partition(kb)
-  replies[#replies + 1] = settle(keys, args)
+  -- A block that fails (a command refused: a key of the wrong type, say)
+  -- answers status 255 and its error, and the others go on; what it
+  -- changed before the error stays, as a call of its own would leave it.
+  local ok, reply = pcall(settle, keys, args)
+  if not ok then
+    reply = {255, type(reply) == 'table' and reply.err or tostring(reply), false, false}
+  end
+  replies[#replies + 1] = reply
   kb, ab = kb + MORE + 5, ab + 1 + n
 end
 return replies
