@@ -606,7 +606,6 @@ pub(crate) type RunAnswer<T> = Result<(bool, Vec<Job<T>>)>;
 /// A run to acknowledge in [`Queue::ack_runs_with`]: its last message,
 /// those handled before it, and its room for the key's next messages
 /// (`run_on`, `max`, see [`Queue::ack_run_with`]).
-#[derive(Clone, Copy)]
 pub(crate) struct RunEnd<'a> {
     pub(crate) job: &'a ClaimToken,
     pub(crate) handled: &'a [ClaimToken],

@@ -65,13 +65,11 @@ pub(super) struct RunEnding<T> {
     /// Whether a slot is free here, and how many of the key's next
     /// messages to claim (see `Queue::ack_run_with`).
     room: (bool, usize),
-    /// When it was queued: the next run's lease runs at least from then.
-    sent: Instant,
     answer: oneshot::Sender<Answer<T>>,
 }
 
 /// What ending a run came to (see [`Shared::end_runs`]).
-pub(super) type Answer<T> = Option<((bool, Vec<Job<T>>), Instant)>;
+pub(super) type Answer<T> = Option<(bool, Vec<Job<T>>)>;
 
 /// The runs at work, by in-flight number.
 pub(super) type Runs<T> = std::sync::Mutex<HashMap<u64, KeyRun<T>>>;
@@ -153,41 +151,38 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
         let batch = if hand_over { self.config.key_batch } else { 0 };
-        let tokens: Vec<ClaimToken> = handled.iter().map(|(_, token)| token.clone()).collect();
         let (answer, answered) = oneshot::channel();
         let ending = RunEnding {
             token: token.clone(),
-            handled: tokens.clone(),
+            handled: handled.iter().map(|(_, token)| token.clone()).collect(),
             room: (run_on, batch),
-            sent: Instant::now(),
             answer,
         };
+        // The script leases the next run after this.
+        let sent = Instant::now();
         if let Err(mpsc::error::SendError(ending)) = acks.ends.send(ending) {
             self.end_runs(vec![ending]).await;
         }
         let answer = answered.await.ok().flatten();
         self.forget(handled.iter().map(|(seq, _)| *seq));
+        let ended = 1 + handled.len() as u64;
         match answer {
-            Some(((true, next), sent)) => {
-                self.metrics.add(Count::Done, 1 + tokens.len() as u64);
+            Some((true, next)) => {
+                self.metrics.add(Count::Done, ended);
                 // Renewed from now on, not once the loop takes them: the
                 // script gave them a whole lease, which must not lapse
                 // while they wait for the loop.
                 self.start_run(next, sent + self.config.lease);
             }
-            Some(((false, _), _)) => {
-                self.metrics.add(Count::LostLeases, 1 + tokens.len() as u64);
+            Some((false, _)) => {
+                self.metrics.add(Count::LostLeases, ended);
                 tracing::warn!(id = %token.id(), "lease ran out before the message was acknowledged; it is handled again elsewhere");
             }
             None => {
                 // The run's earlier messages first, the key kept: this
                 // one's acknowledgement lets the key go, and with it any
                 // message of the run still at work.
-                let handled = handled
-                    .into_iter()
-                    .zip(tokens)
-                    .map(|((seq, _), t)| (seq, t));
-                self.cut(&token, handled.collect(), VecDeque::new()).await;
+                self.cut(&token, handled, VecDeque::new()).await;
                 self.queue_ack(acks, token, true).await;
             }
         }
@@ -195,17 +190,12 @@ impl<T: Payload, C: Conn> Shared<T, C> {
 
     /// Writes the ends of runs (see [`end_run`](Self::end_run)) in one
     /// round trip, answering each on its channel: whether its claim was
-    /// held, the key's next run, and when the call was sent; `None` when
-    /// the call failed (logged here).
+    /// held, and the key's next run; `None` when the call failed (logged
+    /// here).
     pub(super) async fn end_runs(&self, ends: Vec<RunEnding<T>>) {
         if ends.is_empty() {
             return;
         }
-        let sent = ends
-            .iter()
-            .map(|end| end.sent)
-            .min()
-            .unwrap_or_else(Instant::now);
         let runs: Vec<RunEnd<'_>> = (ends.iter())
             .map(|end| RunEnd {
                 job: &end.token,
@@ -222,7 +212,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
                         Ok(call) => {
                             for (n, answer) in indexes.into_iter().zip(call) {
                                 match answer {
-                                    Ok(answer) => answers[n] = Some((answer, sent)),
+                                    Ok(answer) => answers[n] = Some(answer),
                                     Err(error) => self.run_ends_failed(&error, 1),
                                 }
                             }
@@ -236,7 +226,7 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         for (end, answer) in ends.into_iter().zip(answers) {
             // Nobody waits for it (its task was aborted at shutdown): the
             // run claimed goes back in line.
-            if let Err(Some(((true, next), _))) = end.answer.send(answer) {
+            if let Err(Some((true, next))) = end.answer.send(answer) {
                 self.hand_back_run(&next).await;
             }
         }

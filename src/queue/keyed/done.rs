@@ -25,7 +25,6 @@ use crate::script::{evalsha, run};
 /// before this one, how it ends, and the rest of its run. With `next` set
 /// (an ack), the key's next messages (up to `run.max`) are claimed at once
 /// under the same lock, leased for `next`.
-#[derive(Clone, Copy)]
 pub(crate) struct Ending<'a> {
     pub(crate) held: &'a Arc<Held>,
     pub(crate) member: (&'a str, u64, u32),
@@ -195,9 +194,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             }
             (Outcome::Return | Outcome::Ahead, _) => {}
             (outcome, _) => {
-                let (kind, error) = event_of(outcome);
                 let ended = (acked, &settled);
-                log.append(outcome_log(held, (id, failures), (kind, error), ended));
+                log.append(outcome_log(held, (id, failures), outcome, ended));
             }
         }
         Ok((settled, mark))
@@ -450,15 +448,16 @@ fn event_of(outcome: Outcome<'_>) -> (EventKind, &str) {
     }
 }
 
-/// The events (and completed entry) of a turn that ended with `kind`: its
+/// The events (and completed entry) of a turn that ended with `outcome`: its
 /// own, then the key let go or its next message claimed. `acked`: the
 /// acknowledged record, when the completed stream keeps it.
 fn outcome_log(
     held: &Held,
     (id, failures): (&str, u32),
-    (kind, error): (EventKind, &str),
+    outcome: Outcome<'_>,
     (acked, settled): (Vec<u8>, &Settled),
 ) -> Log {
+    let (kind, error) = event_of(outcome);
     let mut log = Log::default();
     if *settled == Settled::Lost {
         return log;
