@@ -114,6 +114,27 @@ pub enum Error {
 }
 
 impl Error {
+    /// The same error once more, for each of several operations it failed
+    /// together (the runs of one script call): a Redis error or an
+    /// unexpected reply as it is; any other as an unexpected reply that
+    /// tells it.
+    pub(crate) fn again(&self) -> Error {
+        match self {
+            Error::Redis { attempted, source } => Error::Redis {
+                attempted: attempted.clone(),
+                source: source.clone(),
+            },
+            Error::UnexpectedReply { attempted, detail } => Error::UnexpectedReply {
+                attempted: attempted.clone(),
+                detail: detail.clone(),
+            },
+            other => Error::UnexpectedReply {
+                attempted: "settling several operations in one call".into(),
+                detail: other.to_string(),
+            },
+        }
+    }
+
     /// Whether the same operation may succeed if tried again later: true for
     /// connection loss, timeouts, cluster redirections and the transient
     /// states of a failover (`LOADING`, `READONLY`, `MASTERDOWN`,

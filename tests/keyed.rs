@@ -410,6 +410,7 @@ async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
     let answers = queue.ack_runs(&runs, secs(10), 2).await.unwrap();
     assert_eq!(evalsha_calls(&server), calls + 1, "one script call");
     let answers: Vec<(bool, Vec<&str>)> = (answers.iter())
+        .map(|answer| answer.as_ref().unwrap())
         .map(|(held, next)| (*held, ids(next)))
         .collect();
     assert_eq!(
@@ -457,18 +458,29 @@ async fn a_run_whose_end_fails_in_the_script_leaves_the_others_settled() {
         .unwrap();
     // b's first: the block after it runs all the same.
     let runs: Vec<&[Job<String>]> = jobs.iter().rev().map(std::slice::from_ref).collect();
-    let refused = queue.ack_runs(&runs, secs(10), 2).await;
+    let answers = queue.ack_runs(&runs, secs(10), 2).await.unwrap();
     assert!(
-        matches!(&refused, Err(lockgate::Error::UnexpectedReply { detail, .. }) if detail.contains("WRONGTYPE")),
-        "{refused:?}"
+        matches!(&answers[0], Err(lockgate::Error::UnexpectedReply { detail, .. }) if detail.contains("WRONGTYPE")),
+        "{:?}",
+        answers[0]
     );
-    // a's run ended all the same, in the same call: a1 acknowledged, its
-    // next run (a2, a3) claimed under its lock.
+    // a's run ended all the same, in the same call: a1 acknowledged, and
+    // its next run (a2, a3), claimed under its lock, is in its answer, not
+    // left leased to nobody.
+    let (held, next) = answers[1].as_ref().unwrap();
+    assert!(*held);
+    assert_eq!(ids(next), ["a2", "a3"]);
     assert!(
         !queue.ack(&jobs[0]).await.unwrap(),
         "a1 acknowledged already"
     );
-    assert!(claim_ids(&queue, secs(10)).await.is_empty());
+    assert!(claim_ids(&queue, secs(10)).await.is_empty(), "a is at work");
+    let run: [&[Job<String>]; 1] = [next];
+    let ended = queue.ack_runs(&run, secs(10), 1).await.unwrap();
+    assert!(
+        matches!(ended[..], [Ok((true, ref more))] if more.is_empty()),
+        "{ended:?}"
+    );
 }
 
 /// How many `EVALSHA` calls `server` has run.

@@ -428,18 +428,23 @@ where
     /// claiming up to `max` of each key's next messages under its lock:
     /// one script call on one server, one per partition on a Redis
     /// Cluster, however many keys (a run that may claim no more, after
-    /// [`MAX_RUN`] in a row, goes in a call of its own). Answers per run,
-    /// in order: whether its last message's claim was held, and its key's
-    /// next run. At most [`MAX_BATCH`] runs, every message keyed. A failed
-    /// call fails the whole batch, though another call of it may have run
-    /// (see [`ack_many`](Self::ack_many)): the next runs that one claimed
-    /// come back after their lease.
+    /// [`MAX_RUN`] in a row, goes in a call of its own). At most
+    /// [`MAX_BATCH`] runs, every message keyed.
+    ///
+    /// Answers per run, in order: whether its last message's claim was
+    /// held and its key's next run, or the error its end met. Each run's
+    /// end stands or fails alone: one refused in the script (its lock
+    /// turned into another kind of key, say) leaves the others settled,
+    /// and their next runs are in their answers, held for the caller. A
+    /// call that got no answer may have run (see [`ack_many`](Self::ack_many)):
+    /// its runs answer its error, and the next runs it claimed come back
+    /// after their lease.
     pub async fn ack_runs<J: Claim>(
         &self,
         runs: &[&[J]],
         lease: Duration,
         max: usize,
-    ) -> Result<Vec<(bool, Vec<Job<T>>)>> {
+    ) -> Result<Vec<Result<(bool, Vec<Job<T>>)>>> {
         check_lease(lease)?;
         check_count("an ack_runs batch", runs.len(), 0..=MAX_BATCH)?;
         check_count("a run's next messages", max, 1..=MAX_BATCH)?;
@@ -460,17 +465,26 @@ where
                 room: (false, max),
             })
             .collect();
-        let mut answers: Vec<Option<(bool, Vec<Job<T>>)>> = runs.iter().map(|_| None).collect();
+        let mut answers: Vec<Option<RunAnswer<T>>> = runs.iter().map(|_| None).collect();
         for (indexes, call) in self.ack_runs_with(&ends, lease).await? {
-            for (n, answer) in indexes.into_iter().zip(call?) {
-                answers[n] = Some(answer?);
+            match call {
+                Ok(call) => {
+                    for (n, answer) in indexes.into_iter().zip(call) {
+                        answers[n] = Some(answer);
+                    }
+                }
+                Err(error) => {
+                    for n in indexes {
+                        answers[n] = Some(Err(error.again()));
+                    }
+                }
             }
         }
         let attempted = || format!("acknowledging {} keyed runs", runs.len());
         let all = answers
             .into_iter()
-            .map(|answer| answer.ok_or_else(|| Error::reply(attempted(), "no reply")));
-        all.collect()
+            .map(|answer| answer.unwrap_or_else(|| Err(Error::reply(attempted(), "no reply"))));
+        Ok(all.collect())
     }
 
     /// [`ack_runs`](Self::ack_runs) of `ends`, each with its own room

@@ -811,7 +811,12 @@ impl World<'_> {
                     .map(|run| run.iter().map(|(job, _)| job.clone()).collect())
                     .collect();
                 let slices: Vec<&[Job<u64>]> = jobs.iter().map(Vec::as_slice).collect();
-                let answers = self.retried(at, || q.ack_runs(&slices, lease, max)).await?;
+                // A run's error fails the step as a call's would.
+                let all = || async {
+                    let answers = q.ack_runs(&slices, lease, max).await?;
+                    answers.into_iter().collect::<lockgate::Result<Vec<_>>>()
+                };
+                let answers = self.retried(at, all).await?;
                 prop_assert_eq!(answers.len(), runs.len(), "{}: an answer per run", at);
                 // Each block as its own call would have settled it, in order.
                 for (((job, generation), run), answer) in chosen.iter().zip(&runs).zip(answers) {
