@@ -4,9 +4,12 @@
 //! concurrency 8, each handler taking 1 to 4 ms. Reported for both:
 //! messages per second, how busy each key was (the share of the run during
 //! which one of its messages was being handled: with one at a time per key,
-//! the ceiling is 100 %), order inversions per key (a message that started
+//! the ceiling is 100 %; and the same share of the time the key had
+//! messages waiting, to its own last end, which leaves out the end of the
+//! run after its backlog drained while others' had not), order inversions per key (a message that started
 //! after a later-pushed one of its key), overlaps (two handlers of one key
-//! at once: must be 0), and Redis commands per message while handling.
+//! at once: must be 0), and Redis commands and the server's CPU time
+//! (`INFO cpu`, user and system) per message while handling.
 //! Each side gets a fresh redis-server from `lockgate::testing`.
 //!
 //! ```text
@@ -25,14 +28,17 @@
 //! Then many keys (issue 35, item 9): 30,000 messages over 10 to 100,000
 //! keys, no-op handlers, the same 3 processes × 8: GroupMQ, lockgate's
 //! keyed queue (runs of 8, and one at a time), and lockgate's queue without keys beside them (the ceiling
-//! a keyed message is held to). `GROUPMQ_KEYS=<k>` runs the many-keys
-//! part at k keys alone; `GROUPMQ_TIMELINE=1` prints, per lockgate run,
+//! a keyed message is held to), and the floor (`floor/`: two bare scripts
+//! that keep a key's messages in order under its lock, with none of the
+//! keyed queue's other duties; what those duties cost). `GROUPMQ_KEYS=<k>` runs either part at k
+//! keys alone; `GROUPMQ_TIMELINE=1` prints, per lockgate run,
 //! the messages ended per 100 ms (a stretch of zeros is keys left idle).
 //! `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
 
 #[path = "../../benches/common/mod.rs"]
 mod common;
+mod floor;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -74,6 +80,9 @@ enum Mode {
     Layer,
     /// Messages without a key, a plain handler: no order per key.
     Plain,
+    /// The floor of a keyed message's cost (`floor/`): two bare scripts,
+    /// a key's line as a list, its lock as the lease.
+    Floor,
 }
 
 impl Mode {
@@ -83,14 +92,21 @@ impl Mode {
             Mode::KeyedOne => "keyed1",
             Mode::Layer => "layer",
             Mode::Plain => "plain",
+            Mode::Floor => "floor",
         }
     }
 
     fn named(name: &std::ffi::OsStr) -> Self {
-        [Mode::Keyed, Mode::KeyedOne, Mode::Layer, Mode::Plain]
-            .into_iter()
-            .find(|mode| name == mode.name())
-            .unwrap_or(Mode::Plain)
+        [
+            Mode::Keyed,
+            Mode::KeyedOne,
+            Mode::Layer,
+            Mode::Plain,
+            Mode::Floor,
+        ]
+        .into_iter()
+        .find(|mode| name == mode.name())
+        .unwrap_or(Mode::Plain)
     }
 }
 
@@ -107,10 +123,14 @@ struct Summary {
     seconds: f64,
     busy_min: f64,
     busy_mean: f64,
+    backlogged_min: f64,
+    backlogged_mean: f64,
     handler_ms: f64,
     inversions: usize,
     overlaps: usize,
     commands: u64,
+    /// The server's CPU time while handling (user and system, seconds).
+    server_cpu: f64,
 }
 
 fn main() -> Result<(), BoxError> {
@@ -129,7 +149,12 @@ fn main() -> Result<(), BoxError> {
             true => &WORKLOADS[..],
             false => &[(300, 10)][..],
         };
+        let picked = std::env::var("GROUPMQ_KEYS").ok();
+        let picked = picked.map(|k| k.parse::<usize>()).transpose()?;
         for &(messages, keys) in workloads {
+            if picked.is_some_and(|k| k != keys) {
+                continue;
+            }
             let groupmq = {
                 let server = RedisServer::start()?;
                 groupmq(&server, (messages, keys), HANDLER)?
@@ -171,13 +196,13 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
     );
     println!(
-        "| keys | GroupMQ 1.1 msg/s (commands) | lockgate keyed msg/s (commands) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands) | keyed / unkeyed | keyed / GroupMQ |"
+        "| keys | GroupMQ 1.1 msg/s (commands; server µs) | lockgate keyed msg/s (commands; server µs) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands; server µs) | floor msg/s (commands; server µs) | keyed / unkeyed | keyed / GroupMQ | keyed / unkeyed server µs |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for keys in counts {
         let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
         let mut lockgate = Vec::new();
-        for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain] {
+        for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain, Mode::Floor] {
             let server = RedisServer::start()?;
             let run = drive(&server, (messages, keys), mode, NO_OP);
             lockgate.push(runtime.block_on(run)?);
@@ -185,33 +210,39 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         let rate = |s: &Summary| s.handled as f64 / s.seconds;
         let cell = |s: &Summary| {
             format!(
-                "{:.0} ({:.1})",
+                "{:.0} ({:.1}; {:.0} µs)",
                 rate(s),
-                s.commands as f64 / s.handled as f64
+                s.commands as f64 / s.handled as f64,
+                server_us(s)
             )
         };
-        let (keyed, one, plain) = (&lockgate[0], &lockgate[1], &lockgate[2]);
+        let [keyed, one, plain, floor] = &lockgate[..] else {
+            return Err("a lockgate run is missing".into());
+        };
         println!(
-            "| {keys} | {} | {} | {} | {} | {:.2} | {:.2} |",
+            "| {keys} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.1} |",
             cell(&groupmq),
             cell(keyed),
             cell(one),
             cell(plain),
+            cell(floor),
             rate(keyed) / rate(plain),
-            rate(keyed) / rate(&groupmq)
+            rate(keyed) / rate(&groupmq),
+            server_us(keyed) / server_us(plain)
         );
         let sides = [
             ("GroupMQ", &groupmq),
             ("keyed", keyed),
             ("keyed1", one),
             ("unkeyed", plain),
+            ("floor", floor),
         ];
         for (name, s) in sides {
             if s.handled != messages {
                 return Err(format!("{name}: {} of {messages} handled", s.handled).into());
             }
         }
-        if groupmq.overlaps + keyed.overlaps + one.overlaps != 0 {
+        if groupmq.overlaps + keyed.overlaps + one.overlaps + floor.overlaps != 0 {
             return Err(format!("{keys} keys: handlers of one key overlapped").into());
         }
     }
@@ -231,9 +262,9 @@ fn report(
         HANDLER.0, HANDLER.1
     );
     println!(
-        "| queue | messages/s | key busy (mean, min) | handler ms | order inversions | overlaps | commands per message |"
+        "| queue | messages/s | key busy (mean, min) | busy while backlogged (mean, min) | handler ms | order inversions | overlaps | commands per message | server µs per message |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let rows = [
         ("GroupMQ 1.1", groupmq),
         ("lockgate, keyed queue (runs of 8)", &lockgate[0]),
@@ -242,14 +273,17 @@ fn report(
     ];
     for (name, s) in rows {
         println!(
-            "| {name} | {:.0} | {:.0} %, {:.0} % | {:.2} | {} | {} | {:.1} |",
+            "| {name} | {:.0} | {:.0} %, {:.0} % | {:.1} %, {:.1} % | {:.2} | {} | {} | {:.1} | {:.0} |",
             s.handled as f64 / s.seconds,
             s.busy_mean * 100.0,
             s.busy_min * 100.0,
+            s.backlogged_mean * 100.0,
+            s.backlogged_min * 100.0,
             s.handler_ms,
             s.inversions,
             s.overlaps,
-            s.commands as f64 / s.handled as f64
+            s.commands as f64 / s.handled as f64,
+            server_us(s)
         );
     }
     for (name, s) in rows {
@@ -316,6 +350,7 @@ async fn drive(
     for chunk in msgs.chunks(1000) {
         match mode {
             Mode::Layer | Mode::Plain => drop(queue.push_many(chunk).await?),
+            Mode::Floor => {}
             Mode::Keyed | Mode::KeyedOne => {
                 let keyed = chunk
                     .iter()
@@ -324,7 +359,14 @@ async fn drive(
             }
         }
     }
+    if mode == Mode::Floor {
+        let lines: Vec<(String, String)> = (msgs.iter())
+            .map(|m| Ok((m.key.clone(), serde_json::to_string(m)?)))
+            .collect::<Result<_, serde_json::Error>>()?;
+        floor::push(&conn, &lines).await?;
+    }
     let before = commands(&conn).await?;
+    let cpu_before = server_cpu(&conn).await?;
     let mut children = Vec::new();
     for _ in 0..WORKERS {
         let child = Command::new(std::env::current_exe()?)
@@ -338,16 +380,23 @@ async fn drive(
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     loop {
-        let stats = queue.stats().await?;
-        if stats.due + stats.later + stats.active == 0 {
+        let left = match mode {
+            Mode::Floor => floor::left(&conn).await?,
+            _ => {
+                let stats = queue.stats().await?;
+                stats.due + stats.later + stats.active
+            }
+        };
+        if left == 0 {
             break;
         }
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("not done in 600 s: {stats:?}").into());
+            return Err(format!("not done in 600 s: {left} left").into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let after = commands(&conn).await?;
+    let server_cpu = server_cpu(&conn).await? - cpu_before;
     let mut handled = Vec::new();
     for mut child in children {
         drop(child.stdin.take());
@@ -365,7 +414,7 @@ async fn drive(
             }
         }
     }
-    Ok(summary(&handled, after - before))
+    Ok(summary(&handled, after - before, server_cpu))
 }
 
 /// One handled message, as a worker recorded it (wall clock, ms).
@@ -377,7 +426,7 @@ struct Handled {
 }
 
 /// The figures of a run, computed as GroupMQ's script computes them.
-fn summary(handled: &[Handled], commands: u64) -> Summary {
+fn summary(handled: &[Handled], commands: u64, server_cpu: f64) -> Summary {
     let first = handled
         .iter()
         .map(|h| h.start)
@@ -387,14 +436,19 @@ fn summary(handled: &[Handled], commands: u64) -> Summary {
     for h in handled {
         by_key.entry(&h.key).or_default().push(h);
     }
-    let (mut inversions, mut overlaps, mut busy) = (0, 0, Vec::new());
+    let (mut inversions, mut overlaps, mut busy, mut backlogged) = (0, 0, Vec::new(), Vec::new());
     for list in by_key.values_mut() {
         list.sort_by(|a, b| a.start.total_cmp(&b.start));
         for pair in list.windows(2) {
             inversions += usize::from(pair[1].seq < pair[0].seq);
             overlaps += usize::from(pair[1].start < pair[0].end);
         }
-        busy.push(list.iter().map(|h| h.end - h.start).sum::<f64>() / (last - first));
+        let handling = list.iter().map(|h| h.end - h.start).sum::<f64>();
+        busy.push(handling / (last - first));
+        // Over the time the key had messages waiting: from the first start
+        // to its own last end (all were pushed before the workers started).
+        let own_last = list.iter().map(|h| h.end).fold(0.0, f64::max);
+        backlogged.push(handling / (own_last - first));
     }
     let total: f64 = handled.iter().map(|h| h.end - h.start).sum();
     if std::env::var_os("GROUPMQ_GAPS").is_some() {
@@ -440,11 +494,34 @@ fn summary(handled: &[Handled], commands: u64) -> Summary {
         seconds: (last - first) / 1000.0,
         busy_min: busy.iter().copied().fold(f64::INFINITY, f64::min),
         busy_mean: busy.iter().sum::<f64>() / busy.len().max(1) as f64,
+        backlogged_min: backlogged.iter().copied().fold(f64::INFINITY, f64::min),
+        backlogged_mean: backlogged.iter().sum::<f64>() / backlogged.len().max(1) as f64,
         handler_ms: total / handled.len().max(1) as f64,
         inversions,
         overlaps,
         commands,
+        server_cpu,
     }
+}
+
+/// The server's CPU time per message handled, in µs.
+fn server_us(s: &Summary) -> f64 {
+    s.server_cpu * 1e6 / s.handled.max(1) as f64
+}
+
+/// The server's CPU time so far, user and system, in seconds (INFO cpu).
+async fn server_cpu(conn: &redis::aio::ConnectionManager) -> Result<f64, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn.clone())
+        .await?;
+    let field = |name: &str| -> Result<f64, BoxError> {
+        let line = (info.lines())
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+            .ok_or_else(|| format!("INFO cpu has no {name}"))?;
+        Ok(line.trim().parse()?)
+    };
+    Ok(field("used_cpu_user")? + field("used_cpu_sys")?)
 }
 
 /// Calls of every command the server ran so far (INFO commandstats).
@@ -516,11 +593,42 @@ async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError
             let worker = Worker::new(client, queue, service).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;
         }
+        Mode::Floor => work_floor(conn, &records, stdin_closed).await?,
     }
     let mut out = std::io::stdout().lock();
     for line in records.lock().unwrap().iter() {
         writeln!(out, "{line}")?;
     }
+    Ok(())
+}
+
+/// The floor's worker process (no-op handlers): two loops, each claiming
+/// up to 8 keys' heads and acknowledging them in one call, until `stop`.
+async fn work_floor(
+    conn: redis::aio::ConnectionManager,
+    records: &std::sync::Mutex<Vec<String>>,
+    stop: impl Future<Output = ()>,
+) -> Result<(), BoxError> {
+    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let record = |payload: &str| {
+        let at = now_ms();
+        if let Ok(m) = serde_json::from_str::<Msg>(payload) {
+            records
+                .lock()
+                .unwrap()
+                .push(format!("{} {} {at} {at}", m.key, m.seq));
+        }
+    };
+    let stop = async {
+        stop.await;
+        let _ = stopping.send(true);
+        Ok::<_, BoxError>(())
+    };
+    tokio::try_join!(
+        floor::work(conn.clone(), record, stopped.clone()),
+        floor::work(conn, record, stopped),
+        stop
+    )?;
     Ok(())
 }
 

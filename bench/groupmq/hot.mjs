@@ -64,6 +64,7 @@ async function drive() {
     await Promise.all(batch);
   }
   const pushed = await commands(redis);
+  const cpuBefore = await serverCpu(redis);
   const children = [];
   for (let w = 0; w < Number(workers); w++) {
     const child = spawn(process.execPath, [fileURLToPath(import.meta.url), ...process.argv.slice(2)], {
@@ -81,6 +82,7 @@ async function drive() {
     await new Promise((done) => setTimeout(done, 20));
   }
   const after = await commands(redis);
+  const cpuAfter = await serverCpu(redis);
   for (const { child } of children) child.stdin.end();
   const outs = await Promise.all(children.map(({ done }) => done));
   const handled = outs
@@ -91,7 +93,14 @@ async function drive() {
     .map(([key, seq, start, end]) => ({ key, seq: Number(seq), start: Number(start), end: Number(end) }));
   await queue.close();
   redis.disconnect();
-  console.log(JSON.stringify({ ...summary(handled), push_commands: pushed - before, commands: after - pushed }));
+  console.log(JSON.stringify({ ...summary(handled), push_commands: pushed - before, commands: after - pushed, server_cpu: cpuAfter - cpuBefore }));
+}
+
+// The server's CPU time so far, user and system, in seconds (INFO cpu).
+async function serverCpu(redis) {
+  const info = await redis.info('cpu');
+  const field = (name) => Number(info.match(new RegExp(`${name}:([0-9.]+)`))[1]);
+  return field('used_cpu_user') + field('used_cpu_sys');
 }
 
 // Calls of every command so far (INFO commandstats).
@@ -113,13 +122,18 @@ function summary(handled) {
   let inversions = 0;
   let overlaps = 0;
   const busy = [];
+  const backlogged = [];
   for (const list of byKey.values()) {
     list.sort((a, b) => a.start - b.start);
     for (let i = 1; i < list.length; i++) {
       if (list[i].seq < list[i - 1].seq) inversions++;
       if (list[i].start < list[i - 1].end) overlaps++;
     }
-    busy.push(list.reduce((s, h) => s + (h.end - h.start), 0) / (last - first));
+    const handling = list.reduce((s, h) => s + (h.end - h.start), 0);
+    busy.push(handling / (last - first));
+    // Over the time the key had messages waiting: from the first start to
+    // its own last end (all were pushed before the workers started).
+    backlogged.push(handling / (Math.max(...list.map((h) => h.end)) - first));
   }
   const handlerMs = handled.reduce((s, h) => s + (h.end - h.start), 0) / handled.length;
   return {
@@ -127,6 +141,8 @@ function summary(handled) {
     seconds: (last - first) / 1000,
     busy_min: Math.min(...busy),
     busy_mean: busy.reduce((s, b) => s + b, 0) / busy.length,
+    backlogged_min: Math.min(...backlogged),
+    backlogged_mean: backlogged.reduce((s, b) => s + b, 0) / backlogged.length,
     handler_ms: handlerMs,
     inversions,
     overlaps,

@@ -1,0 +1,29 @@
+-- The floor's acknowledgement: per message whose key's lock is still its
+-- token's, takes it off its line and lets the key go; a key with more in
+-- line is ready now, one without leaves the ready set.
+-- KEYS: ready, data, counts   ARGV: key, id, token per message
+-- Returns how many were acknowledged.
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local ids, gone, again = {}, {}, {}
+for i = 1, #ARGV, 3 do
+  local key, id, token = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local lock, line = 'floor:lock:' .. key, 'floor:line:' .. key
+  if redis.call('GET', lock) == token then
+    redis.call('LPOP', line)
+    redis.call('DEL', lock)
+    ids[#ids + 1] = id
+    if redis.call('EXISTS', line) == 1 then
+      again[#again + 1], again[#again + 2] = now, key
+    else
+      gone[#gone + 1] = key
+    end
+  end
+end
+if #ids > 0 then
+  redis.call('HDEL', KEYS[2], unpack(ids))
+  redis.call('HINCRBY', KEYS[3], 'active', -#ids)
+end
+if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
+if #again > 0 then redis.call('ZADD', KEYS[1], unpack(again)) end
+return #ids
