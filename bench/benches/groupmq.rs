@@ -31,7 +31,9 @@
 //! a keyed message is held to), and the floor (`floor/`: two bare scripts
 //! that keep a key's messages in order under its lock, with none of the
 //! keyed queue's other duties; what those duties cost). `GROUPMQ_KEYS=<k>` runs either part at k
-//! keys alone; `GROUPMQ_TIMELINE=1` prints, per lockgate run,
+//! keys alone; `GROUPMQ_GAPS=1` prints, per lockgate run, where the keys'
+//! idle time went (per gap size, per key, and each worker process's first
+//! start and keys); `GROUPMQ_TIMELINE=1` prints, per lockgate run,
 //! the messages ended per 100 ms (a stretch of zeros is keys left idle).
 //! `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
@@ -398,9 +400,10 @@ async fn drive(
     let after = commands(&conn).await?;
     let server_cpu = server_cpu(&conn).await? - cpu_before;
     let mut handled = Vec::new();
-    for mut child in children {
+    for (n, mut child) in children.into_iter().enumerate() {
         drop(child.stdin.take());
         let out = child.wait_with_output()?;
+        let from = handled.len();
         for line in out.stdout.lines() {
             let line = line?;
             let parts: Vec<&str> = line.split(' ').collect();
@@ -412,6 +415,15 @@ async fn drive(
                     end: end.parse()?,
                 });
             }
+        }
+        if std::env::var_os("GROUPMQ_GAPS").is_some() {
+            // When each worker process started handling, and its keys.
+            let own = &handled[from..];
+            let first = own.iter().map(|h| h.start).fold(f64::INFINITY, f64::min);
+            let mut keys: Vec<&str> = own.iter().map(|h| h.key.as_str()).collect();
+            keys.sort_unstable();
+            keys.dedup();
+            eprintln!("  worker {n}: first start {first:.1}, keys {keys:?}");
         }
     }
     Ok(summary(&handled, after - before, server_cpu))
@@ -468,6 +480,21 @@ fn summary(handled: &[Handled], commands: u64, server_cpu: f64) -> Summary {
             }
         }
         let span = (last - first) * by_key.len() as f64;
+        for (key, list) in &by_key {
+            let own_last = list.iter().map(|h| h.end).fold(0.0, f64::max);
+            let gaps: Vec<f64> = (list.windows(2))
+                .map(|pair| (pair[1].start - pair[0].end).max(0.0))
+                .collect();
+            let long: f64 = gaps.iter().filter(|g| **g >= 0.2).sum();
+            eprintln!(
+                "  key {key}: head {:.1} ms, gaps {:.1} ms ({:.1} ms in {} of 0.2 ms or more), own span {:.0} ms",
+                list[0].start - first,
+                gaps.iter().sum::<f64>(),
+                long,
+                gaps.iter().filter(|g| **g >= 0.2).count(),
+                own_last - first
+            );
+        }
         eprintln!(
             "idle share of key time: head {:.2}% tail {:.2}%",
             head / span * 100.0,
