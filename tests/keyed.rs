@@ -1887,6 +1887,37 @@ async fn a_busy_key_on_a_full_worker_lets_go_after_32_in_a_row() {
     assert!((3..=33).contains(&at), "`late` started {at}th: {order:?}");
 }
 
+/// A key a worker claimed for its buffer, every slot held by a busy key's
+/// run, is not held there for long: the busy key lets go within a run
+/// (`YIELD_AFTER`, then the run's end), where it went on for 32 messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_claimed_for_a_full_worker_s_buffer_gets_a_slot_within_a_run() {
+    let server = server();
+    let queue: Queue<Msg> = Queue::new(manager(&server).await, "orders").unwrap();
+    // k0 and k1, 40 messages each: one claim takes both, k1 for the buffer.
+    push_keyed(&queue, 80, 2).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let seen = order.clone();
+    let service = tower::service_fn(move |job: Job<Msg>| {
+        seen.lock().unwrap().push(job.key.clone());
+        async move {
+            tokio::time::sleep(ms(2)).await;
+            Ok::<_, BoxError>(())
+        }
+    });
+    let worker = Worker::new(server.client(), queue.clone(), service)
+        .concurrency(1)
+        .unwrap()
+        .prefetch(1);
+    let running = Running::start(worker);
+    until_len(&order, 80).await;
+    running.stop().await;
+    let order = order.lock().unwrap();
+    let first = &order[0];
+    let other = order.iter().position(|key| key != first).unwrap();
+    assert!(other <= 17, "the other key started {other}th: {order:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn code_waiting_for_a_busy_key_s_lock_gets_it_at_the_next_message() {
     // m3 ends, the lock goes to the waiter, then m4.

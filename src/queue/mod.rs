@@ -426,6 +426,18 @@ where
     /// and one acknowledgement per run rather than a hand-over after its
     /// first message.
     pub async fn claim_runs(&self, max: usize, lease: Duration, run: usize) -> Result<Claimed<T>> {
+        self.claim_runs_for(max, max, lease, run).await
+    }
+
+    /// [`claim_runs`](Self::claim_runs), taking at most `keyed` keyed
+    /// turns of the `max` (none: a worker with no slot free to start one).
+    pub(crate) async fn claim_runs_for(
+        &self,
+        max: usize,
+        keyed: usize,
+        lease: Duration,
+        run: usize,
+    ) -> Result<Claimed<T>> {
         check_count("claim batch", max, 1..=MAX_BATCH)?;
         check_count("a run's messages", run, 1..=MAX_RUN as usize)?;
         if max.saturating_mul(run) > MAX_BATCH {
@@ -439,7 +451,7 @@ where
             1 => self.claim_plain(max, lease).await?,
             _ => self.claim_shards(max, lease).await?,
         };
-        let room = max - claimed.jobs.len();
+        let room = (max - claimed.jobs.len()).min(keyed);
         if room == 0 || slots.is_empty() {
             return Ok(claimed);
         }

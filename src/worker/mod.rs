@@ -398,6 +398,7 @@ where
             acks,
             tasks: JoinSet::new(),
             buffer: VecDeque::new(),
+            claimed_keyed: std::collections::HashSet::new(),
             failures: 0,
             claims_denied: None,
             waits_denied: None,
@@ -405,6 +406,7 @@ where
             next_due: None,
             until_idle,
             last_look: false,
+            keyed_capped: false,
         };
         // The caller's `shutdown` is polled beside the loop, always with
         // this task's waker, and only flags the stop: polled now and then
@@ -484,6 +486,9 @@ struct Shared<T, C> {
     runs: runs::Runs<T>,
     /// Set when the loop stops: acks no longer claim the next message.
     stopping: std::sync::atomic::AtomicBool,
+    /// Since when a keyed turn the loop claimed has waited in its buffer
+    /// for a slot, if one does (see [`Shared::yields`]).
+    key_waits_since: Mutex<Option<Instant>>,
     /// The handler slots (the loop's permits): a key runs on past
     /// `MAX_RUN` messages while one is free.
     slots: Arc<Semaphore>,
@@ -495,6 +500,11 @@ const DEFAULT_KEY_BATCH: usize = 8;
 /// How long one hand-back at shutdown may take before the connection is
 /// taken as hung.
 const HAND_BACK_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a keyed turn claimed here may wait for a slot before a busy
+/// key's run lets its key go for it (see `Shared::yields`): longer than
+/// a slot takes to turn over under no-op handlers, where the buffer is
+/// what hides a claim's round trip, and short beside a hot key's run.
+const YIELD_AFTER: Duration = Duration::from_millis(5);
 
 /// A claim being handled, as housekeeping sees it.
 struct InFlight {
@@ -544,6 +554,36 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             continued_ready: tokio::sync::Notify::new(),
             runs: Mutex::new(HashMap::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            key_waits_since: Mutex::new(None),
+        }
+    }
+
+    /// Whether a busy key's run, whose message holds a slot, lets its key
+    /// go at its end rather than read ahead or claim the key's next run:
+    /// when a key this worker claimed has waited [`YIELD_AFTER`] for a
+    /// slot and none is free. Else every slot may stay with a key that
+    /// keeps running, and the waiting key with nothing (its lock held
+    /// here) while other workers have slots free. The key let go is
+    /// claimed again where a slot is free.
+    fn yields(&self) -> bool {
+        let since = *self
+            .key_waits_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        since.is_some_and(|since| since.elapsed() >= YIELD_AFTER)
+            && self.slots.available_permits() == 0
+    }
+
+    /// Notes whether a keyed turn waits in the loop's buffer for a slot
+    /// (see [`yields`](Self::yields)).
+    fn note_key_waits(&self, waits: bool) {
+        let mut since = self
+            .key_waits_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match waits {
+            false => *since = None,
+            true => drop(since.get_or_insert_with(Instant::now)),
         }
     }
 

@@ -57,6 +57,13 @@ pub(super) struct Run<T, C, K: Connector, S> {
     /// Under `until_idle`, whether the last claim came after everything
     /// settled (a settlement may make more due: a retry, a key's next).
     pub(super) last_look: bool,
+    /// The keyed turns claimed into the buffer and not started yet (by
+    /// seq): a key that waits here for a slot, its lock held (messages
+    /// continued by their run's ack hold theirs and take the next slot).
+    pub(super) claimed_keyed: std::collections::HashSet<u64>,
+    /// Whether the last claim took no keyed turn for want of a free slot:
+    /// keys may be ready, and the loop claims again once a slot frees.
+    pub(super) keyed_capped: bool,
 }
 
 impl<T: Payload, C: Conn, K, S> Run<T, C, K, S>
@@ -67,6 +74,18 @@ where
     S::Error: Into<BoxError> + Send + 'static,
     S::Future: Send + 'static,
 {
+    /// Handler slots free for what is claimed next: those the buffered
+    /// jobs will not take.
+    fn free_slots(&self) -> usize {
+        (self.shared.slots.available_permits()).saturating_sub(self.buffer.len())
+    }
+
+    /// Tells the runs at work how many keyed turns wait in the buffer for
+    /// a slot (see `Shared::yields`).
+    fn note_waiting(&self) {
+        self.shared.note_key_waits(!self.claimed_keyed.is_empty());
+    }
+
     fn prefetch(&self) -> usize {
         let config = &self.shared.config;
         (config.prefetch).unwrap_or(config.concurrency.min(MAX_BATCH))
@@ -148,7 +167,11 @@ where
             .min(crate::queue::MAX_RUN as usize)
             .min(crate::queue::MAX_BATCH / max.max(1))
             .max(1);
-        let claimed = match shared.queue.claim_runs(max, lease, run).await {
+        // No keyed turn without a free slot to start it: one claimed to
+        // wait in the buffer holds its key, and its messages, from the
+        // workers with a slot free.
+        let keyed = if self.free_slots() == 0 { 0 } else { max };
+        let claimed = match shared.queue.claim_runs_for(max, keyed, lease, run).await {
             Ok(claimed) => claimed,
             Err(error) => return Err(self.after_error(error, true, shutdown).await),
         };
@@ -162,8 +185,12 @@ where
         self.next_due = claimed.next_due.map(|d| claimed_at + d);
         // Each run's first goes in the buffer, the rest wait for it.
         let firsts = shared.track_claimed(claimed.jobs, sent + lease, run);
-        // A full batch: more may be due.
+        // A full batch: more may be due. Keyed turns left for want of a
+        // slot are looked for once one frees (see `idle`).
+        self.keyed_capped = keyed == 0;
         self.maybe_due = firsts.len() == max;
+        let keyed = firsts.iter().filter(|(_, job)| job.key().is_some());
+        self.claimed_keyed.extend(keyed.map(|(seq, _)| *seq));
         self.buffer.extend(firsts);
         Ok(())
     }
@@ -207,6 +234,7 @@ where
                 self.buffer.push_front((seq, job));
                 return None;
             };
+            self.claimed_keyed.remove(&seq);
             let token = job.claim_ref().to_token();
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
@@ -316,6 +344,7 @@ where
     }
 
     async fn wait_for_slot(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        self.note_waiting();
         tokio::select! {
             biased;
             _ = &mut *shutdown => Some(Ok(())),
@@ -330,6 +359,7 @@ where
     /// doorbell rings. The cap is a safety net for a ring taken by a worker
     /// that was busy when it came.
     async fn idle(&mut self, shutdown: &mut (impl Future + Unpin)) -> Stop {
+        self.note_waiting();
         let drained = self.until_idle && self.tasks.is_empty();
         if drained && self.shared.in_flight().is_empty() && self.shared.continued().is_empty() {
             if self.last_look {
@@ -351,6 +381,13 @@ where
             _ = &mut *shutdown => return Some(Ok(())),
             () = self.shared.continued_ready.notified() => return None,
             _ = self.tasks.join_next(), if watch_tasks => return None,
+            // A slot freed (and no run's next message took it, which the
+            // arm above sees first): keyed turns the last claim left.
+            permit = self.shared.slots.clone().acquire_owned(), if self.keyed_capped => {
+                drop(permit);
+                self.maybe_due = true;
+                return None;
+            }
             woken = self.waiter.wait(Some(deadline)) => woken,
         };
         self.maybe_due = true;

@@ -113,8 +113,11 @@ impl<T: Payload, C: Conn> Shared<T, C> {
             handled.push((seq, token));
             let at_work = next.claim_ref().to_token();
             let mut run = KeyRun::new(handled, rest, full);
-            // The last one known starts: read ahead while it runs.
-            let reading = (run.rest.is_empty() && full && at_work.reads_ahead()).then(|| {
+            // The last one known starts: read ahead while it runs, unless
+            // its slot goes to a key that waits for one (`yields`; asked
+            // while this message still holds it).
+            let reads_ahead = run.rest.is_empty() && full && at_work.reads_ahead();
+            let reading = (reads_ahead && !self.yields()).then(|| {
                 let (landed, ahead) = oneshot::channel();
                 run.ahead = Some(ahead);
                 (landed, run.handled.clone())
@@ -150,7 +153,12 @@ impl<T: Payload, C: Conn> Shared<T, C> {
         // With a slot free here, a key that waits is claimed here: the busy
         // key need not let go after MAX_RUN.
         let run_on = self.slots.available_permits() > 0;
-        let batch = if hand_over { self.config.key_batch } else { 0 };
+        // Claims nothing when a key that waits here for a slot should have
+        // this one's (`yields`): the key goes back in line, ready.
+        let batch = match hand_over && !self.yields() {
+            true => self.config.key_batch,
+            false => 0,
+        };
         let (answer, answered) = oneshot::channel();
         let ending = RunEnding {
             token: token.clone(),
