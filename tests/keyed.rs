@@ -1918,6 +1918,61 @@ async fn a_key_claimed_for_a_full_worker_s_buffer_gets_a_slot_within_a_run() {
     assert!(other <= 17, "the other key started {other}th: {order:?}");
 }
 
+/// A worker with every slot busy leaves the doorbell to one with a slot
+/// free: a key pushed then starts there at once, not after the free
+/// worker's 2 s wait (the full one, blocked longest, took the ring and
+/// could claim nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_worker_leaves_the_doorbell_to_a_free_one() {
+    let server = server();
+    let queue: Queue<Msg> = Queue::new(manager(&server).await, "orders").unwrap();
+    push_keyed(&queue, 1, 1).await;
+    let started = Arc::new(Mutex::new(Vec::new()));
+    let service = |started: Arc<Mutex<Vec<(String, Instant)>>>| {
+        tower::service_fn(move |job: Job<Msg>| {
+            started
+                .lock()
+                .unwrap()
+                .push((job.key.clone(), Instant::now()));
+            async move {
+                // k0 keeps the first worker's one slot.
+                if job.key == "k0" {
+                    tokio::time::sleep(secs(4)).await;
+                }
+                Ok::<_, BoxError>(())
+            }
+        })
+    };
+    // A prefetch of one: the full worker claims, finds nothing more, and
+    // waits for the doorbell like the free one.
+    let one = |service| {
+        Worker::new(server.client(), queue.clone(), service)
+            .concurrency(1)
+            .unwrap()
+            .prefetch(1)
+    };
+    let full = Running::start(one(service(started.clone())));
+    until_len(&started, 1).await;
+    // The full worker waits before the free one does.
+    tokio::time::sleep(ms(300)).await;
+    let free = Running::start(one(service(started.clone())));
+    tokio::time::sleep(ms(300)).await;
+    let pushed = Instant::now();
+    let late = Msg {
+        n: 1,
+        key: "k1".into(),
+    };
+    queue
+        .push_with(late, PushOptions::new().key("k1"))
+        .await
+        .unwrap();
+    until_len(&started, 2).await;
+    let waited = started.lock().unwrap()[1].1 - pushed;
+    assert!(waited < ms(1000), "k1 started {waited:?} after its push");
+    free.stop().await;
+    full.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn code_waiting_for_a_busy_key_s_lock_gets_it_at_the_next_message() {
     // m3 ends, the lock goes to the waiter, then m4.

@@ -234,7 +234,7 @@ where
                 self.buffer.push_front((seq, job));
                 return None;
             };
-            self.claimed_keyed.remove(&seq);
+            let claimed = self.claimed_keyed.remove(&seq);
             let token = job.claim_ref().to_token();
             if self.shared.lost_while_buffered(seq, &token) {
                 continue;
@@ -243,6 +243,9 @@ where
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(error) => {
+                    if claimed {
+                        self.claimed_keyed.insert(seq);
+                    }
                     self.buffer.push_front((seq, job));
                     return self.after_error(error, true, shutdown).await;
                 }
@@ -376,19 +379,23 @@ where
         // Waiting to drain, a handler's end is worth a look: it may have
         // been the last (its key's next message comes as `continued`).
         let watch_tasks = self.until_idle && !self.tasks.is_empty();
+        // With no slot free, the doorbell is left to the workers that have
+        // one: this one could start nothing it rang for.
+        let full = self.shared.slots.available_permits() == 0;
         let woken = tokio::select! {
             biased;
             _ = &mut *shutdown => return Some(Ok(())),
             () = self.shared.continued_ready.notified() => return None,
             _ = self.tasks.join_next(), if watch_tasks => return None,
             // A slot freed (and no run's next message took it, which the
-            // arm above sees first): keyed turns the last claim left.
-            permit = self.shared.slots.clone().acquire_owned(), if self.keyed_capped => {
+            // arm above sees first): what is due now, keyed turns the last
+            // claim left included.
+            permit = self.shared.slots.clone().acquire_owned(), if full || self.keyed_capped => {
                 drop(permit);
                 self.maybe_due = true;
                 return None;
             }
-            woken = self.waiter.wait(Some(deadline)) => woken,
+            woken = self.waiter.wait(Some(deadline)), if !full => woken,
         };
         self.maybe_due = true;
         let Err(error) = woken else {
