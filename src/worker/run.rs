@@ -80,8 +80,8 @@ where
         (self.shared.slots.available_permits()).saturating_sub(self.buffer.len())
     }
 
-    /// Tells the runs at work how many keyed turns wait in the buffer for
-    /// a slot (see `Shared::yields`).
+    /// Tells the runs at work whether a keyed turn claimed here waits in
+    /// the buffer for a slot (see `Shared::yields`).
     fn note_waiting(&self) {
         self.shared.note_key_waits(!self.claimed_keyed.is_empty());
     }
