@@ -1272,6 +1272,29 @@ async fn keyed_counts_are_kept_per_partition_on_a_cluster() {
     assert_eq!(queue.stats().await.unwrap(), Default::default());
 }
 
+/// A claim visits at most 32 partitions: with more of them holding work (on
+/// a cluster, a partition per slot of the keys' locks), it says more is due
+/// now, so that the worker claims again at once rather than waiting for a
+/// ring that comes from nowhere, or for the partitions' 30 s recheck.
+#[tokio::test]
+async fn a_claim_that_left_partitions_with_work_unvisited_says_more_is_due_now() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "unvisited").unwrap();
+    // One message for each of 100 keys, whose locks lie in 100 slots.
+    let batch = (0..100u64).map(|n| (n, lockgate::PushOptions::new().key(format!("key{n}"))));
+    queue.push_many_with(batch).await.unwrap();
+    let claimed = queue.claim(1000, Duration::from_secs(10)).await.unwrap();
+    let mut total = claimed.jobs.len();
+    assert!(total > 0 && total < 100, "{total} claimed");
+    assert_eq!(claimed.next_due, Some(Duration::ZERO), "{total} claimed");
+    while total < 100 {
+        let claimed = queue.claim(1000, Duration::from_secs(10)).await.unwrap();
+        assert!(!claimed.jobs.is_empty(), "{total} claimed, then none");
+        total += claimed.jobs.len();
+    }
+}
+
 /// `queue_names` on a cluster: queues whose keys live on different nodes,
 /// each asked in its own slot (a pipeline over several slots is refused).
 #[tokio::test]

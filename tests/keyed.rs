@@ -1695,13 +1695,12 @@ async fn keyed_dead_letters_keep_to_the_queue_s_retention() {
             assert!(queue.bury(&job, "no").await.unwrap());
         }
     }
+    // On one server every key's line is in the queue's one partition: the
+    // retention holds over all its keyed dead letters (on a cluster, per
+    // partition).
     let dead = queue.dead_letters(None, 10).await.unwrap().letters;
-    assert_eq!(
-        dead.len(),
-        2,
-        "the newest of each key's partition: {dead:?}"
-    );
-    assert_eq!(queue.stats().await.unwrap().dead, 2);
+    assert_eq!(dead.len(), 1, "the newest keyed dead letter: {dead:?}");
+    assert_eq!(queue.stats().await.unwrap().dead, 1);
 }
 
 #[tokio::test]
@@ -2178,33 +2177,6 @@ async fn stats_age_the_oldest_keyed_message_that_could_run() {
     );
 }
 
-#[tokio::test]
-async fn a_claim_that_left_partitions_with_work_unvisited_says_more_is_due_now() {
-    let server = server();
-    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
-    // One message for each of 100 keys, whose locks lie in 100 slots: more
-    // partitions with work than one claim visits.
-    let keys: Vec<String> = (0..100).map(|n| format!("key{n}")).collect();
-    let batch = keys.iter().map(|k| (k.clone(), PushOptions::new().key(k)));
-    queue.push_many_with(batch).await.unwrap();
-    let claimed = queue.claim(1000, secs(10)).await.unwrap();
-    assert!(!claimed.jobs.is_empty() && claimed.jobs.len() < 100);
-    // The worker sleeps until `next_due`: it must not wait for a ring that
-    // comes from nowhere, or for the partitions' 30 s recheck.
-    assert_eq!(
-        claimed.next_due,
-        Some(Duration::ZERO),
-        "{} claimed",
-        claimed.jobs.len()
-    );
-    let mut total = claimed.jobs.len();
-    while total < 100 {
-        let claimed = queue.claim(1000, secs(10)).await.unwrap();
-        assert!(!claimed.jobs.is_empty(), "{total} claimed, then none");
-        total += claimed.jobs.len();
-    }
-}
-
 /// Issue 35, item 8: a key woken by a release is marked ready from 0 in its
 /// partition (`unblock`); the oldest due age read that as 1970, 56 years.
 #[tokio::test]
@@ -2414,8 +2386,9 @@ async fn keyed_stats_cost_the_same_few_commands_whatever_the_keys() {
 }
 
 /// Issue 35, item 8: `key_stats` reads at most 128 partitions, one script
-/// each, whatever the keys, and counts every key from the counts the
-/// scripts keep; with the keys in fewer partitions it sees them all.
+/// each, and at most 128 × `top` keys of each kind, whatever the keys (on
+/// one server, one partition), and counts every key from the counts the
+/// scripts keep; with fewer keys it sees them all.
 #[tokio::test]
 async fn key_stats_reads_a_bounded_number_of_partitions() {
     let server = server();

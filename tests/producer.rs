@@ -293,6 +293,79 @@ async fn a_python_producer_pushes_to_a_sharded_queue_and_workers_find_every_mess
     assert!(!wrong.success());
 }
 
+/// Keyed messages that lockgate 0.1 pushed on one server wait in the
+/// partitions of their locks' slots (pushed there here by the Python
+/// producer, as 0.1 did). Now that every key's line on one server is in the
+/// queue's own partition, claims still find them, beside the new ones (and
+/// over more partitions than one claim visits), each once, under its key's
+/// lock, each partition's in line order.
+#[tokio::test]
+async fn keyed_messages_in_their_locks_partitions_from_0_1_are_claimed_beside_new_ones() {
+    let server = server();
+    let conn = manager(&server).await;
+    let q: Queue<Order> = Queue::new(conn.clone(), "py").unwrap();
+    let keys: Vec<String> = (0..40).map(|n| format!("k{n}")).collect();
+    let old = keys.iter().flat_map(|key| {
+        (0..2u64).map(move |n| json!([key, format!("{key}/{n}"), "0", {"order": n, "note": key}]))
+    });
+    let args = ["py", "$ROOT/scripts/push_keyed.lua", "--by-lock-slot"];
+    let results = run_python(&server, "keyed_producer.py", &args, old.collect()).await;
+    assert!(results.iter().all(|r| r[0] == 1), "{results:?}");
+    let new = keys.iter().map(|key| {
+        let order = Order {
+            order: 2,
+            note: key.clone(),
+        };
+        (
+            order,
+            lockgate::PushOptions::new().key(key).id(format!("{key}/2")),
+        )
+    });
+    q.push_many_with(new).await.unwrap();
+    let lines: Vec<String> = raw(&conn, &["KEYS", "lockgate:{*}:py:lines"]).await;
+    assert!(
+        lines.len() > 32,
+        "0.1's partitions and the queue's: {lines:?}"
+    );
+    // A key waiting in one partition for its lock, held for its message in
+    // the other, is woken by the release (the default lease is 30 s).
+    let locker = lockgate::Locker::new(conn);
+    let handled = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = handled.clone();
+    let service = tower::service_fn(move |job: lockgate::Job<Order>| {
+        let (seen, locker) = (seen.clone(), locker.clone());
+        async move {
+            let key = job.key().unwrap_or_default().to_owned();
+            let held = locker.acquire(&key).await?.lease().is_none();
+            seen.lock().unwrap().push((key, job.order, held));
+            Ok::<_, lockgate::BoxError>(())
+        }
+    });
+    let worker = lockgate::Worker::new(server.client(), q.clone(), service);
+    let (stop_tx, shutdown) = support::shutdown_signal();
+    let run = tokio::spawn(worker.run_until(shutdown));
+    support::eventually("every message handled", secs(5), async || {
+        let n = handled.lock().unwrap().len();
+        support::done_if(n == 3 * keys.len(), n)
+    })
+    .await;
+    support::stop(stop_tx, run).await;
+    let handled = handled.lock().unwrap().clone();
+    assert!(
+        handled.iter().all(|(_, _, held)| *held),
+        "under the key's lock"
+    );
+    for key in &keys {
+        let orders: Vec<u64> = (handled.iter().filter(|(k, _, _)| k == key))
+            .map(|(_, order, _)| *order)
+            .collect();
+        let old: Vec<u64> = orders.iter().copied().filter(|n| *n < 2).collect();
+        assert_eq!(old, [0, 1], "{key}: {orders:?}");
+        assert_eq!(orders.len(), 3, "{key}: each once: {orders:?}");
+    }
+    assert_eq!(stats(&q).await, Default::default());
+}
+
 /// Issue 37: a producer that ran the push script and stopped before its
 /// index step (here: told to leave it out) left partitions the index does
 /// not name; the workers' recovery turn finds them.

@@ -1,10 +1,13 @@
 //! The keyed queue's storage (see docs/keyed.md, "Keyed messages"): a message
 //! pushed with a key waits in its key's line, in a partition of the queue
-//! in the hash slot of the key's lock (`<prefix>:{<slot tag>}:<queue>:…`,
-//! keys in `lua/keyed.lua`), so one script sees the lock and the line on a
-//! Redis Cluster too; it is claimed only together with that lock, the one
-//! a [`Locker`](crate::Locker) takes. A slot's tag is the first decimal
-//! number whose text hashes to the slot. The queue's index of partitions,
+//! (`<prefix>:{<slot tag>}:<queue>:…`, keys in `lua/keyed.lua`); it is
+//! claimed only together with the key's lock, the one a
+//! [`Locker`](crate::Locker) takes. On one server every key's line is in
+//! one partition, the queue's own slot's, so that a claim or a run's end
+//! over many keys pays one partition's bookkeeping; on a Redis Cluster a
+//! key's partition is in the hash slot of its lock, so that one script
+//! sees the lock and the line. A slot's tag is the first decimal number
+//! whose text hashes to the slot. The queue's index of partitions,
 //! `<prefix>:{<queue>}:partitions`, is a hint written after a push: a
 //! partition missing from it is found on the next push to it.
 
@@ -16,7 +19,7 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, Script};
 use tokio::time::Instant;
 
-use super::scripts::{Lazy, Query};
+use super::scripts::Lazy;
 use super::{ClaimToken, EventKind, QueueKeys, Recording};
 use crate::ReleaseListener;
 use crate::error::{Error, Result};
@@ -523,9 +526,24 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
-    /// The partition of `slot`; `key`'s line is in `keys::lock_slot(key)`'s.
+    /// The partition of `slot`; `key`'s line is in `partition_slot(key)`'s.
     async fn partition(&self, slot: u16) -> Result<Arc<Partition>> {
         Ok(self.partition_in(slot, self.layout().await?))
+    }
+
+    /// The slot of the partition that holds `key`'s line: on one server the
+    /// queue's own, whatever the key (one partition: a call over many keys
+    /// pays one partition's bookkeeping, not one per key's slot); on a
+    /// cluster the slot of the key's lock, so that a script reaches both.
+    /// (Messages a version before this one pushed on one server are in the
+    /// partitions of their locks' slots: they are claimed from there, as
+    /// any partition the index names.)
+    pub(crate) fn partition_slot(&self, key: &str, layout: Layout) -> u16 {
+        match layout {
+            Layout::Cluster => keys::lock_slot(key),
+            // The slot of the queue's own keys, `{<queue>}`.
+            Layout::Server => keys::slot_of(&keys::tag(&self.keys.name)),
+        }
     }
 
     /// The partition of `slot` in `layout`.
@@ -600,7 +618,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         delay_ms: u64,
         record: &[u8],
     ) -> Result<(bool, i64)> {
-        let partition = self.partition(keys::lock_slot(key)).await?;
+        let layout = self.layout().await?;
+        let partition = self.partition_in(self.partition_slot(key, layout), layout);
         let mut cmd = partition.call(&TAKE_IN, 0);
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
@@ -726,17 +745,27 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Makes `key` ready at once if it waits (for a lock other code held,
-    /// whose release was published).
+    /// whose release was published). On one server, in the partition of its
+    /// lock's slot too, where lockgate 0.1 kept a key's line: a key with
+    /// messages on both sides of the upgrade waits in one partition while
+    /// the other's message holds its lock.
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
-        let partition = self.partition(keys::lock_slot(key)).await?;
+        let layout = self.layout().await?;
+        let mut slots = vec![self.partition_slot(key, layout)];
+        if layout == Layout::Server && keys::lock_slot(key) != slots[0] {
+            slots.push(keys::lock_slot(key));
+        }
         // LT: a key at work (its score below 0) stays so.
+        let mut wake = redis::pipe();
+        for slot in &slots {
+            let partition = self.partition_in(*slot, layout);
+            let ready = wake.cmd("ZADD").arg(&partition.keys[READY]);
+            ready.arg(&["XX", "LT", "0", key]).ignore();
+        }
         let attempted = || format!("waking key `{key}`");
-        redis::cmd("ZADD")
-            .arg(&partition.keys[READY])
-            .arg(&["XX", "LT", "0", key])
-            .query_on::<(), _>(self.conn, attempted)
-            .await?;
-        self.mark_ready(partition.slot, attempted).await
+        let woken: redis::RedisResult<()> = wake.query_async(&mut self.conn.clone()).await;
+        woken.map_err(|e| Error::redis(attempted())(e))?;
+        self.mark_all_ready(&slots, attempted).await
     }
 
     /// Extends turns' leases and their keys' locks or permits in one call

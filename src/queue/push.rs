@@ -301,12 +301,14 @@ where
 
     /// Pushes keyed messages (with their place in the caller's list),
     /// [`MAX_BATCH`] messages at a time (see `waves`), each partition's in
-    /// their order: on one server in one script call over all their
-    /// partitions; on a cluster, where a script reaches one slot, one call
-    /// per partition, the calls going out together (see `in_groups`). A
-    /// batch over many keys costs a round trip, not one per partition.
+    /// their order: on one server, where every key's line is in the
+    /// queue's one partition, in one script call; on a cluster, where a
+    /// script reaches one slot, one call per partition (a slot of the keys'
+    /// locks), the calls going out together (see `in_groups`). A batch
+    /// over many keys costs a round trip, not one per partition.
     async fn push_keyed(&self, keyed: Vec<(usize, Encoded)>) -> Result<Vec<(usize, Pushed)>> {
         let mut by_partition = std::collections::BTreeMap::<u16, Vec<_>>::new();
+        let layout = self.keyed().layout().await?;
         for (n, (id, when, payload, key)) in &keyed {
             let Some((key, limits)) = key else { continue };
             let pushing = keyed::Pushing {
@@ -316,15 +318,15 @@ where
                 when,
                 payload,
             };
-            let slot = crate::keys::lock_slot(key);
+            let slot = self.keyed().partition_slot(key, layout);
             by_partition.entry(slot).or_default().push((*n, pushing));
         }
         let batches: Vec<(u16, &[(usize, keyed::Pushing<'_>)])> = (by_partition.iter())
             .flat_map(|(slot, all)| all.chunks(MAX_BATCH).map(move |batch| (*slot, batch)))
             .collect();
-        let per_call = match self.keyed().is_cluster().await? {
-            true => 1,
-            false => MAX_BATCH,
+        let per_call = match layout {
+            keyed::Layout::Cluster => 1,
+            keyed::Layout::Server => MAX_BATCH,
         };
         let (keyed_side, mut answers) = (self.keyed(), Vec::with_capacity(batches.len()));
         for wave in waves(&batches) {

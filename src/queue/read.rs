@@ -226,13 +226,15 @@ where
     }
 
     /// The `top` keyed messages' keys with the most messages at work, and
-    /// the `top` with the longest lines, among the keys of the first 128
-    /// partitions of the queue's index (those due, then those due soonest;
-    /// a queue whose keys' locks hash to at most 128 slots has them all
-    /// read), each read by one script of at most `top` keys of each kind
-    /// (at most [`MAX_KEYS_READ`]). Its work is bounded by `top`, not by
-    /// the keys: above 128 partitions, or `top` keys in a partition, the
-    /// picks are the longest among those read, not always over all keys.
+    /// the `top` with the longest lines, among the keys read: on one server,
+    /// where every key's line is in the queue's one partition, the first
+    /// `128 × top` keys of each kind (ready first, at work soonest to end;
+    /// at most [`MAX_KEYS_READ`], `top` at least); on a Redis Cluster, a
+    /// partition per slot of the keys' locks, the first 128 partitions of
+    /// the queue's index (those due, then those due soonest), at most `top`
+    /// keys of each kind in each. A script per partition read. Its work is
+    /// bounded by `top`, not by the keys: above that, the picks are the
+    /// longest among those read, not always over all keys.
     /// [`KeyStats::keys`] counts every key, from counts the scripts keep
     /// (on a Redis Cluster, each partition's, as [`stats`](Self::stats)
     /// reads them). For dashboards, not for a hot path.

@@ -340,8 +340,10 @@ fn id(n: usize) -> String {
     format!("m{}", n / KEYS)
 }
 
-/// History `h`'s keys: the first two hash to one slot, so their messages
-/// share a partition (and their ids its hashes); the third to another.
+/// History `h`'s keys: on one server all three lines are in the queue's one
+/// partition (and their ids in its hashes); the first two also hash to one
+/// lock slot and the third to another, as a Redis Cluster's partitions
+/// would split them.
 fn keys(h: usize) -> [String; KEYS] {
     let slot = |key: &str| crc16::State::<crc16::XMODEM>::calculate(key.as_bytes()) % 16_384;
     let first = format!("h{h}-k0");

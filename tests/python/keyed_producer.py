@@ -1,10 +1,14 @@
 """A producer in another language pushing keyed messages, as
 docs/internals.md describes it: load scripts/push_keyed.lua and call it
-with EVALSHA on the partition of each key's lock slot, then mark the
+with EVALSHA on the queue's partition (on one server the queue's own
+slot's; on a Redis Cluster the slot of each key's lock), then mark the
 partition in the queue's index and ring the queue's doorbell. Standard
 library only.
 
 usage: keyed_producer.py <port> <queue> <path to push_keyed.lua> [--no-index]
+  [--by-lock-slot]
+--by-lock-slot: on one server too, each key's partition in its lock's slot,
+as lockgate 0.1 pushed them (messages an upgrade finds waiting)
 stdin: JSON list of [key, id, when, payload] or [key, id, when, payload,
 limits] (payload any JSON value; limits the script's: "2" for 2 permits,
 "/<limit>/<period us>/<burst>/<window us>" for a rate, or both)
@@ -52,8 +56,10 @@ class KeyedProducer:
     NAMES = ["data", "schedule", "active", "dead", "errors", "claims", "lines", "ready",
              "keyof", "seq", "limits"]
 
-    def __init__(self, redis, queue, script_path, prefix="lockgate", cluster=False):
+    def __init__(self, redis, queue, script_path, prefix="lockgate", cluster=False,
+                 by_lock_slot=False):
         self.redis, self.prefix, self.queue = redis, prefix, hash_tag(queue)
+        self.by_lock_slot = cluster or by_lock_slot
         self.script = Script(redis, script_path)
         base = "%s:{%s}" % (prefix, self.queue)
         self.index, self.bell = base + ":partitions", base + ":bell"
@@ -63,9 +69,12 @@ class KeyedProducer:
         self.counted = None if cluster else base + ":keyed"
 
     def partition(self, key):
-        """The slot of `key`'s lock and its partition's 13 keys (on one
-        server the counters and counts are the queue's)."""
-        slot = crc16(hash_tag(key).encode("utf-8")) % SLOTS
+        """The slot of `key`'s partition and the partition's 13 keys: on
+        one server the queue's own slot, whatever the key, and the
+        counters and counts are the queue's; on a cluster the slot of the
+        key's lock."""
+        tag = hash_tag(key) if self.by_lock_slot else self.queue
+        slot = crc16(tag.encode("utf-8")) % SLOTS
         base = "%s:{%s}:%s" % (self.prefix, slot_tag(slot), self.queue)
         counted = self.counted or base
         own = {"claims", "seq"} if self.counted else set()
@@ -109,7 +118,8 @@ class KeyedProducer:
 def main():
     port, queue, script_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     index = "--no-index" not in sys.argv[4:]
-    producer = KeyedProducer(Redis(port), queue, script_path)
+    by_lock_slot = "--by-lock-slot" in sys.argv[4:]
+    producer = KeyedProducer(Redis(port), queue, script_path, by_lock_slot=by_lock_slot)
     json.dump(producer.push_all(json.load(sys.stdin), index), sys.stdout)
 
 

@@ -17,7 +17,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::keys::SLOTS;
 use crate::queue::scripts::Query;
-use crate::queue::{EventKind, KeyLoad, Peeked, from_unix_ms, span};
+use crate::queue::{EventKind, KeyLoad, MAX_KEYS_READ, Peeked, from_unix_ms, span};
 use crate::script::{evalsha, run};
 
 /// Keys one script call of a sweep for unindexed partitions looks at, on
@@ -130,10 +130,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// [`KEY_PARTITIONS`] partitions (lowest entry first: those due, then
     /// those due soonest, among them those a claim just raised), with how
     /// many of each and how long the first in line has waited since its
-    /// push; at most `most` of each active and ready set. Also how many
-    /// keys all the partitions hold in line or at work, from the counts
-    /// the scripts keep. Its work is bounded by `most` and
-    /// [`KEY_PARTITIONS`], not by the keys.
+    /// push; of each active and ready set at most its share of `most` ×
+    /// [`KEY_PARTITIONS`] (at most [`MAX_KEYS_READ`] in all, `most` at
+    /// least): one partition (every key's, on one server) is read as deep
+    /// as 128 would be. Also how many keys all the partitions hold in line
+    /// or at work, from the counts the scripts keep. Its work is bounded by
+    /// `most` and [`KEY_PARTITIONS`], not by the keys.
     pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
         use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
@@ -142,9 +144,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .query_on(self.conn, attempted)
             .await?;
         type Loads = (i64, Vec<(String, u64, u64, i64)>);
+        let budget = (most * KEY_PARTITIONS as usize).min(MAX_KEYS_READ.max(most));
+        let each = (budget / slots.len().max(1)).max(most).max(1);
         let read = slots.into_iter().filter(|slot| *slot < SLOTS).map(|slot| {
             let mut cmd = self.partition_in(slot, layout).call(&KEY_LOADS, 0);
-            cmd.arg(most.max(1));
+            cmd.arg(each);
             async move { self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await }
         });
         let read = futures_util::stream::iter(read).buffered(PARTITIONS_AT_ONCE);

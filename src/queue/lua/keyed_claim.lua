@@ -78,31 +78,58 @@ end
 -- once.
 local numbers = {}
 
+-- The turns the block at hand took whose writes wait for `flush`: their
+-- line members, active entries, ids, run notes and keys now at work, and
+-- the turns in order ({key, heads, permits, rate}). A block's turns move
+-- in one command per kind, not one per key: nothing the block reads of
+-- another key depends on them (a key's own head read after its turn
+-- flushes first).
+local pending = nil
+
 -- Moves `heads` ({id, seq} each, the first of `key`'s line) to the active
 -- set, under this claim: one turn; a run of several is noted (see
 -- keyed_done.lua), so that whatever lets go of the key puts those still
--- at work back in line.
-local function take(key, heads, permits, rate)
+-- at work back in line. `locked`: the key is at work with its lock (ready
+-- at AT_WORK). Written by `flush`.
+local function take(key, heads, permits, rate, locked)
   if not tag then
     numbers[K[CLAIMS]] = numbers[K[CLAIMS]] or next_claim(K[CLAIMS], now_us)
     tag = numbers[K[CLAIMS]]
   end
-  local members, active, ids, note = {}, {}, {}, {tag, ':'}
-  for i, head in ipairs(heads) do
+  pending = pending or {members = {}, active = {}, ids = {}, notes = {}, ready = {}, turns = {}}
+  local note = {tag, ':'}
+  for _, head in ipairs(heads) do
     local member = line_member(key, head[2], head[1])
-    members[i], ids[i] = member, head[1]
-    active[2 * i - 1], active[2 * i] = deadline, member .. ':' .. tag
+    append(pending.members, member)
+    append(pending.active, deadline, member .. ':' .. tag)
+    append(pending.ids, head[1])
     note[#note + 1] = #member .. ':' .. member
   end
-  counted(LINES, -redis.call('ZREM', K[LINES], unpack(members)))
-  counted(ACTIVE, redis.call('ZADD', K[ACTIVE], unpack(active)))
-  leased_until(deadline)
-  if #heads > 1 then redis.call('HSET', K[LIMITS], run_field(key), table.concat(note)) end
-  local records = redis.call('HMGET', K[DATA], unpack(ids))
-  for i, head in ipairs(heads) do
-    append(claimed, key, head[1], head[2], permits, rate and 1 or 0, records[i] or '')
-  end
+  if #heads > 1 then append(pending.notes, run_field(key), table.concat(note)) end
+  if locked then append(pending.ready, AT_WORK, key) end
+  append(pending.turns, {key, heads, permits, rate})
   turns = turns + 1
+end
+
+-- Writes the turns taken since the last flush, and answers them in
+-- `claimed`, in the order taken.
+local function flush()
+  if not pending then return end
+  local p = pending
+  pending = nil
+  counted(LINES, -redis.call('ZREM', K[LINES], unpack(p.members)))
+  counted(ACTIVE, redis.call('ZADD', K[ACTIVE], unpack(p.active)))
+  if #p.ready > 0 then counted(READY, redis.call('ZADD', K[READY], unpack(p.ready))) end
+  leased_until(deadline)
+  if #p.notes > 0 then redis.call('HSET', K[LIMITS], unpack(p.notes)) end
+  local records, n = redis.call('HMGET', K[DATA], unpack(p.ids)), 0
+  for _, turn in ipairs(p.turns) do
+    local key, permits, rated = turn[1], turn[3], turn[4] and 1 or 0
+    for _, head in ipairs(turn[2]) do
+      n = n + 1
+      append(claimed, key, head[1], head[2], permits, rated, records[n] or '')
+    end
+  end
 end
 
 -- A key with a lock: its `heads` (a run: without a rate limit; else its
@@ -110,8 +137,7 @@ end
 -- taken at once where free).
 local function claim_locked(key, heads, lock, token, log, rate)
   if not rate and redis.call('SET', lock, token, 'NX', 'PX', lease) then
-    add_to(READY, AT_WORK, key)
-    take(key, heads, 0, rate)
+    take(key, heads, 0, rate, true)
     return
   end
   local value = redis.call('GET', lock)
@@ -128,8 +154,7 @@ local function claim_locked(key, heads, lock, token, log, rate)
     return
   end
   redis.call('SET', lock, token, 'PX', lease)
-  add_to(READY, AT_WORK, key)
-  take(key, rate and {heads[1]} or heads, 0, rate)
+  take(key, rate and {heads[1]} or heads, 0, rate, true)
 end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
@@ -149,7 +174,8 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
-  take(key, {{id, seq}}, limit, rate)
+  take(key, {{id, seq}}, limit, rate, false)
+  flush()
   if not head_of(key) then
     remove_from(READY, key)
   else
@@ -192,14 +218,25 @@ local function claim_block(c)
     promote(now, max)
     due = false
   end
+  -- The candidates' ready times and limits, each kind in one read (a
+  -- turn taken changes only its own key's, and a key named twice is
+  -- looked at once).
+  local keys, fields = {}, {}
+  for i = 1, c do
+    keys[i] = ARGV[ab + 2 + 2 * i]
+    fields[2 * i - 1], fields[2 * i] = keys[i], keys[i] .. '\0rate'
+  end
+  local froms = c > 0 and redis.call('ZMSCORE', K[READY], unpack(keys)) or {}
+  local limits = c > 0 and redis.call('HMGET', K[LIMITS], unpack(fields)) or {}
+  local seen = {}
   for i = 1, c do
     if turns >= max then break end
-    local key, token, at = ARGV[ab + 2 + 2 * i], ARGV[ab + 3 + 2 * i], kb + MORE - 3 + 4 * i
-    local from = tonumber(redis.call('ZSCORE', K[READY], key))
-    if from and from >= 0 and from <= now then
+    local key, token, at = keys[i], ARGV[ab + 3 + 2 * i], kb + MORE - 3 + 4 * i
+    local from = tonumber(froms[i])
+    if not seen[key] and from and from >= 0 and from <= now then
+      seen[key] = true
       local heads = heads_of(key, RUN)
-      local limit, rate = 0, nil
-      if heads[1] then limit, rate = limits_of(key) end
+      local limit, rate = tonumber(limits[2 * i - 1]) or 0, limits[2 * i] or nil
       if not heads[1] then
         remove_from(READY, key)
       elseif limit > 0 then
@@ -210,6 +247,7 @@ local function claim_block(c)
       end
     end
   end
+  flush()
   return answer(tag, claimed, blocked, due), string.format('%s:%d', tag or 0, #claimed / 6)
 end
 
