@@ -327,9 +327,10 @@ end
 -- The keyed queue's helpers, shared by the keyed scripts after the prelude.
 -- A message pushed with a key waits in its key's line and is claimed only
 -- with the key's lock (`<p>:lock:{<key>}`, the very lock a `Locker` takes)
--- or one of its permits; a key's messages live in the partition
--- `<p>:{<t>}:<q>` in the hash slot of its lock (<t>: the slot's tag, see
--- src/queue/keyed.rs), so one script sees the lock and the line. Every
+-- or one of its permits; a key's messages live in a partition
+-- `<p>:{<t>}:<q>` (<t>: a slot's tag, see src/queue/keyed.rs): on one
+-- server the queue's own slot's, every key's; on a Redis Cluster the hash
+-- slot of the key's lock, so one script sees the lock and the line. Every
 -- keyed script takes the partition's keys first, in this order:
 -- KEYS[1] data: hash id -> record (the queue's record format); a keyed
 --   message's id here is its stored id (see stored_id), as everywhere below

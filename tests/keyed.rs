@@ -2649,3 +2649,29 @@ async fn a_lease_missing_from_the_leases_index_is_recovered_by_a_full_sweep() {
     assert_eq!((recovered.requeued, recovered.buried), (0, 0));
     assert!(index().await.is_empty(), "nothing at work, nothing indexed");
 }
+
+/// On one server every key's line is in one partition, and a claim takes
+/// its keys in one script: a key whose claim a command refuses (its lock
+/// made another kind of Redis key) must not stop the other keys' claims.
+/// It is looked at again after a lease.
+#[tokio::test]
+async fn a_key_whose_lock_is_another_kind_of_key_does_not_stop_the_others() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    for key in ["a", "b"] {
+        let options = PushOptions::new().key(key).id(format!("{key}1"));
+        queue.push_with(key.to_owned(), options).await.unwrap();
+    }
+    let _: i64 = support::raw(&conn, &["HSET", "lockgate:lock:{a}", "not", "a lock"]).await;
+    let jobs = claim_ids(&queue, ms(300)).await;
+    assert_eq!(ids(&jobs), ["b1"]);
+    assert!(queue.ack(&jobs[0]).await.unwrap());
+    let _: i64 = support::raw(&conn, &["DEL", "lockgate:lock:{a}"]).await;
+    assert!(
+        claim_ids(&queue, ms(300)).await.is_empty(),
+        "not before a lease"
+    );
+    tokio::time::sleep(ms(350)).await;
+    assert_eq!(ids(&claim_ids(&queue, ms(300)).await), ["a1"]);
+}

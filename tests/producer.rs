@@ -366,6 +366,43 @@ async fn keyed_messages_in_their_locks_partitions_from_0_1_are_claimed_beside_ne
     assert_eq!(stats(&q).await, Default::default());
 }
 
+/// Leases of messages in 0.1's partitions (one per lock slot, pushed there
+/// here by the Python producer) are recovered on one server as before: a
+/// sweep over many partitions in few script calls, each message back in
+/// line and claimed again.
+#[tokio::test]
+async fn leases_in_0_1_s_partitions_are_recovered() {
+    let server = server();
+    let conn = manager(&server).await;
+    let q: Queue<Order> = Queue::new(conn.clone(), "py").unwrap();
+    let old = (0..300u64)
+        .map(|n| json!([format!("k{n}"), format!("m{n}"), "0", {"order": n, "note": "old"}]));
+    let args = ["py", "$ROOT/scripts/push_keyed.lua", "--by-lock-slot"];
+    let results = run_python(&server, "keyed_producer.py", &args, old.collect()).await;
+    assert!(results.iter().all(|r| r[0] == 1), "{results:?}");
+    let mut claimed = 0;
+    for _ in 0..20 {
+        claimed += q
+            .claim(100, Duration::from_millis(50))
+            .await
+            .unwrap()
+            .jobs
+            .len();
+    }
+    assert_eq!(claimed, 300);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = support::script_calls(&conn).await;
+    let recovered = q.recover(3).await.unwrap();
+    let calls = support::script_calls(&conn).await - before;
+    assert_eq!((recovered.requeued, recovered.buried), (300, 0));
+    assert!(calls <= 7, "{calls} script calls for ~300 partitions");
+    let mut again = 0;
+    for _ in 0..20 {
+        again += q.claim(100, LONG).await.unwrap().jobs.len();
+    }
+    assert_eq!(again, 300);
+}
+
 /// Issue 37: a producer that ran the push script and stopped before its
 /// index step (here: told to leave it out) left partitions the index does
 /// not name; the workers' recovery turn finds them.

@@ -746,25 +746,30 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// Makes `key` ready at once if it waits (for a lock other code held,
     /// whose release was published). On one server, in the partition of its
-    /// lock's slot too, where lockgate 0.1 kept a key's line: a key with
-    /// messages on both sides of the upgrade waits in one partition while
-    /// the other's message holds its lock.
+    /// lock's slot too, where lockgate 0.1 kept a key's line (a key with
+    /// messages on both sides of the upgrade may wait there while the other
+    /// partition's message holds its lock), marked in the index only if the
+    /// key waited there: an empty partition is never put in the index, where
+    /// each claim would visit it for nothing.
     pub(crate) async fn unblock(&self, key: &str) -> Result<()> {
         let layout = self.layout().await?;
-        let mut slots = vec![self.partition_slot(key, layout)];
-        if layout == Layout::Server && keys::lock_slot(key) != slots[0] {
-            slots.push(keys::lock_slot(key));
-        }
-        // LT: a key at work (its score below 0) stays so.
+        let own = self.partition_slot(key, layout);
+        let old = (layout == Layout::Server)
+            .then(|| keys::lock_slot(key))
+            .filter(|slot| *slot != own);
+        // LT: a key at work (its score below 0) stays so; CH: whether it
+        // waited.
         let mut wake = redis::pipe();
-        for slot in &slots {
-            let partition = self.partition_in(*slot, layout);
+        for slot in std::iter::once(own).chain(old) {
+            let partition = self.partition_in(slot, layout);
             let ready = wake.cmd("ZADD").arg(&partition.keys[READY]);
-            ready.arg(&["XX", "LT", "0", key]).ignore();
+            ready.arg(&["XX", "LT", "CH", "0", key]);
         }
         let attempted = || format!("waking key `{key}`");
-        let woken: redis::RedisResult<()> = wake.query_async(&mut self.conn.clone()).await;
-        woken.map_err(|e| Error::redis(attempted())(e))?;
+        let woken: redis::RedisResult<Vec<i64>> = wake.query_async(&mut self.conn.clone()).await;
+        let woken = woken.map_err(|e| Error::redis(attempted())(e))?;
+        let mut slots = vec![own];
+        slots.extend(old.filter(|_| woken.get(1).is_some_and(|n| *n > 0)));
         self.mark_all_ready(&slots, attempted).await
     }
 

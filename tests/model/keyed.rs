@@ -147,6 +147,12 @@ enum Op {
     Hold(usize),
     /// ... and lets it go.
     Let(usize),
+    /// A key's lock made another kind of Redis key (a hash), while nothing
+    /// of the key is at work or held: claims pass the key over and go on
+    /// with the others (`refuse` in `lua/keyed_claim.lua`).
+    Poison(usize),
+    /// ... and deleted.
+    Cure(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -174,6 +180,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Lapse),
         1 => (0..KEYS).prop_map(Op::Hold),
         1 => (0..KEYS).prop_map(Op::Let),
+        1 => (0..KEYS).prop_map(Op::Poison),
+        1 => (0..KEYS).prop_map(Op::Cure),
     ]
 }
 
@@ -214,6 +222,10 @@ struct Model {
     /// depends on which keys the claims looked at, so such a key may or
     /// may not be claimed again: a claim of it is still checked.
     uncertain: [bool; KEYS],
+    /// Keys whose lock is another kind of Redis key (`Op::Poison`): never
+    /// claimed while so; once cured, uncertain (a claim that passed the
+    /// key over looks at it again after its lease).
+    poisoned: [bool; KEYS],
     /// Keys with a lock whose run lost a message to recovery while another
     /// of the run went on under a long lease: recovery made the key ready,
     /// and a claim that looked at it found the lock held (by the run) and
@@ -265,6 +277,7 @@ impl Model {
             return head.is_some_and(|id| self.messages[id].state == State::InLine(None))
                 && !busy
                 && !self.waiting[k]
+                && !self.poisoned[k]
                 && self.outside[k].is_none()
                 && (k != RATED_KEY || admitted < RATE);
         }
@@ -434,7 +447,7 @@ impl World<'_> {
         }
         // Holding and letting go are not resent (each acquire is a new token).
         let calls = match (fault, op) {
-            (_, Op::Hold(_) | Op::Let(_)) => 1,
+            (_, Op::Hold(_) | Op::Let(_) | Op::Poison(_) | Op::Cure(_)) => 1,
             (Fault::Resent, _) => 2,
             _ => 1,
         };
@@ -685,6 +698,26 @@ impl World<'_> {
                 Ok(reply) => return Ok(reply),
                 Err(e) if crate::dropped(&e) => tokio::time::sleep(ms(20)).await,
                 Err(e) => return Err(TestCaseError::fail(format!("{at}: {e}"))),
+            }
+        }
+        Err(TestCaseError::fail(format!("{at}: no connection")))
+    }
+
+    /// Sends a command of the history's own (not the queue's), again after
+    /// a dropped connection.
+    async fn command(&self, args: &[&str], at: &str) -> Result<(), TestCaseError> {
+        for _ in 0..100 {
+            let mut cmd = redis::cmd(args[0]);
+            cmd.arg(&args[1..]);
+            match cmd
+                .query_async::<redis::Value>(&mut self.conn.clone())
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                    tokio::time::sleep(ms(20)).await
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("{at}: {args:?}: {e}"))),
             }
         }
         Err(TestCaseError::fail(format!("{at}: no connection")))
@@ -956,6 +989,7 @@ impl World<'_> {
                     ),
                 }
             }
+            Op::Hold(k) if self.model.poisoned[k] => {}
             Op::Hold(k) => {
                 let key = self.key(k);
                 let acquired = self.retried(at, || self.locker.acquire(&key)).await?;
@@ -981,6 +1015,23 @@ impl World<'_> {
             Op::Let(k) => {
                 if let Some(lease) = self.model.outside[k].take() {
                     self.retried(at, || self.locker.release(&lease)).await?;
+                    self.model.uncertain[k] = true;
+                }
+            }
+            Op::Poison(k) => {
+                let idle = self.at_work(k).is_none() && !self.model.dead_run[k];
+                let free = self.model.outside[k].is_none() && !self.model.poisoned[k];
+                if k != PERMITS_KEY && idle && free {
+                    let lock = self.locker.lock_key(&self.key(k));
+                    self.command(&["HSET", &lock, "not", "a lock"], at).await?;
+                    self.model.poisoned[k] = true;
+                }
+            }
+            Op::Cure(k) => {
+                if self.model.poisoned[k] {
+                    let lock = self.locker.lock_key(&self.key(k));
+                    self.command(&["DEL", &lock], at).await?;
+                    self.model.poisoned[k] = false;
                     self.model.uncertain[k] = true;
                 }
             }
@@ -1423,6 +1474,29 @@ fn run_directed(history: &[Op]) {
     let history: Vec<(Op, Fault)> = history.iter().map(|op| (*op, Fault::None)).collect();
     let ran = runtime.block_on(run_history(&server, &conn, 0, &history));
     assert!(ran.is_ok(), "{ran:?}");
+}
+
+/// A key whose lock is another kind of Redis key does not stop the claims
+/// of the others (on one server every key is in one partition, claimed in
+/// one script): the claim passes it over, and takes it no more once cured
+/// until its lease (here a long one) has passed.
+#[test]
+fn a_key_whose_lock_is_another_kind_of_key_is_passed_over() {
+    let claim = Op::Claim {
+        max: 3,
+        short: false,
+        run: 2,
+    };
+    let history = [
+        Op::Backlog(0),
+        Op::Backlog(2),
+        Op::Poison(0),
+        claim,
+        Op::Ack(0),
+        Op::Cure(0),
+        claim,
+    ];
+    run_directed(&history);
 }
 
 /// One history the random ones rarely draw: a run of two under a long

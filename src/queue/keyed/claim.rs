@@ -24,7 +24,8 @@ use crate::script::{evalsha, run, run_after};
 /// its claim number, when it has a key or a delayed message due next
 /// (-1: none), the ready keys it names for the next call, the turns, the
 /// keys other code keeps full (key, the lock or set to watch, ms until its
-/// first lease ends), what the partition holds (0, 1, 2).
+/// first lease ends), what the partition holds (0, 1, 2), the keys whose
+/// claim a command refused (key, the error).
 type Reply = (
     u64,
     i64,
@@ -32,6 +33,7 @@ type Reply = (
     Vec<Taken>,
     Vec<(String, String, u64)>,
     u8,
+    Vec<(String, String)>,
 );
 
 /// What a claim call saw in a partition.
@@ -397,7 +399,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut answers = Vec::with_capacity(blocks.len());
         let mut log = Log::default();
         for ((block, reply), took) in blocks.iter().zip(replies).zip(took.iter_mut()) {
-            let (claim, next_at, named, taken, blocked, holds) = reply;
+            let (claim, next_at, named, taken, blocked, holds, refused) = reply;
+            for (key, error) in refused {
+                tracing::warn!(queue = %self.keys.name, %key, %error, "a keyed message's key could not be claimed (is its lock another kind of Redis key?); the other keys go on, and it is tried again after a lease");
+            }
             for (key, watched, left) in blocked {
                 self.watch_release(key, watched, Duration::from_millis(left));
             }

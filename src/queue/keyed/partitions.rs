@@ -144,9 +144,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .query_on(self.conn, attempted)
             .await?;
         type Loads = (i64, Vec<(String, u64, u64, i64)>);
+        // The index names shards too (past the slots): not partitions.
+        let slots: Vec<u16> = slots.into_iter().filter(|slot| *slot < SLOTS).collect();
         let budget = (most * KEY_PARTITIONS as usize).min(MAX_KEYS_READ.max(most));
         let each = (budget / slots.len().max(1)).max(most).max(1);
-        let read = slots.into_iter().filter(|slot| *slot < SLOTS).map(|slot| {
+        let read = slots.into_iter().map(|slot| {
             let mut cmd = self.partition_in(slot, layout).call(&KEY_LOADS, 0);
             cmd.arg(each);
             async move { self.run::<Loads>(&KEY_LOADS, &cmd, attempted).await }

@@ -27,7 +27,8 @@
 -- messages one after another, in line order), {key that
 -- other code keeps full, the lock or set to watch, ms until its first
 -- lease ends, ...}, what the partition holds: 0 no message at all, 1 a
--- message at work, 2 messages, none at work}.
+-- message at work, 2 messages, none at work, {{key whose claim a command
+-- refused, the error}, ...}}.
 -- The call's record ("<lease deadline>", then ";<claim>:<count>" per
 -- block, "0:0" for one that took nothing), named by the caller for this
 -- call alone, makes the call safe to resend (see claim.lua): a resend
@@ -39,9 +40,11 @@ local lease, RUN = tonumber(ARGV[1]), math.max(tonumber(ARGV[3]) or 1, 1)
 local RECORD = KEYS[#KEYS]
 -- The block at hand: where its keys and arguments start (KEYS[kb + 1],
 -- ARGV[ab + 1]), its most turns; what it claimed (messages), found
--- blocked, its claim number, its leases' deadline, its turns taken.
+-- blocked, its claim number, its leases' deadline, its turns taken, the
+-- keys whose claim a command refused.
 local kb, ab, max = 0, 3, 0
 local claimed, blocked, tag, deadline, turns = {}, {}, nil, now + lease, 0
+local refused = {}
 
 -- The answer after the turns `claimed` (and the keys `blocked`): the keys
 -- to name next, when one is due next, what the partition holds. `due`:
@@ -70,7 +73,7 @@ local function answer(tag, claimed, blocked, due)
   else
     holds = 1
   end
-  return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds}
+  return {tag and tonumber(tag) or 0, next_at, candidates, claimed, blocked, holds, refused}
 end
 
 -- The claim numbers this call took, by claims key: blocks that name the
@@ -204,12 +207,36 @@ local function answer_again(was, was_deadline)
   return answer(was_tag, taken, {}, false)
 end
 
+-- A candidate ready now, whose keys start at KEYS[at]: its head (or a run)
+-- with its lock or a permit.
+local function claim_key(key, token, at, limit, rate)
+  local heads = heads_of(key, RUN)
+  if not heads[1] then
+    remove_from(READY, key)
+  elseif limit > 0 then
+    local id, seq = heads[1][1], heads[1][2]
+    claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3], rate)
+  else
+    claim_locked(key, heads, KEYS[at], token, KEYS[at + 3], rate)
+  end
+end
+
+-- A candidate whose claim a command refused (its lock made another kind
+-- of key, say): what it wrote before stands, as a block's of
+-- keyed_done.lua does; the other keys go on, and this one is looked at
+-- again after a lease, named with the error in the answer. (On one server
+-- every key is in one partition: one such key must not stop them all.)
+local function refuse(key, error)
+  redis.call('ZADD', K[READY], 'XX', now + lease, key)
+  refused[#refused + 1] = {key, type(error) == 'table' and error.err or tostring(error)}
+end
+
 -- Claims in the block at hand, whose `c` candidates follow its keys.
 local function claim_block(c)
   -- Keys it claims or finds blocked change their ready time either way.
   ready_changed()
   max = tonumber(ARGV[ab + 1])
-  claimed, blocked, tag, turns = {}, {}, nil, 0
+  claimed, blocked, tag, turns, refused = {}, {}, nil, 0, {}
   -- As many due messages join their lines as the claim may take: the
   -- work is bounded by the claim's own batch; the rest, still due, keep
   -- the partition due (`head_due` in the answer) for the next claim.
@@ -235,16 +262,9 @@ local function claim_block(c)
     local from = tonumber(froms[i])
     if not seen[key] and from and from >= 0 and from <= now then
       seen[key] = true
-      local heads = heads_of(key, RUN)
       local limit, rate = tonumber(limits[2 * i - 1]) or 0, limits[2 * i] or nil
-      if not heads[1] then
-        remove_from(READY, key)
-      elseif limit > 0 then
-        local id, seq = heads[1][1], heads[1][2]
-        claim_permit(key, id, seq, KEYS[at + 1], KEYS[at + 2], token, limit, KEYS[at + 3], rate)
-      else
-        claim_locked(key, heads, KEYS[at], token, KEYS[at + 3], rate)
-      end
+      local ok, error = pcall(claim_key, key, token, at, limit, rate)
+      if not ok then refuse(key, error) end
     end
   end
   flush()
