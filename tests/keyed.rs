@@ -483,6 +483,45 @@ async fn a_run_whose_end_fails_in_the_script_leaves_the_others_settled() {
     );
 }
 
+/// A turn's end that a command refuses changes nothing: the key's lock is
+/// read before the end's first write, so the message stays at work (the
+/// caller gets the error), comes back after its lease, and runs again once
+/// the lock is a lock again. Before, the refused read came after the
+/// writes: the message was acknowledged and its key left at work with
+/// nothing at work, its later messages never claimed again.
+#[tokio::test]
+async fn a_refused_end_changes_nothing_and_the_key_runs_on() {
+    let server = server();
+    let conn = manager(&server).await;
+    let queue: Queue<String> = Queue::new(conn.clone(), "q").unwrap();
+    for id in ["a1", "a2"] {
+        let options = PushOptions::new().key("a").id(id);
+        queue.push_with(id.to_owned(), options).await.unwrap();
+    }
+    let jobs = claim_ids(&queue, ms(300)).await;
+    assert_eq!(ids(&jobs), ["a1"]);
+    let lock = Locker::new(conn.clone()).lock_key("a");
+    let _: () = redis::pipe()
+        .del(&lock)
+        .hset(&lock, "x", 1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    let refused = queue.ack(&jobs[0]).await;
+    assert!(
+        matches!(&refused, Err(e) if e.to_string().contains("WRONGTYPE")),
+        "{refused:?}"
+    );
+    let _: i64 = support::raw(&conn, &["DEL", &lock]).await;
+    tokio::time::sleep(ms(350)).await;
+    let recovered = queue.recover(3).await.unwrap();
+    assert_eq!(recovered.requeued, 1, "a1 was still at work");
+    let again = claim_ids(&queue, ms(300)).await;
+    assert_eq!(ids(&again), ["a1"]);
+    assert!(queue.ack(&again[0]).await.unwrap());
+    assert_eq!(ids(&claim_ids(&queue, ms(300)).await), ["a2"]);
+}
+
 /// How many `EVALSHA` calls `server` has run.
 fn evalsha_calls(server: &lockgate::testing::RedisServer) -> u64 {
     let info: String = redis::cmd("INFO")

@@ -115,6 +115,9 @@ local function settle(KEYS, ARGV)
   local at_work = own_member .. ':' .. ARGV[5]
   local ahead = op == 'ahead'
   local run_max = math.max(tonumber(ARGV[20]) or 1, 1)
+  -- The key's lock as the block found it (a key with a lock), read before
+  -- its first write (see below).
+  local lock_value = nil
 
   -- The run's messages listed from ARGV[`from`] on (a count, then stored id
   -- and seq each): their ids, their active members; and where the next list
@@ -307,7 +310,7 @@ local function settle(KEYS, ARGV)
   -- its line when it is marked waited for (as release.lua does), else freed;
   -- a release waited for is published on the lock's channel.
   local function unlock(lock, line)
-    local value = redis.call('GET', lock)
+    local value = lock_value
     if not value or not owns(value, token) then return end
     local waited = string.byte(value, -1) == 33
     local next = waited and pop_live(line, lock, ARGV[9]) -- see line.lua
@@ -331,12 +334,30 @@ local function settle(KEYS, ARGV)
   -- leaves the lock a millisecond: a late renewal takes it again if it is
   -- still free (see keyed_extend.lua), as any lapsed lease's does.
   local function fit_lock()
-    local value = redis.call('GET', KEYS[LOCK])
+    local value = lock_value
     if not value or not owns(value, token) then return end
     local latest = tonumber(redis.call('ZSCORE', KEYS[ACTIVE], at_work))
     local others = run_before().latest
     if others and (not latest or others > latest) then latest = others end
     if latest then redis.call('PEXPIRE', KEYS[LOCK], math.max(latest - now_ms(), 1)) end
+  end
+
+  -- What the block reads that a command may refuse, read before its first
+  -- write: a refusal (the lock made another kind of key; a rule that denies
+  -- ZMSCORE) fails the block of a turn still at work with nothing changed,
+  -- and the message stays at work until its lease runs out. (Read after
+  -- the writes, it left the message acknowledged and the key at work with
+  -- nothing at work, never claimed again.) A turn no longer at work
+  -- answers as ever: it never reads the lock. The block writes the lock at
+  -- most once, after every read of it.
+  local scores = #done_members > 0 and redis.call('ZMSCORE', KEYS[ACTIVE], unpack(done_members)) or {}
+  if limit == 0 then
+    local read, value = pcall(redis.call, 'GET', KEYS[LOCK])
+    if read then
+      lock_value = value
+    elseif redis.call('ZSCORE', KEYS[ACTIVE], at_work) then
+      error(value)
+    end
   end
 
   local own_deadline = nil
@@ -356,7 +377,6 @@ local function settle(KEYS, ARGV)
   -- (one listed twice counts once); an ack deletes their records with its
   -- own.
   local gone, flags, leaving = {}, {}, {}
-  local scores = #done_members > 0 and redis.call('ZMSCORE', KEYS[ACTIVE], unpack(done_members)) or {}
   for i, member in ipairs(done_members) do
     flags[i] = 0
     if scores[i] and not ended_here[member] then
@@ -390,7 +410,7 @@ local function settle(KEYS, ARGV)
   -- soon as that one's handler returns, with no call in between.
   if ahead then
     local room = ARGV[20] ~= '0' and limit == 0 and ARGV[15] ~= '1'
-    if room and redis.call('GET', KEYS[LOCK]) == token then
+    if room and lock_value == token then
       local nexts = heads_of(key, run_max)
       if #nexts > 0 then
         local now = now_ms()
@@ -421,7 +441,7 @@ local function settle(KEYS, ARGV)
   if hand_over and limit == 0 and ARGV[15] ~= '1' then
     local nexts = heads_of(key, run_max)
     line_empty = #nexts == 0
-    if #nexts > 0 and redis.call('GET', KEYS[LOCK]) == token then
+    if #nexts > 0 and lock_value == token then
       -- The lock lasts as long as the longest lease of the key's messages
       -- at work: the nexts', and those of the run still at work (code that
       -- drives the queue itself may hand over under a shorter lease).
@@ -473,7 +493,7 @@ local function settle(KEYS, ARGV)
       if limit == 0 then
         -- A fenced lock, nobody waiting: the next message's fence is its
         -- own, under a new token.
-        local value = redis.call('GET', KEYS[LOCK])
+        local value = lock_value
         if value and owns(value, token) and string.byte(value, -1) ~= 33 then
           redis.call('SET', KEYS[LOCK], ARGV[11], 'PX', ARGV[10])
           return continue({{next, next_seq}}, lease_end, true)
