@@ -2425,7 +2425,7 @@ async fn keyed_stats_cost_the_same_few_commands_whatever_the_keys() {
 }
 
 /// Issue 35, item 8: `key_stats` reads at most 128 partitions, one script
-/// each, and at most 128 × `top` keys of each kind, whatever the keys (on
+/// each, and at most 32 × `top` keys of each kind, whatever the keys (on
 /// one server, one partition), and counts every key from the counts the
 /// scripts keep; with fewer keys it sees them all.
 #[tokio::test]

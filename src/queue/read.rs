@@ -228,7 +228,7 @@ where
     /// The `top` keyed messages' keys with the most messages at work, and
     /// the `top` with the longest lines, among the keys read: on one server,
     /// where every key's line is in the queue's one partition, the first
-    /// `128 × top` keys of each kind (ready first, at work soonest to end;
+    /// `32 × top` keys of each kind (ready first, at work soonest to end;
     /// at most [`MAX_KEYS_READ`], `top` at least); on a Redis Cluster, a
     /// partition per slot of the keys' locks, the first 128 partitions of
     /// the queue's index (those due, then those due soonest), at most `top`

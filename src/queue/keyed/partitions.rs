@@ -36,6 +36,12 @@ const PARTITIONS_AT_ONCE: usize = 64;
 /// the index's first, whatever the partitions in use.
 pub(crate) const KEY_PARTITIONS: isize = 128;
 
+/// How many keys of each kind [`Keyed::loads`] reads in all, per key asked
+/// for (shared among the partitions read): one script over one partition
+/// (every key's, on one server) reads this deep, about a millisecond of
+/// the server's time for a top of 10, not a long blocking script.
+const KEYS_READ_PER_TOP: usize = 32;
+
 /// Partitions one call of a recovery sweep looks at, on one server
 /// ([`Keyed::recover`]); each call ends at most 1,000 turns.
 const RECOVER_BLOCKS: usize = 256;
@@ -131,11 +137,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// those due soonest, among them those a claim just raised), with how
     /// many of each and how long the first in line has waited since its
     /// push; of each active and ready set at most its share of `most` ×
-    /// [`KEY_PARTITIONS`] (at most [`MAX_KEYS_READ`] in all, `most` at
-    /// least): one partition (every key's, on one server) is read as deep
-    /// as 128 would be. Also how many keys all the partitions hold in line
-    /// or at work, from the counts the scripts keep. Its work is bounded by
-    /// `most` and [`KEY_PARTITIONS`], not by the keys.
+    /// [`KEYS_READ_PER_TOP`] (at most [`MAX_KEYS_READ`] in all, `most` at
+    /// least). Also how many keys all the partitions hold in line or at
+    /// work, from the counts the scripts keep. Its work is bounded by `most`
+    /// and [`KEY_PARTITIONS`], not by the keys.
     pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
         use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
@@ -146,7 +151,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         type Loads = (i64, Vec<(String, u64, u64, i64)>);
         // The index names shards too (past the slots): not partitions.
         let slots: Vec<u16> = slots.into_iter().filter(|slot| *slot < SLOTS).collect();
-        let budget = (most * KEY_PARTITIONS as usize).min(MAX_KEYS_READ.max(most));
+        let budget = (most * KEYS_READ_PER_TOP).min(MAX_KEYS_READ.max(most));
         let each = (budget / slots.len().max(1)).max(most).max(1);
         let read = slots.into_iter().map(|slot| {
             let mut cmd = self.partition_in(slot, layout).call(&KEY_LOADS, 0);
