@@ -92,9 +92,9 @@ local pending = nil
 -- Moves `heads` ({id, seq} each, the first of `key`'s line) to the active
 -- set, under this claim: one turn; a run of several is noted (see
 -- keyed_done.lua), so that whatever lets go of the key puts those still
--- at work back in line. `locked`: the key is at work with its lock (ready
--- at AT_WORK). Written by `flush`.
-local function take(key, heads, permits, rate, locked)
+-- at work back in line. A key with its lock (`permits` 0) is at work
+-- (ready at AT_WORK). Written by `flush`.
+local function take(key, heads, permits, rate)
   if not tag then
     numbers[K[CLAIMS]] = numbers[K[CLAIMS]] or next_claim(K[CLAIMS], now_us)
     tag = numbers[K[CLAIMS]]
@@ -109,7 +109,7 @@ local function take(key, heads, permits, rate, locked)
     note[#note + 1] = #member .. ':' .. member
   end
   if #heads > 1 then append(pending.notes, run_field(key), table.concat(note)) end
-  if locked then append(pending.ready, AT_WORK, key) end
+  if permits == 0 then append(pending.ready, AT_WORK, key) end
   append(pending.turns, {key, heads, permits, rate})
   turns = turns + 1
 end
@@ -140,7 +140,7 @@ end
 -- taken at once where free).
 local function claim_locked(key, heads, lock, token, log, rate)
   if not rate and redis.call('SET', lock, token, 'NX', 'PX', lease) then
-    take(key, heads, 0, rate, true)
+    take(key, heads, 0, rate)
     return
   end
   local value = redis.call('GET', lock)
@@ -157,7 +157,7 @@ local function claim_locked(key, heads, lock, token, log, rate)
     return
   end
   redis.call('SET', lock, token, 'PX', lease)
-  take(key, rate and {heads[1]} or heads, 0, rate, true)
+  take(key, rate and {heads[1]} or heads, 0, rate)
 end
 
 -- A key with `limit` permits: its head with a permit, if one is free; the
@@ -177,7 +177,7 @@ local function claim_permit(key, id, seq, set, line, token, limit, log, rate)
     return
   end
   redis.call('ZREM', line, QUEUE_WAITS)
-  take(key, {{id, seq}}, limit, rate, false)
+  take(key, {{id, seq}}, limit, rate)
   flush()
   if not head_of(key) then
     remove_from(READY, key)
