@@ -34,7 +34,11 @@
 //! keys alone; `GROUPMQ_GAPS=1` prints, per lockgate run, where the keys'
 //! idle time went (per gap size, per key, and each worker process's first
 //! start and keys); `GROUPMQ_TIMELINE=1` prints, per lockgate run,
-//! the messages ended per 100 ms (a stretch of zeros is keys left idle).
+//! the messages ended per 100 ms (a stretch of zeros is keys left idle);
+//! `GROUPMQ_PROFILE=1` prints, per lockgate run, each command's calls and
+//! server µs per message (`INFO commandstats`: a script's inner commands
+//! count on their own and inside its `evalsha`, so the script's own Lua
+//! work is its `evalsha` time less theirs).
 //! `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
 
@@ -369,6 +373,7 @@ async fn drive(
     }
     let before = commands(&conn).await?;
     let cpu_before = server_cpu(&conn).await?;
+    let profile_before = command_usec(&conn).await?;
     let mut children = Vec::new();
     for _ in 0..WORKERS {
         let child = Command::new(std::env::current_exe()?)
@@ -399,6 +404,9 @@ async fn drive(
     }
     let after = commands(&conn).await?;
     let server_cpu = server_cpu(&conn).await? - cpu_before;
+    if std::env::var_os("GROUPMQ_PROFILE").is_some() {
+        profile(mode, messages, &profile_before, &command_usec(&conn).await?);
+    }
     let mut handled = Vec::new();
     for (n, mut child) in children.into_iter().enumerate() {
         drop(child.stdin.take());
@@ -549,6 +557,57 @@ async fn server_cpu(conn: &redis::aio::ConnectionManager) -> Result<f64, BoxErro
         Ok(line.trim().parse()?)
     };
     Ok(field("used_cpu_user")? + field("used_cpu_sys")?)
+}
+
+/// Each command's calls and µs so far (INFO commandstats), by name.
+async fn command_usec(
+    conn: &redis::aio::ConnectionManager,
+) -> Result<BTreeMap<String, (u64, u64)>, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    let field = |line: &str, name: &str| -> Option<u64> {
+        line.split(name).nth(1)?.split(',').next()?.parse().ok()
+    };
+    Ok(info
+        .lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            Some((
+                name.to_owned(),
+                (field(rest, "calls=")?, field(rest, "usec=")?),
+            ))
+        })
+        .collect())
+}
+
+/// `GROUPMQ_PROFILE=1`: prints, per message, what each command cost the
+/// server while handling (calls; µs), a script's inner commands counted
+/// both on their own and in its `evalsha`.
+fn profile(
+    mode: Mode,
+    messages: usize,
+    before: &BTreeMap<String, (u64, u64)>,
+    after: &BTreeMap<String, (u64, u64)>,
+) {
+    let mut rows: Vec<(&String, f64, f64)> = (after.iter())
+        .map(|(name, (calls, usec))| {
+            let (c0, u0) = before.get(name).copied().unwrap_or_default();
+            let per = |n: u64| n as f64 / messages as f64;
+            (
+                name,
+                per(calls.saturating_sub(c0)),
+                per(usec.saturating_sub(u0)),
+            )
+        })
+        .filter(|row| row.1 > 0.0)
+        .collect();
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    eprintln!("  {}: per message, command (calls; µs)", mode.name());
+    for (name, calls, usec) in rows.iter().take(16) {
+        eprintln!("    {name:<22} {calls:>7.3} {usec:>8.2}");
+    }
 }
 
 /// Calls of every command the server ran so far (INFO commandstats).

@@ -100,17 +100,17 @@ local function take(key, heads, permits, rate)
     tag = numbers[K[CLAIMS]]
   end
   pending = pending or {members = {}, active = {}, ids = {}, notes = {}, ready = {}, turns = {}}
-  local note = {tag, ':'}
+  local p, note = pending, #heads > 1 and {tag, ':'}
   for _, head in ipairs(heads) do
     local member = line_member(key, head[2], head[1])
-    append(pending.members, member)
-    append(pending.active, deadline, member .. ':' .. tag)
-    append(pending.ids, head[1])
-    note[#note + 1] = #member .. ':' .. member
+    local n = #p.members + 1
+    p.members[n], p.ids[n] = member, head[1]
+    p.active[2 * n - 1], p.active[2 * n] = deadline, member .. ':' .. tag
+    if note then note[#note + 1] = #member .. ':' .. member end
   end
-  if #heads > 1 then append(pending.notes, run_field(key), table.concat(note)) end
-  if permits == 0 then append(pending.ready, AT_WORK, key) end
-  append(pending.turns, {key, heads, permits, rate})
+  if note then append(p.notes, run_field(key), table.concat(note)) end
+  if permits == 0 then append(p.ready, AT_WORK, key) end
+  p.turns[#p.turns + 1] = {key, heads, permits, rate}
   turns = turns + 1
 end
 
@@ -126,11 +126,14 @@ local function flush()
   leased_until(deadline)
   if #p.notes > 0 then redis.call('HSET', K[LIMITS], unpack(p.notes)) end
   local records, n = redis.call('HMGET', K[DATA], unpack(p.ids)), 0
+  local c = #claimed
   for _, turn in ipairs(p.turns) do
     local key, permits, rated = turn[1], turn[3], turn[4] and 1 or 0
     for _, head in ipairs(turn[2]) do
       n = n + 1
-      append(claimed, key, head[1], head[2], permits, rated, records[n] or '')
+      claimed[c + 1], claimed[c + 2], claimed[c + 3] = key, head[1], head[2]
+      claimed[c + 4], claimed[c + 5], claimed[c + 6] = permits, rated, records[n] or ''
+      c = c + 6
     end
   end
 end
