@@ -35,6 +35,8 @@
 //! idle time went (per gap size, per key, and each worker process's first
 //! start and keys); `GROUPMQ_TIMELINE=1` prints, per lockgate run,
 //! the messages ended per 100 ms (a stretch of zeros is keys left idle);
+//! `GROUPMQ_ONLY=keyed` (or `keyed1`, `plain`, `floor`) runs that side
+//! of the many-keys part alone, three times (see `alone`);
 //! `GROUPMQ_PROFILE=1` prints, per lockgate run, each command's calls and
 //! server µs per message (`INFO commandstats`: a script's inner commands
 //! count on their own and inside its `evalsha`, so the script's own Lua
@@ -206,6 +208,14 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for keys in counts {
+        if let Some(only) = std::env::var_os("GROUPMQ_ONLY") {
+            let mode = Mode::named(&only);
+            if only != mode.name() {
+                return Err(format!("GROUPMQ_ONLY: no side named {only:?}").into());
+            }
+            alone(runtime, (messages, keys), mode)?;
+            continue;
+        }
         let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
         let mut lockgate = Vec::new();
         for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain, Mode::Floor] {
@@ -251,6 +261,38 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         if groupmq.overlaps + keyed.overlaps + one.overlaps + floor.overlaps != 0 {
             return Err(format!("{keys} keys: handlers of one key overlapped").into());
         }
+    }
+    Ok(())
+}
+
+/// `GROUPMQ_ONLY=<mode>` (`keyed`, `keyed1`, `plain`, `floor`): runs that
+/// side of the many-keys part alone, three times, each on a fresh server,
+/// one line each: the way to compare two builds, whose figures move far
+/// less from run to run than the whole table's.
+fn alone(
+    runtime: &tokio::runtime::Runtime,
+    (messages, keys): (usize, usize),
+    mode: Mode,
+) -> Result<(), BoxError> {
+    for _ in 0..3 {
+        let server = RedisServer::start()?;
+        let s = runtime.block_on(drive(&server, (messages, keys), mode, NO_OP))?;
+        if s.handled != messages || s.overlaps != 0 {
+            let e = format!(
+                "{}: {} of {messages} handled, {} overlaps",
+                mode.name(),
+                s.handled,
+                s.overlaps
+            );
+            return Err(e.into());
+        }
+        println!(
+            "{} alone, {keys} keys: {:.0} msg/s ({:.1} commands; {:.1} µs per message)",
+            mode.name(),
+            s.handled as f64 / s.seconds,
+            s.commands as f64 / s.handled as f64,
+            server_us(&s)
+        );
     }
     Ok(())
 }
