@@ -30,12 +30,15 @@
 //! keyed queue (runs of 8, and one at a time), and lockgate's queue without keys beside them (the ceiling
 //! a keyed message is held to), and the floor (`floor/`: two bare scripts
 //! that keep a key's messages in order under its lock, with none of the
-//! keyed queue's other duties; what those duties cost). `GROUPMQ_KEYS=<k>` runs either part at k
+//! keyed queue's other duties; what those duties cost), and the floor
+//! again with every key its scripts touch declared by the caller, as the
+//! keyed queue's must be (a claim takes among the keys its last call
+//! named). `GROUPMQ_KEYS=<k>` runs either part at k
 //! keys alone; `GROUPMQ_GAPS=1` prints, per lockgate run, where the keys'
 //! idle time went (per gap size, per key, and each worker process's first
 //! start and keys); `GROUPMQ_TIMELINE=1` prints, per lockgate run,
 //! the messages ended per 100 ms (a stretch of zeros is keys left idle);
-//! `GROUPMQ_ONLY=keyed` (or `keyed1`, `plain`, `floor`) runs that side
+//! `GROUPMQ_ONLY=keyed` (or `keyed1`, `plain`, `floor`, `declared`) runs that side
 //! of the many-keys part alone, three times (see `alone`);
 //! `GROUPMQ_PROFILE=1` prints, per lockgate run, each command's calls and
 //! server µs per message (`INFO commandstats`: a script's inner commands
@@ -91,6 +94,9 @@ enum Mode {
     /// The floor of a keyed message's cost (`floor/`): two bare scripts,
     /// a key's line as a list, its lock as the lease.
     Floor,
+    /// The floor with every key its scripts touch declared, as the keyed
+    /// queue's must be: a claim takes among the keys its last one named.
+    Declared,
 }
 
 impl Mode {
@@ -101,6 +107,7 @@ impl Mode {
             Mode::Layer => "layer",
             Mode::Plain => "plain",
             Mode::Floor => "floor",
+            Mode::Declared => "declared",
         }
     }
 
@@ -111,6 +118,7 @@ impl Mode {
             Mode::Layer,
             Mode::Plain,
             Mode::Floor,
+            Mode::Declared,
         ]
         .into_iter()
         .find(|mode| name == mode.name())
@@ -204,9 +212,9 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
     );
     println!(
-        "| keys | GroupMQ 1.1 msg/s (commands; server µs) | lockgate keyed msg/s (commands; server µs) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands; server µs) | floor msg/s (commands; server µs) | keyed / unkeyed | keyed / GroupMQ | keyed / unkeyed server µs |"
+        "| keys | GroupMQ 1.1 msg/s (commands; server µs) | lockgate keyed msg/s (commands; server µs) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands; server µs) | floor msg/s (commands; server µs) | floor, keys declared | keyed / unkeyed | keyed / GroupMQ | keyed / unkeyed server µs |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for keys in counts {
         if let Some(only) = std::env::var_os("GROUPMQ_ONLY") {
             let mode = Mode::named(&only);
@@ -218,7 +226,14 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         }
         let groupmq = groupmq(&RedisServer::start()?, (messages, keys), NO_OP)?;
         let mut lockgate = Vec::new();
-        for mode in [Mode::Keyed, Mode::KeyedOne, Mode::Plain, Mode::Floor] {
+        let modes = [
+            Mode::Keyed,
+            Mode::KeyedOne,
+            Mode::Plain,
+            Mode::Floor,
+            Mode::Declared,
+        ];
+        for mode in modes {
             let server = RedisServer::start()?;
             let run = drive(&server, (messages, keys), mode, NO_OP);
             lockgate.push(runtime.block_on(run)?);
@@ -232,16 +247,17 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
                 server_us(s)
             )
         };
-        let [keyed, one, plain, floor] = &lockgate[..] else {
+        let [keyed, one, plain, floor, declared] = &lockgate[..] else {
             return Err("a lockgate run is missing".into());
         };
         println!(
-            "| {keys} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.1} |",
+            "| {keys} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.1} |",
             cell(&groupmq),
             cell(keyed),
             cell(one),
             cell(plain),
             cell(floor),
+            cell(declared),
             rate(keyed) / rate(plain),
             rate(keyed) / rate(&groupmq),
             server_us(keyed) / server_us(plain)
@@ -252,20 +268,23 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
             ("keyed1", one),
             ("unkeyed", plain),
             ("floor", floor),
+            ("declared", declared),
         ];
         for (name, s) in sides {
             if s.handled != messages {
                 return Err(format!("{name}: {} of {messages} handled", s.handled).into());
             }
         }
-        if groupmq.overlaps + keyed.overlaps + one.overlaps + floor.overlaps != 0 {
+        let overlaps = [&groupmq, keyed, one, floor, declared].map(|s| s.overlaps);
+        if overlaps.iter().sum::<usize>() != 0 {
             return Err(format!("{keys} keys: handlers of one key overlapped").into());
         }
     }
     Ok(())
 }
 
-/// `GROUPMQ_ONLY=<mode>` (`keyed`, `keyed1`, `plain`, `floor`): runs that
+/// `GROUPMQ_ONLY=<mode>` (`keyed`, `keyed1`, `plain`, `floor`,
+/// `declared`): runs that
 /// side of the many-keys part alone, three times, each on a fresh server,
 /// one line each: the way to compare two builds, whose figures move far
 /// less from run to run than the whole table's.
@@ -312,7 +331,7 @@ fn report(
     println!(
         "| queue | messages/s | key busy (mean, min) | busy while backlogged (mean, min) | handler ms | order inversions | overlaps | commands per message | server µs per message |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let rows = [
         ("GroupMQ 1.1", groupmq),
         ("lockgate, keyed queue (runs of 8)", &lockgate[0]),
@@ -398,7 +417,7 @@ async fn drive(
     for chunk in msgs.chunks(1000) {
         match mode {
             Mode::Layer | Mode::Plain => drop(queue.push_many(chunk).await?),
-            Mode::Floor => {}
+            Mode::Floor | Mode::Declared => {}
             Mode::Keyed | Mode::KeyedOne => {
                 let keyed = chunk
                     .iter()
@@ -407,7 +426,7 @@ async fn drive(
             }
         }
     }
-    if mode == Mode::Floor {
+    if matches!(mode, Mode::Floor | Mode::Declared) {
         let lines: Vec<(String, String)> = (msgs.iter())
             .map(|m| Ok((m.key.clone(), serde_json::to_string(m)?)))
             .collect::<Result<_, serde_json::Error>>()?;
@@ -430,7 +449,7 @@ async fn drive(
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     loop {
         let left = match mode {
-            Mode::Floor => floor::left(&conn).await?,
+            Mode::Floor | Mode::Declared => floor::left(&conn).await?,
             _ => {
                 let stats = queue.stats().await?;
                 stats.due + stats.later + stats.active
@@ -721,7 +740,7 @@ async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError
             let worker = Worker::new(client, queue, service).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;
         }
-        Mode::Floor => work_floor(conn, &records, stdin_closed).await?,
+        Mode::Floor | Mode::Declared => work_floor(conn, &records, stdin_closed, mode).await?,
     }
     let mut out = std::io::stdout().lock();
     for line in records.lock().unwrap().iter() {
@@ -731,11 +750,13 @@ async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError
 }
 
 /// The floor's worker process (no-op handlers): two loops, each claiming
-/// up to 8 keys' heads and acknowledging them in one call, until `stop`.
+/// up to 8 keys' heads and acknowledging them in one call, until `stop`;
+/// `mode`: the floor, or the floor with every key declared.
 async fn work_floor(
     conn: redis::aio::ConnectionManager,
     records: &std::sync::Mutex<Vec<String>>,
     stop: impl Future<Output = ()>,
+    mode: Mode,
 ) -> Result<(), BoxError> {
     let (stopping, stopped) = tokio::sync::watch::channel(false);
     let record = |payload: &str| {
@@ -752,11 +773,19 @@ async fn work_floor(
         let _ = stopping.send(true);
         Ok::<_, BoxError>(())
     };
-    tokio::try_join!(
-        floor::work(conn.clone(), record, stopped.clone()),
-        floor::work(conn, record, stopped),
-        stop
-    )?;
+    if mode == Mode::Declared {
+        tokio::try_join!(
+            floor::work_declared(conn.clone(), record, stopped.clone()),
+            floor::work_declared(conn, record, stopped),
+            stop
+        )?;
+    } else {
+        tokio::try_join!(
+            floor::work(conn.clone(), record, stopped.clone()),
+            floor::work(conn, record, stopped),
+            stop
+        )?;
+    }
     Ok(())
 }
 

@@ -9,7 +9,11 @@
 //! took. It has none of the keyed queue's other duties (hash slots for a
 //! cluster, runs, permits and rate limits, delays, retries and dead
 //! letters, fences, resend records, counts and indexes for readers): it
-//! shows what those cost, not a design to ship.
+//! shows what those cost, not a design to ship. Its scripts build a key's
+//! lock and line names themselves; [`work_declared`]'s are given them, as
+//! the keyed queue's scripts must be (every key a script touches declared,
+//! for a Redis Cluster and ACLs): a claim takes among the keys its last
+//! call named, and names the next call's.
 
 use std::sync::LazyLock;
 
@@ -25,6 +29,11 @@ const BATCH: usize = 8;
 
 static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("claim.lua")));
 static ACK: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("ack.lua")));
+static CLAIM_DECLARED: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("claim_declared.lua")));
+/// How many ready keys a declared claim names for the next (as the keyed
+/// queue's claim of 8 turns does).
+const NAMES: usize = 16;
 
 /// Pushes `messages` (key, payload), in order, in pipelines of 1,000.
 pub async fn push(conn: &ConnectionManager, messages: &[(String, String)]) -> Result<(), BoxError> {
@@ -72,22 +81,83 @@ pub async fn work(
             .invoke_async(&mut conn)
             .await?;
         if claimed.is_empty() {
-            let pause = tokio::time::sleep(std::time::Duration::from_millis(2));
-            tokio::select! {
-                () = pause => {}
-                _ = stop.changed() => {}
-            }
+            pause(&mut stop).await;
             continue;
         }
-        let mut ack = ACK.key(&KEYS[..]);
-        for message in claimed.chunks(4) {
-            let [key, id, token, payload] = message else {
-                return Err("the floor's claim answered a partial message".into());
-            };
-            handle(payload);
-            ack.arg(key).arg(id).arg(token);
-        }
-        let _: usize = ack.invoke_async(&mut conn).await?;
+        acknowledge(&mut conn, &claimed, &mut handle, false).await?;
     }
+    Ok(())
+}
+
+/// The names of `key`'s lock and line.
+fn lock_and_line(key: &str) -> [String; 2] {
+    [format!("floor:lock:{key}"), format!("floor:line:{key}")]
+}
+
+/// [`work`] with every key a script touches declared (`claim_declared.lua`,
+/// and `ack.lua` given each message's lock and line): a claim takes among
+/// the keys its last call named, as the keyed queue's does.
+pub async fn work_declared(
+    conn: ConnectionManager,
+    mut handle: impl FnMut(&str),
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), BoxError> {
+    let prefix = format!("{:032x}:", rand::random::<u128>());
+    let mut conn = conn;
+    let mut named: Vec<String> = Vec::new();
+    while !*stop.borrow() {
+        let mut claim = CLAIM_DECLARED.key(&KEYS[..]);
+        for key in &named {
+            claim.key(&lock_and_line(key)[..]);
+        }
+        claim
+            .arg(LEASE_MS)
+            .arg(BATCH)
+            .arg(&prefix)
+            .arg(NAMES)
+            .arg(rand::random::<u32>())
+            .arg(&named[..]);
+        let (next, claimed): (Vec<String>, Vec<String>) = claim.invoke_async(&mut conn).await?;
+        let idle = claimed.is_empty() && (named.is_empty() || next.is_empty());
+        named = next;
+        if idle {
+            pause(&mut stop).await;
+        } else if !claimed.is_empty() {
+            acknowledge(&mut conn, &claimed, &mut handle, true).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Waits 2 ms, or until `stop` changes.
+async fn pause(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let pause = tokio::time::sleep(std::time::Duration::from_millis(2));
+    tokio::select! {
+        () = pause => {}
+        _ = stop.changed() => {}
+    }
+}
+
+/// Hands each of the `claimed` messages (key, id, token, payload each) to
+/// `handle`, then acknowledges them in one call; `declared`: naming each
+/// one's lock and line.
+async fn acknowledge(
+    conn: &mut ConnectionManager,
+    claimed: &[String],
+    handle: &mut impl FnMut(&str),
+    declared: bool,
+) -> Result<(), BoxError> {
+    let mut ack = ACK.key(&KEYS[..]);
+    for message in claimed.chunks(4) {
+        let [key, id, token, payload] = message else {
+            return Err("the floor's claim answered a partial message".into());
+        };
+        handle(payload);
+        if declared {
+            ack.key(&lock_and_line(key)[..]);
+        }
+        ack.arg(key).arg(id).arg(token);
+    }
+    let _: usize = ack.invoke_async(conn).await?;
     Ok(())
 }

@@ -457,7 +457,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd.arg(head.partition.record());
         cmd.arg(millis(terms.lease))
             .arg(millis(window))
-            .arg(terms.run.max(1));
+            .arg(terms.run.max(1))
+            .arg(rand::random::<u32>());
         for block in blocks {
             let share = block.share;
             cmd.arg(share)

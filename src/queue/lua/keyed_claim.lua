@@ -10,7 +10,9 @@
 -- ARGV[1]: lease in ms (the lock's or permit's too)
 -- ARGV[2]: how long to keep a record (ms)
 -- ARGV[3]: how many messages of a key with a lock a turn may take (a run)
--- ARGV[4..], per block: how many turns at most; how many candidates to name for
+-- ARGV[4]: a number drawn at random for the call, which spreads the keys
+-- its answers name (see answer)
+-- ARGV[5..], per block: how many turns at most; how many candidates to name for
 -- its next call; how many candidates it has; per candidate, its key and a
 -- fresh token, in KEYS' order
 -- A candidate is claimed when it is ready (a head in line, no delay to wait
@@ -42,7 +44,8 @@ local RECORD = KEYS[#KEYS]
 -- ARGV[ab + 1]), its most turns; what it claimed (messages), found
 -- blocked, its claim number, its leases' deadline, its turns taken, the
 -- keys whose claim a command refused.
-local kb, ab, max = 0, 3, 0
+local kb, ab, max = 0, 4, 0
+local SPREAD = tonumber(ARGV[4]) or 0
 local claimed, blocked, tag, deadline, turns = {}, {}, nil, now + lease, 0
 local refused = {}
 
@@ -60,6 +63,15 @@ local function answer(tag, claimed, blocked, due)
   for i = 1, math.min(#ready / 2, name) do
     if tonumber(ready[2 * i]) > now then break end
     candidates[i] = ready[2 * i - 1]
+  end
+  -- Under a backlog (every key it names ready now), claimers that name
+  -- the same first keys take most of them from each other before their
+  -- next calls: each names keys from a place of its own among the first
+  -- 3 x `name` ready now, where there are that many.
+  local skip = #candidates == name and SPREAD % (2 * name) or 0
+  if skip > 0 then
+    local further = redis.call('ZRANGEBYSCORE', K[READY], 0, now, 'LIMIT', skip, name)
+    if #further == name then candidates = further end
   end
   first_read = {ready[1], ready[2]}
   local next_at = tonumber(first_read[2]) or -1
