@@ -2714,3 +2714,60 @@ async fn a_key_whose_lock_is_another_kind_of_key_does_not_stop_the_others() {
     tokio::time::sleep(ms(350)).await;
     assert_eq!(ids(&claim_ids(&queue, ms(300)).await), ["a1"]);
 }
+
+/// Three claimers over 120 ready keys (more than three times the 16 keys
+/// a claim of 4 names for its next call): each names its keys from a place
+/// of its own among them (`lua/keyed_claim.lua`, `answer`). Every message
+/// is claimed once, each key's in push order, and the queue ends empty.
+#[tokio::test]
+async fn claimers_naming_keys_from_places_of_their_own_claim_each_message_once() {
+    const KEYS: usize = 120;
+    let server = server();
+    let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+    let messages = (0..2 * KEYS).map(|n| {
+        let options = PushOptions::new()
+            .id(format!("m{n}"))
+            .key(format!("k{}", n % KEYS));
+        (format!("{n}"), options)
+    });
+    queue.push_many_with(messages).await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut claimers = Vec::new();
+    for _ in 0..3 {
+        let queue: Queue<String> = Queue::new(manager(&server).await, "q").unwrap();
+        let seen = seen.clone();
+        claimers.push(tokio::spawn(async move {
+            let deadline = Instant::now() + secs(20);
+            while Instant::now() < deadline {
+                let jobs = queue.claim_runs(4, secs(30), 1).await.unwrap().jobs;
+                if jobs.is_empty() {
+                    let stats = queue.stats().await.unwrap();
+                    if stats.due + stats.later + stats.active == 0 {
+                        return;
+                    }
+                    tokio::time::sleep(ms(2)).await;
+                }
+                for job in jobs {
+                    let n: usize = job.payload().parse().unwrap();
+                    seen.lock().unwrap().push(n);
+                    assert!(queue.ack(&job).await.unwrap(), "m{n} was held");
+                }
+            }
+        }));
+    }
+    for claimer in claimers {
+        claimer.await.unwrap();
+    }
+    let seen = seen.lock().unwrap().clone();
+    let mut sorted = seen.clone();
+    sorted.sort_unstable();
+    assert_eq!(
+        sorted,
+        (0..2 * KEYS).collect::<Vec<_>>(),
+        "each message once"
+    );
+    for key in 0..KEYS {
+        let order: Vec<usize> = seen.iter().copied().filter(|n| n % KEYS == key).collect();
+        assert_eq!(order, [key, key + KEYS], "k{key} in push order");
+    }
+}
