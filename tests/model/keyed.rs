@@ -693,14 +693,7 @@ impl World<'_> {
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = lockgate::Result<T>>,
     {
-        for _ in 0..100 {
-            match call().await {
-                Ok(reply) => return Ok(reply),
-                Err(e) if crate::dropped(&e) => tokio::time::sleep(ms(20)).await,
-                Err(e) => return Err(TestCaseError::fail(format!("{at}: {e}"))),
-            }
-        }
-        Err(TestCaseError::fail(format!("{at}: no connection")))
+        crate::retried(at, call).await
     }
 
     /// Sends a command of the history's own (not the queue's), again after

@@ -3,8 +3,9 @@
 //! queue's messages through every script that moves them, with lease
 //! expiry, resent requests, dropped connections and restarts from an older
 //! snapshot (`queue`), a key's line of waiters (`line`), its rate limit as
-//! time passes (`rate`), and the producer script's arguments from arbitrary
-//! strings (`push`).
+//! time passes (`rate`), the producer script's arguments from arbitrary
+//! strings (`push`), and keyed messages through their scripts (`keyed`,
+//! `keyed_push`), also over many keys and several claimers (`keyed_wide`).
 //!
 //! Each history runs on keys of its own, on one server per test. After
 //! every step the answers of Redis and what it holds are compared with the
@@ -19,6 +20,7 @@ mod support;
 
 mod keyed;
 mod keyed_push;
+mod keyed_wide;
 mod line;
 mod lock;
 mod push;
@@ -222,6 +224,24 @@ fn drop_connections(server: &lockgate::testing::RedisServer) -> redis::RedisResu
 fn dropped(e: &lockgate::Error) -> bool {
     e.redis_error()
         .is_some_and(|e| e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal())
+}
+
+/// Retries a call while the connection is being re-opened.
+async fn retried<T, F, Fut>(at: &str, call: F) -> Result<T, TestCaseError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = lockgate::Result<T>>,
+{
+    for _ in 0..100 {
+        match call().await {
+            Ok(reply) => return Ok(reply),
+            Err(e) if dropped(&e) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+            Err(e) => {
+                return Err(TestCaseError::fail(format!("{at}: {e}")));
+            }
+        }
+    }
+    Err(TestCaseError::fail(format!("{at}: no connection")))
 }
 
 /// The server's clock in µs (`TIME`), asked again while the connection is
