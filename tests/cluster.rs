@@ -880,13 +880,14 @@ async fn lines_on_the_cluster(permits: Option<u32>) {
     );
 }
 
-/// Script calls (`EVALSHA`/`EVAL`) all nodes have run so far.
+/// Script and function calls (`EVALSHA`/`EVAL`/`FCALL`) all nodes have run
+/// so far.
 async fn script_calls_on(cluster: &RedisCluster) -> u64 {
     let mut calls = 0;
     for node in cluster.nodes() {
         let mut conn = node.multiplexed().await.unwrap();
         let on_node = lockgate::testing::command_calls(&mut conn).await.unwrap();
-        calls += ["evalsha", "eval"]
+        calls += ["evalsha", "eval", "fcall"]
             .iter()
             .filter_map(|c| on_node.get(*c))
             .sum::<u64>();

@@ -391,6 +391,50 @@ async fn a_key_hands_out_one_message_at_a_time_in_push_order() {
     assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2"]);
 }
 
+/// The keyed claim and settlement run as functions, each in a library
+/// named after its source (docs/internals.md, "Scripts and functions"),
+/// loaded again when the server lost them (`FUNCTION FLUSH`, as a restart
+/// without persistence does).
+#[tokio::test]
+async fn keyed_functions_are_loaded_again_when_the_server_lost_them() {
+    let server = server();
+    let admin = manager(&server).await;
+    let queue: Queue<String> = Queue::new(admin.clone(), "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    assert_eq!(ids(&jobs), ["a1", "b1"]);
+    // Each library's name without its source's SHA-1 (`library_name` is
+    // its first field).
+    let libraries = || async {
+        let list: Vec<Vec<redis::Value>> = support::raw(&admin, &["FUNCTION", "LIST"]).await;
+        let mut names: Vec<String> = (list.iter())
+            .filter_map(|library| match library.get(1) {
+                Some(redis::Value::BulkString(name)) => Some(String::from_utf8_lossy(name)),
+                _ => None,
+            })
+            .map(|name| {
+                name.rsplit_once('_')
+                    .map_or(name.to_string(), |(kind, _)| kind.into())
+            })
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(libraries().await, ["lockgate_keyed_claim"]);
+    let _: () = support::raw(&admin, &["FUNCTION", "FLUSH"]).await;
+    let (held, next) = queue.ack_and_next(&jobs[0], secs(10)).await.unwrap();
+    assert!(held);
+    assert_eq!(next.as_ref().map(|j| j.id()), Some("a2"));
+    assert_eq!(libraries().await, ["lockgate_keyed_done"]);
+    let _: () = support::raw(&admin, &["FUNCTION", "FLUSH"]).await;
+    assert!(queue.ack(&jobs[1]).await.unwrap());
+    assert_eq!(
+        ids(&claim_ids(&queue, secs(10)).await),
+        ["b2"],
+        "the claim loaded again"
+    );
+}
+
 #[tokio::test]
 async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
     let server = server();
@@ -405,10 +449,10 @@ async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
     // c1's claim is lost meanwhile (acknowledged alone): its run answers
     // so, and the others go on.
     assert!(queue.ack(&jobs[2]).await.unwrap());
-    let calls = evalsha_calls(&server);
+    let calls = script_calls(&server);
     let runs: Vec<&[Job<String>]> = jobs.iter().map(std::slice::from_ref).collect();
     let answers = queue.ack_runs(&runs, secs(10), 2).await.unwrap();
-    assert_eq!(evalsha_calls(&server), calls + 1, "one script call");
+    assert_eq!(script_calls(&server), calls + 1, "one script call");
     let answers: Vec<(bool, Vec<&str>)> = (answers.iter())
         .map(|answer| answer.as_ref().unwrap())
         .map(|(held, next)| (*held, ids(next)))
@@ -522,17 +566,19 @@ async fn a_refused_end_changes_nothing_and_the_key_runs_on() {
     assert_eq!(ids(&claim_ids(&queue, ms(300)).await), ["a2"]);
 }
 
-/// How many `EVALSHA` calls `server` has run.
-fn evalsha_calls(server: &lockgate::testing::RedisServer) -> u64 {
+/// How many script and function calls (`EVALSHA`, `FCALL`) `server` has
+/// run.
+fn script_calls(server: &lockgate::testing::RedisServer) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query(&mut server.client().get_connection().unwrap())
         .unwrap();
-    let line = info
-        .lines()
-        .find(|line| line.starts_with("cmdstat_evalsha:"));
-    let calls = line.and_then(|line| line.split("calls=").nth(1)?.split(',').next());
-    calls.map_or(0, |n| n.parse().unwrap())
+    let calls = |command: &str| {
+        let line = info.lines().find(|line| line.starts_with(command));
+        let calls = line.and_then(|line| line.split("calls=").nth(1)?.split(',').next());
+        calls.map_or(0, |n| n.parse::<u64>().unwrap())
+    };
+    calls("cmdstat_evalsha:") + calls("cmdstat_fcall:")
 }
 
 #[tokio::test]

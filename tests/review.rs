@@ -295,10 +295,13 @@ impl<C: ConnectionLike + Send> ConnectionLike for Faulty<C> {
     }
 }
 
-/// Whether `args` is an `EVALSHA` over `keys` keys (a keyed script over a
-/// partition takes its 14 keys and more: the settlement 19).
+/// Whether `args` is an `EVALSHA` or an `FCALL` over `keys` keys (a keyed
+/// script over a partition takes its 14 keys and more: the settlement 19).
 fn is_script(args: &[Vec<u8>], keys: usize) -> bool {
-    args.len() > 2 && args[0] == b"EVALSHA" && args[2] == keys.to_string().as_bytes()
+    let call = args
+        .first()
+        .is_some_and(|c| c == b"EVALSHA" || c == b"FCALL");
+    call && args.len() > 2 && args[2] == keys.to_string().as_bytes()
 }
 
 /// Whether one of `args` is `text`.

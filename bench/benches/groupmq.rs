@@ -42,7 +42,7 @@
 //! of the many-keys part alone, three times (see `alone`);
 //! `GROUPMQ_PROFILE=1` prints, per lockgate run, each command's calls and
 //! server µs per message (`INFO commandstats`: a script's inner commands
-//! count on their own and inside its `evalsha`, so the script's own Lua
+//! count on their own and inside its `evalsha` (or `fcall`), so its own Lua
 //! work is its `evalsha` time less theirs).
 //! `GROUPMQ_BENCH=hot` or `many` runs one
 //! part alone.
@@ -645,7 +645,7 @@ async fn command_usec(
 
 /// `GROUPMQ_PROFILE=1`: prints, per message, what each command cost the
 /// server while handling (calls; µs), a script's inner commands counted
-/// both on their own and in its `evalsha`.
+/// both on their own and in its `evalsha` (or `fcall`).
 fn profile(
     mode: Mode,
     messages: usize,

@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{evalsha, run};
+use crate::script::{Function, Program, evalsha, run};
 
 mod claim;
 pub(crate) use claim::Terms;
@@ -64,6 +64,19 @@ fn with_limits(body: &str) -> Script {
     Script::new(&format!("{PERMITS_LUA}\n{RATE_LUA}\n{}", source(body)))
 }
 
+/// A keyed script run as a function of a library of its own (see
+/// `crate::script::Function`), with the permit and rate functions as
+/// [`with_limits`] has them: its source defines `main`, which each call
+/// runs after `begin_call` (a library's state outlives its calls, see
+/// `lua/keyed_call.lua`), then `tally`, as [`counted`] does.
+fn function(kind: &str, body: &str) -> Function {
+    use crate::lock::{permits::PERMITS_LUA, rate::RATE_LUA};
+    let begin = include_str!("lua/keyed_call.lua");
+    let call = "return function(keys, args)\n  begin_call()\n  local reply = main(keys, args)\n  tally()\n  return reply\nend";
+    let source = source(&format!("{begin}\n{body}\n{call}\n"));
+    Function::new(kind, &format!("{PERMITS_LUA}\n{RATE_LUA}\n{source}"))
+}
+
 /// The keyed push script as the library loads it; `scripts/push_keyed.lua`
 /// (for producers in other languages) must be exactly this.
 pub(crate) fn push_source() -> String {
@@ -81,8 +94,12 @@ static EVENTS: Lazy = LazyLock::new(|| {
         include_str!("lua/keyed_events.lua")
     ))
 });
-static CLAIM: Lazy = LazyLock::new(|| with_limits(&counted(include_str!("lua/keyed_claim.lua"))));
-static DONE: Lazy = LazyLock::new(|| with_limits(&counted(include_str!("lua/keyed_done.lua"))));
+// The two a keyed message's every turn calls, as functions: a call runs
+// the function alone, not the 170 helpers it needs.
+static CLAIM: LazyLock<Function> =
+    LazyLock::new(|| function("keyed_claim", include_str!("lua/keyed_claim.lua")));
+static DONE: LazyLock<Function> =
+    LazyLock::new(|| function("keyed_done", include_str!("lua/keyed_done.lua")));
 static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
 // (It tallies itself, when anything expired.)
 static RECOVER: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
@@ -723,14 +740,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         done.map_err(|e| Error::redis(attempted())(e))
     }
 
-    /// Sends `cmd`, an `EVALSHA` of `script` (see `crate::script::run`).
+    /// Sends `cmd`, a call of `program` (see `crate::script::run`).
     async fn run<R: FromRedisValue>(
         &self,
-        script: &Script,
+        program: &impl Program,
         cmd: &Cmd,
         attempted: impl FnOnce() -> String,
     ) -> Result<R> {
-        let reply = run(script, cmd, &mut self.conn.clone()).await;
+        let reply = run(program, cmd, &mut self.conn.clone()).await;
         reply.map_err(|e| Error::redis(attempted())(e))
     }
 

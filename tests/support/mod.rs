@@ -334,12 +334,12 @@ impl Holds {
     }
 }
 
-/// Calls made through `EVAL`/`EVALSHA` on the server so far (`INFO
-/// commandstats`): what a waiter that polls would drive up.
+/// Calls made through `EVAL`/`EVALSHA`/`FCALL` on the server so far
+/// (`INFO commandstats`): what a waiter that polls would drive up.
 pub async fn script_calls(conn: &ConnectionManager) -> u64 {
     let calls = lockgate::testing::command_calls(&mut conn.clone()).await;
     let calls = calls.expect("INFO commandstats");
-    ["evalsha", "eval"]
+    ["evalsha", "eval", "fcall"]
         .iter()
         .filter_map(|c| calls.get(*c))
         .sum()

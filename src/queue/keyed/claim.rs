@@ -18,7 +18,7 @@ use crate::keys::{self, SLOTS};
 use crate::lock::Token;
 use crate::queue::EventKind;
 use crate::queue::scripts::Query;
-use crate::script::{evalsha, run, run_after};
+use crate::script::{Program, evalsha, run, run_after};
 
 /// One block's answer of the claim script (see `lua/keyed_claim.lua`):
 /// its claim number, when it has a key or a delayed message due next
@@ -438,10 +438,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     fn claim_call(&self, blocks: &[Block], terms: Terms, window: Duration) -> Cmd {
         let prefix = &self.keys.prefix;
         let Some(head) = blocks.first() else {
-            return evalsha(&CLAIM, 0);
+            return CLAIM.call(0);
         };
         let keys = blocks.iter().map(|b| MORE + 4 * b.candidates.len());
-        let mut cmd = evalsha(&CLAIM, keys.sum::<usize>() + 1);
+        let mut cmd = CLAIM.call(keys.sum::<usize>() + 1);
         for block in blocks {
             cmd.arg(&block.partition.keys[..]);
             for key in &block.candidates {

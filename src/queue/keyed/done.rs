@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::keys::rate_key;
 use crate::lock::{Token, detect_publish};
 use crate::queue::{ClaimToken, EventKind};
-use crate::script::{evalsha, run};
+use crate::script::{Program, run};
 
 /// A keyed message's turn to end in a done script's call (see
 /// [`Keyed::done_many`]): its hold, its id, claim and failed attempts
@@ -425,7 +425,7 @@ struct Block {
 /// block's keys, then per block its arguments' count and its arguments.
 fn call_of(blocks: &[Block]) -> Cmd {
     let keys: usize = blocks.iter().map(|block| block.keys.len()).sum();
-    let mut cmd = evalsha(&DONE, keys);
+    let mut cmd = DONE.call(keys);
     for block in blocks {
         cmd.arg(&block.keys[..]);
     }

@@ -37,17 +37,15 @@
 -- answers the turns the first call took that still hold, and takes
 -- nothing more. One record per call, however many blocks: read once,
 -- written once.
-local now, now_us = server_time()
-local lease, RUN = tonumber(ARGV[1]), math.max(tonumber(ARGV[3]) or 1, 1)
-local RECORD = KEYS[#KEYS]
+-- The call's clock, terms and record, set by `main` (a function's state
+-- outlives its calls, see keyed_call.lua).
+local now, now_us, lease, RUN, RECORD, SPREAD
 -- The block at hand: where its keys and arguments start (KEYS[kb + 1],
 -- ARGV[ab + 1]), its most turns; what it claimed (messages), found
 -- blocked, its claim number, its leases' deadline, its turns taken, the
 -- keys whose claim a command refused.
-local kb, ab, max = 0, 4, 0
-local SPREAD = tonumber(ARGV[4]) or 0
-local claimed, blocked, tag, deadline, turns = {}, {}, nil, now + lease, 0
-local refused = {}
+local kb, ab, max
+local claimed, blocked, tag, deadline, turns, refused
 
 -- The answer after the turns `claimed` (and the keys `blocked`): the keys
 -- to name next, when one is due next, what the partition holds. `due`:
@@ -91,7 +89,7 @@ end
 -- The claim numbers this call took, by claims key: blocks that name the
 -- same one (every block, on one server) share the call's number, taken
 -- once.
-local numbers = {}
+local numbers
 
 -- The turns the block at hand took whose writes wait for `flush`: their
 -- line members, active entries, ids, run notes and keys now at work, and
@@ -99,7 +97,7 @@ local numbers = {}
 -- in one command per kind, not one per key: nothing the block reads of
 -- another key depends on them (a key's own head read after its turn
 -- flushes first).
-local pending = nil
+local pending
 
 -- Moves `heads` ({id, seq} each, the first of `key`'s line) to the active
 -- set, under this claim: one turn; a run of several is noted (see
@@ -286,28 +284,36 @@ local function claim_block(c)
   return answer(tag, claimed, blocked, due), string.format('%s:%d', tag or 0, #claimed / 6)
 end
 
--- A resend: each block answered from the record, nothing claimed.
-local kept = redis.call('GET', RECORD)
-local was_deadline, was_blocks = nil, {}
-if kept then
-  local from
-  was_deadline, from = string.match(kept, '^(%d+)()')
-  for was in string.gmatch(string.sub(kept, from), ';([^;]*)') do was_blocks[#was_blocks + 1] = was end
-end
-
-local answers, record, took = {}, {deadline}, false
-while ab < #ARGV do
-  local c = tonumber(ARGV[ab + 3])
-  enter_partition(kb)
+-- The call: each block claimed in turn; a resend's answered from the
+-- record, nothing claimed.
+local function main()
+  now, now_us = server_time()
+  lease, RUN = tonumber(ARGV[1]), math.max(tonumber(ARGV[3]) or 1, 1)
+  RECORD, SPREAD = KEYS[#KEYS], tonumber(ARGV[4]) or 0
+  kb, ab, max = 0, 4, 0
+  claimed, blocked, tag, deadline, turns, refused = {}, {}, nil, now + lease, 0, {}
+  numbers, pending = {}, nil
+  local kept = redis.call('GET', RECORD)
+  local was_deadline, was_blocks = nil, {}
   if kept then
-    answers[#answers + 1] = answer_again(was_blocks[#answers + 1] or '0:0', was_deadline)
-  else
-    local block_answer, took_here = claim_block(c)
-    answers[#answers + 1] = block_answer
-    record[#record + 1] = took_here
-    took = took or block_answer[4][1] ~= nil
+    local from
+    was_deadline, from = string.match(kept, '^(%d+)()')
+    for was in string.gmatch(string.sub(kept, from), ';([^;]*)') do was_blocks[#was_blocks + 1] = was end
   end
-  kb, ab = kb + MORE + 4 * c, ab + 3 + 2 * c
+  local answers, record, took = {}, {deadline}, false
+  while ab < #ARGV do
+    local c = tonumber(ARGV[ab + 3])
+    enter_partition(kb)
+    if kept then
+      answers[#answers + 1] = answer_again(was_blocks[#answers + 1] or '0:0', was_deadline)
+    else
+      local block_answer, took_here = claim_block(c)
+      answers[#answers + 1] = block_answer
+      record[#record + 1] = took_here
+      took = took or block_answer[4][1] ~= nil
+    end
+    kb, ab = kb + MORE + 4 * c, ab + 3 + 2 * c
+  end
+  if took then redis.call('SET', RECORD, table.concat(record, ';'), 'PX', ARGV[2]) end
+  return answers
 end
-if took then redis.call('SET', RECORD, table.concat(record, ';'), 'PX', ARGV[2]) end
-return answers

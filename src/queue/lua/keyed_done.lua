@@ -94,7 +94,8 @@
 -- message of a chain would run out under the chain (issue 35). A fenced
 -- lock gets a new token, so that the next message's fence is its own.
 
--- The server's time, read once per call: its blocks settle at one moment.
+-- The server's time, read once per call: its blocks settle at one moment
+-- (`main` forgets it: a function's state outlives its calls).
 local read_time, clock = server_time, nil
 local function server_time()
   clock = clock or {read_time()}
@@ -104,9 +105,9 @@ local function now_ms()
   return (server_time())
 end
 
--- The call's own keys and arguments: below, KEYS and ARGV are the block
--- at hand's (see settle).
-local CALL_KEYS, CALL_ARGV = KEYS, ARGV
+-- The call's own keys and arguments (set by `main`): below, KEYS and
+-- ARGV are the block at hand's (see settle).
+local CALL_KEYS, CALL_ARGV
 
 -- The block at hand: its keys and arguments, numbered as a call of one
 -- block would have them (the partition's keys through K too, see
@@ -582,21 +583,25 @@ local function settle(keys, args)
   return end_turn(gone)
 end
 
-local replies, kb, ab = {}, 0, 0
-while ab < #CALL_ARGV do
-  local n = tonumber(CALL_ARGV[ab + 1])
-  local keys, args = {}, {}
-  for i = 1, MORE + 5 do keys[i] = CALL_KEYS[kb + i] end
-  for i = 1, n do args[i] = CALL_ARGV[ab + 1 + i] end
-  enter_partition(kb)
-  -- A block that fails (a command refused: a key of the wrong type, say)
-  -- answers status 255 and its error, and the others go on; what it
-  -- changed before the error stays, as a call of its own would leave it.
-  local ok, reply = pcall(settle, keys, args)
-  if not ok then
-    reply = {255, type(reply) == 'table' and reply.err or tostring(reply), false, false}
+-- The call, given its keys and arguments: each block settled in turn.
+local function main(keys, args)
+  CALL_KEYS, CALL_ARGV, clock = keys, args, nil
+  local replies, kb, ab = {}, 0, 0
+  while ab < #CALL_ARGV do
+    local n = tonumber(CALL_ARGV[ab + 1])
+    local block_keys, block_args = {}, {}
+    for i = 1, MORE + 5 do block_keys[i] = CALL_KEYS[kb + i] end
+    for i = 1, n do block_args[i] = CALL_ARGV[ab + 1 + i] end
+    enter_partition(kb)
+    -- A block that fails (a command refused: a key of the wrong type, say)
+    -- answers status 255 and its error, and the others go on; what it
+    -- changed before the error stays, as a call of its own would leave it.
+    local ok, reply = pcall(settle, block_keys, block_args)
+    if not ok then
+      reply = {255, type(reply) == 'table' and reply.err or tostring(reply), false, false}
+    end
+    replies[#replies + 1] = reply
+    kb, ab = kb + MORE + 5, ab + 1 + n
   end
-  replies[#replies + 1] = reply
-  kb, ab = kb + MORE + 5, ab + 1 + n
+  return replies
 end
-return replies
