@@ -85,14 +85,16 @@ pub(crate) fn push_source() -> String {
 
 // The keyed scripts, each hashed once per process.
 static PUSH: Lazy = LazyLock::new(|| Script::new(&push_source()));
-// (With the activity counts' functions: it counts keyed messages done and
-// failed, see `lua/activity.lua`.)
+// (The prelude and the activity counts' functions, without the keyed
+// helpers, which it does not use: it runs after every keyed call that
+// records events, and a script makes its helpers on every call, see
+// `crate::script`.)
 static EVENTS: Lazy = LazyLock::new(|| {
     let counting = super::scripts::ACTIVITY_LUA;
-    script(&format!(
-        "{counting}\n{}",
-        include_str!("lua/keyed_events.lua")
-    ))
+    let events = include_str!("lua/keyed_events.lua");
+    Script::new(&super::scripts::with_prelude(&format!(
+        "{counting}\n{events}"
+    )))
 });
 // The two a keyed message's every turn calls, as functions: a call runs
 // the function alone, not the 170 helpers it needs.
