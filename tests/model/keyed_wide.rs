@@ -7,7 +7,8 @@
 //! server) and three claimers (queues of their own over the same name,
 //! each remembering the keys its last claim named) claim runs, settle them
 //! (a run acknowledged with the key's next messages claimed in the same
-//! script, or one message released back to its place), over connections
+//! script, alone or with other keys' runs in one call, or one message
+//! released back to its place), over connections
 //! the server may drop and with calls the library resends unchanged.
 //!
 //! The model keeps each key's line and how many of its first messages are
@@ -58,6 +59,15 @@ enum Op {
         pick: usize,
         max: usize,
     },
+    /// The messages at work of up to three keys (the `picks`th with some,
+    /// each key once) are acknowledged in one call by claimer `claimer`,
+    /// each as a run with up to `max` of its key's next messages claimed
+    /// (`Queue::ack_runs`): a block per key, settled as alone.
+    SettleMany {
+        claimer: usize,
+        picks: [usize; 3],
+        max: usize,
+    },
     /// The one message at work of the `pick`th key with one at work goes
     /// back to its place, first in line (`Queue::release`).
     Release { pick: usize },
@@ -75,6 +85,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(claimer, max, run)| Op::Claim { claimer, max, run }),
         4 => (claimer.clone(), 0..KEYS, 0..=3usize)
             .prop_map(|(claimer, pick, max)| Op::Settle { claimer, pick, max }),
+        3 => (claimer.clone(), [0..KEYS, 0..KEYS, 0..KEYS], 1..=3usize)
+            .prop_map(|(claimer, picks, max)| Op::SettleMany { claimer, picks, max }),
         1 => (0..KEYS).prop_map(|pick| Op::Release { pick }),
         1 => claimer.prop_map(|claimer| Op::ClaimAll { claimer }),
     ]
@@ -126,7 +138,10 @@ impl World<'_> {
         let twice = self.twice.clone();
         let resends = matches!(
             op,
-            Op::Claim { .. } | Op::ClaimAll { .. } | Op::Settle { max: 1.., .. }
+            Op::Claim { .. }
+                | Op::ClaimAll { .. }
+                | Op::Settle { max: 1.., .. }
+                | Op::SettleMany { .. }
         );
         let repeated = fault == Fault::Repeated && resends;
         twice
@@ -163,6 +178,23 @@ impl World<'_> {
                 }
                 self.settle(claimer, busy[pick % busy.len()], max, at)
                     .await?;
+            }
+            Op::SettleMany {
+                claimer,
+                picks,
+                max,
+            } => {
+                let busy: Vec<usize> = (0..KEYS)
+                    .filter(|k| !self.lines[*k].at_work.is_empty())
+                    .collect();
+                if busy.is_empty() {
+                    return Ok(());
+                }
+                let mut keys: Vec<usize> = picks.iter().map(|p| busy[p % busy.len()]).collect();
+                keys.dedup();
+                keys.sort_unstable();
+                keys.dedup();
+                self.settle_many(claimer, &keys, max, at).await?;
             }
             Op::Release { pick } => {
                 let single: Vec<usize> = (0..KEYS)
@@ -284,6 +316,19 @@ impl World<'_> {
             _ => crate::retried(at, || q.ack_run(&run, LEASE, max.max(1))).await?,
         };
         let max = max.max(usize::from(run.len() > 1));
+        self.settled(k, &run, (held, next), max, at)
+    }
+
+    /// Records key `k`'s `run` acknowledged, answered `held` and the
+    /// `next` messages claimed (up to `max`): the key's next in line.
+    fn settled(
+        &mut self,
+        k: usize,
+        run: &[Job<u64>],
+        (held, next): (bool, Vec<Job<u64>>),
+        max: usize,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
         prop_assert!(held, "{}: key {}'s claim held", at, k);
         let line = &mut self.lines[k];
         line.acked.extend(run.iter().map(|job| *job.payload()));
@@ -299,6 +344,33 @@ impl World<'_> {
             line.at_work.push(job);
         }
         prop_assert!(line.at_work.len() <= max, "{}: over {} next", at, max);
+        Ok(())
+    }
+
+    /// Acknowledges the messages at work of each of `keys` in one call
+    /// through `claimer`, each with up to `max` next messages claimed, and
+    /// checks each key's answer as [`settled`](Self::settled).
+    async fn settle_many(
+        &mut self,
+        claimer: usize,
+        keys: &[usize],
+        max: usize,
+        at: &str,
+    ) -> Result<(), TestCaseError> {
+        let q = self.claimers[claimer].clone();
+        let runs: Vec<Vec<Job<u64>>> = (keys.iter())
+            .map(|k| std::mem::take(&mut self.lines[*k].at_work))
+            .collect();
+        let slices: Vec<&[Job<u64>]> = runs.iter().map(Vec::as_slice).collect();
+        let all = || async {
+            let answers = q.ack_runs(&slices, LEASE, max).await?;
+            answers.into_iter().collect::<lockgate::Result<Vec<_>>>()
+        };
+        let answers = crate::retried(at, all).await?;
+        prop_assert_eq!(answers.len(), keys.len(), "{}: an answer per key", at);
+        for ((k, run), answer) in keys.iter().zip(&runs).zip(answers) {
+            self.settled(*k, run, answer, max, at)?;
+        }
         Ok(())
     }
 
@@ -353,9 +425,8 @@ impl World<'_> {
             if busy.is_empty() {
                 break;
             }
-            for k in busy {
-                self.settle(round % CLAIMERS, k, 0, at).await?;
-            }
+            // Every key at work in one call, a block each.
+            self.settle_many(round % CLAIMERS, &busy, 1, at).await?;
         }
         self.counts_agree(at).await?;
         for (k, line) in self.lines.iter().enumerate() {
