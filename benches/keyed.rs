@@ -1,6 +1,7 @@
 //! Keyed messages (`PushOptions::key`): how long a cold key's message waits
 //! while hot keys have a backlog, beside the same without the backlog, what
-//! a claim costs as the number of keys with waiting messages grows, and how
+//! a claim costs as the number of keys with waiting messages grows, what a
+//! push of one message costs the server keyed beside unkeyed, and how
 //! close one hot key comes to 1 / (handler time + one round trip).
 //!
 //! `cargo bench --bench keyed` (full run); built and run on tiny inputs by
@@ -76,6 +77,16 @@ async fn main() -> Result<(), BoxError> {
         );
         hot_key(size(3_000, 30)).await?;
     }
+    if runs("push") {
+        println!("\n## pushing one message at a time, keyed beside unkeyed");
+        println!(
+            "server µs per push: the push script's or function's time per call (`INFO commandstats`), median of 5 rounds"
+        );
+        println!(
+            "| messages per round | keyed, a key each | keyed, one key | unkeyed |\n|---|---|---|---|"
+        );
+        push_cost(size(5_000, 20)).await?;
+    }
     if runs("reads") {
         println!(
             "\n## reading a queue of one message per key beside one of as many messages without a key"
@@ -90,6 +101,57 @@ async fn main() -> Result<(), BoxError> {
             reads(keys).await?;
         }
     }
+    Ok(())
+}
+
+/// The server's time in the push scripts and functions so far (`EVALSHA`,
+/// `FCALL`), in µs, and their calls (`INFO commandstats`).
+async fn push_us(conn: &redis::aio::ConnectionManager) -> Result<(u64, u64), BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn.clone())
+        .await?;
+    let field = |line: &str, name: &str| {
+        let (_, rest) = line.split_once(name)?;
+        rest.split(',').next()?.parse::<u64>().ok()
+    };
+    let (mut usec, mut calls) = (0, 0);
+    for line in info.lines() {
+        if line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_fcall:") {
+            usec += field(line, "usec=").unwrap_or(0);
+            calls += field(line, "calls=").unwrap_or(0);
+        }
+    }
+    Ok((usec, calls))
+}
+
+/// `n` messages pushed one at a time (`push_with`, one call each) with a
+/// key each, with one key, and without a key, on one fresh server, 5
+/// rounds alternated: the server's time per push, median of the rounds.
+async fn push_cost(n: usize) -> Result<(), BoxError> {
+    let server = RedisServer::start()?;
+    let conn = server.connection_manager().await?;
+    let queue: Queue<u64> = Queue::new(conn.clone(), "pushes")?;
+    let mut per_push = [Vec::new(), Vec::new(), Vec::new()];
+    for round in 0..5 {
+        for (side, times) in per_push.iter_mut().enumerate() {
+            let before = push_us(&conn).await?;
+            for i in 0..n {
+                let id = format!("{round}-{side}-{i}");
+                let options = match side {
+                    0 => PushOptions::new().key(format!("k{i}")),
+                    1 => PushOptions::new().key("one"),
+                    _ => PushOptions::new(),
+                };
+                queue.push_with(i as u64, options.id(id)).await?;
+            }
+            let after = push_us(&conn).await?;
+            let calls = (after.1 - before.1).max(1);
+            times.push((after.0 - before.0) as f64 / calls as f64);
+        }
+    }
+    let [keyed, one, plain] = per_push.map(median);
+    println!("| {n} | {keyed:.1} µs | {one:.1} µs | {plain:.1} µs |");
     Ok(())
 }
 

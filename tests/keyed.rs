@@ -391,10 +391,10 @@ async fn a_key_hands_out_one_message_at_a_time_in_push_order() {
     assert_eq!(ids(&claim_ids(&queue, secs(10)).await), ["a2"]);
 }
 
-/// The keyed claim and settlement run as functions, each in a library
-/// named after its source (docs/internals.md, "Scripts and functions"),
-/// loaded again when the server lost them (`FUNCTION FLUSH`, as a restart
-/// without persistence does).
+/// The keyed push, claim and settlement run as functions, each in a
+/// library named after its source (docs/internals.md, "Scripts and
+/// functions"), loaded again when the server lost them (`FUNCTION FLUSH`,
+/// as a restart without persistence does).
 #[tokio::test]
 async fn keyed_functions_are_loaded_again_when_the_server_lost_them() {
     let server = server();
@@ -420,7 +420,10 @@ async fn keyed_functions_are_loaded_again_when_the_server_lost_them() {
         names.sort();
         names
     };
-    assert_eq!(libraries().await, ["lockgate_keyed_claim"]);
+    assert_eq!(
+        libraries().await,
+        ["lockgate_keyed_claim", "lockgate_keyed_push"]
+    );
     let _: () = support::raw(&admin, &["FUNCTION", "FLUSH"]).await;
     let (held, next) = queue.ack_and_next(&jobs[0], secs(10)).await.unwrap();
     assert!(held);
@@ -433,6 +436,11 @@ async fn keyed_functions_are_loaded_again_when_the_server_lost_them() {
         ["b2"],
         "the claim loaded again"
     );
+    let _: () = support::raw(&admin, &["FUNCTION", "FLUSH"]).await;
+    let options = PushOptions::new().id("c1").key("c");
+    let pushed = queue.push_with("c1".to_owned(), options).await.unwrap();
+    assert!(pushed.created, "the push loaded again");
+    assert_eq!(libraries().await, ["lockgate_keyed_push"]);
 }
 
 #[tokio::test]

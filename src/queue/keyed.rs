@@ -77,14 +77,25 @@ fn function(kind: &str, body: &str) -> Function {
     Function::new(kind, &format!("{PERMITS_LUA}\n{RATE_LUA}\n{source}"))
 }
 
-/// The keyed push script as the library loads it; `scripts/push_keyed.lua`
-/// (for producers in other languages) must be exactly this.
+/// The keyed push as a script, the same source the library calls as a
+/// function: `scripts/push_keyed.lua` (for producers in other languages)
+/// must be exactly this (a test checks it).
+#[cfg(test)]
 pub(crate) fn push_source() -> String {
-    source(&counted(include_str!("lua/keyed_push.lua")))
+    let push = include_str!("lua/keyed_push.lua");
+    source(&counted(&format!("{push}\nreturn main()")))
 }
 
-// The keyed scripts, each hashed once per process.
-static PUSH: Lazy = LazyLock::new(|| Script::new(&push_source()));
+// The push, a keyed message's claim and its settlement, the calls made
+// per message, run as functions: a call runs the function alone, not the
+// 170 helpers it needs.
+static PUSH: LazyLock<Function> =
+    LazyLock::new(|| function("keyed_push", include_str!("lua/keyed_push.lua")));
+static CLAIM: LazyLock<Function> =
+    LazyLock::new(|| function("keyed_claim", include_str!("lua/keyed_claim.lua")));
+static DONE: LazyLock<Function> =
+    LazyLock::new(|| function("keyed_done", include_str!("lua/keyed_done.lua")));
+// The other keyed scripts, each hashed once per process.
 // (The prelude and the activity counts' functions, without the keyed
 // helpers, which it does not use: it runs after every keyed call that
 // records events, and a script makes its helpers on every call, see
@@ -96,12 +107,6 @@ static EVENTS: Lazy = LazyLock::new(|| {
         "{counting}\n{events}"
     )))
 });
-// The two a keyed message's every turn calls, as functions: a call runs
-// the function alone, not the 170 helpers it needs.
-static CLAIM: LazyLock<Function> =
-    LazyLock::new(|| function("keyed_claim", include_str!("lua/keyed_claim.lua")));
-static DONE: LazyLock<Function> =
-    LazyLock::new(|| function("keyed_done", include_str!("lua/keyed_done.lua")));
 static EXTEND: Lazy = LazyLock::new(|| with_limits(include_str!("lua/keyed_extend.lua")));
 // (It tallies itself, when anything expired.)
 static RECOVER: Lazy = LazyLock::new(|| script(include_str!("lua/keyed_recover.lua")));
@@ -593,7 +598,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .iter()
             .map(|(slot, _)| self.partition_in(*slot, layout));
         let partitions: Vec<Arc<Partition>> = partitions.collect();
-        let mut cmd = evalsha(&PUSH, partitions.len() * PUSH_KEYS);
+        let mut cmd = PUSH.call(partitions.len() * PUSH_KEYS);
         for partition in &partitions {
             cmd.arg(&partition.keys[..PUSH_KEYS]);
         }
