@@ -114,12 +114,6 @@ impl Program for Function {
     }
 }
 
-/// An `EVALSHA` of `script` that will be given `keys` keys: append the keys,
-/// then the arguments, with `Cmd::arg`.
-pub(crate) fn evalsha(script: &Script, keys: usize) -> Cmd {
-    script.call(keys)
-}
-
 /// A command named `name`, with room for the arguments of this crate's
 /// commands: `redis::cmd` starts empty, and its buffers grow a few times
 /// (an allocation each) while the arguments go in.

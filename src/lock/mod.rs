@@ -63,7 +63,7 @@ use tokio::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::keys::{self, KeyName};
-use crate::script;
+use crate::script::{self, Program};
 
 mod inspect;
 mod token;
@@ -683,7 +683,7 @@ where
             Some(_) => &*permits::ACQUIRE,
             None => &*CONTEND,
         };
-        let mut cmd = script::evalsha(script, 2);
+        let mut cmd = script.call(2);
         cmd.arg(ticket.lock_key())
             .arg(KeyName(ticket.lock_key(), WAITERS))
             .arg(ticket.token)
@@ -778,7 +778,7 @@ where
             Some(_) => (&*permits::FENCE, ticket.lock_key.clone() + permits::FENCES),
             None => (&*FENCE, self.fence_key(&ticket.key)),
         };
-        let mut cmd = script::evalsha(script, 2);
+        let mut cmd = script.call(2);
         cmd.arg(ticket.lock_key())
             .arg(record)
             .arg(ticket.token)
@@ -825,7 +825,7 @@ where
         if ticket.permits.is_some() {
             return self.release_permit(ticket, publish).await;
         }
-        let mut cmd = script::evalsha(&RELEASE, 2);
+        let mut cmd = RELEASE.call(2);
         cmd.arg(ticket.lock_key())
             .arg(KeyName(ticket.lock_key(), WAITERS))
             .arg(ticket.token)
@@ -871,7 +871,7 @@ where
             Some(_) => &*permits::EXTEND,
             None => &*EXTEND,
         };
-        let mut cmd = script::evalsha(script, 1);
+        let mut cmd = script.call(1);
         cmd.arg(ticket.lock_key())
             .arg(ticket.token)
             .arg(millis(ttl));

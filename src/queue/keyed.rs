@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::listen::AutoListener;
 use crate::lock::{Token, detect_publish};
-use crate::script::{Function, Program, evalsha, run};
+use crate::script::{Function, Program, run};
 
 mod claim;
 pub(crate) use claim::Terms;
@@ -218,7 +218,7 @@ impl Partition {
     }
 
     fn call(&self, script: &Script, more: usize) -> Cmd {
-        let mut cmd = evalsha(script, self.keys.len() + more);
+        let mut cmd = script.call(self.keys.len() + more);
         cmd.arg(&self.keys[..]);
         cmd
     }
@@ -675,7 +675,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         if events.is_none() && log.completed.is_empty() {
             return;
         }
-        let mut cmd = evalsha(&EVENTS, 3);
+        let mut cmd = EVENTS.call(3);
         let (count, age) = self.recording.completed.unwrap_or_default().args();
         cmd.arg(&self.keys.events)
             .arg(&self.keys.completed)
@@ -806,7 +806,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         turns: &[(&Held, &str, u64)],
         lease: Duration,
     ) -> Result<Vec<bool>> {
-        let mut cmd = evalsha(&EXTEND, turns.len() * (MORE + 1));
+        let mut cmd = EXTEND.call(turns.len() * (MORE + 1));
         for (held, ..) in turns {
             cmd.arg(&held.partition.keys[..])
                 .arg(held.lock_key(&self.keys.prefix));

@@ -75,6 +75,7 @@ pub use self::wait::{Connector, Waiter, Wake};
 use crate::error::{Error, Result};
 use crate::keys;
 use crate::lock::millis;
+use crate::script::Program;
 use scripts::Query;
 
 /// The most messages one script call handles (claim, push batch, recover).
@@ -516,7 +517,7 @@ where
         (max, lease): (usize, Duration),
         partitions: usize,
     ) -> redis::Cmd {
-        let mut cmd = crate::script::evalsha(&scripts::CLAIM, 9);
+        let mut cmd = scripts::CLAIM.call(9);
         cmd.arg(&[&k.data, &k.schedule, &k.active, &k.claims])
             .arg(&[&k.bell, &k.prioritized, &k.events, &k.partitions])
             .arg(format!(

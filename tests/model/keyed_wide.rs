@@ -267,16 +267,7 @@ impl World<'_> {
                     turns.push((k, 1));
                 }
             }
-            let line = &mut self.lines[k];
-            prop_assert_eq!(
-                line.waiting.first(),
-                Some(job.payload()),
-                "{}: not key {}'s first in line",
-                at,
-                k
-            );
-            line.waiting.remove(0);
-            line.at_work.push(job);
+            self.start(k, job, at)?;
         }
         prop_assert!(
             turns.len() <= max,
@@ -333,17 +324,26 @@ impl World<'_> {
         let line = &mut self.lines[k];
         line.acked.extend(run.iter().map(|job| *job.payload()));
         for job in next {
-            prop_assert_eq!(
-                line.waiting.first(),
-                Some(job.payload()),
-                "{}: key {}'s next is not its first in line",
-                at,
-                k
-            );
-            line.waiting.remove(0);
-            line.at_work.push(job);
+            self.start(k, job, at)?;
         }
-        prop_assert!(line.at_work.len() <= max, "{}: over {} next", at, max);
+        let at_work = self.lines[k].at_work.len();
+        prop_assert!(at_work <= max, "{}: over {} next", at, max);
+        Ok(())
+    }
+
+    /// Checks that `job`, claimed or handed over, is key `k`'s first
+    /// message in line, and puts it at work.
+    fn start(&mut self, k: usize, job: Job<u64>, at: &str) -> Result<(), TestCaseError> {
+        let line = &mut self.lines[k];
+        prop_assert_eq!(
+            line.waiting.first(),
+            Some(job.payload()),
+            "{}: not key {}'s first in line",
+            at,
+            k
+        );
+        line.waiting.remove(0);
+        line.at_work.push(job);
         Ok(())
     }
 

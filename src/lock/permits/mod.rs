@@ -18,7 +18,7 @@ use redis::aio::ConnectionLike;
 use super::{Acquisition, Lease, Locker, Released, Ticket, WAITERS, millis};
 use crate::error::{Error, Result};
 use crate::keys::{self, KeyName};
-use crate::script;
+use crate::script::{self, Program};
 
 /// The permit functions, prepended to the scripts (also the keyed queue's)
 /// that take or give back permits.
@@ -157,7 +157,7 @@ where
     ) -> Result<Released> {
         let set = ticket.lock_key();
         let fenced = ticket.issued_fence().map_or("0", |_| "1");
-        let mut cmd = script::evalsha(&RELEASE, 3);
+        let mut cmd = RELEASE.call(3);
         cmd.arg(set)
             .arg(KeyName(set, WAITERS))
             .arg(KeyName(set, FENCES))

@@ -16,7 +16,7 @@ use redis::aio::ConnectionLike;
 use super::{Contended, Locker, Token};
 use crate::error::{Error, Result};
 use crate::keys;
-use crate::script;
+use crate::script::{self, Program};
 
 static ADMIT: LazyLock<Script> =
     LazyLock::new(|| Script::new(&format!("{RATE_LUA}\n{}", include_str!("admit.lua"))));
@@ -165,7 +165,7 @@ where
         if key.is_empty() {
             return Err(Error::InvalidKey("rate limit key must not be empty".into()));
         }
-        let mut cmd = script::evalsha(&ADMIT, 1);
+        let mut cmd = ADMIT.call(1);
         cmd.arg(self.rate_key(key))
             .arg(rate.limit)
             .arg(rate.period_us())

@@ -18,7 +18,7 @@ use crate::keys::{self, SLOTS};
 use crate::lock::Token;
 use crate::queue::EventKind;
 use crate::queue::scripts::Query;
-use crate::script::{Program, evalsha, run, run_after};
+use crate::script::{Program, run, run_after};
 
 /// One block's answer of the claim script (see `lua/keyed_claim.lua`):
 /// its claim number, when it has a key or a delayed message due next
@@ -210,7 +210,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Ok(());
         }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
-        let mut cmd = evalsha(&INDEX_SETTLE, 2);
+        let mut cmd = INDEX_SETTLE.call(2);
         let now = raised_to - CLAIMING_MS;
         cmd.arg(&self.keys.partitions).arg(&self.keys.bell);
         cmd.arg(raised_to).arg(now + RECHECK_MS).arg(now);

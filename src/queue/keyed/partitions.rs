@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::keys::SLOTS;
 use crate::queue::scripts::Query;
 use crate::queue::{EventKind, KeyLoad, MAX_KEYS_READ, Peeked, from_unix_ms, span};
-use crate::script::{evalsha, run};
+use crate::script::{Program, run};
 
 /// Keys one script call of a sweep for unindexed partitions looks at, on
 /// one server ([`Keyed::heal_index`]).
@@ -260,7 +260,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// The slots of `batch` whose partition holds messages, in one script
     /// call (one server only: the keys are in many slots).
     async fn existing_at_once(&self, batch: &[u16]) -> redis::RedisResult<Vec<u16>> {
-        let mut cmd = evalsha(&INDEX_HEAL, batch.len());
+        let mut cmd = INDEX_HEAL.call(batch.len());
         for slot in batch {
             cmd.arg(self.data_key(*slot));
         }
@@ -333,7 +333,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     async fn due_slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("reading the leases index of queue `{}`", self.keys.name);
         let leases = &self.partition_in(0, Layout::Server).keys[LEASES];
-        let mut cmd = evalsha(&LEASES_DUE, 1);
+        let mut cmd = LEASES_DUE.call(1);
         cmd.arg(leases).arg(DUE_AT_ONCE);
         let tags: Vec<String> = self.run(&LEASES_DUE, &cmd, attempted).await?;
         Ok(tags.iter().map(|tag| crate::keys::slot_of(tag)).collect())
@@ -389,7 +389,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         (count, age): (&String, &String),
     ) -> Result<(usize, usize)> {
         let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
-        let mut cmd = evalsha(&RECOVER, partitions.len() * MORE);
+        let mut cmd = RECOVER.call(partitions.len() * MORE);
         for partition in partitions {
             cmd.arg(&partition.keys[..]);
         }
