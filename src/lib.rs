@@ -30,6 +30,7 @@
 
 mod backoff;
 pub mod error;
+mod functions;
 mod keys;
 pub mod layer;
 pub mod lock;
@@ -49,6 +50,7 @@ pub mod worker;
 
 pub use backoff::Backoff;
 pub use error::{Error, Result};
+pub use functions::{Library, delete_stale_functions, function_libraries};
 pub use keys::delete_prefix;
 pub use layer::{HeldLock, LockGuard, LockLayer, OnConflict, OnLost, Permits};
 pub use lock::{Acquisition, Contended, Lease, Locker, ReleaseListener};

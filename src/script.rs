@@ -94,6 +94,13 @@ impl Function {
     }
 }
 
+impl Function {
+    /// The function's name, its library's too.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 impl Program for Function {
     fn call(&self, keys: usize) -> Cmd {
         let mut cmd = command("FCALL");

@@ -1315,3 +1315,54 @@ async fn queue_names_lists_queues_on_every_node() {
         .unwrap();
     assert_eq!(listed, names);
 }
+
+/// On a cluster every primary loads lockgate's libraries (redis-rs sends
+/// `FUNCTION LOAD` to each): `delete_stale_functions` deletes an older
+/// version's from every one of them, this version's stay, and the keyed
+/// queue goes on.
+#[tokio::test]
+async fn stale_function_libraries_are_deleted_from_every_primary() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let old = "lockgate_keyed_claim_0123456789abcdef0123456789abcdef01234567";
+    let source =
+        format!("#!lua name={old}\nredis.register_function('{old}', function() return 1 end)");
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg(&source)
+        .query_async(&mut conn.clone())
+        .await
+        .expect("FUNCTION LOAD on every primary");
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "functions").unwrap();
+    let keyed = (0..6u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(keyed).await.unwrap();
+    let on_each = || async {
+        let mut out = Vec::new();
+        for node in cluster.nodes() {
+            let mut one = node.multiplexed().await.expect("connecting to one node");
+            let list: Vec<redis::Value> = redis::cmd("FUNCTION")
+                .arg("LIST")
+                .arg("LIBRARYNAME")
+                .arg(old)
+                .query_async(&mut one)
+                .await
+                .expect("FUNCTION LIST");
+            out.push(list.len());
+        }
+        out
+    };
+    assert_eq!(on_each().await, [1, 1, 1]);
+    let deleted = lockgate::delete_stale_functions(&conn).await.unwrap();
+    assert_eq!(deleted, [old]);
+    assert_eq!(on_each().await, [0, 0, 0]);
+    let mut claimed = 0;
+    while claimed < 6 {
+        let jobs = queue.claim(6, Duration::from_secs(30)).await.unwrap().jobs;
+        for job in &jobs {
+            assert!(queue.ack(job).await.unwrap());
+        }
+        claimed += jobs.len();
+    }
+    let current = lockgate::function_libraries(&conn).await.unwrap();
+    assert!(current.iter().all(|library| library.current), "{current:?}");
+}

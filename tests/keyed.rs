@@ -443,6 +443,82 @@ async fn keyed_functions_are_loaded_again_when_the_server_lost_them() {
     assert_eq!(libraries().await, ["lockgate_keyed_push"]);
 }
 
+/// An upgrade leaves the older version's libraries on the server:
+/// `delete_stale_functions` deletes those and only those (not this
+/// version's, not another program's), and the queue goes on.
+#[tokio::test]
+async fn stale_function_libraries_are_deleted_and_the_current_ones_kept() {
+    let server = server();
+    let admin = manager(&server).await;
+    let load = |name: &str, function: &str| {
+        let source = format!(
+            "#!lua name={name}\nredis.register_function('{function}', function() return 1 end)"
+        );
+        let admin = admin.clone();
+        async move {
+            let _: String = support::raw(&admin, &["FUNCTION", "LOAD", &source]).await;
+        }
+    };
+    let old = "lockgate_keyed_done_0123456789abcdef0123456789abcdef01234567";
+    load(old, old).await;
+    load("mylib", "myfn").await;
+    load("notlockgate_x", "notlockgate_x").await;
+    let queue: Queue<String> = Queue::new(admin.clone(), "q").unwrap();
+    push_lines(&queue).await;
+    let jobs = claim_ids(&queue, secs(10)).await;
+    let found = lockgate::function_libraries(&admin).await.unwrap();
+    let found: Vec<(String, bool)> = (found.into_iter())
+        .map(|library| match library.name.rsplit_once('_') {
+            Some((kind, _)) if library.current => (kind.to_owned(), true),
+            _ => (library.name, library.current),
+        })
+        .collect();
+    assert_eq!(
+        found,
+        [
+            ("lockgate_keyed_claim".to_owned(), true),
+            (old.to_owned(), false),
+            ("lockgate_keyed_push".to_owned(), true),
+        ]
+    );
+    let deleted = lockgate::delete_stale_functions(&admin).await.unwrap();
+    assert_eq!(deleted, [old]);
+    let names = || async {
+        let list: Vec<Vec<redis::Value>> = support::raw(&admin, &["FUNCTION", "LIST"]).await;
+        let mut names: Vec<String> = (list.iter())
+            .filter_map(|library| match library.get(1) {
+                Some(redis::Value::BulkString(name)) => Some(String::from_utf8_lossy(name).into()),
+                _ => None,
+            })
+            .map(
+                |name: String| match name.strip_suffix(|c: char| c.is_ascii_hexdigit()) {
+                    Some(_) if name.len() > 41 => name[..name.len() - 41].to_owned(),
+                    _ => name,
+                },
+            )
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        names().await,
+        [
+            "lockgate_keyed_claim",
+            "lockgate_keyed_push",
+            "mylib",
+            "notlockgate_x"
+        ]
+    );
+    // This version's go on; the done function loads as it is first called.
+    let (held, next) = queue.ack_and_next(&jobs[0], secs(10)).await.unwrap();
+    assert!(held);
+    assert_eq!(next.as_ref().map(|j| j.id()), Some("a2"));
+    assert_eq!(
+        lockgate::delete_stale_functions(&admin).await.unwrap(),
+        Vec::<String>::new()
+    );
+}
+
 #[tokio::test]
 async fn several_keys_runs_are_acknowledged_in_one_call_each_as_alone() {
     let server = server();

@@ -145,6 +145,15 @@ enum Command {
         #[arg(value_parser = non_empty)]
         key: String,
     },
+    /// lockgate's function libraries on the server, this version's and
+    /// older ones an upgrade left behind.
+    Functions {
+        /// Delete the other versions' libraries (on a cluster, from every
+        /// primary). A process of another version still running loads its
+        /// own again when it next calls it.
+        #[arg(long)]
+        delete_stale: bool,
+    },
     /// Runs BENCHMARKS.md's workloads against this Redis, each beside its
     /// same-run comparator, under a throwaway prefix that is deleted
     /// afterwards (also on Ctrl-C).
@@ -484,6 +493,7 @@ where
             ops.out.permits(&key, &holders);
             Ok(())
         }
+        Command::Functions { delete_stale } => ops.functions(delete_stale).await,
         Command::Bench { .. } => unreachable!("run by run_bench or run_cluster_bench"),
         Command::Dashboard {
             bind,
@@ -861,6 +871,32 @@ impl Output {
         }
         if let Some(next) = next {
             say!("more: --after {next}");
+        }
+    }
+
+    fn functions(&self, libraries: &[lockgate::Library], deleted: Option<&[String]>) {
+        if self.json {
+            let listed: Vec<Value> = (libraries.iter())
+                .map(|l| json!({"name": l.name, "current": l.current}))
+                .collect();
+            return match deleted {
+                Some(deleted) => self.print(&json!({"libraries": listed, "deleted": deleted})),
+                None => self.print(&json!({ "libraries": listed })),
+            };
+        }
+        for library in libraries {
+            let which = if library.current {
+                "this version"
+            } else {
+                "stale"
+            };
+            say!("{:<64} {which}", library.name);
+        }
+        match deleted {
+            Some([]) => say!("no stale libraries"),
+            Some(deleted) => say!("deleted {} stale libraries", deleted.len()),
+            None if libraries.is_empty() => say!("no lockgate libraries loaded"),
+            None => {}
         }
     }
 

@@ -238,6 +238,18 @@ where
         Ok(())
     }
 
+    /// `lockgate functions`: the libraries, after deleting the stale ones
+    /// when asked.
+    pub(crate) async fn functions(&self, delete_stale: bool) -> Result<(), Failure> {
+        let deleted = match delete_stale {
+            true => Some(lockgate::delete_stale_functions(&self.conn).await?),
+            false => None,
+        };
+        let libraries = lockgate::function_libraries(&self.conn).await?;
+        self.out.functions(&libraries, deleted.as_deref());
+        Ok(())
+    }
+
     /// `lockgate dashboard`.
     pub(crate) async fn dashboard(
         &self,

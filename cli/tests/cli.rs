@@ -848,3 +848,57 @@ async fn stats_show_a_keyed_queue_s_busy_keys_and_longest_lines() {
     assert_eq!(stats["busy_keys"][0]["waiting"], 2);
     assert_eq!(stats["longest_lines"].as_array().map(Vec::len), Some(1));
 }
+
+/// `lockgate functions` lists lockgate's function libraries (an older
+/// version's marked stale, another program's not listed), and
+/// `--delete-stale` deletes the stale ones only.
+#[tokio::test]
+async fn functions_lists_the_libraries_and_deletes_the_stale_ones() {
+    let server = RedisServer::start().unwrap();
+    let conn = server.connection_manager().await.unwrap();
+    assert_eq!(
+        stdout(&lockgate(&server, &["functions"])).trim(),
+        "no lockgate libraries loaded"
+    );
+    let old = "lockgate_keyed_push_0123456789abcdef0123456789abcdef01234567";
+    for name in [old, "mylib"] {
+        let source = format!(
+            "#!lua name={name}\nredis.register_function('{name}', function() return 1 end)"
+        );
+        let _: String = redis::cmd("FUNCTION")
+            .arg("LOAD")
+            .arg(source)
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap();
+    }
+    let queue: Queue<serde_json::Value> = Queue::new(conn.clone(), "q").unwrap();
+    let keyed = lockgate::PushOptions::new().key("k");
+    queue.push_with(serde_json::json!(1), keyed).await.unwrap();
+    let listed = json(&server, &["functions"]);
+    let libraries = listed["libraries"].as_array().unwrap();
+    let names: Vec<(&str, bool)> = (libraries.iter())
+        .map(|l| (l["name"].as_str().unwrap(), l["current"].as_bool().unwrap()))
+        .collect();
+    // By name: the stale one's SHA-1 sorts first here.
+    assert_eq!(names.len(), 2, "{listed}");
+    assert_eq!(names[0], (old, false));
+    assert!(
+        names[1].0.starts_with("lockgate_keyed_push_") && names[1].1,
+        "{listed}"
+    );
+    let human = stdout(&lockgate(&server, &["functions", "--delete-stale"]));
+    assert!(human.contains("deleted 1 stale libraries"), "{human}");
+    assert!(!human.contains(old), "{human}");
+    let after = json(&server, &["functions", "--delete-stale"]);
+    assert_eq!(after["deleted"], serde_json::json!([]));
+    assert_eq!(after["libraries"].as_array().unwrap().len(), 1, "{after}");
+    let mylib: Vec<redis::Value> = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .arg("LIBRARYNAME")
+        .arg("mylib")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(mylib.len(), 1, "another program's library stays");
+}

@@ -95,6 +95,11 @@ static CLAIM: LazyLock<Function> =
     LazyLock::new(|| function("keyed_claim", include_str!("lua/keyed_claim.lua")));
 static DONE: LazyLock<Function> =
     LazyLock::new(|| function("keyed_done", include_str!("lua/keyed_done.lua")));
+/// The function libraries this version loads (see `crate::functions`).
+pub(crate) fn libraries() -> [&'static str; 3] {
+    [PUSH.name(), CLAIM.name(), DONE.name()]
+}
+
 // The other keyed scripts, each hashed once per process.
 // (The prelude and the activity counts' functions, without the keyed
 // helpers, which it does not use: it runs after every keyed call that

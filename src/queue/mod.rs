@@ -40,6 +40,7 @@ mod dead;
 mod events;
 mod job;
 mod keyed;
+pub(crate) use keyed::libraries;
 mod lease;
 mod names;
 pub use names::queue_names;
