@@ -2,7 +2,9 @@
 //! while hot keys have a backlog, beside the same without the backlog, what
 //! a claim costs as the number of keys with waiting messages grows, what a
 //! push of one message costs the server keyed beside unkeyed, and how
-//! close one hot key comes to 1 / (handler time + one round trip).
+//! close one hot key comes to 1 / (handler time + one round trip); what
+//! reading a keyed queue costs, and a recovery sweep on one server and on
+//! a Redis Cluster.
 //!
 //! `cargo bench --bench keyed` (full run); built and run on tiny inputs by
 //! `cargo test --all-targets`.
@@ -101,6 +103,80 @@ async fn main() -> Result<(), BoxError> {
             reads(keys).await?;
         }
     }
+    if runs("cluster_sweeps") {
+        println!(
+            "\n## recovery sweeps on a 3-master Redis Cluster, one message per key, 1,000 of them at work (a 10-minute lease)"
+        );
+        println!(
+            "median of 5 calls; commands: `INFO commandstats` of every node per call, scripts' inner commands included"
+        );
+        println!(
+            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands |\n|---|---|---|---|---|---|"
+        );
+        for keys in [size(10_000, 100), size(100_000, 200)] {
+            cluster_sweeps(keys).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Commands every node of `cluster` ran so far (`INFO commandstats`), the
+/// `INFO` calls that read them included.
+async fn cluster_commands(cluster: &lockgate::testing::RedisCluster) -> Result<u64, BoxError> {
+    let mut total = 0;
+    for node in cluster.nodes() {
+        total += commands(&node.connection_manager().await?).await?;
+    }
+    Ok(total)
+}
+
+/// Recovery sweeps of a keyed queue of `n` messages, a key each, on a
+/// cluster: the first of 5 minutes (every partition) and the quiet ones
+/// after it (those the leases index names).
+async fn cluster_sweeps(n: usize) -> Result<(), BoxError> {
+    let cluster = lockgate::testing::RedisCluster::start()?;
+    let conn = cluster.connection().await?;
+    let keyed: Queue<Msg, _> = Queue::new(conn.clone(), "keyed")?;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let msgs = chunk.iter().map(|n| {
+            let msg = Msg {
+                key: format!("k{n}"),
+                pushed: 0,
+            };
+            (msg, PushOptions::new().key(format!("k{n}")))
+        });
+        keyed.push_many_with(msgs).await?;
+    }
+    let mut at_work = 0;
+    while at_work < n.min(1000) {
+        let room = (n.min(1000) - at_work).min(100);
+        at_work += keyed
+            .claim(room, Duration::from_secs(600))
+            .await?
+            .jobs
+            .len();
+    }
+    let partitions: u64 = redis::cmd("ZCARD")
+        .arg("lockgate:{keyed}:partitions")
+        .query_async(&mut conn.clone())
+        .await?;
+    // Each read of the counts costs one `INFO` per node.
+    let nodes = cluster.nodes().len() as u64;
+    let (started, before) = (Instant::now(), cluster_commands(&cluster).await?);
+    keyed.recover(3).await?;
+    let full_ms = ms(started.elapsed());
+    let full_cmds = cluster_commands(&cluster).await? - before - nodes;
+    let (mut times, before) = (Vec::new(), cluster_commands(&cluster).await?);
+    for _ in 0..5 {
+        let started = Instant::now();
+        keyed.recover(3).await?;
+        times.push(ms(started.elapsed()));
+    }
+    let sweep_cmds = (cluster_commands(&cluster).await? - before - nodes) / 5;
+    println!(
+        "| {n} | {partitions} | {:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} |",
+        median(times)
+    );
     Ok(())
 }
 

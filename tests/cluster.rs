@@ -97,24 +97,32 @@ fn tag(name: &str) -> String {
     name.replace('\\', "\\\\").replace('}', "\\)")
 }
 
-/// Blocked clients per node (`INFO clients`).
-async fn blocked_clients(cluster: &RedisCluster) -> Vec<u64> {
+/// `INFO <section>` of each node, in order.
+async fn info_by_node(cluster: &RedisCluster, section: &str) -> Vec<String> {
     let mut out = Vec::new();
     for node in cluster.nodes() {
         let mut conn = node.multiplexed().await.expect("connecting to one node");
         let info: String = redis::cmd("INFO")
-            .arg("clients")
+            .arg(section)
             .query_async(&mut conn)
             .await
-            .expect("INFO clients");
-        let blocked = info
-            .lines()
-            .find_map(|line| line.strip_prefix("blocked_clients:"))
-            .and_then(|n| n.trim().parse().ok())
-            .expect("INFO clients reports blocked_clients");
-        out.push(blocked);
+            .unwrap_or_else(|e| panic!("INFO {section}: {e}"));
+        out.push(info);
     }
     out
+}
+
+/// Blocked clients per node (`INFO clients`).
+async fn blocked_clients(cluster: &RedisCluster) -> Vec<u64> {
+    let info = info_by_node(cluster, "clients").await;
+    (info.iter())
+        .map(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("blocked_clients:"))
+                .and_then(|n| n.trim().parse().ok())
+                .expect("INFO clients reports blocked_clients")
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1365,4 +1373,65 @@ async fn stale_function_libraries_are_deleted_from_every_primary() {
     }
     let current = lockgate::function_libraries(&conn).await.unwrap();
     assert!(current.iter().all(|library| library.current), "{current:?}");
+}
+
+/// `EVALSHA` calls so far, over every node (`INFO commandstats`).
+async fn script_calls(cluster: &RedisCluster) -> u64 {
+    let info = info_by_node(cluster, "commandstats").await;
+    let calls = info.iter().map(|info| {
+        (info.lines())
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse::<u64>().expect("a count"))
+    });
+    calls.sum()
+}
+
+/// Issue 35, item 7, on a cluster: a recovery sweep visits only the
+/// partitions whose entry in the queue's leases index is due, as on one
+/// server, not every partition of the queue (a script call each, every
+/// third of a lease). The claims keep the index (its scripts, in other
+/// slots, cannot): an expired lease is found by the next sweep, and the
+/// entries of partitions left without leases go.
+#[tokio::test]
+async fn keyed_recovery_sweeps_on_a_cluster_visit_only_partitions_with_leases_due() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "swept").unwrap();
+    let keyed = (0..60u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(keyed).await.unwrap();
+    // The first sweep of five minutes visits every partition.
+    let before = script_calls(&cluster).await;
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
+    let full = script_calls(&cluster).await - before;
+    assert!(full > 30, "a full sweep: {full} script calls");
+    let quiet = || async {
+        let before = script_calls(&cluster).await;
+        assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
+        script_calls(&cluster).await - before
+    };
+    // (The unkeyed messages' recovery and the index's read: a few calls,
+    // whatever the partitions.)
+    let calls = quiet().await;
+    assert!(
+        calls <= 4,
+        "nothing leased: the index alone is read, not {calls} calls"
+    );
+    let mut claimed = 0;
+    while claimed < 10 {
+        let room = 10 - claimed;
+        claimed += queue.claim(room, ms(300)).await.unwrap().jobs.len();
+    }
+    assert!(quiet().await <= 4, "nothing due yet");
+    tokio::time::sleep(ms(400)).await;
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 10);
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.active), (60, 0));
+    let index: u64 = redis::cmd("ZCARD")
+        .arg("lockgate:{swept}:keyed:leases")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(index, 0, "no partition with a lease left");
+    assert!(quiet().await <= 4);
 }

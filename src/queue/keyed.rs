@@ -123,6 +123,7 @@ static PURGE: Lazy = LazyLock::new(|| script(&counted(include_str!("lua/keyed_pu
 static INDEX_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_settle.lua")));
 static INDEX_HEAL: Lazy = LazyLock::new(|| Script::new(include_str!("lua/index_heal.lua")));
 static LEASES_DUE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/keyed_leases_due.lua")));
+static LEASES_SETTLE: Lazy = LazyLock::new(|| Script::new(include_str!("lua/leases_settle.lua")));
 
 /// Indexes into [`Partition`]'s keys (the keyed scripts' `KEYS` order).
 const DATA: usize = 0;

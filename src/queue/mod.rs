@@ -681,11 +681,8 @@ where
     /// turn of each [`FULL_SWEEP_EVERY`] between the queue's handles (the
     /// safety net for leases given by a version without the leases index),
     /// else those the index names; and whether it took the full sweep's
-    /// turn. A cluster keeps no index: every partition, without asking.
+    /// turn.
     async fn sweep(&self) -> Result<(Sweep, bool)> {
-        if self.keyed().layout().await? == keyed::Layout::Cluster {
-            return Ok((Sweep::Full, false));
-        }
         let mut full = redis::cmd("SET");
         full.arg(format!("{}:full", self.keys.recovering));
         full.arg(1)

@@ -115,15 +115,39 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         // On one server the raise rides with the first claim (a pipeline
         // keeps their order); on a cluster the index is on another node.
         let cluster = self.is_cluster().await?;
+        // On a cluster the scripts cannot reach the queue's leases index
+        // (another slot's): the claim lowers the entries of the partitions
+        // it visits to the leases it may give, before it gives them and
+        // again after (a recovery sweep's settlement of the entry may have
+        // come between, see `lua/leases_settle.lua`).
+        let leases_until =
+            now.saturating_add(i64::try_from(millis(terms.lease)).unwrap_or(i64::MAX));
         let first = match cluster {
             true => {
-                raise.query_on::<(), _>(self.conn, attempted).await?;
+                let mut pipe = redis::pipe();
+                pipe.add_command(raise).ignore();
+                pipe.add_command(self.note_leases(&slots, leases_until))
+                    .ignore();
+                (pipe.query_async::<()>(&mut self.conn.clone()).await)
+                    .map_err(Error::redis(attempted()))?;
                 None
             }
             false => Some(raise),
         };
         let (seen, claimed, mut failed) =
             (self.claim_shares(&slots, (now, max, terms), (cluster, first))).await;
+        if cluster && !claimed.turns.is_empty() {
+            let mut leased: Vec<u16> = (claimed.turns.iter())
+                .map(|turn| turn.held.partition.slot)
+                .collect();
+            leased.sort_unstable();
+            leased.dedup();
+            let note = self.note_leases(&leased, leases_until);
+            if let Err(error) = note.query_on::<(), _>(self.conn, attempted).await {
+                // The entries lowered before the claim stand for these.
+                tracing::warn!(queue = %self.keys.name, %error, "could not note keyed leases in the leases index after a claim");
+            }
+        }
         let (mut lowered, mut idle) = (Vec::new(), Vec::new());
         for (slot, saw) in seen {
             // A partition not visited (or not claimed) is due as it was.
@@ -473,6 +497,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
     /// partitions.
+    /// Lowers the leases index's entries of the partitions of `slots` to
+    /// `until` (adding those without one): on a cluster, a claim's note of
+    /// the leases it may give there (see [`claim`](Self::claim)).
+    fn note_leases(&self, slots: &[u16], until: i64) -> Cmd {
+        let mut cmd = redis::cmd("ZADD");
+        cmd.arg(self.leases_index()).arg("LT");
+        for slot in slots {
+            cmd.arg(until).arg(crate::keys::slot_tag(*slot));
+        }
+        cmd
+    }
+
     fn index(&self, flags: &[&str], entries: impl IntoIterator<Item = (i64, u16)>) -> Cmd {
         let mut cmd = redis::cmd("ZADD");
         cmd.arg(&self.keys.partitions).arg(flags);

@@ -11,8 +11,8 @@ use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
-    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LEASES, LEASES_DUE, LINES, Layout, Log,
-    MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
+    COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LEASES, LEASES_DUE, LEASES_SETTLE, LINES,
+    Layout, Log, MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
 };
 use crate::error::{Error, Result};
 use crate::keys::SLOTS;
@@ -62,6 +62,30 @@ pub(crate) enum Sweep {
     /// Every partition of the index: also those whose messages were leased
     /// by a version that kept no leases index.
     Full,
+}
+
+/// What a raised entry of the leases index reads while a sweep on a
+/// cluster visits its partition (`lua/keyed_leases_due.lua`): far beyond
+/// any lease (ms, in the year 33658), never due. A sweep that never
+/// settles leaves it so until the next full sweep lowers it.
+const VISITING: i64 = 1_000_000_000_000_000;
+
+/// What a recovery sweep did: messages back in line, buried, and per
+/// partition visited its earliest lease deadline left (-1: none).
+#[derive(Debug, Default)]
+struct Swept {
+    requeued: usize,
+    buried: usize,
+    left: Vec<(u16, i64)>,
+}
+
+impl Swept {
+    fn absorb(mut self, other: Swept) -> Self {
+        self.requeued += other.requeued;
+        self.buried += other.buried;
+        self.left.extend(other.left);
+        self
+    }
 }
 
 impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
@@ -301,26 +325,31 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Ends the turns whose lease ran out; returns how many went back to
-    /// the head of their line, and were buried. `Sweep::Due` visits, on
-    /// one server, only the partitions whose entry in the queue's leases
-    /// index is due (see `lua/keyed.lua`): a quiet queue's sweep costs a
-    /// few commands, whatever its keys. `Sweep::Full`, and any sweep on a
-    /// cluster (where each partition keeps its own entry), visit every
-    /// partition of the index.
+    /// the head of their line, and were buried. `Sweep::Due` visits only
+    /// the partitions whose entry in the queue's leases index is due (see
+    /// `lua/keyed.lua`): a quiet queue's sweep costs a few commands,
+    /// whatever its keys. `Sweep::Full` visits every partition of the
+    /// queue's index. On one server the scripts keep the leases index; on
+    /// a Redis Cluster, where it is in another slot than theirs, a claim
+    /// lowers it before and after it leases, and a sweep sets it after its
+    /// visits (`lua/leases_settle.lua`).
     pub(crate) async fn recover(&self, max_stalls: u32, sweep: Sweep) -> Result<(usize, usize)> {
         let layout = self.layout().await?;
-        if (layout, sweep) != (Layout::Server, Sweep::Due) {
+        if sweep == Sweep::Full {
             let slots = self.slots().await?;
-            return self.recover_slots(&slots, layout, max_stalls).await;
+            let swept = self.recover_slots(&slots, layout, max_stalls).await?;
+            self.settle_leases(layout, &swept.left).await?;
+            return Ok((swept.requeued, swept.buried));
         }
         let mut total = (0, 0);
         // A visit moves a partition's entry past now (or removes it), so
         // the next read finds those beyond the limit; one with more expired
         // turns than a call ends stays due for the next round.
         for _ in 0..DUE_ROUNDS {
-            let slots = self.due_slots().await?;
-            let (requeued, buried) = self.recover_slots(&slots, layout, max_stalls).await?;
-            total = (total.0 + requeued, total.1 + buried);
+            let slots = self.due_slots(layout).await?;
+            let swept = self.recover_slots(&slots, layout, max_stalls).await?;
+            self.settle_leases(layout, &swept.left).await?;
+            total = (total.0 + swept.requeued, total.1 + swept.buried);
             if slots.len() < DUE_AT_ONCE {
                 break;
             }
@@ -329,26 +358,47 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// The slots of the partitions whose entry in the leases index is due
-    /// (one server; see `lua/keyed_leases_due.lua`), up to [`DUE_AT_ONCE`].
-    async fn due_slots(&self) -> Result<Vec<u16>> {
+    /// (see `lua/keyed_leases_due.lua`), up to [`DUE_AT_ONCE`]; on a
+    /// cluster their entries raised to [`VISITING`] meanwhile.
+    async fn due_slots(&self, layout: Layout) -> Result<Vec<u16>> {
         let attempted = || format!("reading the leases index of queue `{}`", self.keys.name);
-        let leases = &self.partition_in(0, Layout::Server).keys[LEASES];
         let mut cmd = LEASES_DUE.call(1);
-        cmd.arg(leases).arg(DUE_AT_ONCE);
+        cmd.arg(self.leases_index()).arg(DUE_AT_ONCE);
+        if layout == Layout::Cluster {
+            cmd.arg(VISITING);
+        }
         let tags: Vec<String> = self.run(&LEASES_DUE, &cmd, attempted).await?;
         Ok(tags.iter().map(|tag| crate::keys::slot_of(tag)).collect())
+    }
+
+    /// The queue's leases index (`<prefix>:{<queue>}:keyed:leases`).
+    pub(crate) fn leases_index(&self) -> String {
+        self.partition_in(0, Layout::Server).keys[LEASES].clone()
+    }
+
+    /// On a cluster, sets the leases index's entries of the partitions a
+    /// sweep visited (`left`: slot, earliest lease deadline left or -1) as
+    /// `lua/leases_settle.lua` says; one server's scripts did already.
+    async fn settle_leases(&self, layout: Layout, left: &[(u16, i64)]) -> Result<()> {
+        if layout == Layout::Server || left.is_empty() {
+            return Ok(());
+        }
+        let attempted = || format!("keeping the leases index of queue `{}`", self.keys.name);
+        let mut cmd = LEASES_SETTLE.call(1);
+        cmd.arg(self.leases_index()).arg(VISITING);
+        for (slot, deadline) in left {
+            cmd.arg(crate::keys::slot_tag(*slot)).arg(deadline);
+        }
+        self.run::<i64>(&LEASES_SETTLE, &cmd, attempted)
+            .await
+            .map(drop)
     }
 
     /// Ends the turns whose lease ran out in the partitions of `slots`: on
     /// one server [`RECOVER_BLOCKS`] partitions a call (a sweep over
     /// 16,384 partitions: 64 calls); on a cluster, where a script reaches
     /// one slot, a call per partition, [`PARTITIONS_AT_ONCE`] at a time.
-    async fn recover_slots(
-        &self,
-        slots: &[u16],
-        layout: Layout,
-        max_stalls: u32,
-    ) -> Result<(usize, usize)> {
+    async fn recover_slots(&self, slots: &[u16], layout: Layout, max_stalls: u32) -> Result<Swept> {
         use futures_util::{StreamExt, TryStreamExt};
         let (count, age) = self.recording.dead.args();
         let (count, age) = (&count, &age);
@@ -367,15 +417,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .await
         });
         let at_once = (PARTITIONS_AT_ONCE / per_call).max(2);
-        let ended: Vec<(usize, usize)> = futures_util::stream::iter(calls)
+        let swept: Vec<Swept> = futures_util::stream::iter(calls)
             .buffered(at_once)
             .try_collect()
             .await?;
-        Ok(ended
-            .into_iter()
-            .fold((0, 0), |(r, b), (requeued, buried)| {
-                (r + requeued, b + buried)
-            }))
+        Ok(swept.into_iter().fold(Swept::default(), Swept::absorb))
     }
 
     /// One recovery call over `partitions` (all on one server, see
@@ -387,7 +433,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         (partitions, layout): (&[Partition], Layout),
         max_stalls: u32,
         (count, age): (&String, &String),
-    ) -> Result<(usize, usize)> {
+    ) -> Result<Swept> {
         let attempted = || format!("recovering keyed messages of queue `{}`", self.keys.name);
         let mut cmd = RECOVER.call(partitions.len() * MORE);
         for partition in partitions {
@@ -402,10 +448,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(age)
             .arg(keeps_index);
         type Ended = Vec<(String, String, u32, String)>;
-        let answers: Vec<(usize, Ended)> = self.run(&RECOVER, &cmd, attempted).await?;
+        let answers: Vec<(usize, Ended, i64)> = self.run(&RECOVER, &cmd, attempted).await?;
         let (mut requeued, mut buried, mut marks) = (0, 0, Vec::new());
+        let mut left = Vec::with_capacity(answers.len());
         let mut log = Log::default();
-        for (partition, (_examined, ended)) in partitions.iter().zip(answers) {
+        for (partition, (_examined, ended, earliest)) in partitions.iter().zip(answers) {
+            left.push((partition.slot, earliest));
             if ended.is_empty() {
                 continue;
             }
@@ -427,7 +475,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             tracing::warn!(queue = %self.keys.name, %error, "could not mark keyed partitions ready after a recovery; the index's next look finds them");
         }
         self.record(log).await;
-        Ok((requeued, buried))
+        Ok(Swept {
+            requeued,
+            buried,
+            left,
+        })
     }
 
     /// Adds up to `limit` of each partition's next messages in line or

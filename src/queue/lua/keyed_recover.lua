@@ -9,10 +9,12 @@
 -- KEYS: the partition's 14 keys; or 14 for each of several partitions, in
 -- turn   ARGV[1]: max stalls   ARGV[2]: how many at most, over the call
 -- ARGV[3], ARGV[4]: the dead letters' max count and max age in ms ("" for no
--- limit), applied after a burial   ARGV[5]: "1" to keep `leases` (one server; a
--- cluster's sweep visits every partition, and needs none)
--- Returns per partition {examined, {{key, id, attempt, error}, ...}}: the
--- error "" when it went back in line, else the one it was buried with.
+-- limit), applied after a burial   ARGV[5]: "1" to keep `leases` (one server;
+-- on a cluster, where the queue's `leases` is in another slot, the caller
+-- keeps it from the answers)
+-- Returns per partition {examined, {{key, id, attempt, error}, ...}, its
+-- earliest lease deadline left (-1: none)}: the error "" when it went
+-- back in line, else the one it was buried with.
 local now = now_ms()
 local max_stalls, room = tonumber(ARGV[1]), tonumber(ARGV[2])
 
@@ -104,7 +106,7 @@ local function recover_partition()
   known[K[LEASES]] = known[K[LEASES]] or {}
   known[K[LEASES]][tag_of(K[ACTIVE])] = first or false
   room = room - math.max(#expired, #out)
-  return {#expired, out}
+  return {#expired, out, first or -1}
 end
 
 -- Writes the entries of `known`.
@@ -132,7 +134,8 @@ for base = 0, #KEYS - MORE, MORE do
     answers[#answers + 1] = recover_partition()
     changed = changed or answers[#answers][1] > 0
   else
-    answers[#answers + 1] = {0, {}}
+    -- Not visited: due as it was.
+    answers[#answers + 1] = {0, {}, 0}
   end
 end
 if ARGV[5] == '1' then write_known() end
