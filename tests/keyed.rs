@@ -2901,3 +2901,63 @@ async fn claimers_naming_keys_from_places_of_their_own_claim_each_message_once()
         assert_eq!(order, [key, key + KEYS], "k{key} in push order");
     }
 }
+
+/// The rules of `lua/leases_settle.lua`, by which a sweep on a Redis
+/// Cluster sets the leases index's entries of the partitions it visited
+/// (it needs no cluster: it is one key's script). An entry still at the
+/// sweep's raise takes what the visit found (none: it goes); one that a
+/// claim lowered meanwhile keeps that, lowered further to what the visit
+/// found; one absent is added when the visit found a lease.
+#[tokio::test]
+async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
+    let server = server();
+    let conn = manager(&server).await;
+    let raise = "1000000000000000";
+    let index = "lockgate:{q}:keyed:leases";
+    let _: i64 = support::raw(
+        &conn,
+        &[
+            "ZADD",
+            index,
+            raise,
+            "gone",
+            raise,
+            "found",
+            "5000",
+            "lowered",
+            "3000",
+            "lowered-more",
+            "4000",
+            "lowered-none",
+        ],
+    )
+    .await;
+    let settle = redis::Script::new(include_str!("../src/queue/lua/leases_settle.lua"));
+    let mut call = settle.key(index);
+    call.arg(raise);
+    for (tag, deadline) in [
+        ("gone", -1),
+        ("found", 7000),
+        ("lowered", 6000),
+        ("lowered-more", 2000),
+        ("absent", 8000),
+        ("absent-none", -1),
+        ("lowered-none", -1),
+    ] {
+        call.arg(tag).arg(deadline);
+    }
+    let changed: i64 = call.invoke_async(&mut conn.clone()).await.unwrap();
+    assert_eq!(changed, 4);
+    let left: Vec<(String, i64)> =
+        support::raw(&conn, &["ZRANGE", index, "0", "-1", "WITHSCORES"]).await;
+    assert_eq!(
+        left,
+        [
+            ("lowered-more".to_owned(), 2000),
+            ("lowered-none".to_owned(), 4000),
+            ("lowered".to_owned(), 5000),
+            ("found".to_owned(), 7000),
+            ("absent".to_owned(), 8000),
+        ]
+    );
+}
