@@ -105,13 +105,13 @@ async fn main() -> Result<(), BoxError> {
     }
     if runs("cluster_sweeps") {
         println!(
-            "\n## recovery sweeps on a 3-master Redis Cluster, one message per key, 1,000 of them at work (a 10-minute lease)"
+            "\n## recovery sweeps and stats on a 3-master Redis Cluster, one message per key, 1,000 of them at work (a 10-minute lease)"
         );
         println!(
             "median of 5 calls; commands: `INFO commandstats` of every node per call, scripts' inner commands included"
         );
         println!(
-            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands |\n|---|---|---|---|---|---|"
+            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands | stats | its commands | recent_stats(10 s), kept | its commands |\n|---|---|---|---|---|---|---|---|---|---|"
         );
         for keys in [size(10_000, 100), size(100_000, 200)] {
             cluster_sweeps(keys).await?;
@@ -128,6 +128,28 @@ async fn cluster_commands(cluster: &lockgate::testing::RedisCluster) -> Result<u
         total += commands(&node.connection_manager().await?).await?;
     }
     Ok(total)
+}
+
+/// The median time of 5 runs of `call` on `cluster`, and its commands per
+/// run over every node.
+async fn cluster_timed<F, Fut>(
+    cluster: &lockgate::testing::RedisCluster,
+    call: F,
+) -> Result<(f64, u64), BoxError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = lockgate::Result<()>>,
+{
+    let (mut times, before) = (Vec::new(), cluster_commands(cluster).await?);
+    for _ in 0..5 {
+        let started = Instant::now();
+        call().await?;
+        times.push(ms(started.elapsed()));
+    }
+    // Each read of the counts costs one `INFO` per node.
+    let nodes = cluster.nodes().len() as u64;
+    let ran = cluster_commands(cluster).await? - before - nodes;
+    Ok((median(times), ran / 5))
 }
 
 /// Recovery sweeps of a keyed queue of `n` messages, a key each, on a
@@ -166,16 +188,17 @@ async fn cluster_sweeps(n: usize) -> Result<(), BoxError> {
     keyed.recover(3).await?;
     let full_ms = ms(started.elapsed());
     let full_cmds = cluster_commands(&cluster).await? - before - nodes;
-    let (mut times, before) = (Vec::new(), cluster_commands(&cluster).await?);
-    for _ in 0..5 {
-        let started = Instant::now();
-        keyed.recover(3).await?;
-        times.push(ms(started.elapsed()));
-    }
-    let sweep_cmds = (cluster_commands(&cluster).await? - before - nodes) / 5;
+    let (sweep_ms, sweep_cmds) =
+        cluster_timed(&cluster, || async { keyed.recover(3).await.map(drop) }).await?;
+    let (stats_ms, stats_cmds) =
+        cluster_timed(&cluster, || async { keyed.stats().await.map(drop) }).await?;
+    keyed.recent_stats(Duration::from_secs(10)).await?;
+    let (kept_ms, kept_cmds) = cluster_timed(&cluster, || async {
+        keyed.recent_stats(Duration::from_secs(10)).await.map(drop)
+    })
+    .await?;
     println!(
-        "| {n} | {partitions} | {:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} |",
-        median(times)
+        "| {n} | {partitions} | {sweep_ms:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} | {stats_ms:.1} ms | {stats_cmds} | {kept_ms:.1} ms | {kept_cmds} |"
     );
     Ok(())
 }

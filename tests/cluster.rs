@@ -1435,3 +1435,68 @@ async fn keyed_recovery_sweeps_on_a_cluster_visit_only_partitions_with_leases_du
     assert_eq!(index, 0, "no partition with a lease left");
     assert!(quiet().await <= 4);
 }
+
+/// Commands every node ran so far (`INFO commandstats`, the `INFO`s that
+/// read them included).
+async fn commands(cluster: &RedisCluster) -> u64 {
+    let info = info_by_node(cluster, "commandstats").await;
+    let calls = info.iter().flat_map(|info| {
+        info.lines().filter_map(|line| {
+            let (_, rest) = line.split_once("calls=")?;
+            rest.split(',').next()?.parse::<u64>().ok()
+        })
+    });
+    calls.sum()
+}
+
+/// Issue 35, item 8, on a cluster: a keyed queue's `stats` adds up every
+/// partition's counts, and every worker sampled them every 10 s. With
+/// `recent_stats`, which the workers' sampling reads through, the queue's
+/// handles read them once per period between them: another handle gets
+/// the kept reading for a GET, its ages moved on, until it is older than
+/// asked.
+#[tokio::test]
+async fn recent_stats_are_read_once_per_period_between_a_queue_s_handles() {
+    let cluster = cluster();
+    let (one, other) = (connect(&cluster).await, connect(&cluster).await);
+    let queue: Queue<u64, _> = Queue::new(one.clone(), "sampled").unwrap();
+    let keyed = (0..40u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(keyed).await.unwrap();
+    queue.push_many(40..45u64).await.unwrap();
+    let exact = queue.stats().await.unwrap();
+    assert_eq!((exact.due, exact.later), (45, 0));
+    let nodes = cluster.nodes().len() as u64;
+    let before = commands(&cluster).await;
+    assert_eq!(
+        queue
+            .recent_stats(Duration::from_secs(10))
+            .await
+            .unwrap()
+            .due,
+        45
+    );
+    let read = commands(&cluster).await - before - nodes;
+    assert!(
+        read > 20,
+        "a reading adds up the partitions: {read} commands"
+    );
+    let handle: Queue<u64, _> = Queue::new(other.clone(), "sampled").unwrap();
+    queue.push(45).await.unwrap();
+    let before = commands(&cluster).await;
+    let kept = handle.recent_stats(Duration::from_secs(10)).await.unwrap();
+    let kept_cost = commands(&cluster).await - before - nodes;
+    assert_eq!(
+        (kept.due, kept.later, kept.active),
+        (45, 0, 0),
+        "the kept reading"
+    );
+    assert!(kept.oldest_due_age >= exact.oldest_due_age);
+    assert!(kept_cost <= 2, "a kept reading costs {kept_cost} commands");
+    tokio::time::sleep(ms(20)).await;
+    assert_eq!(
+        handle.recent_stats(ms(10)).await.unwrap().due,
+        46,
+        "older than asked"
+    );
+    assert!(handle.recent_stats(Duration::ZERO).await.is_err());
+}

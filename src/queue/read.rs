@@ -154,6 +154,47 @@ where
         self.with_keyed(&reply, attempted).await
     }
 
+    /// The queue's [`Stats`] as a handle of it read them at most `max_age`
+    /// ago, kept in the queue's slot (`<prefix>:{<queue>}:sampled`, for
+    /// `max_age`) for its other handles; else read now ([`stats`]) and
+    /// kept. Meant for gauges that many processes sample: a worker's
+    /// [`sample_every`] reads through it, so that a pool of workers reads
+    /// the counts about once per period between them, not once each. (On
+    /// a Redis Cluster a keyed queue's `stats` adds up every partition's
+    /// counts, a command or two each.) The ages in a kept reading are
+    /// moved on by how long it was kept. Errors when `max_age` is under
+    /// 1 ms.
+    ///
+    /// [`stats`]: Self::stats
+    /// [`sample_every`]: crate::Worker::sample_every
+    pub async fn recent_stats(&self, max_age: Duration) -> Result<Stats> {
+        let kept_for = millis(max_age);
+        if kept_for == 0 {
+            return Err(Error::config(format_args!(
+                "recent_stats: max_age must be at least 1 ms, got {max_age:?}"
+            )));
+        }
+        let attempted = || format!("reading stats of queue `{}`", self.name());
+        let key = format!("{}:sampled", self.keys.base);
+        let (kept, left): (Option<String>, i64) = redis::pipe()
+            .get(&key)
+            .pttl(&key)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        if let Some(stats) = kept.and_then(|kept| kept_stats(&kept, left, kept_for)) {
+            return Ok(stats);
+        }
+        let stats = self.stats().await?;
+        let mut set = redis::cmd("SET");
+        set.arg(&key)
+            .arg(sampled(&stats, kept_for))
+            .arg("PX")
+            .arg(kept_for);
+        set.query_on::<(), _>(&self.conn, attempted).await?;
+        Ok(stats)
+    }
+
     /// The stats script's reply (with activity buckets of `(window, width,
     /// buckets)` when given) summed over the shards.
     async fn summed_stats(
@@ -471,6 +512,49 @@ fn plain_stats(reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
 }
 
 /// A count from a script (none when negative).
+/// `stats` kept for `kept_for` ms: "<kept for>:<due>:<later>:<active>:<dead>:
+/// <oldest due age ms, -1 none>:<next due in ms, -1 none>".
+fn sampled(stats: &Stats, kept_for: u64) -> String {
+    let ms = |d: Option<Duration>| d.map_or(-1, |d| i64::try_from(millis(d)).unwrap_or(i64::MAX));
+    format!(
+        "{kept_for}:{}:{}:{}:{}:{}:{}",
+        stats.due,
+        stats.later,
+        stats.active,
+        stats.dead,
+        ms(stats.oldest_due_age),
+        ms(stats.next_due_in)
+    )
+}
+
+/// A kept reading (see [`sampled`]) with `left` ms of its life left, if
+/// it was read at most `max_age` ms ago; its ages moved on by its own.
+fn kept_stats(kept: &str, left: i64, max_age: u64) -> Option<Stats> {
+    let fields: Vec<i64> = kept
+        .split(':')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let &[kept_for, due, later, active, dead, oldest, next] = fields.as_slice() else {
+        return None;
+    };
+    let age = kept_for
+        .checked_sub(left)
+        .filter(|age| *age >= 0 && left >= 0)?;
+    if u64::try_from(age).ok()? > max_age {
+        return None;
+    }
+    let moved = |ms: i64, by: i64| (ms >= 0).then(|| span(ms.saturating_add(by)));
+    Some(Stats {
+        due: count(due),
+        later: count(later),
+        active: count(active),
+        dead: count(dead),
+        oldest_due_age: moved(oldest, age),
+        next_due_in: moved(next, -age),
+    })
+}
+
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }

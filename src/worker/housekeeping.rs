@@ -26,7 +26,8 @@ pub(super) async fn sample_depth<T: Payload, C: Conn>(
                 crate::telemetry::shard_depth(queue.name(), &each);
                 stats
             }),
-            false => queue.stats().await,
+            // One reading per period between the queue's workers.
+            false => queue.recent_stats(every).await,
         };
         match stats {
             Ok(stats) => {

@@ -261,7 +261,9 @@ where
 
     /// How often the worker samples its queue's counts per state into the
     /// `lockgate_queue_messages` gauges of the `metrics` facade (see
-    /// [`telemetry`](crate::telemetry)): one stats script each time.
+    /// [`telemetry`](crate::telemetry)), read with
+    /// [`Queue::recent_stats`]: the queue's workers with the same interval
+    /// read its stats about once per interval between them.
     /// Default 10 s; `None` turns sampling off. Errors under 100 ms.
     pub fn sample_every(mut self, every: Option<Duration>) -> Result<Self> {
         if every.is_some_and(|every| every < Duration::from_millis(100)) {
