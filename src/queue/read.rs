@@ -511,7 +511,6 @@ fn plain_stats(reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
     })
 }
 
-/// A count from a script (none when negative).
 /// `stats` kept for `kept_for` ms: "<kept for>:<due>:<later>:<active>:<dead>:
 /// <oldest due age ms, -1 none>:<next due in ms, -1 none>".
 fn sampled(stats: &Stats, kept_for: u64) -> String {
@@ -555,6 +554,7 @@ fn kept_stats(kept: &str, left: i64, max_age: u64) -> Option<Stats> {
     })
 }
 
+/// A count from a script (none when negative).
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }

@@ -495,8 +495,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd
     }
 
-    /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
-    /// partitions.
     /// Lowers the leases index's entries of the partitions of `slots` to
     /// `until` (adding those without one): on a cluster, a claim's note of
     /// the leases it may give there (see [`claim`](Self::claim)).
@@ -509,6 +507,8 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         cmd
     }
 
+    /// A `ZADD` with `flags` of each (score, slot) to the queue's index of
+    /// partitions.
     fn index(&self, flags: &[&str], entries: impl IntoIterator<Item = (i64, u16)>) -> Cmd {
         let mut cmd = redis::cmd("ZADD");
         cmd.arg(&self.keys.partitions).arg(flags);
