@@ -5,9 +5,11 @@
 //! snapshot (`queue`), a key's line of waiters (`line`), its rate limit as
 //! time passes (`rate`), the producer script's arguments from arbitrary
 //! strings (`push`), and keyed messages through their scripts (`keyed`,
-//! `keyed_push`), also over many keys and several claimers (`keyed_wide`).
+//! `keyed_push`), also over many keys and several claimers (`keyed_wide`),
+//! and their leases index on a Redis Cluster, which the callers keep there
+//! (`keyed_cluster`, on a three-node cluster).
 //!
-//! Each history runs on keys of its own, on one server per test. After
+//! Each history runs on keys of its own, on one server (or cluster) per test. After
 //! every step the answers of Redis and what it holds are compared with the
 //! model's; proptest shrinks a failing history to the shortest one that
 //! fails, prints it with its seed, and saves the seed under
@@ -19,6 +21,7 @@
 mod support;
 
 mod keyed;
+mod keyed_cluster;
 mod keyed_push;
 mod keyed_wide;
 mod line;

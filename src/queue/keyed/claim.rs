@@ -136,18 +136,16 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         };
         let (seen, claimed, mut failed) =
             (self.claim_shares(&slots, (now, max, terms), (cluster, first))).await;
-        if cluster && !claimed.turns.is_empty() {
+        // After a claim that took turns, the note rides with the index's
+        // settlement (both in the queue's slot).
+        let note = (cluster && !claimed.turns.is_empty()).then(|| {
             let mut leased: Vec<u16> = (claimed.turns.iter())
                 .map(|turn| turn.held.partition.slot)
                 .collect();
             leased.sort_unstable();
             leased.dedup();
-            let note = self.note_leases(&leased, leases_until);
-            if let Err(error) = note.query_on::<(), _>(self.conn, attempted).await {
-                // The entries lowered before the claim stand for these.
-                tracing::warn!(queue = %self.keys.name, %error, "could not note keyed leases in the leases index after a claim");
-            }
-        }
+            self.note_leases(&leased, leases_until)
+        });
         let (mut lowered, mut idle) = (Vec::new(), Vec::new());
         for (slot, saw) in seen {
             // A partition not visited (or not claimed) is due as it was.
@@ -157,7 +155,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 (None, holds) => idle.push((slot, holds == Holds::Nothing)),
             }
         }
-        if let Err(error) = self.settle_index(lowered, idle, raised_to).await {
+        if let Err(error) = self.settle_index(lowered, idle, raised_to, note).await {
             failed.get_or_insert(error);
         }
         match failed {
@@ -222,18 +220,22 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// `idle` ones (slot, whether it held no message at all), where
     /// nothing waits, as `lua/index_settle.lua` says; rings the bell when
     /// one is due at once (others may have looked while the claim hid it,
-    /// and wait). One script call (no pipeline: on a cluster, a script
-    /// alone is the plainest request).
+    /// and wait). One round trip: the script call, after `note` (a
+    /// claim's note to the leases index, safe to repeat) when given.
     async fn settle_index(
         &self,
         lowered: Vec<(i64, u16)>,
         idle: Vec<(u16, bool)>,
         raised_to: i64,
+        note: Option<Cmd>,
     ) -> Result<()> {
-        if lowered.is_empty() && idle.is_empty() {
-            return Ok(());
-        }
         let attempted = || format!("claiming keyed messages of queue `{}`", self.keys.name);
+        if lowered.is_empty() && idle.is_empty() {
+            return match note {
+                Some(note) => note.query_on::<(), _>(self.conn, attempted).await,
+                None => Ok(()),
+            };
+        }
         let mut cmd = INDEX_SETTLE.call(2);
         let now = raised_to - CLAIMING_MS;
         cmd.arg(&self.keys.partitions).arg(&self.keys.bell);
@@ -244,9 +246,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for (slot, empty) in idle {
             cmd.arg(slot).arg(if empty { "empty" } else { "idle" });
         }
-        self.run::<i64>(&INDEX_SETTLE, &cmd, attempted)
-            .await
-            .map(drop)
+        let settled = match &note {
+            Some(note) => run_after::<i64>(&INDEX_SETTLE, note, &cmd, &mut self.conn.clone()).await,
+            None => run::<i64>(&INDEX_SETTLE, &cmd, &mut self.conn.clone()).await,
+        };
+        settled.map(drop).map_err(Error::redis(attempted()))
     }
 
     /// Claims up to `share` turns in each partition of `visits` (slot,
