@@ -1509,3 +1509,68 @@ async fn recent_stats_are_read_once_per_period_between_a_queue_s_handles() {
     );
     assert!(handle.recent_stats(Duration::ZERO).await.is_err());
 }
+
+/// Issue 35, item 8, on a cluster: a dashboard's look at a keyed queue
+/// reads a bounded number of partitions, whatever the keys. `peek` reads
+/// the first 128 partitions of the queue's index and of its leases index
+/// (before, every partition), and `key_stats` counts the keys from a
+/// reading of the counts kept 2 s between the queue's handles (before,
+/// every partition's counts on each call). Its busy keys come from the
+/// leases index's first partitions (before, from the queue's index alone,
+/// where partitions at work come last: with more than 128 partitions due,
+/// it showed no busy key). With up to 128 partitions holding something,
+/// the look is exact.
+#[tokio::test]
+async fn a_look_at_a_keyed_queue_on_a_cluster_reads_a_bounded_number_of_partitions() {
+    let cluster = cluster();
+    let (one, other) = (connect(&cluster).await, connect(&cluster).await);
+    let queue: Queue<u64, _> = Queue::new(one.clone(), "looked").unwrap();
+    let keyed = (0..600u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(keyed).await.unwrap();
+    let mut claimed = Vec::new();
+    while claimed.len() < 20 {
+        let room = 20 - claimed.len();
+        claimed.extend(
+            queue
+                .claim(room, Duration::from_secs(60))
+                .await
+                .unwrap()
+                .jobs,
+        );
+    }
+    let handle: Queue<u64, _> = Queue::new(other.clone(), "looked").unwrap();
+    // Links to every node made first: counted, they would be the client's.
+    assert_eq!(handle.stats().await.unwrap().keys, 600);
+    let before = script_calls(&cluster).await;
+    let peek = handle.peek(10).await.unwrap();
+    let calls = script_calls(&cluster).await - before;
+    assert!(
+        calls <= 256,
+        "a look reads at most 2 × 128 partitions, not {calls}"
+    );
+    assert_eq!((peek.waiting.len(), peek.active.len()), (10, 10));
+    let ids: BTreeSet<String> = claimed.iter().map(|job| job.id().to_owned()).collect();
+    assert!(peek.active.iter().all(|seen| ids.contains(&seen.id)));
+    assert!(peek.waiting.iter().all(|seen| !ids.contains(&seen.id)));
+
+    let first = handle.key_stats(5).await.unwrap();
+    assert_eq!(
+        (first.keys, first.busy.len(), first.backlogs.len()),
+        (600, 5, 5)
+    );
+    let before = (script_calls(&cluster).await, commands(&cluster).await);
+    let again = queue.key_stats(5).await.unwrap();
+    let (calls, all) = (
+        script_calls(&cluster).await - before.0,
+        commands(&cluster).await - before.1,
+    );
+    assert_eq!(again.keys, 600, "the kept count");
+    assert!(
+        calls <= 256,
+        "the keys of the first 128 partitions of each index, not {calls} calls"
+    );
+    assert!(
+        all <= 256 * 8,
+        "no partition's counts read again: {all} commands"
+    );
+}

@@ -124,6 +124,10 @@ pub struct KeyStats {
     pub keys: usize,
 }
 
+/// How old a reading of the counts [`Queue::key_stats`] takes its count of
+/// keys from on a Redis Cluster.
+const KEY_COUNT_AGE: Duration = Duration::from_secs(2);
+
 /// A snapshot of a queue's size, read at one instant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -140,6 +144,9 @@ pub struct Stats {
     pub oldest_due_age: Option<Duration>,
     /// How long until the next message that is not due yet becomes due.
     pub next_due_in: Option<Duration>,
+    /// How many keys have keyed messages in line, or a lock at work (as
+    /// [`KeyStats::keys`]).
+    pub keys: u64,
 }
 
 impl<T, C> Queue<T, C>
@@ -263,6 +270,7 @@ where
             dead,
             oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
             next_due_in: (next_due >= 0).then(|| span(next_due - now)),
+            keys: keyed[4],
         })
     }
 
@@ -276,11 +284,18 @@ where
     /// keys of each kind in each. A script per partition read. Its work is
     /// bounded by `top`, not by the keys: above that, the picks are the
     /// longest among those read, not always over all keys.
-    /// [`KeyStats::keys`] counts every key, from counts the scripts keep
-    /// (on a Redis Cluster, each partition's, as [`stats`](Self::stats)
-    /// reads them). For dashboards, not for a hot path.
+    /// [`KeyStats::keys`] counts every key, from counts the scripts keep;
+    /// on a Redis Cluster, where they are each partition's, from a
+    /// reading of them at most 2 s old ([`recent_stats`](Self::recent_stats)),
+    /// so that dashboards refreshing it read them once per 2 s between
+    /// them. For dashboards, not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
+        let keys = match keys {
+            Some(keys) => keys,
+            None => self.recent_stats(KEY_COUNT_AGE).await?.keys,
+        };
+        let keys = usize::try_from(keys).unwrap_or(usize::MAX);
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
             let mut picked: Vec<KeyLoad> = loads.iter().filter(|l| keep(l)).cloned().collect();
             picked.sort_by_key(|l| std::cmp::Reverse(order(l)));
@@ -368,7 +383,10 @@ where
     /// soonest due first, and the first `limit` active ones, soonest lease
     /// end first. Changes nothing. Keyed messages are listed with their
     /// key: each key's first in line, at the time its key may be claimed
-    /// from, and delayed ones at their due time (one script per partition).
+    /// from, and delayed ones at their due time (one script per partition
+    /// read: on a Redis Cluster, the first 128 partitions of the queue's
+    /// index and of its leases index, so that its cost does not grow with
+    /// the keys; exact while at most 128 partitions hold messages).
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());
@@ -508,21 +526,23 @@ fn plain_stats(reply: &[i64], attempted: impl Fn() -> String) -> Result<Stats> {
         dead: count(dead),
         oldest_due_age: (oldest >= 0).then(|| span(now - oldest)),
         next_due_in: (next_due >= 0).then(|| span(next_due - now)),
+        keys: 0,
     })
 }
 
 /// `stats` kept for `kept_for` ms: "<kept for>:<due>:<later>:<active>:<dead>:
-/// <oldest due age ms, -1 none>:<next due in ms, -1 none>".
+/// <oldest due age ms, -1 none>:<next due in ms, -1 none>:<keys>".
 fn sampled(stats: &Stats, kept_for: u64) -> String {
     let ms = |d: Option<Duration>| d.map_or(-1, |d| i64::try_from(millis(d)).unwrap_or(i64::MAX));
     format!(
-        "{kept_for}:{}:{}:{}:{}:{}:{}",
+        "{kept_for}:{}:{}:{}:{}:{}:{}:{}",
         stats.due,
         stats.later,
         stats.active,
         stats.dead,
         ms(stats.oldest_due_age),
-        ms(stats.next_due_in)
+        ms(stats.next_due_in),
+        stats.keys
     )
 }
 
@@ -534,7 +554,8 @@ fn kept_stats(kept: &str, left: i64, max_age: u64) -> Option<Stats> {
         .map(str::parse)
         .collect::<Result<_, _>>()
         .ok()?;
-    let &[kept_for, due, later, active, dead, oldest, next] = fields.as_slice() else {
+    // (A reading of an older version, without its keys, is read again.)
+    let &[kept_for, due, later, active, dead, oldest, next, keys] = fields.as_slice() else {
         return None;
     };
     let age = kept_for
@@ -551,6 +572,7 @@ fn kept_stats(kept: &str, left: i64, max_age: u64) -> Option<Stats> {
         dead: count(dead),
         oldest_due_age: moved(oldest, age),
         next_due_in: moved(next, -age),
+        keys: count(keys),
     })
 }
 

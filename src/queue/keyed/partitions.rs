@@ -1,6 +1,7 @@
-//! The keyed side's calls that go over every partition of the queue's
-//! index: counts, key loads, a look at the next messages, recovery of
-//! expired turns, removal by id, purge, the dead sets, and the sweep for
+//! The keyed side's calls that go over many partitions of the queue's
+//! index: counts, key loads and a look at the next messages (on a
+//! cluster, the first partitions of its indexes), recovery of expired
+//! turns, removal by id, purge, the dead sets, and the sweep for
 //! partitions missing from the index. Their requests go out many at once,
 //! not one round trip after another.
 
@@ -15,7 +16,7 @@ use super::{
     Layout, Log, MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
 };
 use crate::error::{Error, Result};
-use crate::keys::SLOTS;
+use crate::keys::{SLOTS, slot_of};
 use crate::queue::scripts::Query;
 use crate::queue::{EventKind, KeyLoad, MAX_KEYS_READ, Peeked, from_unix_ms, span};
 use crate::script::{Program, run};
@@ -28,8 +29,8 @@ const HEAL_BATCH: usize = 1024;
 /// cluster ([`Keyed::heal_index`]).
 const HEAL_WINDOW: usize = 64;
 
-/// Partitions a call that visits every partition of the index (stats
-/// on a cluster, a look, a recovery sweep) has in flight at once.
+/// Partitions a call that visits many partitions (stats on a cluster, a
+/// look, a recovery sweep) has in flight at once.
 const PARTITIONS_AT_ONCE: usize = 64;
 
 /// Partitions whose keys [`Keyed::loads`] reads (`Queue::key_stats`):
@@ -158,20 +159,28 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// The keys with messages in line or at work in the index's first
     /// [`KEY_PARTITIONS`] partitions (lowest entry first: those due, then
-    /// those due soonest, among them those a claim just raised), with how
+    /// those due soonest, among them those a claim just raised; on a
+    /// cluster, and those of the leases index's first, where the keys at
+    /// work are: see [`first_slots`](Self::first_slots)), with how
     /// many of each and how long the first in line has waited since its
     /// push; of each active and ready set at most its share of `most` ×
     /// [`KEYS_READ_PER_TOP`] (at most [`MAX_KEYS_READ`] in all, `most` at
-    /// least). Also how many keys all the partitions hold in line or at
-    /// work, from the counts the scripts keep. Its work is bounded by `most`
-    /// and [`KEY_PARTITIONS`], not by the keys.
-    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, usize)> {
+    /// least). Also, on one server, how many keys the partitions hold in
+    /// line or at work, from the counts the scripts keep (on a cluster,
+    /// each partition's: not read here). Its work is bounded by `most` and
+    /// [`KEY_PARTITIONS`], not by the keys.
+    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, Option<u64>)> {
         use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
         let layout = self.layout().await?;
-        let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, KEY_PARTITIONS - 1)
-            .query_on(self.conn, attempted)
-            .await?;
+        let slots: Vec<u16> = match layout {
+            Layout::Server => {
+                Cmd::zrange(&self.keys.partitions, 0, KEY_PARTITIONS - 1)
+                    .query_on(self.conn, attempted)
+                    .await?
+            }
+            Layout::Cluster => self.first_slots().await?,
+        };
         type Loads = (i64, Vec<(String, u64, u64, i64)>);
         // The index names shards too (past the slots): not partitions.
         let slots: Vec<u16> = slots.into_iter().filter(|slot| *slot < SLOTS).collect();
@@ -184,10 +193,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         });
         let read = futures_util::stream::iter(read).buffered(PARTITIONS_AT_ONCE);
         // Any time will do: the earliest ready time is not used here.
-        let (each, counts) =
-            futures_util::future::join(read.try_collect::<Vec<Loads>>(), self.counts(i64::MAX))
-                .await;
-        let (each, (counts, _)) = (each?, counts?);
+        let count = async {
+            match layout {
+                Layout::Server => self
+                    .counts(i64::MAX)
+                    .await
+                    .map(|(counts, _)| Some(counts[4])),
+                Layout::Cluster => Ok(None),
+            }
+        };
+        let (each, keys) =
+            futures_util::future::join(read.try_collect::<Vec<Loads>>(), count).await;
+        let (each, keys) = (each?, keys?);
         let mut loads = Vec::new();
         for (now, keys) in each {
             for (key, waiting, at_work, pushed) in keys {
@@ -200,7 +217,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 });
             }
         }
-        Ok((loads, usize::try_from(counts[4]).unwrap_or(usize::MAX)))
+        Ok((loads, keys))
     }
 
     /// Deletes every partition in the index, keys' limits included, each
@@ -316,6 +333,30 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Every partition in the index.
+    /// On a Redis Cluster, the partitions a look at the next messages or
+    /// at the keys reads: the first [`KEY_PARTITIONS`] of the queue's index (those due,
+    /// then those due soonest) and the first of its leases index (those
+    /// whose leases end soonest, see `lua/leases_settle.lua`), each once,
+    /// in slot order. Two commands in one round trip, whatever the keys.
+    async fn first_slots(&self) -> Result<Vec<u16>> {
+        let attempted = || format!("looking into queue `{}`", self.keys.name);
+        let (due, leased): (Vec<u16>, Vec<String>) = redis::pipe()
+            .zrange(&self.keys.partitions, 0, KEY_PARTITIONS - 1)
+            .zrange(self.leases_index(), 0, KEY_PARTITIONS - 1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))?;
+        let leased = leased.iter().map(|tag| slot_of(tag));
+        let mut slots: Vec<u16> = due
+            .into_iter()
+            .filter(|slot| *slot < SLOTS)
+            .chain(leased)
+            .collect();
+        slots.sort_unstable();
+        slots.dedup();
+        Ok(slots)
+    }
+
     async fn slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
         let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, -1)
@@ -483,21 +524,30 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Adds up to `limit` of each partition's next messages in line or
-    /// delayed to `waiting` and at work to `active` (see `lua/keyed_peek.lua`).
+    /// delayed to `waiting` and at work to `active` (see `lua/keyed_peek.lua`):
+    /// every partition's on one server, those of
+    /// [`first_slots`](Self::first_slots) on a cluster.
     pub(crate) async fn peek(
         &self,
         limit: usize,
         waiting: &mut Vec<Peeked>,
         active: &mut Vec<Peeked>,
     ) -> Result<()> {
+        use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("looking into queue `{}`", self.keys.name);
         type Entries = Vec<(String, i64, String, Option<Vec<u8>>)>;
-        let each = self.each_partition(|partition| async move {
-            let mut cmd = partition.call(&PEEK, 0);
+        let layout = self.layout().await?;
+        let slots = match layout {
+            Layout::Server => self.slots().await?,
+            Layout::Cluster => self.first_slots().await?,
+        };
+        let each = slots.into_iter().map(|slot| {
+            let mut cmd = self.partition_in(slot, layout).call(&PEEK, 0);
             cmd.arg(limit);
-            self.run::<(usize, Entries)>(&PEEK, &cmd, attempted).await
+            async move { self.run::<(usize, Entries)>(&PEEK, &cmd, attempted).await }
         });
-        for (count, entries) in each.await? {
+        let each = futures_util::stream::iter(each).buffered(PARTITIONS_AT_ONCE);
+        for (count, entries) in each.try_collect::<Vec<_>>().await? {
             for (n, (stored, at, key, record)) in entries.into_iter().enumerate() {
                 let id = own_id(&key, &stored);
                 let mut peeked = Peeked::new(id, from_unix_ms(at), 0, record);
