@@ -111,7 +111,7 @@ async fn main() -> Result<(), BoxError> {
             "median of 5 calls; commands: `INFO commandstats` of every node per call, scripts' inner commands included"
         );
         println!(
-            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands | stats | its commands | recent_stats(10 s), kept | its commands | peek(10) | its commands | key_stats(10), count kept | its commands |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands | stats | its commands | recent_stats(10 s), kept | its commands | peek(10) | its commands | key_stats(10), count kept | its commands | dead_letters(20) | its commands |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for keys in [size(10_000, 100), size(100_000, 200)] {
             cluster_sweeps(keys).await?;
@@ -202,8 +202,12 @@ async fn cluster_sweeps(n: usize) -> Result<(), BoxError> {
     keyed.key_stats(10).await?;
     let (keys_ms, keys_cmds) =
         cluster_timed(&cluster, || async { keyed.key_stats(10).await.map(drop) }).await?;
+    let (dead_ms, dead_cmds) = cluster_timed(&cluster, || async {
+        keyed.dead_letters(None, 20).await.map(drop)
+    })
+    .await?;
     println!(
-        "| {n} | {partitions} | {sweep_ms:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} | {stats_ms:.1} ms | {stats_cmds} | {kept_ms:.1} ms | {kept_cmds} | {peek_ms:.1} ms | {peek_cmds} | {keys_ms:.1} ms | {keys_cmds} |"
+        "| {n} | {partitions} | {sweep_ms:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} | {stats_ms:.1} ms | {stats_cmds} | {kept_ms:.1} ms | {kept_cmds} | {peek_ms:.1} ms | {peek_cmds} | {keys_ms:.1} ms | {keys_cmds} | {dead_ms:.1} ms | {dead_cmds} |"
     );
     Ok(())
 }

@@ -1519,7 +1519,8 @@ async fn recent_stats_are_read_once_per_period_between_a_queue_s_handles() {
 /// leases index's first partitions (before, from the queue's index alone,
 /// where partitions at work come last: with more than 128 partitions due,
 /// it showed no busy key). With up to 128 partitions holding something,
-/// the look is exact.
+/// the look is exact. Dead letters are read from every partition, many at
+/// once (before, one round trip after another).
 #[tokio::test]
 async fn a_look_at_a_keyed_queue_on_a_cluster_reads_a_bounded_number_of_partitions() {
     let cluster = cluster();
@@ -1573,4 +1574,19 @@ async fn a_look_at_a_keyed_queue_on_a_cluster_reads_a_bounded_number_of_partitio
         all <= 256 * 8,
         "no partition's counts read again: {all} commands"
     );
+
+    // Dead letters of many partitions (each read at once with the others)
+    // come in the order they were buried, a page at a time.
+    let mut buried = Vec::new();
+    for job in &claimed[..5] {
+        assert!(queue.bury(job, "fatal").await.unwrap());
+        buried.push(job.id().to_owned());
+        tokio::time::sleep(ms(2)).await;
+    }
+    let first = handle.dead_letters(None, 3).await.unwrap();
+    let rest = (handle.dead_letters(first.next.as_ref(), 3).await).unwrap();
+    let listed: Vec<String> = (first.letters.iter().chain(&rest.letters))
+        .map(|letter| letter.id.clone())
+        .collect();
+    assert_eq!((listed, rest.next), (buried, None));
 }

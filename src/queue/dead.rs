@@ -22,6 +22,10 @@ use super::{MAX_BATCH, Queue, check_count, named};
 use crate::error::{Error, Result};
 use crate::queue::DeadLetter;
 
+/// Dead sets [`Queue::dead_letters`] reads at once (their requests
+/// pipelined on the connection, not one round trip after another).
+const DEAD_SETS_AT_ONCE: usize = 64;
+
 /// Where a page of dead letters starts: after the letter buried at
 /// `buried_ms` with id `id`, in the order letters are listed (burial time,
 /// then id byte-wise, a keyed letter's id being `<key>\0<id>`). Printed
@@ -140,11 +144,17 @@ where
             });
         }
         // Each set's next `limit` letters and one more (whether a next page
-        // exists), merged in list order.
-        let mut letters = Vec::new();
-        for set in self.dead_sets().await? {
-            letters.extend(self.dead_in(&set, after, limit + 1).await?);
-        }
+        // exists), merged in list order; the sets read many at once (on a
+        // cluster a keyed queue has one per partition).
+        use futures_util::{StreamExt, TryStreamExt};
+        let sets = self.dead_sets().await?;
+        let each =
+            (sets.into_iter()).map(|set| async move { self.dead_in(&set, after, limit + 1).await });
+        let each: Vec<Vec<DeadLetter>> = futures_util::stream::iter(each)
+            .buffered(DEAD_SETS_AT_ONCE)
+            .try_collect()
+            .await?;
+        let mut letters: Vec<DeadLetter> = each.into_iter().flatten().collect();
         letters.sort_by_cached_key(DeadCursor::after);
         let more = letters.len() > limit;
         letters.truncate(limit);
