@@ -332,12 +332,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         partition.keys[DATA].clone()
     }
 
-    /// Every partition in the index.
     /// On a Redis Cluster, the partitions a look at the next messages or
-    /// at the keys reads: the first [`KEY_PARTITIONS`] of the queue's index (those due,
-    /// then those due soonest) and the first of its leases index (those
-    /// whose leases end soonest, see `lua/leases_settle.lua`), each once,
-    /// in slot order. Two commands in one round trip, whatever the keys.
+    /// at the keys reads: the first [`KEY_PARTITIONS`] of the queue's index
+    /// (those due, then those due soonest) and the first of its leases
+    /// index (those whose leases end soonest, see `lua/leases_settle.lua`),
+    /// each once, in slot order. Two commands in one round trip, whatever
+    /// the keys.
     async fn first_slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("looking into queue `{}`", self.keys.name);
         let (due, leased): (Vec<u16>, Vec<String>) = redis::pipe()
@@ -357,6 +357,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(slots)
     }
 
+    /// Every partition in the index.
     async fn slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
         let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, -1)
