@@ -280,8 +280,9 @@ where
     /// `32 × top` keys of each kind (ready first, at work soonest to end;
     /// at most [`MAX_KEYS_READ`], `top` at least); on a Redis Cluster, a
     /// partition per slot of the keys' locks, the first 128 partitions of
-    /// the queue's index (those due, then those due soonest), at most `top`
-    /// keys of each kind in each. A script per partition read. Its work is
+    /// the queue's index (those due, then those due soonest) and of its
+    /// leases index (those whose leases end soonest, where the keys at
+    /// work are), at most `top` keys of each kind in each. A script per partition read. Its work is
     /// bounded by `top`, not by the keys: above that, the picks are the
     /// longest among those read, not always over all keys.
     /// [`KeyStats::keys`] counts every key, from counts the scripts keep;
