@@ -172,3 +172,29 @@ async fn keyed_messages_work_as_the_readme_acl_user() {
             .any(|e| e.kind == lockgate::queue::EventKind::KeyReleased)
     );
 }
+
+/// A reader whose user may not `SET` (the README's rule without it) still
+/// reads `recent_stats`: the reading it cannot keep for the queue's other
+/// handles is returned all the same.
+#[tokio::test]
+async fn recent_stats_read_for_a_user_that_may_not_keep_the_reading() {
+    let writer = readme_rule();
+    let mut reader: Vec<String> = writer.iter().filter(|w| *w != "+set").cloned().collect();
+    reader[2] = "reader".to_owned();
+    let server = support::server();
+    for rule in [&writer, &reader] {
+        let mut cmd = redis::cmd(&rule[0]);
+        cmd.arg(&rule[1..]);
+        server.query::<()>(&cmd).expect("the rule is valid");
+    }
+    let conn = client(&server).get_connection_manager().await.unwrap();
+    let queue: Queue<u32, _> = Queue::new(conn, "read").unwrap();
+    let keyed = (0..3u32).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
+    queue.push_many_with(keyed).await.unwrap();
+    let url = format!("redis://reader:{PASSWORD}@127.0.0.1:{}/", server.port());
+    let reader = redis::Client::open(url).unwrap();
+    let conn = reader.get_connection_manager().await.unwrap();
+    let handle: Queue<u32, _> = Queue::new(conn, "read").unwrap();
+    let stats = handle.recent_stats(secs(10)).await.unwrap();
+    assert_eq!((stats.due, stats.keys), (3, 3));
+}

@@ -125,8 +125,9 @@ pub struct KeyStats {
 }
 
 /// How old a reading of the counts [`Queue::key_stats`] takes its count of
-/// keys from on a Redis Cluster.
-const KEY_COUNT_AGE: Duration = Duration::from_secs(2);
+/// keys from on a Redis Cluster: the workers' sampling period by default
+/// (`Worker::sample_every`), so that their readings serve it.
+const KEY_COUNT_AGE: Duration = Duration::from_secs(10);
 
 /// A snapshot of a queue's size, read at one instant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -169,8 +170,9 @@ where
     /// the counts about once per period between them, not once each. (On
     /// a Redis Cluster a keyed queue's `stats` adds up every partition's
     /// counts, a command or two each.) The ages in a kept reading are
-    /// moved on by how long it was kept. Errors when `max_age` is under
-    /// 1 ms.
+    /// moved on by how long it was kept. A reading it cannot keep (the
+    /// user may not `SET`) is returned all the same. Errors when
+    /// `max_age` is under 1 ms.
     ///
     /// [`stats`]: Self::stats
     /// [`sample_every`]: crate::Worker::sample_every
@@ -198,7 +200,10 @@ where
             .arg(sampled(&stats, kept_for))
             .arg("PX")
             .arg(kept_for);
-        set.query_on::<(), _>(&self.conn, attempted).await?;
+        // A reader that may not write (an ACL without `SET`) still reads.
+        if let Err(error) = set.query_on::<(), _>(&self.conn, attempted).await {
+            tracing::debug!(queue = %self.name(), %error, "could not keep a reading of the stats for the queue's other handles");
+        }
         Ok(stats)
     }
 
@@ -287,9 +292,10 @@ where
     /// longest among those read, not always over all keys.
     /// [`KeyStats::keys`] counts every key, from counts the scripts keep;
     /// on a Redis Cluster, where they are each partition's, from a
-    /// reading of them at most 2 s old ([`recent_stats`](Self::recent_stats)),
-    /// so that dashboards refreshing it read them once per 2 s between
-    /// them. For dashboards, not for a hot path.
+    /// reading of them at most 10 s old ([`recent_stats`](Self::recent_stats),
+    /// as the workers' depth sampling reads them by default), so that the
+    /// dashboards refreshing it and the workers read them once per 10 s
+    /// between them. For dashboards, not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
         let keys = match keys {
@@ -387,7 +393,8 @@ where
     /// from, and delayed ones at their due time (one script per partition
     /// read: on a Redis Cluster, the first 128 partitions of the queue's
     /// index and of its leases index, so that its cost does not grow with
-    /// the keys; exact while at most 128 partitions hold messages).
+    /// the keys; exact while at most 128 partitions hold messages, fewer
+    /// on a sharded queue, whose shards have entries in the index too).
     pub async fn peek(&self, limit: usize) -> Result<Peek> {
         let limit = limit.clamp(1, MAX_BATCH);
         let attempted = || format!("looking into queue `{}`", self.name());

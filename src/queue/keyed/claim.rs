@@ -163,7 +163,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Some(error) => {
                 // The turns taken hold their keys' locks: they must reach
                 // the caller.
-                tracing::warn!(queue = %self.keys.name, %error, "a keyed partition could not be claimed from; returning what the others gave");
+                tracing::warn!(queue = %self.keys.name, %error, "a call of a keyed claim failed (a partition's, or the index's settlement); returning the turns taken");
                 Ok(claimed)
             }
             None => Ok(claimed),
@@ -250,7 +250,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             Some(note) => run_after::<i64>(&INDEX_SETTLE, note, &cmd, &mut self.conn.clone()).await,
             None => run::<i64>(&INDEX_SETTLE, &cmd, &mut self.conn.clone()).await,
         };
-        settled.map(drop).map_err(Error::redis(attempted()))
+        settled.map(drop).map_err(|e| Error::redis(attempted())(e))
     }
 
     /// Claims up to `share` turns in each partition of `visits` (slot,

@@ -40,8 +40,9 @@
 --   by every script that leases a message (see leased_until) and set by
 --   recovery to the partition's earliest one (none: removed), so that a
 --   recovery sweep visits only the partitions where a lease may have run
---   out: the queue's on one server; on a cluster, where a sweep visits
---   every partition, the partition's own, lowered and never read
+--   out: the queue's on one server; on a cluster the partition's own,
+--   lowered and never read (the callers keep the queue's there, see
+--   src/queue/keyed/claim.rs and lua/leases_settle.lua)
 -- A script's own keys follow, from KEYS[MORE + 1] on. The helpers below
 -- name the partition's keys through K, the partition at hand: KEYS itself,
 -- unless a call over several partitions moved to another (see
