@@ -115,9 +115,13 @@ impl Program for Function {
     }
 
     fn unknown(&self, error: &RedisError) -> bool {
-        error
-            .detail()
-            .is_some_and(|d| d.starts_with("Function not found"))
+        let not_found =
+            |detail: Option<&str>| detail.is_some_and(|d| d.starts_with("Function not found"));
+        // A pipeline's error (`run_after`, `run_then`) has no detail of its
+        // own: its commands' errors do.
+        not_found(error.detail())
+            || (error.clone().into_server_errors())
+                .is_some_and(|errors| errors.iter().any(|(_, e)| not_found(e.details())))
     }
 }
 

@@ -2961,3 +2961,31 @@ async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
         ]
     );
 }
+
+/// A keyed claim that names its candidates (those its last claim named)
+/// sends the partition index's raise in the same round trip as its
+/// function's call: when the server lost the function (`FUNCTION FLUSH`,
+/// as a restart without persistence does), the claim loads it again there
+/// too. (It failed with "Function not found": redis-rs gives a pipeline's
+/// error no detail of its own, so the error was not recognised; the next
+/// claim, naming no candidates, loaded it.)
+#[tokio::test]
+async fn a_keyed_claim_with_candidates_named_loads_its_function_again() {
+    let server = server();
+    let admin = manager(&server).await;
+    let queue: Queue<String> = Queue::new(admin.clone(), "q").unwrap();
+    for n in 0..40 {
+        let id = format!("m{n}");
+        let options = PushOptions::new().id(&id).key(format!("k{n}"));
+        queue.push_with(id, options).await.unwrap();
+    }
+    // One key claimed: the call names the next ready keys for the next.
+    assert_eq!(queue.claim(1, secs(10)).await.unwrap().jobs.len(), 1);
+    let _: () = support::raw(&admin, &["FUNCTION", "FLUSH"]).await;
+    let claimed = queue.claim(5, secs(10)).await;
+    assert_eq!(
+        claimed.map(|c| c.jobs.len()).ok(),
+        Some(5),
+        "the claim loaded again"
+    );
+}
