@@ -120,36 +120,15 @@ async fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Commands every node of `cluster` ran so far (`INFO commandstats`), the
-/// `INFO` calls that read them included.
-async fn cluster_commands(cluster: &lockgate::testing::RedisCluster) -> Result<u64, BoxError> {
-    let mut total = 0;
-    for node in cluster.nodes() {
-        total += commands(&node.connection_manager().await?).await?;
-    }
-    Ok(total)
-}
-
-/// The median time of 5 runs of `call` on `cluster`, and its commands per
-/// run over every node.
-async fn cluster_timed<F, Fut>(
+/// A connection to each node of `cluster`, to read their commands.
+async fn node_managers(
     cluster: &lockgate::testing::RedisCluster,
-    call: F,
-) -> Result<(f64, u64), BoxError>
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = lockgate::Result<()>>,
-{
-    let (mut times, before) = (Vec::new(), cluster_commands(cluster).await?);
-    for _ in 0..5 {
-        let started = Instant::now();
-        call().await?;
-        times.push(ms(started.elapsed()));
+) -> Result<Vec<redis::aio::ConnectionManager>, BoxError> {
+    let mut nodes = Vec::new();
+    for node in cluster.nodes() {
+        nodes.push(node.connection_manager().await?);
     }
-    // Each read of the counts costs one `INFO` per node.
-    let nodes = cluster.nodes().len() as u64;
-    let ran = cluster_commands(cluster).await? - before - nodes;
-    Ok((median(times), ran / 5))
+    Ok(nodes)
 }
 
 /// Recovery sweeps of a keyed queue of `n` messages, a key each, on a
@@ -182,27 +161,25 @@ async fn cluster_sweeps(n: usize) -> Result<(), BoxError> {
         .arg("lockgate:{keyed}:partitions")
         .query_async(&mut conn.clone())
         .await?;
-    // Each read of the counts costs one `INFO` per node.
-    let nodes = cluster.nodes().len() as u64;
-    let (started, before) = (Instant::now(), cluster_commands(&cluster).await?);
+    let nodes = node_managers(&cluster).await?;
+    let (started, before) = (Instant::now(), commands_on(&nodes).await?);
     keyed.recover(3).await?;
     let full_ms = ms(started.elapsed());
-    let full_cmds = cluster_commands(&cluster).await? - before - nodes;
+    // Each read of the counts costs one `INFO` per node.
+    let full_cmds = commands_on(&nodes).await? - before - nodes.len() as u64;
     let (sweep_ms, sweep_cmds) =
-        cluster_timed(&cluster, || async { keyed.recover(3).await.map(drop) }).await?;
-    let (stats_ms, stats_cmds) =
-        cluster_timed(&cluster, || async { keyed.stats().await.map(drop) }).await?;
+        timed(&nodes, || async { keyed.recover(3).await.map(drop) }).await?;
+    let (stats_ms, stats_cmds) = timed(&nodes, || async { keyed.stats().await.map(drop) }).await?;
     keyed.recent_stats(Duration::from_secs(10)).await?;
-    let (kept_ms, kept_cmds) = cluster_timed(&cluster, || async {
+    let (kept_ms, kept_cmds) = timed(&nodes, || async {
         keyed.recent_stats(Duration::from_secs(10)).await.map(drop)
     })
     .await?;
-    let (peek_ms, peek_cmds) =
-        cluster_timed(&cluster, || async { keyed.peek(10).await.map(drop) }).await?;
+    let (peek_ms, peek_cmds) = timed(&nodes, || async { keyed.peek(10).await.map(drop) }).await?;
     keyed.key_stats(10).await?;
     let (keys_ms, keys_cmds) =
-        cluster_timed(&cluster, || async { keyed.key_stats(10).await.map(drop) }).await?;
-    let (dead_ms, dead_cmds) = cluster_timed(&cluster, || async {
+        timed(&nodes, || async { keyed.key_stats(10).await.map(drop) }).await?;
+    let (dead_ms, dead_cmds) = timed(&nodes, || async {
         keyed.dead_letters(None, 20).await.map(drop)
     })
     .await?;
@@ -276,23 +253,33 @@ async fn commands(conn: &redis::aio::ConnectionManager) -> Result<u64, BoxError>
     Ok(calls.sum())
 }
 
-/// The median time of 5 runs of `call`, and its commands per run.
+/// Commands `nodes` (one server, or every node of a cluster) ran so far.
+async fn commands_on(nodes: &[redis::aio::ConnectionManager]) -> Result<u64, BoxError> {
+    let mut total = 0;
+    for node in nodes {
+        total += commands(node).await?;
+    }
+    Ok(total)
+}
+
+/// The median time of 5 runs of `call`, and its commands per run over
+/// `nodes` (one server's connection, or one to every node of a cluster).
 async fn timed<F, Fut>(
-    conn: &redis::aio::ConnectionManager,
+    nodes: &[redis::aio::ConnectionManager],
     call: F,
 ) -> Result<(f64, u64), BoxError>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = lockgate::Result<()>>,
 {
-    let (mut times, before) = (Vec::new(), commands(conn).await?);
+    let (mut times, before) = (Vec::new(), commands_on(nodes).await?);
     for _ in 0..5 {
         let started = Instant::now();
         call().await?;
         times.push(ms(started.elapsed()));
     }
     // Each INFO call counts itself once.
-    let ran = commands(conn).await? - before - 1;
+    let ran = commands_on(nodes).await? - before - nodes.len() as u64;
     Ok((median(times), ran / 5))
 }
 
@@ -348,7 +335,7 @@ async fn renew_cost(n: usize) -> Result<(), BoxError> {
     for queue in [&keyed, &plain] {
         let jobs = claim_all(queue, n).await?;
         let before = script_us(&conn).await?;
-        let (took, commands) = timed(&conn, || async {
+        let (took, commands) = timed(std::slice::from_ref(&conn), || async {
             queue.extend(&jobs, lease).await.map(|_| ())
         })
         .await?;
@@ -379,19 +366,29 @@ async fn reads(n: usize) -> Result<(), BoxError> {
         keyed.push_many_with(keyed_msgs).await?;
         plain.push_many(chunk.iter().map(msg)).await?;
     }
-    let (keyed_ms, keyed_cmds) = timed(&conn, || async { keyed.stats().await.map(drop) }).await?;
-    let (plain_ms, plain_cmds) = timed(&conn, || async { plain.stats().await.map(drop) }).await?;
+    let (keyed_ms, keyed_cmds) = timed(std::slice::from_ref(&conn), || async {
+        keyed.stats().await.map(drop)
+    })
+    .await?;
+    let (plain_ms, plain_cmds) = timed(std::slice::from_ref(&conn), || async {
+        plain.stats().await.map(drop)
+    })
+    .await?;
     // The first recovery of every 5 minutes visits every partition: timed
     // alone; those after it visit what the leases index names.
     let (started, before) = (Instant::now(), commands(&conn).await?);
     keyed.recover(3).await?;
     let full_ms = ms(started.elapsed());
     let full_cmds = commands(&conn).await? - before - 1;
-    let (sweep_ms, sweep_cmds) =
-        timed(&conn, || async { keyed.recover(3).await.map(drop) }).await?;
-    let (keys_ms, keys_cmds) =
-        timed(&conn, || async { keyed.key_stats(10).await.map(drop) }).await?;
-    let (names_ms, names_cmds) = timed(&conn, || async {
+    let (sweep_ms, sweep_cmds) = timed(std::slice::from_ref(&conn), || async {
+        keyed.recover(3).await.map(drop)
+    })
+    .await?;
+    let (keys_ms, keys_cmds) = timed(std::slice::from_ref(&conn), || async {
+        keyed.key_stats(10).await.map(drop)
+    })
+    .await?;
+    let (names_ms, names_cmds) = timed(std::slice::from_ref(&conn), || async {
         lockgate::queue::queue_names(&conn, "lockgate")
             .await
             .map(drop)
