@@ -11,6 +11,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -103,6 +104,18 @@ async fn main() -> Result<(), BoxError> {
             reads(keys).await?;
         }
     }
+    if runs("cluster_drain") {
+        println!(
+            "\n## draining keyed messages on a 3-master Redis Cluster, one message per key, three claimers (a handle each), batches of 100"
+        );
+        println!(
+            "commands: `INFO commandstats` of every node, scripts' inner commands included, per message"
+        );
+        println!("| messages | per s | commands per message |\n|---|---|---|");
+        for keys in [size(1_000, 10), size(10_000, 100)] {
+            cluster_drain(keys).await?;
+        }
+    }
     if runs("cluster_sweeps") {
         println!(
             "\n## recovery sweeps, stats and looks on a 3-master Redis Cluster, one message per key, 1,000 of them at work (a 10-minute lease)"
@@ -111,7 +124,7 @@ async fn main() -> Result<(), BoxError> {
             "median of 5 calls; commands: `INFO commandstats` of every node per call, scripts' inner commands included"
         );
         println!(
-            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands | stats | its commands | recent_stats(10 s), kept | its commands | peek(10) | its commands | key_stats(10), count kept | its commands | dead_letters(20) | its commands |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "| messages | partitions | recovery sweep | its commands | first sweep of 5 minutes (every partition) | its commands | stats | its commands | recent_stats(10 s), kept | its commands | peek(10) | its commands | key_stats(10) | its commands | dead_letters(20) | its commands |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for keys in [size(10_000, 100), size(100_000, 200)] {
             cluster_sweeps(keys).await?;
@@ -185,6 +198,61 @@ async fn cluster_sweeps(n: usize) -> Result<(), BoxError> {
     .await?;
     println!(
         "| {n} | {partitions} | {sweep_ms:.1} ms | {sweep_cmds} | {full_ms:.1} ms | {full_cmds} | {stats_ms:.1} ms | {stats_cmds} | {kept_ms:.1} ms | {kept_cmds} | {peek_ms:.1} ms | {peek_cmds} | {keys_ms:.1} ms | {keys_cmds} | {dead_ms:.1} ms | {dead_cmds} |"
+    );
+    Ok(())
+}
+
+/// Pushes `n` keyed messages, a key each, on a 3-master cluster, then
+/// three claimers (a queue handle each, as three processes would have)
+/// claim and acknowledge them 100 at a time until none is left: messages
+/// per second, and every node's commands per message.
+async fn cluster_drain(n: usize) -> Result<(), BoxError> {
+    let cluster = lockgate::testing::RedisCluster::start()?;
+    let conn = cluster.connection().await?;
+    let producer: Queue<Msg, _> = Queue::new(conn.clone(), "drained")?;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let msgs = chunk.iter().map(|n| {
+            let key = format!("k{n}");
+            let msg = Msg {
+                key: key.clone(),
+                pushed: 0,
+            };
+            (msg, PushOptions::new().key(key))
+        });
+        producer.push_many_with(msgs).await?;
+    }
+    let nodes = node_managers(&cluster).await?;
+    let (started, before) = (Instant::now(), commands_on(&nodes).await?);
+    let total = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let claimers = (0..3).map(|_| {
+        let queue: Result<Queue<Msg, _>, _> = Queue::new(conn.clone(), "drained");
+        let total = total.clone();
+        async move {
+            let queue = queue?;
+            let mut empty = 0;
+            // Until every message is handled (a safety stop after 2,000
+            // empty claims, 2 ms apart).
+            while total.load(Ordering::Relaxed) < n && empty < 2_000 {
+                let jobs = queue.claim(100, Duration::from_secs(60)).await?.jobs;
+                if jobs.is_empty() {
+                    empty += 1;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    continue;
+                }
+                queue.ack_many(&jobs).await?;
+                total.fetch_add(jobs.len(), Ordering::Relaxed);
+            }
+            Ok::<(), BoxError>(())
+        }
+    });
+    futures_util::future::try_join_all(claimers).await?;
+    let done = total.load(Ordering::Relaxed);
+    let elapsed = started.elapsed().as_secs_f64();
+    let commands = commands_on(&nodes).await? - before;
+    let per_msg = commands as f64 / done.max(1) as f64;
+    println!(
+        "| {n} ({done} handled) | {:.0} | {per_msg:.1} |",
+        done as f64 / elapsed
     );
     Ok(())
 }

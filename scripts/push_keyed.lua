@@ -358,7 +358,8 @@ end
 --   messages those sets hold, and "keys" -> how many keys the ready sets
 --   hold, kept by every script that changes them (see tally): on one
 --   server the queue's (`<p>:{<q>}:keyed:counts`, over all its
---   partitions), on a Redis Cluster the partition's own
+--   partitions), on a Redis Cluster the partition's own, with "v", the
+--   number of its last change (see tally_version)
 -- KEYS[13] oldest: zset partition (its ready set's name) -> its earliest
 --   ready time above 0 (see tally), as counts: the queue's on one server
 -- KEYS[14] leases: zset partition (its tag, the text between the braces
@@ -551,11 +552,23 @@ local function tally_leases()
   owed_leases = {}
 end
 
+-- On a Redis Cluster, where a partition keeps counts of its own (KEYS[12]
+-- in the partition's slot, where one server's are the queue's), numbers
+-- this call's change of them or of its earliest ready time in their `v`:
+-- the queue's handles copy a partition's counts into the queue's slot
+-- after changing it, and the newest copy wins there
+-- (src/queue/keyed/mirror.rs, lua/keyed_mirror.lua).
+local function tally_version()
+  if next(moved) == nil and not reread and not lowered_to then return end
+  if tag_of(K[COUNTS]) == tag_of(K[ACTIVE]) then redis.call('HINCRBY', K[COUNTS], 'v', 1) end
+end
+
 -- At the end of a script that changes the partition (see `counted` in
 -- src/queue/keyed.rs): adds its moves to the counts, keeps the
 -- partition's earliest ready time in `oldest`, the earliest lease
 -- deadlines in `leases`, and the last seq handed out.
 local function tally()
+  tally_version()
   tally_counts()
   tally_ready()
   tally_oldest()

@@ -210,6 +210,7 @@ where
                 found |= self.requeue_dead_batch(&set, &stored, None).await?.0 == 1;
             }
         }
+        self.flush_counts().await?;
         Ok(found)
     }
 
@@ -231,6 +232,7 @@ where
                 }
             }
         }
+        self.flush_counts().await?;
         Ok(total)
     }
 
@@ -253,13 +255,17 @@ where
             script.key(keyof_and_counts);
         }
         type Redriven = (usize, usize, i64, Vec<(String, u32)>, Vec<String>);
-        let (requeued, examined, started, redriven, keys): Redriven = script
+        let reply = script
             .arg(id)
             .arg(MAX_BATCH)
             .arg(cutoff.map(|c| c.to_string()).unwrap_or_default())
             .arg(events)
             .query_on(&self.conn, attempted)
-            .await?;
+            .await;
+        if let Some((slot, _)) = &set.partition {
+            self.keyed().changed([*slot]);
+        }
+        let (requeued, examined, started, redriven, keys): Redriven = reply?;
         match (&set.partition, requeued > 0) {
             (Some((slot, _)), true) => self.keyed().redriven(*slot, redriven, keys).await?,
             (None, true) => self.mark_shard_after(set.shard, 0).await,

@@ -32,6 +32,7 @@ mod claim;
 pub(crate) use claim::Terms;
 mod done;
 pub(crate) use done::Ending;
+mod mirror;
 mod partitions;
 pub(crate) use partitions::Sweep;
 
@@ -436,6 +437,9 @@ pub(crate) struct KeyedState {
     pub(crate) listener: OnceLock<Arc<AutoListener>>,
     /// The keys whose release is being listened for.
     watched: Mutex<HashSet<String>>,
+    /// On a cluster, the partitions changed and not yet copied into the
+    /// queue's slot (see `mirror`).
+    copies: mirror::Copies,
 }
 
 /// A queue's keyed messages.
@@ -623,7 +627,10 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 .arg(m.payload);
         }
         let attempted = || format!("pushing keyed messages to queue `{}`", self.keys.name);
-        let reply: Vec<i64> = self.run(&PUSH, &cmd, attempted).await?;
+        let reply: Result<Vec<i64>> = self.run(&PUSH, &cmd, attempted).await;
+        // Whether it ran or not (a reply lost after it ran).
+        self.changed(parts.iter().map(|(slot, _)| *slot));
+        let reply = reply?;
         if reply.len() != 2 * count {
             return Err(Error::reply(attempted(), format_args!("{reply:?}")));
         }
@@ -653,7 +660,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let mut cmd = partition.call(&TAKE_IN, 0);
         cmd.arg(key).arg(limits).arg(id).arg(delay_ms).arg(record);
         let attempted = || format!("deferring message `{id}` into the line of key `{key}`");
-        let (added, due): (i64, i64) = self.run(&TAKE_IN, &cmd, attempted).await?;
+        let taken = self.run(&TAKE_IN, &cmd, attempted).await;
+        self.changed([partition.slot]);
+        let (added, due): (i64, i64) = taken?;
         // The mark is what makes the copy found (the partition may be new
         // to the index): tried again a few times before the deferral fails
         // (then the original is retried, and may run beside the copy).

@@ -124,12 +124,8 @@ pub struct KeyStats {
     pub keys: usize,
 }
 
-/// How old a reading of the counts [`Queue::key_stats`] takes its count of
-/// keys from on a Redis Cluster: the workers' sampling period by default
-/// (`Worker::sample_every`), so that their readings serve it.
-const KEY_COUNT_AGE: Duration = Duration::from_secs(10);
-
-/// A snapshot of a queue's size, read at one instant.
+/// A snapshot of a queue's size, read at one instant (on a Redis Cluster,
+/// a keyed queue's part from copies, see [`Queue::stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {
@@ -155,7 +151,12 @@ where
     T: Serialize + DeserializeOwned,
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Counts the queue's messages in each state.
+    /// Counts the queue's messages in each state: a few commands, however
+    /// many messages and keys. On a Redis Cluster a keyed queue's counts
+    /// are the copies the queue's handles write of its partitions' (see
+    /// [`flush_counts`](Self::flush_counts)): this handle's changes are
+    /// written first, other live handles' are normally at most about
+    /// 500 ms behind.
     pub async fn stats(&self) -> Result<Stats> {
         let attempted = || format!("reading stats of queue `{}`", self.name());
         let reply = self.summed_stats(None, attempted).await?;
@@ -167,9 +168,7 @@ where
     /// `max_age`) for its other handles; else read now ([`stats`]) and
     /// kept. Meant for gauges that many processes sample: a worker's
     /// [`sample_every`] reads through it, so that a pool of workers reads
-    /// the counts about once per period between them, not once each. (On
-    /// a Redis Cluster a keyed queue's `stats` adds up every partition's
-    /// counts, a command or two each.) The ages in a kept reading are
+    /// the counts about once per period between them, not once each. The ages in a kept reading are
     /// moved on by how long it was kept. A reading it cannot keep (the
     /// user may not `SET`) is returned all the same. Errors when
     /// `max_age` is under 1 ms.
@@ -290,18 +289,11 @@ where
     /// work are), at most `top` keys of each kind in each. A script per partition read. Its work is
     /// bounded by `top`, not by the keys: above that, the picks are the
     /// longest among those read, not always over all keys.
-    /// [`KeyStats::keys`] counts every key, from counts the scripts keep;
-    /// on a Redis Cluster, where they are each partition's, from a
-    /// reading of them at most 10 s old ([`recent_stats`](Self::recent_stats),
-    /// as the workers' depth sampling reads them by default), so that the
-    /// dashboards refreshing it and the workers read them once per 10 s
-    /// between them. For dashboards, not for a hot path.
+    /// [`KeyStats::keys`] counts every key, from counts the scripts keep
+    /// (on a Redis Cluster, as [`stats`](Self::stats) reads them). For
+    /// dashboards, not for a hot path.
     pub async fn key_stats(&self, top: usize) -> Result<KeyStats> {
         let (loads, keys) = self.keyed().loads(top.clamp(1, MAX_KEYS_READ)).await?;
-        let keys = match keys {
-            Some(keys) => keys,
-            None => self.recent_stats(KEY_COUNT_AGE).await?.keys,
-        };
         let keys = usize::try_from(keys).unwrap_or(usize::MAX);
         let pick = |keep: fn(&KeyLoad) -> bool, order: fn(&KeyLoad) -> (u64, u64, Duration)| {
             let mut picked: Vec<KeyLoad> = loads.iter().filter(|l| keep(l)).cloned().collect();

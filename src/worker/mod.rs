@@ -446,6 +446,11 @@ where
         // Every handler has finished: let the writers write what is queued.
         let _ = tokio::join!(acker, ender);
         drop(background);
+        // On a Redis Cluster, the counts of the keyed partitions this
+        // worker changed last, copied for `stats` before it returns.
+        if let Err(error) = self.queue.flush_counts().await {
+            tracing::warn!(queue = %self.queue.name(), %error, "could not copy the counts of the keyed partitions this worker changed last; the queue's stats miss them until their next change");
+        }
         result
     }
 }

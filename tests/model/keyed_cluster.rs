@@ -18,6 +18,13 @@
 //! nothing it left. Every history ends by running the queue dry: each
 //! message acknowledged exactly once.
 //!
+//! The queue's counts (issue 35, item 8): a partition's scripts keep its
+//! own, and the queue's handles copy them into the queue's slot, where
+//! `stats` reads them (`lua/keyed_mirror.lua`). After every step the
+//! handle's `stats` are the history's: its messages in line, at work and
+//! their keys; at the end another handle's read the same (empty) queue
+//! once the copies of the last changes have landed.
+//!
 //! Hand-overs keep the message's own lease and renewals lengthen it: a
 //! shorter lease given by either is one of the cases left to the full
 //! sweep (docs/keyed.md, "Recovery sweeps").
@@ -90,6 +97,8 @@ struct World {
     at_work: Vec<AtWork>,
     pushed: u64,
     acked: BTreeMap<u64, usize>,
+    /// Each message pushed and not yet acknowledged: its key.
+    unacked: BTreeMap<u64, usize>,
     slots: HashMap<String, u16>,
 }
 
@@ -137,6 +146,7 @@ impl World {
 
     fn acked(&mut self, job: &Job<u64>) {
         *self.acked.entry(*job.payload()).or_default() += 1;
+        self.unacked.remove(job.payload());
     }
 
     async fn run(&mut self, op: Op, at: &str) -> Result<(), TestCaseError> {
@@ -145,6 +155,7 @@ impl World {
                 for _ in 0..count {
                     let n = key as u64 * 1000 + self.pushed;
                     self.pushed += 1;
+                    self.unacked.insert(n, key);
                     let options = PushOptions::new().key(NAMES[key]);
                     (self.queue.push_with(n, options).await).map_err(|e| fail(at, e))?;
                 }
@@ -186,7 +197,30 @@ impl World {
             }
             Op::Sweep => self.sweep(at).await?,
         }
-        self.check_index(at).await
+        self.check_index(at).await?;
+        self.check_counts(at).await
+    }
+
+    /// The handle's `stats` are the history's: every message not yet
+    /// acknowledged in line or at work (a short lease run out stays at
+    /// work until a sweep), and their keys.
+    async fn check_counts(&mut self, at: &str) -> Result<(), TestCaseError> {
+        let stats = (self.queue.stats().await).map_err(|e| fail(at, e))?;
+        let active = self.at_work.len() as u64;
+        let keys: std::collections::BTreeSet<usize> = self.unacked.values().copied().collect();
+        prop_assert_eq!(
+            (stats.due, stats.later, stats.active, stats.dead, stats.keys),
+            (
+                self.unacked.len() as u64 - active,
+                0,
+                active,
+                0,
+                keys.len() as u64
+            ),
+            "{}: the queue's counts (due, later, active, dead, keys)",
+            at
+        );
+        Ok(())
     }
 
     /// Waits out the short leases, then a due sweep puts exactly their
@@ -275,7 +309,24 @@ impl World {
         );
         let twice: Vec<_> = self.acked.iter().filter(|(_, n)| **n > 1).collect();
         prop_assert!(twice.is_empty(), "acknowledged twice: {:?}", twice);
-        Ok(())
+        self.check_counts("drained").await?;
+        // Another handle reads what this one's copies left, once they
+        // have landed.
+        let other: Queue<u64, _> =
+            Queue::new(self.conn.clone(), &self.name).map_err(|e| fail("other", e))?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let stats = (other.stats().await).map_err(|e| fail("other", e))?;
+            if stats == Default::default() {
+                return Ok(());
+            }
+            prop_assert!(
+                Instant::now() < deadline,
+                "another handle still reads {:?}",
+                stats
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
@@ -296,6 +347,7 @@ async fn run_history(
         at_work: Vec::new(),
         pushed: 0,
         acked: BTreeMap::new(),
+        unacked: BTreeMap::new(),
         slots: HashMap::new(),
     };
     for (step, op) in history.iter().enumerate() {

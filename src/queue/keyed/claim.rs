@@ -418,8 +418,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 None => run(&CLAIM, &cmd, conn).await,
             }
         };
-        let replies: Vec<Reply> =
-            (crate::script::resending(window, send).await).map_err(Error::redis(attempted()))?;
+        let replies = crate::script::resending(window, send).await;
+        self.changed(blocks.iter().map(|block| block.partition.slot));
+        let replies: Vec<Reply> = replies.map_err(Error::redis(attempted()))?;
         if replies.len() != blocks.len() {
             let replies = replies.len();
             return Err(Error::reply(attempted(), format_args!("{replies} answers")));

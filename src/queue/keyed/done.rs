@@ -142,7 +142,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         // keeps the record that answers a resend): within the shortest
         // lease's window.
         let resend = endings.iter().map(|ending| ending.next).min().flatten();
-        let replies: Vec<DoneReply> = self.send_done(&cmd, resend, attempted).await?;
+        let replies = self.send_done(&cmd, resend, attempted).await;
+        self.changed(endings.iter().map(|ending| ending.held.partition.slot));
+        let replies: Vec<DoneReply> = replies?;
         if replies.len() != endings.len() {
             return Err(Error::reply(
                 attempted(),

@@ -6,7 +6,6 @@
 //! not one round trip after another.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use redis::Cmd;
 use redis::aio::ConnectionLike;
@@ -96,26 +95,18 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// at `now` or before). The scripts keep them as they change the
     /// partitions (see `lua/keyed.lua`): on one server the queue's, read in
     /// one round trip of two commands whatever the keys; on a cluster each
-    /// partition's, read at its own instant.
+    /// partition's, which the queue's handles copy into the queue's slot
+    /// (see `mirror`), where they are read the same way, after this
+    /// handle's own copies are written.
     pub(crate) async fn counts(&self, now: i64) -> Result<([u64; 5], Option<i64>)> {
-        let layout = self.layout().await?;
-        if layout == Layout::Server {
-            // On one server every partition names the queue's counts.
-            let partition = self.partition_in(0, layout);
-            return self.counts_in(&partition, now).await;
+        if self.layout().await? == Layout::Cluster {
+            self.settle_copies().await?;
+            self.first_copies().await?;
         }
-        let each =
-            self.each_partition(|partition| async move { self.counts_in(&partition, now).await });
-        let (mut total, mut oldest) = ([0; 5], None::<i64>);
-        for (counts, since) in each.await? {
-            for (total, n) in total.iter_mut().zip(counts) {
-                *total += n;
-            }
-            if let Some(since) = since {
-                oldest = Some(oldest.map_or(since, |o| o.min(since)));
-            }
-        }
-        Ok((total, oldest))
+        // On one server every partition names the queue's counts; on a
+        // cluster the handles copy the partitions' there (see `mirror`).
+        let partition = self.partition_in(0, Layout::Server);
+        self.counts_in(&partition, now).await
     }
 
     /// The counts and the earliest ready time at or before `now` kept in
@@ -136,27 +127,6 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok((counts, first.first().map(|(_, since)| *since)))
     }
 
-    /// Runs `each` for every partition of the index, [`PARTITIONS_AT_ONCE`]
-    /// at a time (their requests pipelined on the connection, rather than
-    /// one round trip after another), and gives their results in slot
-    /// order.
-    async fn each_partition<R, F, Fut>(&self, each: F) -> Result<Vec<R>>
-    where
-        F: Fn(Arc<Partition>) -> Fut,
-        Fut: std::future::Future<Output = Result<R>>,
-    {
-        use futures_util::{StreamExt, TryStreamExt};
-        let layout = self.layout().await?;
-        let slots = self.slots().await?;
-        let partitions = slots
-            .into_iter()
-            .map(|slot| self.partition_in(slot, layout));
-        futures_util::stream::iter(partitions.map(each))
-            .buffered(PARTITIONS_AT_ONCE)
-            .try_collect()
-            .await
-    }
-
     /// The keys with messages in line or at work in the index's first
     /// [`KEY_PARTITIONS`] partitions (lowest entry first: those due, then
     /// those due soonest, among them those a claim just raised; on a
@@ -165,11 +135,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// many of each and how long the first in line has waited since its
     /// push; of each active and ready set at most its share of `most` ×
     /// [`KEYS_READ_PER_TOP`] (at most [`MAX_KEYS_READ`] in all, `most` at
-    /// least). Also, on one server, how many keys the partitions hold in
-    /// line or at work, from the counts the scripts keep (on a cluster,
-    /// each partition's: not read here). Its work is bounded by `most` and
-    /// [`KEY_PARTITIONS`], not by the keys.
-    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, Option<u64>)> {
+    /// least). Also how many keys the partitions hold in line or at work,
+    /// from the counts the scripts keep (see [`counts`](Self::counts)).
+    /// Its work is bounded by `most` and [`KEY_PARTITIONS`], not by the
+    /// keys.
+    pub(crate) async fn loads(&self, most: usize) -> Result<(Vec<KeyLoad>, u64)> {
         use futures_util::{StreamExt, TryStreamExt};
         let attempted = || format!("reading the keys of queue `{}`", self.keys.name);
         let layout = self.layout().await?;
@@ -193,15 +163,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         });
         let read = futures_util::stream::iter(read).buffered(PARTITIONS_AT_ONCE);
         // Any time will do: the earliest ready time is not used here.
-        let count = async {
-            match layout {
-                Layout::Server => self
-                    .counts(i64::MAX)
-                    .await
-                    .map(|(counts, _)| Some(counts[4])),
-                Layout::Cluster => Ok(None),
-            }
-        };
+        let count = async { self.counts(i64::MAX).await.map(|(counts, _)| counts[4]) };
         let (each, keys) =
             futures_util::future::join(read.try_collect::<Vec<Loads>>(), count).await;
         let (each, keys) = (each?, keys?);
@@ -231,10 +193,12 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         for slot in self.slots().await? {
             let cmd = self.partition_in(slot, layout).call(&PURGE, 0);
             let attempted = || format!("purging queue `{}`", self.keys.name);
-            self.run::<bool>(&PURGE, &cmd, attempted).await?;
+            let purged = self.run::<bool>(&PURGE, &cmd, attempted).await;
+            self.changed([slot]);
+            purged?;
         }
         lock(&self.state.candidates).clear();
-        Ok(())
+        self.settle_copies().await
     }
 
     /// The dead-letter keys of every partition in the index.
@@ -358,7 +322,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     }
 
     /// Every partition in the index.
-    async fn slots(&self) -> Result<Vec<u16>> {
+    pub(super) async fn slots(&self) -> Result<Vec<u16>> {
         let attempted = || format!("listing the partitions of queue `{}`", self.keys.name);
         let slots: Vec<u16> = Cmd::zrange(&self.keys.partitions, 0, -1)
             .query_on(self.conn, attempted)
@@ -381,6 +345,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let slots = self.slots().await?;
             let swept = self.recover_slots(&slots, layout, max_stalls).await?;
             self.settle_leases(layout, &swept.left).await?;
+            if layout == Layout::Cluster {
+                self.copy_all(&slots).await?;
+            }
             return Ok((swept.requeued, swept.buried));
         }
         let mut total = (0, 0);
@@ -490,12 +457,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .arg(age)
             .arg(keeps_index);
         type Ended = Vec<(String, String, u32, String)>;
-        let answers: Vec<(usize, Ended, i64)> = self.run(&RECOVER, &cmd, attempted).await?;
+        let answers = self.run(&RECOVER, &cmd, attempted).await;
+        if answers.is_err() {
+            self.changed(partitions.iter().map(|partition| partition.slot));
+        }
+        let answers: Vec<(usize, Ended, i64)> = answers?;
         let (mut requeued, mut buried, mut marks) = (0, 0, Vec::new());
         let mut left = Vec::with_capacity(answers.len());
         let mut log = Log::default();
-        for (partition, (_examined, ended, earliest)) in partitions.iter().zip(answers) {
+        let mut changed = Vec::new();
+        for (partition, (examined, ended, earliest)) in partitions.iter().zip(answers) {
             left.push((partition.slot, earliest));
+            // (An expired entry without a record is dropped, ending none.)
+            if examined > 0 {
+                changed.push(partition.slot);
+            }
             if ended.is_empty() {
                 continue;
             }
@@ -510,6 +486,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             let dead = ended.iter().filter(|(.., error)| !error.is_empty()).count();
             (requeued, buried) = (requeued + ended.len() - dead, buried + dead);
         }
+        self.changed(changed);
         // The partitions where turns ended have ready keys: one mark for
         // all of them.
         let attempted = || format!("marking partitions of queue `{}` ready", self.keys.name);
@@ -581,7 +558,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                 let member = self.place_in_line(&partition, key, &stored).await?;
                 let mut cmd = partition.call(&REMOVE, 0);
                 cmd.arg(&stored).arg(member.unwrap_or_default());
-                let key: Option<String> = self.run(&REMOVE, &cmd, attempted).await?;
+                let key = self.run(&REMOVE, &cmd, attempted).await;
+                self.changed([slot]);
+                let key: Option<String> = key?;
                 if let Some(key) = key {
                     let mut log = Log::default();
                     log.event(EventKind::Removed, &key, (id, 1));
@@ -589,6 +568,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
                     removed = true;
                 }
             }
+        }
+        if removed {
+            self.settle_copies().await?;
         }
         Ok(removed)
     }

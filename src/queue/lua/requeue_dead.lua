@@ -40,6 +40,12 @@ end
 if KEYS[9] and removed > 0 then
   redis.call('HINCRBY', KEYS[9], 'dead', -removed)
   if count > 0 then redis.call('HINCRBY', KEYS[9], 'schedule', count) end
+  -- A cluster partition's own counts number their changes (see
+  -- tally_version in keyed.lua).
+  local tag = '^[^{]*{([^}]*)}'
+  if string.match(KEYS[9], tag) == string.match(KEYS[1], tag) then
+    redis.call('HINCRBY', KEYS[9], 'v', 1)
+  end
 end
 emit(KEYS[7], ARGV[4], 'redriven', now, nil, redriven)
 return {count, #ids, cutoff, redriven, keys}
