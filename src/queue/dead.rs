@@ -128,8 +128,13 @@ where
     /// Lists a page of up to `limit` dead letters, oldest first (then by
     /// id), starting after `after` (`None`: the first page). Pass the
     /// page's [`next`](DeadPage::next) to read the one after it. A page
-    /// costs one script per dead set (each shard's, each keyed partition's),
-    /// each `O(log n + limit)` whatever the page's depth. Letters re-driven
+    /// costs one script per dead set (each shard's, each keyed partition's
+    /// with dead letters), each `O(log n + limit)` whatever the page's
+    /// depth. On a Redis Cluster the keyed partitions read are those whose
+    /// counts, as the queue's handles copy them (see
+    /// [`flush_counts`](Self::flush_counts)), hold dead letters: a letter
+    /// another live handle buried shows once its copy lands, normally
+    /// within 500 ms. Letters re-driven
     /// or trimmed meanwhile do not shift later pages; a letter buried
     /// meanwhile shows on the page of its place (after the pages read if
     /// it is the newest). A `limit` of 0 reads nothing and gives `after`
@@ -147,7 +152,7 @@ where
         // exists), merged in list order; the sets read many at once (on a
         // cluster a keyed queue has one per partition).
         use futures_util::{StreamExt, TryStreamExt};
-        let sets = self.dead_sets().await?;
+        let sets = self.dead_sets_listed().await?;
         let each =
             (sets.into_iter()).map(|set| async move { self.dead_in(&set, after, limit + 1).await });
         let each: Vec<Vec<DeadLetter>> = futures_util::stream::iter(each)
@@ -274,15 +279,30 @@ where
         Ok((requeued, examined, started))
     }
 
+    /// Every shard's dead-letter keys, then those of the keyed partitions
+    /// with dead letters (on a cluster, as their copied counts say: see
+    /// [`flush_counts`](Self::flush_counts)).
+    async fn dead_sets_listed(&self) -> Result<Vec<DeadSet>> {
+        let mut sets = self.shard_dead_sets().await?;
+        sets.extend(self.keyed().listed_dead_sets().await?);
+        Ok(sets)
+    }
+
+    /// Every shard's dead-letter keys.
+    async fn shard_dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let shards = self.layout().await?.keys.iter().enumerate();
+        Ok(shards
+            .map(|(shard, k)| DeadSet {
+                base: k.base.clone(),
+                partition: None,
+                shard,
+            })
+            .collect())
+    }
+
     /// Every shard's dead-letter keys, then every keyed partition's.
     async fn dead_sets(&self) -> Result<Vec<DeadSet>> {
-        let shards = self.layout().await?.keys.iter().enumerate();
-        let shards = shards.map(|(shard, k)| DeadSet {
-            base: k.base.clone(),
-            partition: None,
-            shard,
-        });
-        let mut sets: Vec<DeadSet> = shards.collect();
+        let mut sets = self.shard_dead_sets().await?;
         sets.extend(self.keyed().dead_sets().await?);
         Ok(sets)
     }

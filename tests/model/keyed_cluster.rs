@@ -10,7 +10,7 @@
 //! Random histories of pushes over twelve keys (three to a partition,
 //! spread over the three nodes), claims under a short or a long lease, acknowledgements (alone,
 //! or handing the key to its next message under the message's own lease),
-//! renewals to the long lease, and sweeps once the short leases have run
+//! renewals to the long lease, burials, and sweeps once the short leases have run
 //! out, on a three-node cluster. After every step each message at work has
 //! its partition in the index no later than its lease's end: the index
 //! never hides a lease. A sweep puts every message of a short lease back
@@ -21,15 +21,17 @@
 //! The queue's counts (issue 35, item 8): a partition's scripts keep its
 //! own, and the queue's handles copy them into the queue's slot, where
 //! `stats` reads them (`lua/keyed_mirror.lua`). After every step the
-//! handle's `stats` are the history's: its messages in line, at work and
-//! their keys; at the end another handle's read the same (empty) queue
-//! once the copies of the last changes have landed.
+//! handle's `stats` are the history's: its messages in line, at work,
+//! buried and their keys, and `dead_letters` lists the buried ones (from
+//! the partitions whose copies hold dead letters); at the end another
+//! handle's read the same once the copies of the last changes have
+//! landed.
 //!
 //! Hand-overs keep the message's own lease and renewals lengthen it: a
 //! shorter lease given by either is one of the cases left to the full
 //! sweep (docs/keyed.md, "Recovery sweeps").
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockgate::testing::RedisCluster;
@@ -69,6 +71,8 @@ enum Op {
     Renew { pick: usize },
     /// Waits out the short leases, then sweeps.
     Sweep,
+    /// The `pick`th message at work is buried.
+    Bury { pick: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -78,6 +82,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..KEYS * 3, any::<bool>()).prop_map(|(pick, next)| Op::Ack { pick, next }),
         1 => (0..KEYS * 3).prop_map(|pick| Op::Renew { pick }),
         1 => Just(Op::Sweep),
+        1 => (0..KEYS * 3).prop_map(|pick| Op::Bury { pick }),
     ]
 }
 
@@ -97,8 +102,10 @@ struct World {
     at_work: Vec<AtWork>,
     pushed: u64,
     acked: BTreeMap<u64, usize>,
-    /// Each message pushed and not yet acknowledged: its key.
+    /// Each message pushed and not yet acknowledged or buried: its key.
     unacked: BTreeMap<u64, usize>,
+    /// The messages buried: key and id.
+    buried: BTreeSet<(String, String)>,
     slots: HashMap<String, u16>,
 }
 
@@ -196,30 +203,46 @@ impl World {
                 self.leased(at_work.job, LONG, Instant::now());
             }
             Op::Sweep => self.sweep(at).await?,
+            Op::Bury { pick } => {
+                let Some(i) = self.pick(pick) else {
+                    return Ok(());
+                };
+                let at_work = self.at_work.remove(i);
+                let held =
+                    (self.queue.bury(&at_work.job, "model").await).map_err(|e| fail(at, e))?;
+                prop_assert!(held, "{at}: a lease with time left was lost");
+                let job = &at_work.job;
+                self.unacked.remove(job.payload());
+                let key = job.key().unwrap_or_default().to_owned();
+                self.buried.insert((key, job.id().to_owned()));
+            }
         }
         self.check_index(at).await?;
         self.check_counts(at).await
     }
 
     /// The handle's `stats` are the history's: every message not yet
-    /// acknowledged in line or at work (a short lease run out stays at
-    /// work until a sweep), and their keys.
+    /// acknowledged or buried in line or at work (a short lease run out
+    /// stays at work until a sweep), their keys, and the dead letters,
+    /// which `dead_letters` lists (from the partitions whose copied counts
+    /// hold some).
     async fn check_counts(&mut self, at: &str) -> Result<(), TestCaseError> {
         let stats = (self.queue.stats().await).map_err(|e| fail(at, e))?;
         let active = self.at_work.len() as u64;
-        let keys: std::collections::BTreeSet<usize> = self.unacked.values().copied().collect();
+        let keys: BTreeSet<usize> = self.unacked.values().copied().collect();
+        let dead = self.buried.len() as u64;
+        let waiting = self.unacked.len() as u64 - active;
         prop_assert_eq!(
             (stats.due, stats.later, stats.active, stats.dead, stats.keys),
-            (
-                self.unacked.len() as u64 - active,
-                0,
-                active,
-                0,
-                keys.len() as u64
-            ),
+            (waiting, 0, active, dead, keys.len() as u64),
             "{}: the queue's counts (due, later, active, dead, keys)",
             at
         );
+        let page = (self.queue.dead_letters(None, 500).await).map_err(|e| fail(at, e))?;
+        let listed: BTreeSet<(String, String)> = (page.letters.into_iter())
+            .map(|letter| (letter.key.unwrap_or_default(), letter.id))
+            .collect();
+        prop_assert_eq!(&listed, &self.buried, "{}: the dead letters listed", at);
         Ok(())
     }
 
@@ -303,21 +326,22 @@ impl World {
             }
         }
         prop_assert_eq!(
-            self.acked.len() as u64,
+            (self.acked.len() + self.buried.len()) as u64,
             self.pushed,
-            "every message handled"
+            "every message handled or buried"
         );
         let twice: Vec<_> = self.acked.iter().filter(|(_, n)| **n > 1).collect();
         prop_assert!(twice.is_empty(), "acknowledged twice: {:?}", twice);
         self.check_counts("drained").await?;
-        // Another handle reads what this one's copies left, once they
-        // have landed.
+        // Another handle reads what this one's copies left (the dead
+        // letters alone), once they have landed.
         let other: Queue<u64, _> =
             Queue::new(self.conn.clone(), &self.name).map_err(|e| fail("other", e))?;
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let stats = (other.stats().await).map_err(|e| fail("other", e))?;
-            if stats == Default::default() {
+            let counts = (stats.due, stats.later, stats.active, stats.dead, stats.keys);
+            if counts == (0, 0, 0, self.buried.len() as u64, 0) {
                 return Ok(());
             }
             prop_assert!(
@@ -348,6 +372,7 @@ async fn run_history(
         pushed: 0,
         acked: BTreeMap::new(),
         unacked: BTreeMap::new(),
+        buried: BTreeSet::new(),
         slots: HashMap::new(),
     };
     for (step, op) in history.iter().enumerate() {

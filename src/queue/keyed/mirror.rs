@@ -200,6 +200,19 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         Ok(())
     }
 
+    /// The partitions with dead letters on a cluster, as their copies say
+    /// (after this handle's own are written, and the first copies made):
+    /// where a page of dead letters looks.
+    pub(crate) async fn dead_slots(&self) -> Result<Vec<u16>> {
+        self.settle_copies().await?;
+        self.first_copies().await?;
+        let attempted = || format!("listing dead letters of queue `{}`", self.keys.name);
+        redis::Cmd::zrange(dead_partitions(self.keys), 0, -1)
+            .query_async(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))
+    }
+
     /// Before the first copy of a queue's counts (a version before them
     /// kept none), copies every partition of the index.
     pub(crate) async fn first_copies(&self) -> Result<()> {
@@ -307,9 +320,10 @@ async fn copy<C: ConnectionLike + Clone + Send + Sync>(
             .try_collect()
             .await
             .map_err(Error::redis(attempted()))?;
-        let mut cmd = COPY.call(3);
-        cmd.arg(&copies).arg(&queue[COUNTS]);
-        cmd.arg(&queue[OLDEST]).arg(if force { "1" } else { "0" });
+        let mut cmd = COPY.call(4);
+        cmd.arg(&copies).arg(&queue[COUNTS]).arg(&queue[OLDEST]);
+        cmd.arg(dead_partitions(keys))
+            .arg(if force { "1" } else { "0" });
         for ((slot, partition), (counts, first)) in slots.iter().zip(&partitions).zip(read) {
             cmd.arg(slot).arg(&partition.keys[READY]);
             cmd.arg(&counts.map(|n| n.unwrap_or(0))[..]);
@@ -326,4 +340,10 @@ async fn copy<C: ConnectionLike + Clone + Send + Sync>(
 /// The copies kept in the queue's slot (see `lua/keyed_mirror.lua`).
 fn copies_key(keys: &QueueKeys) -> String {
     format!("{}:keyed:copies", keys.base)
+}
+
+/// The partitions whose copies hold dead letters (see
+/// `lua/keyed_mirror.lua`).
+fn dead_partitions(keys: &QueueKeys) -> String {
+    format!("{}:keyed:dead_partitions", keys.base)
 }

@@ -210,6 +210,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .collect())
     }
 
+    /// The dead-letter keys of the partitions a page of dead letters
+    /// reads: every partition in the index on one server (one, and those of
+    /// an older version's layout); on a cluster those whose copied counts
+    /// hold dead letters (see `mirror`), not every partition.
+    pub(crate) async fn listed_dead_sets(&self) -> Result<Vec<DeadSet>> {
+        let layout = self.layout().await?;
+        if layout == Layout::Server {
+            return self.dead_sets().await;
+        }
+        let partitions = self.dead_slots().await?.into_iter();
+        Ok(partitions
+            .map(|slot| self.partition_in(slot, layout).dead_set())
+            .collect())
+    }
+
     /// Makes a partition whose dead letters were re-driven look for them,
     /// and records their `redriven` events (`pairs`: id, attempt; `keys`:
     /// each one's key).

@@ -14,6 +14,8 @@
 -- KEYS[2]: the queue's counts (the fields keyed.lua names)
 -- KEYS[3]: the queue's oldest (a partition's ready set name -> its
 --   earliest ready time above 0)
+-- KEYS[4]: the partitions with dead letters, slot -> how many (where
+--   `dead_letters` looks on a cluster)
 -- ARGV[1]: "1" to take every copy that differs from the one kept, its
 --   number newer or not (a sweep over every partition puts the copies
 --   right: a failover may have lost a partition's last changes, and with
@@ -31,7 +33,7 @@ for i = 2, #ARGV, 9 do slots[#slots + 1] = ARGV[i] end
 if #slots == 0 then return {} end
 local kept = redis.call('HMGET', KEYS[1], unpack(slots))
 local totals = {0, 0, 0, 0, 0}
-local older, copies, earliest, gone = {}, {}, {}, {}
+local older, copies, earliest, gone, dead, alive = {}, {}, {}, {}, {}, {}
 for n, slot in ipairs(slots) do
   local i = 2 + 9 * (n - 1)
   local was = kept[n] or nil
@@ -56,12 +58,20 @@ for n, slot in ipairs(slots) do
     elseif copy[7] <= 0 and (old[7] > 0 or not was) then
       gone[#gone + 1] = ARGV[i + 1]
     end
+    if copy[5] > 0 and copy[5] ~= old[5] then
+      dead[#dead + 1] = copy[5]
+      dead[#dead + 1] = slot
+    elseif copy[5] <= 0 and (old[5] > 0 or not was) then
+      alive[#alive + 1] = slot
+    end
     if copy[1] < old[1] then older[#older + 1] = slot end
   end
 end
 if #copies > 0 then redis.call('HSET', KEYS[1], unpack(copies)) end
 if #earliest > 0 then redis.call('ZADD', KEYS[3], unpack(earliest)) end
 if #gone > 0 then redis.call('ZREM', KEYS[3], unpack(gone)) end
+if #dead > 0 then redis.call('ZADD', KEYS[4], unpack(dead)) end
+if #alive > 0 then redis.call('ZREM', KEYS[4], unpack(alive)) end
 for f = 1, 5 do
   if totals[f] ~= 0 then redis.call('HINCRBY', KEYS[2], FIELDS[f], totals[f]) end
 end
