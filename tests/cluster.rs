@@ -1616,6 +1616,9 @@ async fn a_keyed_queue_s_stats_on_a_cluster_read_the_counts_copied_into_its_slot
     let keyed = (0..600u64).map(|n| (n, lockgate::PushOptions::new().key(format!("k{n}"))));
     queue.push_many_with(keyed).await.unwrap();
     queue.push_many(600..605u64).await.unwrap();
+    let counts = |s: &lockgate::queue::Stats| (s.due, s.later, s.active, s.dead, s.keys);
+    // The first look copies every partition once (and marks it done).
+    assert_eq!(counts(&queue.stats().await.unwrap()), (605, 0, 0, 0, 600));
     let mut claimed = Vec::new();
     while claimed.len() < 20 {
         let room = 20 - claimed.len();
@@ -1627,8 +1630,14 @@ async fn a_keyed_queue_s_stats_on_a_cluster_read_the_counts_copied_into_its_slot
     for job in claimed.iter().filter(|job| job.key().is_some()).take(5) {
         assert!(queue.ack(job).await.unwrap());
     }
-    let counts = |s: &lockgate::queue::Stats| (s.due, s.later, s.active, s.dead, s.keys);
     let expected = (585, 0, 15, 0, 595);
+    // Another handle reads them once the first handle's task copied them.
+    let handle: Queue<u64, _> = Queue::new(other.clone(), "copied").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counts(&handle.stats().await.unwrap()) != expected {
+        assert!(Instant::now() < deadline, "another handle reads the copies");
+        tokio::time::sleep(ms(20)).await;
+    }
     assert_eq!(counts(&queue.stats().await.unwrap()), expected);
     let before = commands(&cluster).await;
     let again = queue.stats().await.unwrap();
@@ -1638,13 +1647,6 @@ async fn a_keyed_queue_s_stats_on_a_cluster_read_the_counts_copied_into_its_slot
         cost <= 20,
         "a reading of the copies, not of 600 partitions: {cost} commands"
     );
-
-    let handle: Queue<u64, _> = Queue::new(other.clone(), "copied").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while counts(&handle.stats().await.unwrap()) != expected {
-        assert!(Instant::now() < deadline, "another handle reads the copies");
-        tokio::time::sleep(ms(20)).await;
-    }
 
     // A partition's counts moved by hand, as a script of a process that
     // copies nothing would move them: one more in line, its number on.
@@ -1716,16 +1718,36 @@ async fn a_keyed_queue_s_stats_on_a_cluster_read_the_counts_copied_into_its_slot
     assert_eq!((due, keys), (588, 598), "a producer's flushed pushes");
 
     // Copies gone, as before a version that made them: the first `stats`
-    // copies every partition.
+    // copies every partition, though a handle's own copy (a push here)
+    // made the copies anew meanwhile.
     let mut gone = redis::cmd("DEL");
-    for name in ["copies", "counts", "oldest"] {
+    for name in ["copies", "counts", "oldest", "copied"] {
         gone.arg(format!("lockgate:{{copied}}:keyed:{name}"));
     }
     let _: () = gone.query_async(&mut one.clone()).await.unwrap();
+    let one_more = lockgate::PushOptions::new().key("k703");
+    handle.push_with(703, one_more).await.unwrap();
+    let copies = "lockgate:{copied}:keyed:copies";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(copies)
+            .query_async(&mut one.clone())
+            .await
+            .unwrap();
+        if exists {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the handle's task copies its push"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
     let (due, _, active, _, keys) = counts(&handle.stats().await.unwrap());
     assert_eq!(
         (due, active, keys),
-        (588, 15, 598),
+        (589, 15, 599),
         "copied at a first look"
     );
 }

@@ -332,9 +332,9 @@ impl World {
         );
         let twice: Vec<_> = self.acked.iter().filter(|(_, n)| **n > 1).collect();
         prop_assert!(twice.is_empty(), "acknowledged twice: {:?}", twice);
-        self.check_counts("drained").await?;
         // Another handle reads what this one's copies left (the dead
-        // letters alone), once they have landed.
+        // letters alone), once its task has copied them (before this
+        // handle's own `stats` would).
         let other: Queue<u64, _> =
             Queue::new(self.conn.clone(), &self.name).map_err(|e| fail("other", e))?;
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -342,7 +342,7 @@ impl World {
             let stats = (other.stats().await).map_err(|e| fail("other", e))?;
             let counts = (stats.due, stats.later, stats.active, stats.dead, stats.keys);
             if counts == (0, 0, 0, self.buried.len() as u64, 0) {
-                return Ok(());
+                break;
             }
             prop_assert!(
                 Instant::now() < deadline,
@@ -351,6 +351,7 @@ impl World {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        self.check_counts("drained").await
     }
 }
 

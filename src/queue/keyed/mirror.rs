@@ -73,16 +73,22 @@ impl Copies {
     /// with `stop`, marks the copying task ended (at once: a change noted
     /// after it starts another).
     fn take(&self, stop: bool) -> Option<Round<'_>> {
+        self.take_or_last(stop).ok()
+    }
+
+    /// The same, or else the number of the last round taken, read under
+    /// the same lock.
+    fn take_or_last(&self, stop: bool) -> std::result::Result<Round<'_>, u64> {
         let mut pending = lock(&self.state);
         if pending.changed.is_empty() {
             pending.task &= !stop;
-            return None;
+            return Err(pending.rounds);
         }
         pending.rounds += 1;
         let number = pending.rounds;
         pending.under_way.insert(number);
         let slots = std::mem::take(&mut pending.changed).into_iter().collect();
-        Some(Round {
+        Ok(Round {
             copies: self,
             number,
             slots,
@@ -185,19 +191,39 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// their error returned.
     pub(crate) async fn settle_copies(&self) -> Result<()> {
         let copies = &self.state.copies;
-        let last = lock(&copies.state).rounds;
-        self.copy_round(copies).await?;
-        copies.rounds_ended(last).await;
-        self.copy_round(copies).await
-    }
-
-    /// Copies the partitions changed, in the caller's own round.
-    async fn copy_round(&self, copies: &Copies) -> Result<()> {
-        if let Some(mut round) = copies.take(false) {
-            copy(self.conn, self.keys, &round.slots, false).await?;
-            round.copied = true;
+        // A round under way that fails puts its partitions back: copied
+        // here, in a round of this call's own (a few tries).
+        for _ in 0..3 {
+            let last = match copies.take_or_last(false) {
+                Ok(round) => {
+                    let last = round.number;
+                    self.copy_round(round).await?;
+                    last
+                }
+                Err(last) => last,
+            };
+            copies.rounds_ended(last).await;
+            if lock(&copies.state).changed.is_empty() {
+                return Ok(());
+            }
         }
         Ok(())
+    }
+
+    /// Copies a round's partitions; one that fails goes back to the copying
+    /// task (started again if it ended).
+    async fn copy_round(&self, mut round: Round<'_>) -> Result<()> {
+        match copy(self.conn, self.keys, &round.slots, false).await {
+            Ok(_) => {
+                round.copied = true;
+                Ok(())
+            }
+            Err(error) => {
+                drop(round);
+                self.changed(std::iter::empty());
+                Err(error)
+            }
+        }
     }
 
     /// The partitions with dead letters on a cluster, as their copies say
@@ -213,11 +239,13 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             .map_err(Error::redis(attempted()))
     }
 
-    /// Before the first copy of a queue's counts (a version before them
-    /// kept none), copies every partition of the index.
+    /// Until every partition of a queue was copied once (a version before
+    /// the copies made none; a copy of every partition that failed part
+    /// way), copies every partition of the index: the first whole copy
+    /// leaves a mark (`keyed:copied`), which handles' own copies do not.
     pub(crate) async fn first_copies(&self) -> Result<()> {
         let attempted = || format!("copying the keyed counts of queue `{}`", self.keys.name);
-        let copied: bool = redis::Cmd::exists(copies_key(self.keys))
+        let copied: bool = redis::Cmd::exists(copied_mark(self.keys))
             .query_async(&mut self.conn.clone())
             .await
             .map_err(Error::redis(attempted()))?;
@@ -225,10 +253,7 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
             return Ok(());
         }
         let slots = self.slots().await?;
-        match slots.is_empty() {
-            true => Ok(()),
-            false => self.copy_all(&slots).await,
-        }
+        self.copy_all(&slots).await
     }
 
     /// Copies every partition of the index (`slots`) and every partition
@@ -248,7 +273,11 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         let every: BTreeSet<u16> = slots.iter().copied().chain(copied).collect();
         let every: Vec<u16> = every.into_iter().collect();
         let older = copy(self.conn, self.keys, &every, true).await?;
-        copy(self.conn, self.keys, &older, false).await.map(drop)
+        copy(self.conn, self.keys, &older, false).await?;
+        redis::Cmd::set(copied_mark(self.keys), 1)
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+            .map_err(Error::redis(attempted()))
     }
 }
 
@@ -271,6 +300,10 @@ async fn copy_task<C: ConnectionLike + Clone + Send + Sync>(
             Err(error) => {
                 tracing::warn!(queue = %keys.name, %error, partitions = round.slots.len(), "could not copy keyed partitions' counts into the queue's slot; trying again");
                 pause = (pause * 2).min(RETRY_MOST);
+                // Every handle of the queue gone: nobody reads these.
+                if Arc::strong_count(&running.state) == 1 {
+                    break;
+                }
             }
         }
         drop(round);
@@ -340,6 +373,12 @@ async fn copy<C: ConnectionLike + Clone + Send + Sync>(
 /// The copies kept in the queue's slot (see `lua/keyed_mirror.lua`).
 fn copies_key(keys: &QueueKeys) -> String {
     format!("{}:keyed:copies", keys.base)
+}
+
+/// The mark of a copy of every partition (see
+/// [`first_copies`](Keyed::first_copies)).
+fn copied_mark(keys: &QueueKeys) -> String {
+    format!("{}:keyed:copied", keys.base)
 }
 
 /// The partitions whose copies hold dead letters (see

@@ -234,7 +234,10 @@ end
 -- (src/queue/keyed/mirror.rs, lua/keyed_mirror.lua).
 local function tally_version()
   if next(moved) == nil and not reread and not lowered_to then return end
-  if tag_of(K[COUNTS]) == tag_of(K[ACTIVE]) then redis.call('HINCRBY', K[COUNTS], 'v', 1) end
+  -- The partition's own counts: its keys' names but the last part.
+  if string.sub(K[COUNTS], 1, -8) == string.sub(K[ACTIVE], 1, -8) then
+    redis.call('HINCRBY', K[COUNTS], 'v', 1)
+  end
 end
 
 -- At the end of a script that changes the partition (see `counted` in

@@ -42,8 +42,7 @@ if KEYS[9] and removed > 0 then
   if count > 0 then redis.call('HINCRBY', KEYS[9], 'schedule', count) end
   -- A cluster partition's own counts number their changes (see
   -- tally_version in keyed.lua).
-  local tag = '^[^{]*{([^}]*)}'
-  if string.match(KEYS[9], tag) == string.match(KEYS[1], tag) then
+  if string.sub(KEYS[9], 1, -8) == string.sub(KEYS[1], 1, -6) then
     redis.call('HINCRBY', KEYS[9], 'v', 1)
   end
 end
