@@ -163,6 +163,21 @@ where
         self.with_keyed(&reply, attempted).await
     }
 
+    /// On a Redis Cluster, writes the counts of the keyed partitions this
+    /// handle changed to the queue's slot, where [`stats`](Self::stats)
+    /// reads them, and waits for those its clones are writing. A handle
+    /// writes them on its own within about 500 ms of a change, and `stats`,
+    /// `purge`, `remove`, the dead letters' re-drives and a worker's end
+    /// write them first; a producer that exits right after pushing keyed
+    /// messages calls it before it does, so that `stats` elsewhere counts
+    /// its last pushes at once (else when a worker next claims from their
+    /// partitions, or at the recovery sweep over every partition, once per
+    /// 5 minutes). Nothing to do on one server, whose scripts keep the
+    /// queue's counts themselves (docs/keyed.md).
+    pub async fn flush_counts(&self) -> Result<()> {
+        self.keyed().settle_copies().await
+    }
+
     /// The queue's [`Stats`] as a handle of it read them at most `max_age`
     /// ago, kept in the queue's slot (`<prefix>:{<queue>}:sampled`, for
     /// `max_age`) for its other handles; else read now ([`stats`]) and

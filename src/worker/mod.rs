@@ -446,12 +446,21 @@ where
         // Every handler has finished: let the writers write what is queued.
         let _ = tokio::join!(acker, ender);
         drop(background);
-        // On a Redis Cluster, the counts of the keyed partitions this
-        // worker changed last, copied for `stats` before it returns.
-        if let Err(error) = self.queue.flush_counts().await {
-            tracing::warn!(queue = %self.queue.name(), %error, "could not copy the counts of the keyed partitions this worker changed last; the queue's stats miss them until their next change");
-        }
+        flush_counts(&self.queue).await;
         result
+    }
+}
+
+/// On a Redis Cluster, copies the counts of the keyed partitions a worker
+/// changed last, for `stats`, before it returns (see
+/// [`Queue::flush_counts`]).
+async fn flush_counts<T, C>(queue: &Queue<T, C>)
+where
+    T: Serialize + DeserializeOwned,
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    if let Err(error) = queue.flush_counts().await {
+        tracing::warn!(queue = %queue.name(), %error, "could not copy the counts of the keyed partitions this worker changed last; the queue's stats miss them until their next change");
     }
 }
 
