@@ -1437,6 +1437,115 @@ async fn keyed_recovery_sweeps_on_a_cluster_visit_only_partitions_with_leases_du
     assert!(quiet().await <= 4);
 }
 
+/// A recovery sweep that fails part way (here its visit of a partition
+/// times out; a worker killed in the middle of its sweep is the same)
+/// hides the partitions it took from the leases index no longer than a
+/// sweep may take: a lease there that runs out later is found by the next
+/// sweeps. (The entries it raised stayed a thousand years ahead, so only
+/// the next full sweep, five minutes later, ended such a lease.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_sweep_that_fails_part_way_on_a_cluster_hides_no_lease_for_long() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "hidden").unwrap();
+    // Two keys of one partition, on another node than the queue's slot.
+    let home = node_of(&cluster, &conn, "{hidden}").await;
+    let slot = |key: &str| crc16::State::<crc16::XMODEM>::calculate(key.as_bytes()) % 16_384;
+    let first = (0..)
+        .map(|n| format!("k{n}"))
+        .find(|key| cluster.node_of_slot(slot(key)) != home)
+        .unwrap();
+    let second = (0..)
+        .map(|n| format!("j{n}"))
+        .find(|key| slot(key) == slot(&first))
+        .unwrap();
+    let node = cluster.node_of_slot(slot(&first));
+    // A sweeper whose requests time out soon, without retries.
+    let sweeper = (cluster.client_builder())
+        .response_timeout(ms(500))
+        .retries(0)
+        .build()
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let sweeper: Queue<u64, _> = Queue::new(sweeper, "hidden").unwrap();
+    for (n, key) in [&first, &second].into_iter().enumerate() {
+        let options = lockgate::PushOptions::new().key(key.clone());
+        queue.push_with(n as u64, options).await.unwrap();
+    }
+    // The first sweep of five minutes visits every partition.
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
+    // One lease runs out at once, the other after the failed visit.
+    assert_eq!(queue.claim(1, ms(100)).await.unwrap().jobs.len(), 1);
+    assert_eq!(queue.claim(1, ms(4000)).await.unwrap().jobs.len(), 1);
+    tokio::time::sleep(ms(200)).await;
+    // The sweep's visit waits on the partition's node past its timeout
+    // (and may run after, its reply lost).
+    let _: () = (cluster.nodes()[node])
+        .query(redis::cmd("CLIENT").arg("PAUSE").arg(2000).arg("WRITE"))
+        .unwrap();
+    let failed = sweeper.recover(3).await;
+    let failed = failed.expect_err("the sweep's visit timed out");
+    assert!(
+        failed
+            .to_string()
+            .contains("while recovering keyed messages"),
+        "{failed}"
+    );
+    // The second lease is found once it runs out (the first may have gone
+    // back by the failed visit, after its timeout).
+    let started = Instant::now();
+    loop {
+        let swept = queue.recover(3).await;
+        if swept.is_ok_and(|swept| swept.requeued > 0) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the second lease was still hidden after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(ms(250)).await;
+    }
+    let stats = queue.stats().await.unwrap();
+    assert_eq!((stats.due, stats.active), (2, 0));
+}
+
+/// An entry of the leases index that an older version's sweep left raised
+/// out of reach (to 10^15 ms: its process died before it settled) is due
+/// at once.
+#[tokio::test]
+async fn a_keyed_lease_entry_an_older_sweep_left_raised_is_due_at_once() {
+    let cluster = cluster();
+    let conn = connect(&cluster).await;
+    let queue: Queue<u64, _> = Queue::new(conn.clone(), "raised").unwrap();
+    let options = lockgate::PushOptions::new().key("k0");
+    queue.push_with(0, options).await.unwrap();
+    // The first sweep of five minutes visits every partition.
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 0);
+    assert_eq!(queue.claim(1, ms(100)).await.unwrap().jobs.len(), 1);
+    tokio::time::sleep(ms(200)).await;
+    let index = "lockgate:{raised}:keyed:leases";
+    let entries: Vec<String> = redis::cmd("ZRANGE")
+        .arg(index)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let _: () = redis::cmd("ZADD")
+        .arg(index)
+        .arg("XX")
+        .arg(1_000_000_000_000_000_i64)
+        .arg(&entries[0])
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(queue.recover(3).await.unwrap().requeued, 1);
+}
+
 /// Commands every node ran so far (`INFO commandstats`), but the `INFO`s
 /// that read them and the `CLIENT` commands a client names itself with
 /// (redis-rs, as it makes each link to a node).

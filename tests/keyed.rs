@@ -2904,37 +2904,38 @@ async fn claimers_naming_keys_from_places_of_their_own_claim_each_message_once()
 
 /// The rules of `lua/leases_settle.lua`, by which a sweep on a Redis
 /// Cluster sets the leases index's entries of the partitions it visited
-/// (it needs no cluster: it is one key's script). An entry still at the
-/// sweep's raise takes what the visit found (none: it goes); one that a
-/// claim lowered meanwhile keeps that, lowered further to what the visit
-/// found; one absent is added when the visit found a lease.
+/// (it needs no cluster: it is one slot's script). The sweep took their
+/// entries out and marked its visits: an entry absent is added when the
+/// visit found a lease; one that a claim wrote meanwhile keeps that,
+/// lowered to what the visit found; the sweep's marks go, but one that
+/// another sweep took over (its own mark) stays.
 #[tokio::test]
 async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
     let server = server();
     let conn = manager(&server).await;
-    let raise = "1000000000000000";
-    let index = "lockgate:{q}:keyed:leases";
-    let _: i64 = support::raw(
-        &conn,
-        &[
-            "ZADD",
-            index,
-            raise,
-            "gone",
-            raise,
-            "found",
-            "5000",
-            "lowered",
-            "3000",
-            "lowered-more",
-            "4000",
-            "lowered-none",
-        ],
-    )
-    .await;
+    let (mark, other) = ("1796063553613.25", "1796063553614.5");
+    let (index, visiting) = ("lockgate:{q}:keyed:leases", "lockgate:{q}:keyed:visiting");
+    let entries = [
+        ("lowered", "5000"),
+        ("lowered-more", "3000"),
+        ("lowered-none", "4000"),
+    ];
+    let marks = [
+        ("gone", mark),
+        ("found", mark),
+        ("lowered", mark),
+        ("taken-over", other),
+    ];
+    for (key, members) in [(index, &entries[..]), (visiting, &marks[..])] {
+        let mut add = vec!["ZADD", key];
+        for (tag, score) in members {
+            add.extend([*score, *tag]);
+        }
+        let _: i64 = support::raw(&conn, &add).await;
+    }
     let settle = redis::Script::new(include_str!("../src/queue/lua/leases_settle.lua"));
     let mut call = settle.key(index);
-    call.arg(raise);
+    call.key(visiting).arg(mark);
     for (tag, deadline) in [
         ("gone", -1),
         ("found", 7000),
@@ -2943,6 +2944,7 @@ async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
         ("absent", 8000),
         ("absent-none", -1),
         ("lowered-none", -1),
+        ("taken-over", 9000),
     ] {
         call.arg(tag).arg(deadline);
     }
@@ -2958,8 +2960,11 @@ async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
             ("lowered".to_owned(), 5000),
             ("found".to_owned(), 7000),
             ("absent".to_owned(), 8000),
+            ("taken-over".to_owned(), 9000),
         ]
     );
+    let marked: Vec<String> = support::raw(&conn, &["ZRANGE", visiting, "0", "-1"]).await;
+    assert_eq!(marked, ["taken-over"]);
 }
 
 /// A keyed claim that names its candidates (those its last claim named)

@@ -2,8 +2,8 @@
 //! scripts live in its own hash slot and cannot reach the queue's leases
 //! index, so the callers keep it: a claim lowers the entries of the
 //! partitions it visits to the leases it may give, before it gives them and
-//! again after; a due sweep raises the due entries while it visits their
-//! partitions (`lua/keyed_leases_due.lua`) and settles them after, to what
+//! again after; a due sweep takes the due entries out and marks their
+//! visits (`lua/keyed_leases_due.lua`) and settles them after, to what
 //! each visit found (`lua/leases_settle.lua`). The model on one server
 //! (`keyed.rs`) never runs these.
 //!
@@ -27,11 +27,20 @@
 //! handle's read the same once the copies of the last changes have
 //! landed.
 //!
+//! Sweepers die too (issue 35, CI): a sweep that reads the due partitions
+//! and never settles them (its process killed, or its visit failed) leaves
+//! them out of the index and marked as being visited; a mark older than
+//! the time a sweep may take is due again, so the next due sweep after
+//! that finds their leases, whatever claims wrote in the index meanwhile.
+//! The model's dead sweeper runs the library's script
+//! (`lua/keyed_leases_due.lua`) and died that time ago (its marks are
+//! moved back by it).
+//!
 //! Hand-overs keep the message's own lease and renewals lengthen it: a
 //! shorter lease given by either is one of the cases left to the full
 //! sweep (docs/keyed.md, "Recovery sweeps").
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockgate::testing::RedisCluster;
@@ -57,6 +66,13 @@ const MARGIN: Duration = Duration::from_millis(100);
 /// The stalls a sweep allows before burying: a message whose short lease
 /// runs out again and again goes back in line each time.
 const NEVER_BURIED: u32 = 1_000;
+/// The script that reads the due partitions and marks their visits, as a
+/// sweep on a cluster runs it.
+const LEASES_DUE: &str = include_str!("../../src/queue/lua/keyed_leases_due.lua");
+/// How long a sweep may take to visit the partitions it read
+/// (`VISIT_BOUND` in `src/queue/keyed/partitions.rs`): the model's dead
+/// sweeper died that long ago.
+const VISIT_BOUND: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -73,6 +89,9 @@ enum Op {
     Sweep,
     /// The `pick`th message at work is buried.
     Bury { pick: usize },
+    /// Waits out the short leases, then a sweeper reads the due partitions,
+    /// marking their visits, and dies.
+    DeadSweeper,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -83,6 +102,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..KEYS * 3).prop_map(|pick| Op::Renew { pick }),
         1 => Just(Op::Sweep),
         1 => (0..KEYS * 3).prop_map(|pick| Op::Bury { pick }),
+        1 => Just(Op::DeadSweeper),
     ]
 }
 
@@ -107,6 +127,8 @@ struct World {
     /// The messages buried: key and id.
     buried: BTreeSet<(String, String)>,
     slots: HashMap<String, u16>,
+    /// Whether a sweeper died since the last sweep.
+    dead_sweeper: bool,
 }
 
 fn unix_ms() -> i64 {
@@ -203,6 +225,32 @@ impl World {
                 self.leased(at_work.job, LONG, Instant::now());
             }
             Op::Sweep => self.sweep(at).await?,
+            Op::DeadSweeper => {
+                // (After the short leases ran out: it reads their partitions.)
+                tokio::time::sleep(SHORT + Duration::from_millis(50)).await;
+                let script = redis::Script::new(LEASES_DUE);
+                let mut read = script.prepare_invoke();
+                read.key(format!("lockgate:{{{}}}:keyed:leases", self.name));
+                read.key(format!("lockgate:{{{}}}:keyed:visiting", self.name));
+                read.arg(1024)
+                    .arg(VISIT_BOUND.as_millis() as u64)
+                    .arg("0.5");
+                let marked: Vec<String> =
+                    (read.invoke_async(&mut self.conn).await).map_err(|e| fail(at, e))?;
+                // It died a sweep's time ago: its marks are that old.
+                let mut age = redis::cmd("ZADD");
+                age.arg(format!("lockgate:{{{}}}:keyed:visiting", self.name));
+                let then = marked[0].parse::<f64>().map_err(|e| fail(at, e))?;
+                let then = then - VISIT_BOUND.as_millis() as f64;
+                age.arg("XX");
+                for tag in &marked[1..] {
+                    age.arg(then).arg(tag);
+                }
+                if marked.len() > 1 {
+                    let _: () = (age.query_async(&mut self.conn).await).map_err(|e| fail(at, e))?;
+                }
+                self.dead_sweeper = true;
+            }
             Op::Bury { pick } => {
                 let Some(i) = self.pick(pick) else {
                     return Ok(());
@@ -259,6 +307,7 @@ impl World {
             at
         );
         self.at_work.retain(|w| w.lease != SHORT);
+        self.dead_sweeper = false;
         self.check_index(&format!("{at}, after the due sweep"))
             .await?;
         let mut full = redis::cmd("DEL");
@@ -270,7 +319,9 @@ impl World {
     }
 
     /// Each message at work has its partition (its key's slot) in the
-    /// leases index no later than its lease's end.
+    /// leases index no later than its lease's end, or marked as visited
+    /// (by a sweeper that died since the last sweep, whose mark the next
+    /// due sweep takes).
     async fn check_index(&mut self, at: &str) -> Result<(), TestCaseError> {
         let mut read = redis::cmd("ZRANGE");
         read.arg(format!("lockgate:{{{}}}:keyed:leases", self.name));
@@ -281,6 +332,20 @@ impl World {
         for (tag, score) in entries {
             index.insert(self.slot(&tag).await?, score);
         }
+        let mut read = redis::cmd("ZRANGE");
+        read.arg(format!("lockgate:{{{}}}:keyed:visiting", self.name));
+        read.arg(0).arg(-1);
+        let marks: Vec<String> =
+            (read.query_async(&mut self.conn).await).map_err(|e| fail(at, e))?;
+        let mut marked = HashSet::new();
+        for tag in marks {
+            marked.insert(self.slot(&tag).await?);
+        }
+        prop_assert!(
+            self.dead_sweeper || marked.is_empty(),
+            "{}: visits marked with no sweeper dead since the last sweep",
+            at
+        );
         let leases: Vec<(String, i64)> = (self.at_work.iter())
             .map(|w| (w.job.key().unwrap_or_default().to_owned(), w.ends_by))
             .collect();
@@ -288,7 +353,7 @@ impl World {
             let slot = self.slot(&key).await?;
             let entry = index.get(&slot).copied();
             prop_assert!(
-                entry.is_some_and(|entry| entry <= ends_by),
+                entry.is_some_and(|entry| entry <= ends_by) || marked.contains(&slot),
                 "{}: key {} (slot {}) leased until at most {}, its entry {:?}",
                 at,
                 key,
@@ -309,8 +374,9 @@ impl World {
                 self.acked(&at_work.job);
             }
         }
-        if short {
-            tokio::time::sleep(SHORT).await;
+        if short || self.dead_sweeper {
+            // (A dead sweeper's marks are due by then.)
+            tokio::time::sleep(SHORT + Duration::from_millis(50)).await;
             (self.queue.recover(NEVER_BURIED).await).map_err(|e| fail("drain", e))?;
         }
         loop {
@@ -375,6 +441,7 @@ async fn run_history(
         unacked: BTreeMap::new(),
         buried: BTreeSet::new(),
         slots: HashMap::new(),
+        dead_sweeper: false,
     };
     for (step, op) in history.iter().enumerate() {
         world.run(*op, &format!("step {step} ({op:?})")).await?;

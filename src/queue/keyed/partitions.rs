@@ -6,13 +6,15 @@
 //! not one round trip after another.
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use redis::Cmd;
 use redis::aio::ConnectionLike;
 
 use super::{
     COUNTS, DATA, DeadSet, INDEX_HEAL, KEY_LOADS, Keyed, LEASES, LEASES_DUE, LEASES_SETTLE, LINES,
-    Layout, Log, MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, own_id, split_stored,
+    Layout, Log, MORE, OLDEST, PEEK, PURGE, Partition, RECOVER, REMOVE, lock, millis, own_id,
+    split_stored,
 };
 use crate::error::{Error, Result};
 use crate::keys::{SLOTS, slot_of};
@@ -64,11 +66,13 @@ pub(crate) enum Sweep {
     Full,
 }
 
-/// What a raised entry of the leases index reads while a sweep on a
-/// cluster visits its partition (`lua/keyed_leases_due.lua`): far beyond
-/// any lease (ms, in the year 33658), never due. A sweep that never
-/// settles leaves it so until the next full sweep lowers it.
-const VISITING: i64 = 1_000_000_000_000_000;
+/// How long a sweep on a cluster may take to visit the partitions it read
+/// as due (`lua/keyed_leases_due.lua`): a mark of a visit older than this
+/// is due again (its sweep failed, or its process died, before it
+/// settled). A visit is one script call per partition,
+/// [`PARTITIONS_AT_ONCE`] at a time: a second or less, unless the server
+/// is slow, when two sweeps visiting a partition is only work.
+const VISIT_BOUND: Duration = Duration::from_secs(5);
 
 /// What a recovery sweep did: messages back in line, buried, and per
 /// partition visited its earliest lease deadline left (-1: none).
@@ -353,13 +357,14 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
     /// queue's index. On one server the scripts keep the leases index; on
     /// a Redis Cluster, where it is in another slot than theirs, a claim
     /// lowers it before and after it leases, and a sweep sets it after its
-    /// visits (`lua/leases_settle.lua`).
+    /// visits (`lua/leases_settle.lua`); a visit whose sweep never settled
+    /// is due again [`VISIT_BOUND`] later.
     pub(crate) async fn recover(&self, max_stalls: u32, sweep: Sweep) -> Result<(usize, usize)> {
         let layout = self.layout().await?;
         if sweep == Sweep::Full {
             let slots = self.slots().await?;
             let swept = self.recover_slots(&slots, layout, max_stalls).await?;
-            self.settle_leases(layout, &swept.left).await?;
+            self.settle_leases(layout, None, &swept.left).await?;
             if layout == Layout::Cluster {
                 self.copy_all(&slots).await?;
             }
@@ -370,9 +375,9 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
         // the next read finds those beyond the limit; one with more expired
         // turns than a call ends stays due for the next round.
         for _ in 0..DUE_ROUNDS {
-            let slots = self.due_slots(layout).await?;
+            let (marked, slots) = self.due_slots(layout).await?;
             let swept = self.recover_slots(&slots, layout, max_stalls).await?;
-            self.settle_leases(layout, &swept.left).await?;
+            self.settle_leases(layout, marked, &swept.left).await?;
             total = (total.0 + swept.requeued, total.1 + swept.buried);
             if slots.len() < DUE_AT_ONCE {
                 break;
@@ -383,16 +388,35 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// The slots of the partitions whose entry in the leases index is due
     /// (see `lua/keyed_leases_due.lua`), up to [`DUE_AT_ONCE`]; on a
-    /// cluster their entries raised to [`VISITING`] meanwhile.
-    async fn due_slots(&self, layout: Layout) -> Result<Vec<u16>> {
+    /// cluster, also those whose visit was marked longer than
+    /// [`VISIT_BOUND`] ago, and this sweep's mark of its visits.
+    async fn due_slots(&self, layout: Layout) -> Result<(Option<String>, Vec<u16>)> {
         let attempted = || format!("reading the leases index of queue `{}`", self.keys.name);
-        let mut cmd = LEASES_DUE.call(1);
-        cmd.arg(self.leases_index()).arg(DUE_AT_ONCE);
-        if layout == Layout::Cluster {
-            cmd.arg(VISITING);
+        let cluster = layout == Layout::Cluster;
+        let mut cmd = LEASES_DUE.call(1 + usize::from(cluster));
+        cmd.arg(self.leases_index());
+        if cluster {
+            cmd.arg(self.visiting());
         }
-        let tags: Vec<String> = self.run(&LEASES_DUE, &cmd, attempted).await?;
-        Ok(tags.iter().map(|tag| crate::keys::slot_of(tag)).collect())
+        cmd.arg(DUE_AT_ONCE);
+        if cluster {
+            let own = f64::from(rand::random::<u32>()) / 4_294_967_296.0;
+            cmd.arg(millis(VISIT_BOUND)).arg(format!("{own:.6}"));
+        }
+        let mut tags: Vec<String> = self.run(&LEASES_DUE, &cmd, attempted).await?;
+        let marked = match (cluster, tags.is_empty()) {
+            (false, _) => None,
+            (true, true) => return Err(Error::reply(attempted(), "no mark of the visits")),
+            (true, false) => Some(tags.remove(0)),
+        };
+        Ok((marked, tags.iter().map(|tag| slot_of(tag)).collect()))
+    }
+
+    /// The partitions a due sweep on a cluster visits, marked with when
+    /// (`<prefix>:{<queue>}:keyed:visiting`, see
+    /// `lua/keyed_leases_due.lua`).
+    fn visiting(&self) -> String {
+        format!("{}:keyed:visiting", self.keys.base)
     }
 
     /// The queue's leases index (`<prefix>:{<queue>}:keyed:leases`).
@@ -402,14 +426,21 @@ impl<C: ConnectionLike + Clone + Send + Sync + 'static> Keyed<'_, C> {
 
     /// On a cluster, sets the leases index's entries of the partitions a
     /// sweep visited (`left`: slot, earliest lease deadline left or -1) as
-    /// `lua/leases_settle.lua` says; one server's scripts did already.
-    async fn settle_leases(&self, layout: Layout, left: &[(u16, i64)]) -> Result<()> {
+    /// `lua/leases_settle.lua` says, `marked` a due sweep's mark of its
+    /// visits (a full sweep made none); one server's scripts did already.
+    async fn settle_leases(
+        &self,
+        layout: Layout,
+        marked: Option<String>,
+        left: &[(u16, i64)],
+    ) -> Result<()> {
         if layout == Layout::Server || left.is_empty() {
             return Ok(());
         }
         let attempted = || format!("keeping the leases index of queue `{}`", self.keys.name);
-        let mut cmd = LEASES_SETTLE.call(1);
-        cmd.arg(self.leases_index()).arg(VISITING);
+        let mut cmd = LEASES_SETTLE.call(2);
+        cmd.arg(self.leases_index()).arg(self.visiting());
+        cmd.arg(marked.unwrap_or_default());
         for (slot, deadline) in left {
             cmd.arg(crate::keys::slot_tag(*slot)).arg(deadline);
         }
