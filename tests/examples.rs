@@ -3,9 +3,8 @@
 //! checks that it succeeds and says something, and that it leaves a server
 //! it did not start as it found it.
 //!
-//! The examples are run through `cargo run --example` (Cargo gives tests no
-//! path to example binaries), one after the other so that the cargo
-//! invocations do not fight over the build directory lock.
+//! The examples are built once (`support::example`: Cargo gives tests no
+//! path to example binaries) and run one after the other.
 
 mod support;
 
@@ -102,19 +101,11 @@ fn the_quickstart_without_redis_url_starts_its_own_server() {
 /// Runs an example with the environment `configure` sets; panics with its
 /// output unless it succeeds and prints something.
 fn run_example(name: &str, configure: impl FnOnce(&mut std::process::Command)) -> Output {
-    let mut cargo = support::cargo();
-    cargo.args([
-        "run",
-        "--quiet",
-        "--example",
-        name,
-        "--features",
-        "test-util",
-    ]);
-    configure(&mut cargo);
-    let output = cargo
+    let mut example = std::process::Command::new(support::example(name));
+    configure(&mut example);
+    let output = example
         .output()
-        .unwrap_or_else(|e| panic!("could not run cargo for example {name}: {e}"));
+        .unwrap_or_else(|e| panic!("could not run example {name}: {e}"));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

@@ -9,9 +9,8 @@ mod support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -24,32 +23,6 @@ use tokio::time::{Instant, sleep};
 const STREAM: &str = "LOCKGATE_EXAMPLE";
 const SUBJECT: &str = "lockgate-example.orders";
 
-/// The example's binary, built once per test process.
-fn example() -> &'static PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let status = support::cargo()
-            .args([
-                "build",
-                "--quiet",
-                "--example",
-                "nats",
-                "--features",
-                "test-util",
-            ])
-            .status()
-            .expect("running cargo build");
-        assert!(status.success(), "building examples/nats.rs failed");
-        // target/<profile>/deps/<this test> -> target/<profile>/examples/nats
-        let exe = std::env::current_exe().expect("the test's own path");
-        let profile = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("target/<profile>");
-        profile.join("examples").join("nats")
-    })
-}
-
 /// A consumer process and the lines it printed so far.
 struct Consumer {
     child: Child,
@@ -58,7 +31,7 @@ struct Consumer {
 
 impl Consumer {
     fn spawn(nats: &NatsServer, redis: &RedisServer) -> Self {
-        let mut child = Command::new(example())
+        let mut child = Command::new(support::example("nats"))
             .env("NATS_URL", nats.url())
             .env("REDIS_URL", redis.url())
             .env("ORDERS", "0")

@@ -30,6 +30,34 @@ pub const fn secs(n: u64) -> Duration {
     Duration::from_secs(n)
 }
 
+/// The path of example `name`'s binary, the examples built once per test
+/// process (`cargo build --examples`, from the workspace's root, with the
+/// features this test was built with: all of them when `tls` is on, as
+/// the README's test command builds, else `test-util`). After that
+/// command built every target this builds nothing: the test runs what
+/// that build made, rather than building the library again under other
+/// features while the other tests run.
+pub fn example(name: &str) -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let features: &[&str] = match cfg!(feature = "tls") {
+            true => &["--all-features"],
+            false => &["--features", "test-util"],
+        };
+        let status = cargo()
+            .args(["build", "--quiet", "--examples"])
+            .args(features)
+            .status()
+            .expect("running cargo build");
+        assert!(status.success(), "building the examples failed");
+        // target/<profile>/deps/<this test> -> target/<profile>/examples
+        let exe = std::env::current_exe().expect("the test's own path");
+        let profile = (exe.parent().and_then(|deps| deps.parent())).expect("target/<profile>");
+        profile.join("examples")
+    });
+    dir.join(name)
+}
+
 /// `cargo`, to build or run an example, in the package's directory and
 /// without the variables Cargo set for this test: build scripts that watch
 /// one (ring's watches `CARGO_MANIFEST_DIR`) would run again, and every
