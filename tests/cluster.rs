@@ -957,12 +957,16 @@ async fn waiters_on_every_node_are_woken_by_the_release() {
         support::done_if(marked == keys.len(), marked)
     })
     .await;
+    // No polling: a waiter that polled would try every millisecond. (A
+    // waiter may still make one try of its own, the one after its
+    // subscription is ready, when a loaded machine delays that: CI saw one
+    // such call in this window once.)
     let before = script_calls_on(&cluster).await;
     tokio::time::sleep(ms(300)).await;
-    assert_eq!(
-        script_calls_on(&cluster).await - before,
-        0,
-        "waiters polled while the holder was alive"
+    let tries = script_calls_on(&cluster).await - before;
+    assert!(
+        tries <= keys.len() as u64,
+        "waiters polled while the holder was alive: {tries} script calls"
     );
     assert!(calls.iter().all(|c| !c.is_finished()));
     for lease in &leases {
