@@ -224,7 +224,7 @@ display_keys!(
 ///
 /// Name the handler (`async fn handle(req: Req) -> Result<R, BoxError>`,
 /// then `.service_fn(handle)`), or call it with `svc.ready().await?.call(req)`
-/// in the spawned task: both compile (`tests/spawned_closure.rs`).
+/// in the spawned task: both compile (`tests/integration/spawned_closure.rs`).
 ///
 /// Cloning the layer is cheap: clones share the [`Locker`] (and its
 /// connection), the key function, the strategy, and (under `retry`) the

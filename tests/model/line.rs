@@ -6,7 +6,7 @@
 //! dead processes (no presence on the key's channel) stand in line too: a
 //! release drops those before the first live waiter, and hands the key to
 //! it. (A release looks at `LINE_LOOK`, 64, waiters at most; the histories
-//! keep fewer dead ones in line, and `tests/wake.rs` covers a longer line of
+//! keep fewer dead ones in line, and `tests/integration/wake.rs` covers a longer line of
 //! them.)
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

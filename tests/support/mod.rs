@@ -382,14 +382,26 @@ pub fn now_ns() -> u128 {
         .as_nanos()
 }
 
+/// The name the test harness gives the test `name` of the module whose
+/// `module_path!()` is `module`: its path in the test binary, without the
+/// binary's own name (`keyed::keyed_worker_child`), which a child process
+/// of the binary runs with `--exact`.
+pub fn test_named(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, inside)) => format!("{inside}::{name}"),
+        None => name.to_string(),
+    }
+}
+
 /// Starts this test binary again as a child process that runs only the
-/// ignored test `child`, with `spec` in the environment variable `var`;
-/// its stdout is piped to the caller.
-pub fn spawn_child(var: &str, spec: &str) -> std::process::Child {
+/// ignored test `child` of the module whose `module_path!()` is `module`,
+/// with `spec` in the environment variable `var`; its stdout is piped to
+/// the caller.
+pub fn spawn_child(module: &str, var: &str, spec: &str) -> std::process::Child {
     std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child",
+            test_named(module, "child").as_str(),
             "--ignored",
             "--nocapture",
             "--test-threads",

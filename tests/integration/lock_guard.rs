@@ -2,7 +2,7 @@
 //! await, held by a guard that renews it, gives its fence, tells when it
 //! is lost and releases it when dropped.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! Worker end to end, against real redis-server processes.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 

@@ -8,7 +8,7 @@
 //! reports its loss, fencing order, readiness propagation), never timings:
 //! durations appear only as generous sanity bounds.
 
-mod support;
+use crate::support;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -5,7 +5,7 @@
 //! exactly once while nobody crashes, and nothing is lost when a consumer is
 //! killed mid-run.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};

@@ -5,7 +5,7 @@
 //! connection that fails or slows the commands a rule picks, and with
 //! `CLIENT PAUSE`. Each test runs its own redis-server.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -737,7 +737,7 @@ async fn held_lock_lost_fires_for_a_keyed_message_whose_lock_is_taken() {
 // 7. A forwarded `into_payload` through a deferring LockLayer
 // ---------------------------------------------------------------------------
 
-/// As `a_handlers_forwarded_twin_is_a_new_message` (tests/worker_claims.rs),
+/// As `a_handlers_forwarded_twin_is_a_new_message` (tests/integration/worker_claims.rs),
 /// with the job's own payload (`into_payload`) forwarded: the forwarded
 /// message is pushed under an id of its own and the running job is
 /// acknowledged, not deferred.

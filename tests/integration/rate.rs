@@ -3,7 +3,7 @@
 //! `retry_after`s, and deferred messages that run in the slot they were
 //! deferred to.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

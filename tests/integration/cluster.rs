@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-mod support;
+use crate::support;
 
 use lockgate::queue::Wake;
 use lockgate::testing::RedisCluster;

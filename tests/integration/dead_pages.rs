@@ -3,7 +3,7 @@
 //! partitions' sets; pages that stay put while letters are re-driven and
 //! buried; letters buried in one millisecond told apart by id.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 

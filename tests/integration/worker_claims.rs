@@ -2,7 +2,7 @@
 //! racing a deferral, lost settle replies, the backlog hand-off, and shutdown
 //! while settling. Against real redis-server processes.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

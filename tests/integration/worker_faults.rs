@@ -8,7 +8,7 @@
 //! none lost, no duplicates when nothing crashed), never about timings; every
 //! wait is bounded and panics with what it was waiting for.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};

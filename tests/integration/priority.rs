@@ -2,7 +2,7 @@
 //! first, in push order within one; a message keeps its priority through
 //! every way back to the schedule.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

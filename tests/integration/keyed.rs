@@ -2,7 +2,7 @@
 //! with the key's lock (the lock a `Locker` takes), one at a time per key,
 //! in push order, and the handler runs holding that lock.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -974,7 +974,7 @@ fn spawn_worker(url: &str) -> Child {
     let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "keyed_worker_child",
+            support::test_named(module_path!(), "keyed_worker_child").as_str(),
             "--ignored",
             "--test-threads",
             "1",
@@ -2933,7 +2933,7 @@ async fn the_leases_index_settlement_keeps_what_a_claim_lowered_meanwhile() {
         }
         let _: i64 = support::raw(&conn, &add).await;
     }
-    let settle = redis::Script::new(include_str!("../src/queue/lua/leases_settle.lua"));
+    let settle = redis::Script::new(include_str!("../../src/queue/lua/leases_settle.lua"));
     let mut call = settle.key(index);
     call.key(visiting).arg(mark);
     for (tag, deadline) in [

@@ -6,7 +6,7 @@
 //! The examples are built once (`support::example`: Cargo gives tests no
 //! path to example binaries) and run one after the other.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::process::Output;

@@ -5,7 +5,7 @@
 //! The cross-process tests run this test binary again as child processes
 //! (the ignored test `child`, driven by environment variables).
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::sync::Arc;
@@ -141,7 +141,9 @@ async fn three_processes_never_hold_more_than_three_permits_and_use_all_three() 
     let server = server();
     let (processes, tasks, calls) = (3, 3, 12);
     let spec = format!("{};{tasks};{calls};3;5;10000", server.url());
-    let children: Vec<_> = (0..processes).map(|_| spawn_child(CHILD, &spec)).collect();
+    let children: Vec<_> = (0..processes)
+        .map(|_| spawn_child(module_path!(), CHILD, &spec))
+        .collect();
     let mut holds = Vec::new();
     for child in children {
         let output = child.wait_with_output().expect("child output");
@@ -180,7 +182,7 @@ async fn permits_of_a_killed_process_come_back_when_their_leases_end() {
     // The child takes both permits (lease 600 ms, renewed while it lives)
     // and never lets go.
     let spec = format!("{};2;1;2;0;600", server.url());
-    let mut child = KillOnDrop(spawn_child(CHILD, &spec));
+    let mut child = KillOnDrop(spawn_child(module_path!(), CHILD, &spec));
     let stdout = child.0.stdout.take().unwrap();
     // (The test harness prints its own lines first.)
     let holding = BufReader::new(stdout)

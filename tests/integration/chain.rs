@@ -3,7 +3,7 @@
 //! long as any of its messages is at work, whichever that is, and its
 //! partitions must come back by themselves after a server stall.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! bounded work (dead-letter paging, retention, chunked lease renewal,
 //! a re-drive that ends while poison letters are re-buried).
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -189,7 +189,7 @@ async fn records_in_the_three_counter_form_are_still_read() {
 // ---------------------------------------------------------------------------
 
 /// The push script as a producer in another language loads it.
-const PUSH_LUA: &str = include_str!("../scripts/push.lua");
+const PUSH_LUA: &str = include_str!("../../scripts/push.lua");
 
 /// EVALs the push script the way another producer would.
 async fn eval_push(

@@ -3,7 +3,7 @@
 //! across all of them, with one bell; on one server and on a three-master
 //! cluster (`lockgate::testing`), where the shards land on every master.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Mutex};

@@ -1,7 +1,7 @@
 //! The metrics lockgate records through the `metrics` facade, scraped from
 //! `examples/prometheus.rs` over HTTP while it runs: the counters move.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

@@ -4,7 +4,7 @@
 //! invariants (mutual exclusion, token-checked release, fencing order, error
 //! kinds), never timings, and keep TTLs short so that the suite is quick.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -754,22 +754,22 @@ async fn restarted_server_is_usable_again_through_a_connection_manager() {
 /// A lock script as the library loads it: after `holds.lua`, the token check
 /// the scripts share (and, for a release, `line.lua`).
 fn lock_lua(parts: &[&str]) -> redis::Script {
-    let holds = include_str!("../src/lock/holds.lua");
+    let holds = include_str!("../../src/lock/holds.lua");
     redis::Script::new(&format!("{holds}\n{}", parts.join("\n")))
 }
 
 static CONTEND_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/contend.lua")]));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../../src/lock/contend.lua")]));
 static RELEASE_LUA: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     lock_lua(&[
-        include_str!("../src/lock/line.lua"),
-        include_str!("../src/lock/release.lua"),
+        include_str!("../../src/lock/line.lua"),
+        include_str!("../../src/lock/release.lua"),
     ])
 });
 static EXTEND_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/extend.lua")]));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../../src/lock/extend.lua")]));
 static FENCE_LUA: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../src/lock/fence.lua")]));
+    std::sync::LazyLock::new(|| lock_lua(&[include_str!("../../src/lock/fence.lua")]));
 
 /// Sends the acquire command for `token` as `Locker::acquire` sends it.
 async fn set_nx(locker: &Locker<ConnectionManager>, key: &str, token: &str) -> Option<String> {

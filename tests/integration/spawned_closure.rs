@@ -11,7 +11,7 @@
 //! that test fails, the day rustc accepts it); here, the shapes that do
 //! compile and that the docs recommend, each spawned and run.
 
-mod support;
+use crate::support;
 
 use lockgate::{BoxError, LockLayer, Locker};
 use tower::{Service, ServiceBuilder, ServiceExt};

@@ -4,7 +4,7 @@
 //! id again (a duplicate, a retried push, or after a worker claimed it)
 //! never puts it back on the schedule.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::io::Write;
