@@ -33,12 +33,15 @@
 //! keyed queue's other duties; what those duties cost), and the floor
 //! again with every key its scripts touch declared by the caller, as the
 //! keyed queue's must be (a claim takes among the keys its last call
-//! named). `GROUPMQ_KEYS=<k>` runs either part at k
+//! named), and the lean layout (`floor/lean.rs`: the declared floor with
+//! the duties a lone key's turn pays, laid out as a redesign would be).
+//! `GROUPMQ_KEYS=<k>` runs either part at k
 //! keys alone; `GROUPMQ_GAPS=1` prints, per lockgate run, where the keys'
 //! idle time went (per gap size, per key, and each worker process's first
 //! start and keys); `GROUPMQ_TIMELINE=1` prints, per lockgate run,
 //! the messages ended per 100 ms (a stretch of zeros is keys left idle);
-//! `GROUPMQ_ONLY=keyed` (or `keyed1`, `plain`, `floor`, `declared`) runs that side
+//! `GROUPMQ_ONLY=keyed` (or `keyed1`, `plain`, `floor`, `declared`,
+//! `lean`) runs that side
 //! of the many-keys part alone, three times (see `alone`);
 //! `GROUPMQ_PROFILE=1` prints, per lockgate run, each command's calls and
 //! server µs per message (`INFO commandstats`: a script's inner commands
@@ -97,6 +100,10 @@ enum Mode {
     /// The floor with every key its scripts touch declared, as the keyed
     /// queue's must be: a claim takes among the keys its last one named.
     Declared,
+    /// The declared floor with the keyed queue's duties a lone key's turn
+    /// pays (`floor/lean.rs`): what a redesign laid out that way would
+    /// cost.
+    Lean,
 }
 
 impl Mode {
@@ -108,6 +115,7 @@ impl Mode {
             Mode::Plain => "plain",
             Mode::Floor => "floor",
             Mode::Declared => "declared",
+            Mode::Lean => "lean",
         }
     }
 
@@ -119,6 +127,7 @@ impl Mode {
             Mode::Plain,
             Mode::Floor,
             Mode::Declared,
+            Mode::Lean,
         ]
         .into_iter()
         .find(|mode| name == mode.name())
@@ -212,9 +221,9 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
         "\nmany keys: {messages} messages, {WORKERS} worker processes × concurrency {CONCURRENCY}, no-op handlers"
     );
     println!(
-        "| keys | GroupMQ 1.1 msg/s (commands; server µs) | lockgate keyed msg/s (commands; server µs) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands; server µs) | floor msg/s (commands; server µs) | floor, keys declared | keyed / unkeyed | keyed / GroupMQ | keyed / unkeyed server µs |"
+        "| keys | GroupMQ 1.1 msg/s (commands; server µs) | lockgate keyed msg/s (commands; server µs) | keyed, key_batch 1 | lockgate unkeyed msg/s (commands; server µs) | floor msg/s (commands; server µs) | floor, keys declared | lean layout | keyed / unkeyed | keyed / GroupMQ | keyed / unkeyed server µs |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for keys in counts {
         if let Some(only) = std::env::var_os("GROUPMQ_ONLY") {
             let mode = Mode::named(&only);
@@ -232,6 +241,7 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
             Mode::Plain,
             Mode::Floor,
             Mode::Declared,
+            Mode::Lean,
         ];
         for mode in modes {
             let server = RedisServer::start()?;
@@ -247,17 +257,18 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
                 server_us(s)
             )
         };
-        let [keyed, one, plain, floor, declared] = &lockgate[..] else {
+        let [keyed, one, plain, floor, declared, lean] = &lockgate[..] else {
             return Err("a lockgate run is missing".into());
         };
         println!(
-            "| {keys} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.1} |",
+            "| {keys} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.1} |",
             cell(&groupmq),
             cell(keyed),
             cell(one),
             cell(plain),
             cell(floor),
             cell(declared),
+            cell(lean),
             rate(keyed) / rate(plain),
             rate(keyed) / rate(&groupmq),
             server_us(keyed) / server_us(plain)
@@ -269,13 +280,14 @@ fn many_keys(runtime: &tokio::runtime::Runtime) -> Result<(), BoxError> {
             ("unkeyed", plain),
             ("floor", floor),
             ("declared", declared),
+            ("lean", lean),
         ];
         for (name, s) in sides {
             if s.handled != messages {
                 return Err(format!("{name}: {} of {messages} handled", s.handled).into());
             }
         }
-        let overlaps = [&groupmq, keyed, one, floor, declared].map(|s| s.overlaps);
+        let overlaps = [&groupmq, keyed, one, floor, declared, lean].map(|s| s.overlaps);
         if overlaps.iter().sum::<usize>() != 0 {
             return Err(format!("{keys} keys: handlers of one key overlapped").into());
         }
@@ -417,7 +429,7 @@ async fn drive(
     for chunk in msgs.chunks(1000) {
         match mode {
             Mode::Layer | Mode::Plain => drop(queue.push_many(chunk).await?),
-            Mode::Floor | Mode::Declared => {}
+            Mode::Floor | Mode::Declared | Mode::Lean => {}
             Mode::Keyed | Mode::KeyedOne => {
                 let keyed = chunk
                     .iter()
@@ -426,11 +438,14 @@ async fn drive(
             }
         }
     }
-    if matches!(mode, Mode::Floor | Mode::Declared) {
+    if matches!(mode, Mode::Floor | Mode::Declared | Mode::Lean) {
         let lines: Vec<(String, String)> = (msgs.iter())
             .map(|m| Ok((m.key.clone(), serde_json::to_string(m)?)))
             .collect::<Result<_, serde_json::Error>>()?;
-        floor::push(&conn, &lines).await?;
+        match mode {
+            Mode::Lean => floor::lean::push(&conn, &lines).await?,
+            _ => floor::push(&conn, &lines).await?,
+        }
     }
     let before = commands(&conn).await?;
     let cpu_before = server_cpu(&conn).await?;
@@ -450,6 +465,7 @@ async fn drive(
     loop {
         let left = match mode {
             Mode::Floor | Mode::Declared => floor::left(&conn).await?,
+            Mode::Lean => floor::lean::left(&conn).await?,
             _ => {
                 let stats = queue.stats().await?;
                 stats.due + stats.later + stats.active
@@ -740,7 +756,9 @@ async fn work(url: &str, mode: Mode, handler: (u64, u64)) -> Result<(), BoxError
             let worker = Worker::new(client, queue, service).concurrency(CONCURRENCY)?;
             worker.run_until(stdin_closed).await?;
         }
-        Mode::Floor | Mode::Declared => work_floor(conn, &records, stdin_closed, mode).await?,
+        Mode::Floor | Mode::Declared | Mode::Lean => {
+            work_floor(conn, &records, stdin_closed, mode).await?
+        }
     }
     let mut out = std::io::stdout().lock();
     for line in records.lock().unwrap().iter() {
@@ -773,7 +791,13 @@ async fn work_floor(
         let _ = stopping.send(true);
         Ok::<_, BoxError>(())
     };
-    if mode == Mode::Declared {
+    if mode == Mode::Lean {
+        tokio::try_join!(
+            floor::lean::work(conn.clone(), record, stopped.clone()),
+            floor::lean::work(conn, record, stopped),
+            stop
+        )?;
+    } else if mode == Mode::Declared {
         tokio::try_join!(
             floor::work_declared(conn.clone(), record, stopped.clone()),
             floor::work_declared(conn, record, stopped),

@@ -57,8 +57,13 @@ pub async fn push(conn: &ConnectionManager, messages: &[(String, String)]) -> Re
 
 /// How many messages are not acknowledged yet.
 pub async fn left(conn: &ConnectionManager) -> Result<u64, BoxError> {
+    records_left(conn, KEYS[1]).await
+}
+
+/// How many records the hash `data` holds: the messages not acknowledged.
+async fn records_left(conn: &ConnectionManager, data: &str) -> Result<u64, BoxError> {
     Ok(redis::cmd("HLEN")
-        .arg(KEYS[1])
+        .arg(data)
         .query_async(&mut conn.clone())
         .await?)
 }
@@ -161,3 +166,5 @@ async fn acknowledge(
     let _: usize = ack.invoke_async(conn).await?;
     Ok(())
 }
+
+pub mod lean;
