@@ -15,7 +15,10 @@
 //! * runs of a key's first messages under one lock, and an acknowledgement
 //!   that hands the key over to its next run;
 //! * the counts, the earliest ready time, the candidates' limits (a key's
-//!   in one field) and a resend record once per call.
+//!   in one field) and a resend record once per call;
+//! * a turn's token of its own (the call's claim number), an
+//!   acknowledgement that hands over only a turn whose messages were
+//!   still in line, and a resend answered from its call's record.
 //!
 //! Not the keyed queue's other duties (hash slots for a cluster, the paths
 //! of keys with permits or a rate, delays, retries and dead letters,

@@ -15,6 +15,15 @@ local BUSY = 70000000000000
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local lease, run = ARGV[1], tonumber(ARGV[2])
+-- A resend (the first call's reply was lost): what the first call did.
+local kept = redis.call('GET', KEYS[5])
+if kept then return {{'', 'resent', kept}} end
+-- Whether a lock value "<token>[:<fence>][!]" is `token`'s.
+local function owns(value, token)
+  if not value then return false end
+  local after = string.byte(value, #token + 1)
+  return string.sub(value, 1, #token) == token and (after == nil or after == 58 or after == 33)
+end
 local done, nexts, ready, busy, gone, replies = {}, {}, {}, {}, {}, {}
 local at, turn = 3, 0
 while at <= #ARGV do
@@ -23,13 +32,17 @@ while at <= #ARGV do
   local lock, line = KEYS[4 + 2 * turn], KEYS[5 + 2 * turn]
   at = at + 3 + n
   local value = redis.call('GET', lock)
-  if value ~= token and (not value or value ~= token .. '!') then
+  local ids = {}
+  for i = 1, n do ids[i] = ARGV[at - n + i - 1] end
+  -- Its messages still in line: a turn whose messages left (settled by
+  -- an earlier call) hands over nothing.
+  if not owns(value, token) or redis.call('ZREM', line, unpack(ids)) ~= n then
     replies[turn] = {key, '0'}
   else
-    local ids = {}
-    for i = 1, n do ids[i] = ARGV[at - n + i - 1]; done[#done + 1] = ids[i] end
-    redis.call('ZREM', line, unpack(ids))
-    local heads = lease ~= '' and redis.call('ZRANGE', line, 0, run - 1) or {}
+    for _, id in ipairs(ids) do done[#done + 1] = id end
+    -- Waited for by other code (`!`): let go, whatever is in line.
+    local waited = string.byte(value, -1) == 33
+    local heads = lease ~= '' and not waited and redis.call('ZRANGE', line, 0, run - 1) or {}
     if #heads > 0 then
       redis.call('PEXPIRE', lock, lease)
       busy[#busy + 1], busy[#busy + 2] = BUSY + now + tonumber(lease), key
@@ -38,8 +51,8 @@ while at <= #ARGV do
     else
       redis.call('DEL', lock)
       -- Waited for (other code in the lock's line): the release wakes it.
-      if value ~= token then redis.call('PUBLISH', lock, '') end
-      if lease == '' and redis.call('EXISTS', line) == 1 then
+      if waited then redis.call('PUBLISH', lock, '') end
+      if (lease == '' or waited) and redis.call('EXISTS', line) == 1 then
         ready[#ready + 1], ready[#ready + 2] = now, key
       else
         gone[#gone + 1] = key
@@ -49,8 +62,7 @@ while at <= #ARGV do
   end
 end
 if #done > 0 then
-  redis.call('HDEL', KEYS[2], unpack(done))
-  redis.call('HINCRBY', KEYS[3], 'lines', -#done)
+  redis.call('HINCRBY', KEYS[3], 'lines', -redis.call('HDEL', KEYS[2], unpack(done)))
 end
 if #done ~= #nexts then redis.call('HINCRBY', KEYS[3], 'active', #nexts - #done) end
 if #gone > 0 then
@@ -73,7 +85,7 @@ if #nexts > 0 then
   end
 end
 -- What this call did, for a resend after a lost reply.
-redis.call('SET', KEYS[5], table.concat(done, ',') .. ';' .. table.concat(nexts, ','), 'PX', 60000)
+redis.call('SET', KEYS[5], table.concat(done, ',') .. ';' .. table.concat(nexts, ','), 'PX', lease ~= '' and lease or 60000)
 if #ready > 0 or #gone > 0 then
   local first = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. BUSY, 'WITHSCORES', 'LIMIT', 0, 1)
   if first[2] then

@@ -26,6 +26,28 @@ local lease, most, run = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local deadline = now + lease
 local candidates = {}
 for i = 7, #ARGV do candidates[#candidates + 1] = ARGV[i] end
+-- A resend (the first call's reply was lost) answers the turns the first
+-- call took that still hold, from its record, and takes nothing more.
+local kept = redis.call('GET', KEYS[5])
+if kept then
+  local again = {}
+  for i, token in string.gmatch(kept, '(%d+)=([^;]*);') do
+    local value = redis.call('GET', KEYS[6 + 2 * tonumber(i)])
+    if value == token then
+      local heads = redis.call('ZRANGE', KEYS[7 + 2 * tonumber(i)], 0, run - 1)
+      local records = #heads > 0 and redis.call('HMGET', KEYS[2], unpack(heads)) or {}
+      local n = #again
+      again[n + 1], again[n + 2], again[n + 3] = candidates[tonumber(i)], token, 0
+      for h, id in ipairs(heads) do
+        again[#again + 1], again[#again + 2] = id, records[h] or ''
+      end
+      again[#again + 1] = ''
+    end
+  end
+  return {{}, again}
+end
+-- The call's claim number: a turn's token is its own, never reused.
+local claim = redis.call('HINCRBY', KEYS[3], 'claims', 1)
 local froms = #candidates > 0 and redis.call('ZMSCORE', KEYS[1], unpack(candidates)) or {}
 -- A key's limits in one field (its permits and its rate), read for every
 -- candidate in one command.
@@ -40,22 +62,26 @@ for i, key in ipairs(candidates) do
   local due = from and not seen[key] and not limited and (from <= now or (from >= BUSY and from - BUSY <= now))
   if due then
     seen[key] = true
-    local token = ARGV[4] .. i
+    local token = ARGV[4] .. claim .. ':' .. i
     if redis.call('SET', KEYS[6 + 2 * i], token, 'NX', 'PX', lease) then
-      local heads = redis.call('ZRANGE', KEYS[7 + 2 * i], 0, run - 1)
+      -- After a stall, one message at a time until one is acknowledged:
+      -- the one that killed its worker is the head.
+      local heads = redis.call('ZRANGE', KEYS[7 + 2 * i], 0, from >= BUSY and 0 or run - 1)
       if #heads == 0 then
         redis.call('DEL', KEYS[6 + 2 * i])
         gone[#gone + 1] = key
       else
-        turns[#turns + 1] = {key, token, from >= BUSY and 1 or 0, heads}
+        turns[#turns + 1] = {key, token, from >= BUSY and 1 or 0, heads, i}
         busy[#busy + 1], busy[#busy + 2] = BUSY + deadline, key
         for _, id in ipairs(heads) do ids[#ids + 1] = id end
         if from >= BUSY then stalls[#stalls + 1] = heads[1] end
       end
     else
-      -- Held by other code: looked at again when its hold ends.
-      local pttl = math.max(redis.call('PTTL', KEYS[6 + 2 * i]), 1)
-      busy[#busy + 1], busy[#busy + 2] = now + pttl, key
+      -- Held by other code: looked at again when its hold ends, in the
+      -- band of keys at work (a lapsed one's stall is still to count).
+      local pttl = redis.call('PTTL', KEYS[6 + 2 * i])
+      if pttl < 0 then pttl = lease end
+      busy[#busy + 1], busy[#busy + 2] = (from >= BUSY and BUSY or 0) + now + pttl, key
     end
   end
 end
@@ -75,7 +101,9 @@ if #ids > 0 then
   -- raise its stall count; here a field of its own).
   for _, id in ipairs(stalls) do redis.call('HINCRBY', KEYS[3], 'stalls', 1) end
   redis.call('HINCRBY', KEYS[3], 'active', #ids)
-  redis.call('SET', KEYS[5], table.concat(ids, ','), 'PX', 60000)
+  local record = {}
+  for _, turn in ipairs(turns) do record[#record + 1] = turn[5] .. '=' .. turn[2] .. ';' end
+  redis.call('SET', KEYS[5], table.concat(record), 'PX', lease)
 end
 if #busy > 0 then redis.call('ZADD', KEYS[1], 'XX', unpack(busy)) end
 if #gone > 0 then
