@@ -52,7 +52,10 @@ local froms = #candidates > 0 and redis.call('ZMSCORE', KEYS[1], unpack(candidat
 -- A key's limits in one field (its permits and its rate), read for every
 -- candidate in one command.
 local limits = #candidates > 0 and redis.call('HMGET', KEYS[6], unpack(candidates)) or {}
-local delayed = redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')
+-- The delayed messages' head, read as the keyed claim reads it to move
+-- the due ones into their lines (none is delayed here: the read's cost
+-- is what this side measures).
+redis.call('ZRANGE', KEYS[7], 0, 0, 'WITHSCORES')
 local turns, busy, gone, ids, stalls = {}, {}, {}, {}, {}
 local seen = {}
 for i, key in ipairs(candidates) do
